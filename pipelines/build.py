@@ -1,0 +1,256 @@
+"""The build engine: fetch -> classify -> build -> stage -> validate -> publish, without Dagster.
+
+The same three steps run from the CLI (`build_and_publish`) and as separate Dagster assets
+(`stage`, `validate_staged`, `publish_staged`), which exchange only the store URI and build id.
+Nothing unvalidated becomes visible: a build stages its candidate manifest under
+`staging/<build-id>.json`; only a validated candidate is written to `manifests/` and then the
+refs (the commit point). A rejected candidate's staging record is removed; its blobs are left for gc.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .compat import Compatibility, classify_snapshot
+from .config import Config, Recipe
+from .errors import NotApplicableError, StoreError, ValidationFailed
+from .hashing import sha256_file
+from .manifest import FileEntry, Manifest, ModelInfo, RecipeInfo, compute_build_id
+from .paths import cache_root
+from .sources import Snapshot, fetch
+from .store import Store, blob_key, manifest_key, open_store, ref_key, staging_key
+from .store.layout import PROFILES_KEY
+from .targets import Target, ValidationReport, target_for
+
+
+@dataclass
+class Plan:
+    snapshot: Snapshot
+    recipe: Recipe
+    compatibility: Compatibility
+    target: Target
+    build_id: str
+
+    @property
+    def model_id(self) -> str:
+        return self.snapshot.model_id
+
+
+@dataclass
+class BuildResult:
+    build_id: str
+    model_id: str
+    recipe: str
+    manifest: str
+    skipped: bool
+    state: str  # published | skipped | staged | rejected
+    validation: dict[str, Any] | None = None
+    files: list[dict[str, Any]] = field(default_factory=list)
+    compatibility: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "build_id": self.build_id, "model_id": self.model_id, "recipe": self.recipe, "manifest": self.manifest,
+            "skipped": self.skipped, "state": self.state, "validation": self.validation, "files": self.files,
+        }
+
+
+def _registry_entry(config: Config, model_id: str):
+    return config.registry.model(model_id)
+
+
+def plan(source: str, recipe_id: str, config: Config, model_id: str | None = None) -> Plan:
+    """Resolve everything that decides the build id; refuses inapplicable recipes before any build work."""
+    recipe = config.recipe(recipe_id)
+    snap = fetch(source, model_id)
+    compat = classify_snapshot(snap, config.recipes.values())
+    if compat.status == "incompatible":
+        raise NotApplicableError(f"{snap.model_id} is incompatible: {compat.reason()}")
+    if compat.status == "requires_review":
+        entry = _registry_entry(config, snap.model_id)
+        allowed = (entry is not None and entry.reviewed) or snap.model_id in config.registry.trust_remote_code_allowlist
+        if not allowed:
+            raise NotApplicableError(
+                f"{snap.model_id} requires review ({compat.reason()}); set reviewed: true in registry.yaml to build it"
+            )
+    if recipe.id not in compat.recipes:
+        raise NotApplicableError(
+            f"recipe {recipe.id} does not apply to {snap.model_id} ({compat.architecture}); "
+            f"applicable: {', '.join(compat.recipes) or 'none'}"
+        )
+    target = target_for(recipe.kind)
+    build_id = compute_build_id(snap.model_id, snap.commit, [(f.path, f.sha256) for f in snap.files],
+                                recipe.canonical_json(), target.toolchain())
+    return Plan(snap, recipe, compat, target, build_id)
+
+
+def published_manifest(p: Plan, store: Store) -> Manifest | None:
+    """The manifest already published for this build id, if any (then the build is skipped)."""
+    raw = store.read_bytes(manifest_key(p.model_id, p.recipe.id, p.build_id))
+    return None if raw is None else Manifest.model_validate_json(raw)
+
+
+def _result(p: Plan, store: Store, state: str, manifest: Manifest, skipped: bool) -> BuildResult:
+    key = manifest_key(p.model_id, p.recipe.id, p.build_id) if state in ("published", "skipped") else staging_key(p.build_id)
+    return BuildResult(
+        build_id=p.build_id, model_id=p.model_id, recipe=p.recipe.id, manifest=f"{store.uri.rstrip('/')}/{key}",
+        skipped=skipped, state=state, validation=manifest.validation,
+        files=[f.model_dump() for f in manifest.files], compatibility=p.compatibility.model_dump(),
+    )
+
+
+def stage(p: Plan, store: Store) -> BuildResult:
+    """Build the artifact, upload its blobs and write the staging record (or skip if already published)."""
+    existing = published_manifest(p, store)
+    if existing is not None:
+        _ensure_refs(store, p, existing)
+        return _result(p, store, "skipped", existing, skipped=True)
+    store.check_writable()
+    work = Path(tempfile.mkdtemp(prefix=f"build-{p.build_id[:12]}-", dir=_work_root()))
+    try:
+        art = p.target.build(p.snapshot, p.recipe, work)
+
+
+        entries = []
+        for rel in art.files:
+            path = art.root / rel
+            digest = sha256_file(path)
+            store.put_blob(path, digest)
+            entries.append(FileEntry(path=rel, sha256=digest, size=path.stat().st_size))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    s = p.snapshot
+    manifest = Manifest(
+        build_id=p.build_id,
+        model=ModelInfo(id=s.model_id, revision=s.revision, commit=s.commit, source=s.pinned_source if s.source.startswith("hf://") else "local",
+                        license=s.license, gated=s.gated, content_digest=s.content_digest),
+        recipe=RecipeInfo(id=p.recipe.id, kind=p.recipe.kind, digest=p.recipe.digest, options=p.recipe.options),
+        runtime_profiles=list(p.recipe.runtime_profiles), format=art.format, files=entries,
+        toolchain=p.target.toolchain(), build=art.info, serving=art.serving,
+    )
+    store.write_bytes(staging_key(p.build_id), json.dumps({"state": "staged", "manifest": manifest.model_dump(mode="json")}).encode())
+    return _result(p, store, "staged", manifest, skipped=False)
+
+
+def _work_root() -> Path:
+    root = cache_root() / "work"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _staged(store: Store, p: Plan) -> tuple[str, Manifest]:
+    doc = store.read_json(staging_key(p.build_id))
+    if doc is None:
+        raise StoreError(f"no staged candidate for build {p.build_id[:12]} in {store.uri}")
+    return doc["state"], Manifest.model_validate(doc["manifest"])
+
+
+def materialize_blobs(store: Store, files: list[FileEntry], dest: Path) -> None:
+    """Place a build's files under dest (hard link or copy), verifying each sha256."""
+
+
+    for f in files:
+        target = dest / f.path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        local = store.local_path(blob_key(f.sha256))
+        if local is not None:
+            try:
+                target.hardlink_to(local)
+            except OSError:
+                shutil.copyfile(local, target)
+        else:
+            store.download_file(blob_key(f.sha256), target)
+        if target.stat().st_size != f.size or sha256_file(target) != f.sha256:
+            raise StoreError(f"{store.uri}: blob for {f.path} does not match its manifest digest")
+
+
+def validate_staged(p: Plan, store: Store) -> ValidationReport:
+    """Validate the staged candidate numerically; the result is recorded in the staging record."""
+    state, manifest = _staged(store, p)
+    work = Path(tempfile.mkdtemp(prefix=f"validate-{p.build_id[:12]}-", dir=_work_root()))
+    try:
+        materialize_blobs(store, manifest.files, work)
+        report = p.target.validate(p.snapshot, p.recipe, work, [f.path for f in manifest.files])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    manifest.validation = validation_record(p, report)
+    if report.passed:
+        store.write_bytes(staging_key(p.build_id), json.dumps({"state": "validated", "manifest": manifest.model_dump(mode="json")}).encode())
+    else:
+        # Nothing of a rejected build stays visible; its blobs are unreferenced and left for gc.
+        store.delete(staging_key(p.build_id))
+    return report
+
+
+def _ref_doc(p: Plan, manifest: Manifest) -> bytes:
+    import hashlib
+
+    return json.dumps({
+        "build_id": manifest.build_id,
+        "manifest": manifest_key(p.model_id, p.recipe.id, manifest.build_id),
+        "manifest_sha256": hashlib.sha256(manifest.to_bytes()).hexdigest(),
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }, indent=1).encode()
+
+
+def validation_record(p: Plan, report: ValidationReport) -> dict[str, Any]:
+    return {"passed": report.passed, "failures": report.failures, "metrics": report.metrics,
+            "thresholds": p.recipe.validation.model_dump(mode="json"), **report.details}
+
+
+def _ensure_refs(store: Store, p: Plan, manifest: Manifest) -> None:
+    """Repair refs after an interrupted publish (manifest written, refs not); never moves an existing tag."""
+    for tag in (manifest.model.commit, "latest"):
+        key = ref_key(p.model_id, p.recipe.id, tag)
+        if not store.exists(key):
+            store.write_bytes(key, _ref_doc(p, manifest))
+
+
+def publish_staged(p: Plan, store: Store, config: Config | None = None) -> BuildResult:
+    """Manifest, then refs: the `latest` ref write is the commit point."""
+    existing = published_manifest(p, store)
+    if existing is not None:
+        _ensure_refs(store, p, existing)
+        return _result(p, store, "skipped", existing, skipped=True)
+    state, manifest = _staged(store, p)
+    if state != "validated":
+        raise ValidationFailed(f"build {p.build_id[:12]} is {state}, not validated: refusing to publish")
+    store.write_bytes(manifest_key(p.model_id, p.recipe.id, p.build_id), manifest.to_bytes())
+    ref = _ref_doc(p, manifest)
+    store.write_bytes(ref_key(p.model_id, p.recipe.id, manifest.model.commit), ref)
+    store.write_bytes(ref_key(p.model_id, p.recipe.id, "latest"), ref)
+    store.delete(staging_key(p.build_id))
+    if config is not None:
+        publish_profiles(store, config)
+    return _result(p, store, "published", manifest, skipped=False)
+
+
+def publish_profiles(store: Store, config: Config) -> None:
+    """Keep the store's copy of the runtime profiles current, so pull works without registry.yaml."""
+    doc = {"runtime_profiles": [prof.model_dump(mode="json") for prof in config.registry.runtime_profiles]}
+    body = json.dumps(doc, sort_keys=True, indent=1).encode()
+    if store.read_bytes(PROFILES_KEY) != body:
+        store.write_bytes(PROFILES_KEY, body)
+
+
+def build_and_publish(source: str, recipe_id: str, config: Config, store_uri: str | None = None,
+                      model_id: str | None = None) -> BuildResult:
+    store = open_store(store_uri)
+    store.check_writable()  # fail before spending build time
+    p = plan(source, recipe_id, config, model_id)
+    staged = stage(p, store)
+    if staged.skipped:
+        return staged
+    report = validate_staged(p, store)
+    if not report.passed:
+        return BuildResult(build_id=p.build_id, model_id=p.model_id, recipe=p.recipe.id, manifest="", skipped=False,
+                           state="rejected", validation=validation_record(p, report), files=staged.files)
+    return publish_staged(p, store, config)
+
+

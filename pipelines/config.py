@@ -1,0 +1,231 @@
+"""Declarative inputs: `registry.yaml` (runtime profiles, models to onboard) and `recipes/*.yaml`.
+
+Files are located through configuration only: an explicit path, else `$HIVE_AOT_REGISTRY` /
+`$HIVE_AOT_RECIPES`, else `./registry.yaml` in the working directory and the `recipes_dir` it names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+
+MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+RECIPE_ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RuntimeProfile(_Strict):
+    """A backend of the serving platform: the image that serves a model and what it can load."""
+
+    id: str
+    vendor: Literal["nvidia", "amd", "intel", "cpu", "qualcomm"]
+    framework: str
+    image: str
+    active: bool = True
+    loads: list[str] = Field(description="artifact formats this backend loads (gguf, hf-safetensors, qpc, ...)")
+    recipe_preference: list[str] = Field(
+        default_factory=list, description="recipes that serve this profile, best first (pull picks the first published)"
+    )
+    serving: dict[str, Any] = Field(default_factory=dict, description="engine args / env passed to the server")
+    notes: str = ""
+
+
+class ModelEntry(_Strict):
+    """A model to onboard. `source` defaults to `hf://<id>`; a relative local path is relative to the registry."""
+
+    id: str
+    source: str | None = None
+    revision: str | None = None
+    recipes: list[str] = Field(min_length=1)
+    reviewed: bool = False
+
+    @field_validator("id")
+    @classmethod
+    def _model_id(cls, v: str) -> str:
+        if not MODEL_ID_RE.match(v):
+            raise ValueError(f"{v!r} is not an 'org/name' Hugging Face repo id")
+        return v
+
+
+class Registry(_Strict):
+    version: Literal[1] = 1
+    recipes_dir: str = "recipes"
+    runtime_profiles: list[RuntimeProfile]
+    trust_remote_code_allowlist: list[str] = Field(
+        default_factory=list, description="repos whose auto_map code may be reviewed; it is never executed by hive-aot"
+    )
+    models: list[ModelEntry] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique(self) -> "Registry":
+        for what, ids in (("runtime_profiles", [p.id for p in self.runtime_profiles]), ("models", [m.id for m in self.models])):
+            dupes = sorted({i for i in ids if ids.count(i) > 1})
+            if dupes:
+                raise ValueError(f"duplicate {what} id(s): {', '.join(dupes)}")
+        return self
+
+    def profile(self, profile_id: str) -> RuntimeProfile:
+        for p in self.runtime_profiles:
+            if p.id == profile_id:
+                return p
+        known = ", ".join(p.id for p in self.runtime_profiles)
+        raise ConfigError(f"unknown runtime profile {profile_id!r} (known: {known})")
+
+    def model(self, model_id: str) -> ModelEntry | None:
+        return next((m for m in self.models if m.id == model_id), None)
+
+
+class ValidationThresholds(_Strict):
+    """What an artifact must reach against the transformers fp32 reference to be published."""
+
+    min_top1_agreement: float = Field(ge=0.0, le=1.0)
+    max_mean_kl: float = Field(ge=0.0)
+    max_abs_logit_delta: float | None = Field(default=None, ge=0.0)
+    require_token_parity: bool = True
+
+
+class Recipe(_Strict):
+    id: str
+    kind: Literal["gguf"]
+    description: str = ""
+    options: dict[str, Any] = Field(default_factory=dict)
+    runtime_profiles: list[str] = Field(min_length=1)
+    validation: ValidationThresholds
+
+    @field_validator("id")
+    @classmethod
+    def _recipe_id(cls, v: str) -> str:
+        if not RECIPE_ID_RE.match(v):
+            raise ValueError(f"{v!r} must be lowercase letters, digits, '.', '_' or '-'")
+        return v
+
+    def canonical_json(self) -> str:
+        """The recipe as the build id sees it: sorted keys, no whitespace, description excluded."""
+        data = self.model_dump(mode="json", exclude={"description"})
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+
+def _format_validation_error(path: Path, err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
+        parts.append(f"{loc}: {e['msg']}")
+    return f"{path}: " + "; ".join(parts)
+
+
+def _load_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
+
+
+def registry_path(explicit: str | os.PathLike | None = None) -> Path:
+    return Path(explicit or os.environ.get("HIVE_AOT_REGISTRY") or "registry.yaml").resolve()
+
+
+def load_registry(explicit: str | os.PathLike | None = None) -> tuple[Registry, Path]:
+    path = registry_path(explicit)
+    data = _load_yaml(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    try:
+        return Registry.model_validate(data), path
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(path, e)) from None
+
+
+def recipes_dir(registry: Registry | None, reg_path: Path | None, explicit: str | os.PathLike | None = None) -> Path:
+    if explicit or os.environ.get("HIVE_AOT_RECIPES"):
+        return Path(explicit or os.environ["HIVE_AOT_RECIPES"]).resolve()
+    if registry is not None and reg_path is not None:
+        return (reg_path.parent / registry.recipes_dir).resolve()
+    return Path("recipes").resolve()
+
+
+def load_recipe_file(path: Path) -> Recipe:
+    data = _load_yaml(path)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(path, e)) from None
+    if recipe.id != path.stem:
+        raise ConfigError(f"{path}: id: {recipe.id!r} must match the file name {path.stem!r}")
+    return recipe
+
+
+def load_recipes(directory: Path) -> dict[str, Recipe]:
+    if not directory.is_dir():
+        raise ConfigError(f"{directory}: recipes directory not found")
+    return {p.stem: load_recipe_file(p) for p in sorted(directory.glob("*.yaml"))}
+
+
+class Config:
+    """Registry + recipes, loaded together and cross-checked."""
+
+    def __init__(self, registry: Registry, registry_file: Path, recipes: dict[str, Recipe]):
+        self.registry = registry
+        self.registry_file = registry_file
+        self.recipes = recipes
+        self._cross_check()
+
+    @classmethod
+    def load(cls, registry: str | os.PathLike | None = None, recipes: str | os.PathLike | None = None) -> "Config":
+        reg, path = load_registry(registry)
+        return cls(reg, path, load_recipes(recipes_dir(reg, path, recipes)))
+
+    def _cross_check(self) -> None:
+        profiles = {p.id for p in self.registry.runtime_profiles}
+        for r in self.recipes.values():
+            for pid in r.runtime_profiles:
+                if pid not in profiles:
+                    raise ConfigError(f"recipe {r.id}: runtime_profiles: unknown profile {pid!r}")
+        for i, m in enumerate(self.registry.models):
+            for rid in m.recipes:
+                if rid not in self.recipes:
+                    raise ConfigError(f"{self.registry_file}: models.{i}.recipes: unknown recipe {rid!r}")
+        for p in self.registry.runtime_profiles:
+            for rid in p.recipe_preference:
+                if rid not in self.recipes:
+                    raise ConfigError(f"{self.registry_file}: runtime profile {p.id}: unknown recipe {rid!r}")
+
+    def recipe(self, recipe_id: str) -> Recipe:
+        try:
+            return self.recipes[recipe_id]
+        except KeyError:
+            known = ", ".join(sorted(self.recipes)) or "none"
+            raise ConfigError(f"unknown recipe {recipe_id!r} (known: {known})") from None
+
+    def model_source(self, entry: ModelEntry) -> str:
+        """The source URI of a registry model; relative local paths are relative to the registry file."""
+        if entry.source is None:
+            return f"hf://{entry.id}" + (f"@{entry.revision}" if entry.revision else "")
+        if "://" in entry.source:
+            return entry.source
+        return str((self.registry_file.parent / entry.source).resolve())

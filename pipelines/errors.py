@@ -1,0 +1,47 @@
+"""Exceptions whose message is the one line a user sees.
+
+Every error the CLI reports is a `HiveError`: its `str()` is a complete, single-line explanation
+and `exit_code` is what the process returns.
+"""
+
+from __future__ import annotations
+
+
+class HiveError(Exception):
+    """A user-facing failure: bad input, refused source, store problem."""
+
+    exit_code = 1
+
+    def __init__(self, message: str):
+        # One line, always: multi-line causes are folded so logs and `--json` stay parseable.
+        super().__init__(" ".join(str(message).split()))
+
+
+class ConfigError(HiveError):
+    """registry.yaml or a recipe file is invalid."""
+
+
+class SourceError(HiveError):
+    """A model source cannot be fetched or is refused (pickle weights, path traversal, ...)."""
+
+
+class ModelFormatError(HiveError):
+    """config.json, safetensors or tokenizer content is malformed or inconsistent."""
+
+
+class NotApplicableError(HiveError):
+    """A recipe does not apply to the model (architecture, status, review)."""
+
+
+class StoreError(HiveError):
+    """The artifact store is unreachable, not writable, or holds inconsistent data."""
+
+
+class IntegrityError(StoreError):
+    """A blob or file does not match its recorded sha256 or size."""
+
+
+class ValidationFailed(HiveError):
+    """The artifact was built but failed numerical validation: nothing is published."""
+
+    exit_code = 3

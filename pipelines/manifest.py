@@ -1,0 +1,73 @@
+"""Manifests and build ids.
+
+The build id is the sha256 of everything that shapes the artifact's bytes: model id, source commit
+and file digests, the canonical recipe, and the toolchain versions (including the target's own
+format version). Never the project's git commit, or every commit would rebuild every model.
+Manifest bytes are deterministic for a build id: no timestamps (those live in refs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .hashing import canonical_json, sha256_json
+
+SCHEMA_VERSION = 1
+
+
+class FileEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str
+    sha256: str
+    size: int
+
+
+class ModelInfo(BaseModel):
+    id: str
+    revision: str
+    commit: str
+    source: str
+    license: str | None = None
+    gated: bool | str = False
+    content_digest: str
+
+
+class RecipeInfo(BaseModel):
+    id: str
+    kind: str
+    digest: str
+    options: dict[str, Any]
+
+
+class Manifest(BaseModel):
+    schema_version: int = SCHEMA_VERSION
+    build_id: str
+    model: ModelInfo
+    recipe: RecipeInfo
+    runtime_profiles: list[str]
+    format: str
+    files: list[FileEntry]
+    toolchain: dict[str, str]
+    build: dict[str, Any] = Field(default_factory=dict)
+    validation: dict[str, Any] | None = None
+    serving: dict[str, Any] = Field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        return canonical_json(self.model_dump(mode="json")) + b"\n"
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def compute_build_id(model_id: str, commit: str, files: list[tuple[str, str]], recipe_canonical: str,
+                     toolchain: dict[str, str]) -> str:
+    return sha256_json({
+        "model_id": model_id,
+        "commit": commit,
+        "files": sorted(files),
+        "recipe": recipe_canonical,
+        "toolchain": toolchain,
+    })

@@ -1,0 +1,168 @@
+"""Asset factories: the per-stage assets and, for each recipe, an artifact asset, its blocking
+numerical check and a publish asset. `assets/` instantiates them from registry.yaml + recipes/.
+
+Each step re-derives what it needs from small values (pinned source, build id, store URI):
+weights never pass through an IO manager, so the same code runs on any executor.
+"""
+
+
+import warnings
+from typing import Any, Iterable
+
+import dagster as dg
+
+from .. import build as engine
+from ..compat import classify_snapshot
+from ..config import Recipe
+from ..errors import HiveError
+from ..sources import fetch
+from .partitions import models_partitions
+from .resources import HiveResource
+
+# Partition-aware asset checks are what gate publishing per model; Dagster 1.13 labels them
+# "preview". We depend on them deliberately, so the warning is noise at every definitions load.
+warnings.filterwarnings("ignore", category=dg.PreviewWarning, message=".*partitions_def on an AssetCheckSpec.*")
+# Output(data_version=...) records the source content digest / build id as the asset's version.
+warnings.filterwarnings("ignore", category=dg.BetaWarning, message=".*data_version.*")
+
+SNAPSHOT_KEY = dg.AssetKey(["snapshot"])
+COMPAT_KEY = dg.AssetKey(["compatibility"])
+PARITY_CHECK = "numerical_parity"
+
+
+def artifact_key(recipe_id: str) -> dg.AssetKey:
+    return dg.AssetKey(["artifact", recipe_id])
+
+
+def published_key(recipe_id: str) -> dg.AssetKey:
+    return dg.AssetKey(["published", recipe_id])
+
+
+def _failure(e: HiveError) -> dg.Failure:
+    # The engine's one-line message is what the UI shows; no stack trace noise for bad input.
+    return dg.Failure(description=str(e), allow_retries=False)
+
+
+def _parity_table(validation: dict[str, Any]) -> dg.TableMetadataValue:
+    rows = [dg.TableRecord({"prompt": i, **{k: float(v) for k, v in p.items() if k in ("top1_agreement", "mean_kl", "max_abs_logit_delta")}})
+            for i, p in enumerate(validation.get("per_prompt", []))]
+    return dg.MetadataValue.table(rows, schema=dg.TableSchema(columns=[
+        dg.TableColumn("prompt", "int"), dg.TableColumn("top1_agreement", "float"),
+        dg.TableColumn("mean_kl", "float"), dg.TableColumn("max_abs_logit_delta", "float")]))
+
+
+def source_assets() -> list[dg.AssetsDefinition]:
+    @dg.asset(key=SNAPSHOT_KEY, partitions_def=models_partitions, group_name="sources", kinds={"huggingface"},
+              description="The model's files at a pinned commit (safetensors only), with sha256 per file.")
+    def snapshot(context: dg.AssetExecutionContext, hive: HiveResource) -> dg.Output[dict]:
+        model_id = context.partition_key
+        try:
+            snap = fetch(hive.source(model_id), model_id)
+        except HiveError as e:
+            raise _failure(e) from None
+        value = {"model_id": model_id, "source": snap.pinned_source, "commit": snap.commit,
+                 "revision": snap.revision, "content_digest": snap.content_digest}
+        return dg.Output(value, data_version=dg.DataVersion(snap.content_digest[:16]), metadata={
+            "commit": snap.commit, "revision": snap.revision, "license": str(snap.license), "gated": str(snap.gated),
+            "total_bytes": snap.total_bytes,
+            "files": dg.MetadataValue.table(
+                [dg.TableRecord({"path": f.path, "size": f.size, "sha256": f.sha256}) for f in snap.files],
+                schema=dg.TableSchema(columns=[dg.TableColumn("path"), dg.TableColumn("size", "int"), dg.TableColumn("sha256")])),
+        })
+
+    @dg.asset(key=COMPAT_KEY, ins={"snapshot": dg.AssetIn(SNAPSHOT_KEY)}, partitions_def=models_partitions,
+              group_name="sources", description="The platform's compatibility object for the model.")
+    def compatibility(context: dg.AssetExecutionContext, hive: HiveResource, snapshot: dict) -> dg.Output[dict]:
+        try:
+            snap = fetch(snapshot["source"], snapshot["model_id"])
+            compat = classify_snapshot(snap, hive.config().recipes.values())
+        except HiveError as e:
+            raise _failure(e) from None
+        doc = compat.model_dump()
+        return dg.Output(doc, metadata={
+            "status": compat.status, "runtime_profile_id": str(compat.runtime_profile_id),
+            "recipes": ", ".join(compat.recipes) or "none",
+            "parameters": compat.estimated_requirements.get("parameters", 0),
+            "compatibility": dg.MetadataValue.json(doc),
+        })
+
+    return [snapshot, compatibility]
+
+
+def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.AssetChecksDefinition]]:
+    """artifact/<recipe> -> blocking numerical_parity check -> published/<recipe>."""
+    rid = recipe.id
+    akey = artifact_key(rid)
+
+    @dg.asset(key=akey, ins={"snapshot": dg.AssetIn(SNAPSHOT_KEY), "compatibility": dg.AssetIn(COMPAT_KEY)},
+              partitions_def=models_partitions, group_name="artifacts", code_version=recipe.digest[:16],
+              pool=f"build_{recipe.kind}", kinds={recipe.kind}, output_required=False,
+              description=f"{recipe.description or rid}: built and staged (not yet visible to pull).")
+    def artifact(context: dg.AssetExecutionContext, hive: HiveResource, snapshot: dict, compatibility: dict):
+        model_id = context.partition_key
+        if rid not in hive.model(model_id).recipes:
+            context.log.info(f"{model_id} does not request {rid}; nothing to build")
+            return
+        try:
+            plan = engine.plan(snapshot["source"], rid, hive.config(), model_id)
+            res = engine.stage(plan, hive.open_store())
+        except HiveError as e:
+            raise _failure(e) from None
+        size = sum(f["size"] for f in res.files)
+        yield dg.Output(
+            {"model_id": model_id, "recipe": rid, "source": snapshot["source"], "build_id": res.build_id,
+             "store": hive.store_uri(), "state": res.state},
+            data_version=dg.DataVersion(res.build_id[:16]),
+            metadata={"build_id": res.build_id, "state": res.state, "skipped": res.skipped, "store_uri": hive.store_uri(),
+                      "candidate": res.manifest, "size_bytes": size,
+                      "files": dg.MetadataValue.json(res.files)},
+        )
+
+    @dg.asset_check(asset=akey, name=PARITY_CHECK, blocking=True, partitions_def=models_partitions,
+                    description=f"llama.cpp/transformers parity on fixed token ids must meet {rid}'s thresholds.")
+    def parity_check(context: dg.AssetCheckExecutionContext, hive: HiveResource, artifact: dict) -> dg.AssetCheckResult:
+        try:
+            plan = engine.plan(artifact["source"], rid, hive.config(), artifact["model_id"])
+            if artifact["state"] == "skipped":
+                validation = (engine.published_manifest(plan, hive.open_store()).validation or {})
+                passed, failures = bool(validation.get("passed")), validation.get("failures", [])
+            else:
+                report = engine.validate_staged(plan, hive.open_store())
+                validation = engine.validation_record(plan, report)
+                passed, failures = report.passed, report.failures
+        except HiveError as e:
+            return dg.AssetCheckResult(passed=False, description=str(e))
+        metrics = validation.get("metrics", {})
+        return dg.AssetCheckResult(
+            passed=passed, description="; ".join(failures) or "within thresholds",
+            metadata={**{k: v for k, v in metrics.items() if isinstance(v, (int, float, bool))},
+                      "parity": _parity_table(validation), "thresholds": dg.MetadataValue.json(validation.get("thresholds", {})),
+                      "generation": dg.MetadataValue.json(validation.get("generation", {}))},
+        )
+
+    @dg.asset(key=published_key(rid), ins={"artifact": dg.AssetIn(akey)},
+              partitions_def=models_partitions, group_name="publish",
+              description=f"{rid}: manifest and refs written; serving containers can pull it.")
+    def published(context: dg.AssetExecutionContext, hive: HiveResource, artifact: dict) -> dg.MaterializeResult:
+        try:
+            plan = engine.plan(artifact["source"], rid, hive.config(), artifact["model_id"])
+            res = engine.publish_staged(plan, hive.open_store(), hive.config())
+        except HiveError as e:
+            raise _failure(e) from None
+        return dg.MaterializeResult(metadata={
+            "state": res.state, "skipped": res.skipped, "build_id": res.build_id, "manifest": res.manifest,
+            "store_uri": hive.store_uri(), "size_bytes": sum(f["size"] for f in res.files),
+        }, data_version=dg.DataVersion(res.build_id[:16]))
+
+    return [artifact, published], [parity_check]
+
+
+def all_recipe_assets(recipes: Iterable[Recipe]) -> tuple[list[dg.AssetsDefinition], list[dg.AssetChecksDefinition]]:
+    assets: list[dg.AssetsDefinition] = []
+    checks: list[dg.AssetChecksDefinition] = []
+    for r in sorted(recipes, key=lambda r: r.id):
+        a, c = recipe_assets(r)
+        assets += a
+        checks += c
+    return assets, checks
+

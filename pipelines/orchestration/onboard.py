@@ -1,0 +1,101 @@
+"""`hive-aot onboard`: run the Dagster onboarding job headless, one run per registry model.
+
+Uses the persistent instance in $DAGSTER_HOME (default ./.dagster, SQLite), so the runs, checks
+and metadata appear in the UI (`make ui`) afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+
+from ..config import Config
+from ..errors import ConfigError
+from .factories import PARITY_CHECK, artifact_key, published_key
+from .partitions import models_partitions, partition_key
+from .resources import HiveResource
+
+
+# Step-level DEBUG events go to the instance (and the UI), not to the terminal.
+QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+
+
+def _instance() -> dg.DagsterInstance:
+    home = Path(os.environ.setdefault("DAGSTER_HOME", str(Path(".dagster").resolve())))
+    home.mkdir(parents=True, exist_ok=True)
+    settings = home / "dagster.yaml"
+    if not settings.exists():
+        # Offline by design: no telemetry; SQLite storage is Dagster's default for a local home.
+        settings.write_text("telemetry:\n  enabled: false\n")
+    return dg.DagsterInstance.get()
+
+
+def _definitions(config: Config, store: str | None) -> dg.Definitions:
+    # The same factories the code location uses (assets/ instantiates them from the ambient registry).
+    from .automation import onboard_job
+    from .factories import all_recipe_assets, source_assets
+
+    recipe_assets, checks = all_recipe_assets(config.recipes.values())
+    return dg.Definitions(
+        assets=source_assets() + recipe_assets, asset_checks=checks, jobs=[onboard_job],
+        resources={"hive": HiveResource(registry=str(config.registry_file), store=store or "")},
+    )
+
+
+def _summarize(result: dg.ExecuteInProcessResult, model_id: str, recipes: list[str]) -> list[dict[str, Any]]:
+    mats = {ev.asset_key: ev.materialization for ev in result.get_asset_materialization_events()
+            if ev.asset_key is not None}
+    checks = {ev.asset_check_key.asset_key: ev for ev in
+              (e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION")}
+    failures = {e.step_key: (e.event_specific_data.error.message.strip().splitlines() or [""])[0]
+                for e in result.all_events if e.event_type_value == "STEP_FAILURE"}
+    rows = []
+    for rid in recipes:
+        row: dict[str, Any] = {"model_id": model_id, "recipe": rid}
+        pub = mats.get(published_key(rid))
+        art = mats.get(artifact_key(rid))
+        chk = checks.get(artifact_key(rid))
+        if pub is not None:
+            md = pub.metadata
+            row.update(state=md["state"].value, build_id=md["build_id"].value, manifest=md["manifest"].value,
+                       size=md["size_bytes"].value)
+        elif chk is not None and not chk.passed:
+            row.update(state="rejected", build_id=art.metadata["build_id"].value if art else "",
+                       error=chk.description)
+        else:
+            err = next((m for k, m in failures.items() if rid in k or "snapshot" in k or "compatibility" in k), "not built")
+            row.update(state="failed", error=err)
+        if chk is not None:
+            row["check"] = {k: v.value for k, v in chk.metadata.items()
+                            if k in ("top1_agreement", "mean_kl", "max_abs_logit_delta", "token_parity")}
+        rows.append(row)
+    return rows
+
+
+def onboard(registry: str | None = None, store: str | None = None, models: list[str] | None = None) -> dict[str, Any]:
+    config = Config.load(registry)
+    entries = [m for m in config.registry.models if not models or m.id in models]
+    missing = set(models or []) - {m.id for m in entries}
+    if missing:
+        raise ConfigError(f"{config.registry_file}: no model(s) {', '.join(sorted(missing))}")
+    instance = _instance()
+    defs = _definitions(config, store)
+    job = defs.resolve_job_def("onboard")
+    keys = [partition_key(m.id) for m in entries]
+    known = set(instance.get_dynamic_partitions(models_partitions.name))
+    new = [k for k in keys if k not in known]
+    if new:
+        instance.add_dynamic_partitions(models_partitions.name, new)
+    results, success = [], True
+    for entry, key in zip(entries, keys):
+        print(f"onboarding {entry.id}: {', '.join(entry.recipes)}", file=sys.stderr, flush=True)
+        res = job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False,
+                                     tags={"hive-aot/trigger": "cli-onboard"}, run_config=QUIET)
+        rows = _summarize(res, entry.id, entry.recipes)
+        success &= res.success and all(r["state"] in ("published", "skipped") for r in rows)
+        results += [{**r, "run_id": res.run_id} for r in rows]
+    return {"success": success, "dagster_home": os.environ["DAGSTER_HOME"], "results": results}

@@ -1,0 +1,45 @@
+"""The one resource every asset uses: where the registry and the store are."""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+
+import dagster as dg
+
+from ..config import Config, ModelEntry
+from ..store import Store, default_store_uri, open_store
+
+
+class HiveResource(dg.ConfigurableResource):
+    """Registry file and store URI. Steps exchange store URIs and build ids, never local paths."""
+
+    registry: str = ""
+    store: str = ""
+
+    @cached_property
+    def _config(self) -> Config:
+        return Config.load(self.registry or None)
+
+    def config(self) -> Config:
+        return self._config
+
+    def store_uri(self) -> str:
+        return self.store or default_store_uri()
+
+    def open_store(self) -> Store:
+        return open_store(self.store_uri())
+
+    def model(self, model_id: str) -> ModelEntry:
+        entry = self.config().registry.model(model_id)
+        if entry is None:
+            raise dg.Failure(f"model {model_id} is not in {self.config().registry_file}")
+        return entry
+
+    def source(self, model_id: str) -> str:
+        return self.config().model_source(self.model(model_id))
+
+
+def default_resource() -> HiveResource:
+    # Resolved when definitions load; step processes load the same definitions with the same env.
+    return HiveResource(registry=os.environ.get("HIVE_AOT_REGISTRY", ""), store=os.environ.get("HIVE_AOT_STORE", ""))

@@ -1,0 +1,37 @@
+"""Fixed texts used for validation. Changing them changes every validation number: bump VERSION."""
+
+from __future__ import annotations
+
+VERSION = 1
+
+# Held-out prose and code for logit parity (never used to build anything).
+PARITY_TEXTS = [
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+    "movable metal type, oil-based inks and a screw press adapted from wine making. Within fifty years, "
+    "presses were operating in more than two hundred cities across Europe, and the cost of books fell "
+    "sharply. Scholars could compare identical copies of a text for the first time, which changed how "
+    "knowledge was checked, corrected and shared.",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n    for _ in range(n):\n"
+    "        a, b = b, a + b\n    return a\n\nprint([fibonacci(i) for i in range(10)])\n",
+    "Photosynthesis converts light energy into chemical energy. In the chloroplasts of plant cells, water is "
+    "split, oxygen is released, and carbon dioxide is fixed into sugars through the Calvin cycle. The rate "
+    "depends on light intensity, temperature and the concentration of carbon dioxide in the air.",
+    "Question: A train leaves the station at 3:15 pm and travels 180 km at 72 km/h. When does it arrive?\n"
+    "Answer: It needs 180 / 72 = 2.5 hours, so it arrives at 5:45 pm.",
+]
+
+# Varied text for tokenizer id parity: code, digits, emoji, CJK, whitespace runs, accents.
+TOKENIZER_TEXTS = [
+    "Hello world! How are you today?",
+    "  leading spaces and\ttabs\n\nnew lines   trailing  ",
+    "3.14159 2026-11-29 1,000,000 0x1F 12345678901234567890",
+    "for (int i = 0; i < n; ++i) { sum += a[i] * b[i]; }",
+    "emoji: 🚀🦙😶‍🌫️ ✅ and accents: naïve café déjà vu Ångström",
+    "中文测试：我想在苹果工作。日本語のテキスト。한국어 텍스트.",
+    "Привет, мир! Ελληνικά κείμενα. مرحبا بالعالم",
+    "I've been 'told he's there, 'RE you sure? We'Ve a'lL",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n",
+]
+
+GENERATION_PROMPT = "The capital of France is"
+GENERATION_TOKENS = 12

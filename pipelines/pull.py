@@ -1,0 +1,210 @@
+"""Pull a prebuilt artifact into a serving container: ref -> manifest -> verified blobs -> DIR.
+
+Light by design: no Dagster, no torch, no transformers. Blobs land in a content-addressed local
+cache (verified by sha256, written to a partial file and renamed), then DIR is assembled in a
+sibling temporary directory and renamed into place, so a DIR that exists is always complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import HiveError, IntegrityError, StoreError
+from .hashing import sha256_file
+from .manifest import Manifest
+from .paths import cache_root, model_slug, safe_relpath
+from .progress import bar
+from .store import Store, blob_key, manifest_key, open_store, ref_key
+from .store.layout import PROFILES_KEY
+
+MARKER = "hive-aot.json"
+
+
+@dataclass
+class Candidate:
+    recipe: str
+    manifest: Manifest
+    ref: dict[str, Any] | None
+
+
+def parse_model(spec: str) -> tuple[str, str | None]:
+    model, _, build = spec.partition("@")
+    if model.count("/") != 1:
+        raise HiveError(f"{spec!r} is not org/name[@build_id]")
+    return model, build or None
+
+
+def _load_manifest(store: Store, key: str, expected_sha: str | None) -> Manifest:
+    raw = store.read_bytes(key)
+    if raw is None:
+        raise StoreError(f"{store.uri}: manifest {key} is missing")
+    if expected_sha and hashlib.sha256(raw).hexdigest() != expected_sha:
+        raise IntegrityError(f"{store.uri}: manifest {key} does not match the sha256 its ref records")
+    return Manifest.model_validate_json(raw)
+
+
+def candidates(store: Store, model_id: str, tag: str, build_id: str | None) -> list[Candidate]:
+    slug = model_slug(model_id)
+    out = []
+    if build_id:
+        for key in store.list(f"manifests/{slug}/"):
+            if key.endswith(f"/{build_id}.json"):
+                recipe = key.split("/")[2]
+                out.append(Candidate(recipe, _load_manifest(store, key, None), None))
+        return out
+    recipes = sorted({k.split("/")[2] for k in store.list(f"refs/{slug}/")})
+    for recipe in recipes:
+        ref = store.read_json(ref_key(model_id, recipe, tag))
+        if ref is None:
+            continue
+        out.append(Candidate(recipe, _load_manifest(store, manifest_key(model_id, recipe, ref["build_id"]),
+                                                    ref.get("manifest_sha256")), ref))
+    return out
+
+
+def _profiles(store: Store, registry: str | None) -> dict[str, dict[str, Any]]:
+    """Runtime profiles: an explicit/ambient registry.yaml wins, else the store's published copy."""
+    from .config import load_registry, registry_path
+
+    path = registry_path(registry)
+    if registry or path.is_file():
+        reg, _ = load_registry(path)
+        return {p.id: p.model_dump(mode="json") for p in reg.runtime_profiles}
+    doc = store.read_json(PROFILES_KEY) or {}
+    return {p["id"]: p for p in doc.get("runtime_profiles", [])}
+
+
+def detect_profile() -> str:
+    """`--target auto`: the accelerator this container sees, else the CPU GGUF tier."""
+    if shutil.which("nvidia-smi") or Path("/proc/driver/nvidia").exists():
+        return "vllm-cu121"
+    if Path("/dev/kfd").exists():
+        return "vllm-rocm"
+    if any(Path("/dev").glob("accel*")) or Path("/dev/qaic_aic100_0").exists():
+        return "vllm-qaic"
+    if any(Path("/sys/class/drm").glob("card*/device/vendor")) and any(
+        p.read_text().strip() == "0x8086" for p in Path("/sys/class/drm").glob("card*/device/vendor")
+    ):
+        return "vllm-xpu"
+    return "llm-llamacpp-cpu"
+
+
+def choose(cands: list[Candidate], profile: str, recipe: str | None, preference: list[str]) -> Candidate:
+    serving = [c for c in cands if profile in c.manifest.runtime_profiles]
+    if recipe:
+        match = [c for c in serving if c.recipe == recipe]
+        if not match:
+            have = ", ".join(c.recipe for c in cands) or "none"
+            raise HiveError(f"no published {recipe} artifact serves {profile} (published recipes: {have})")
+        return match[0]
+    if not serving:
+        have = ", ".join(f"{c.recipe} ({', '.join(c.manifest.runtime_profiles)})" for c in cands) or "none"
+        raise HiveError(f"no published artifact serves {profile} (published: {have})")
+    rank = {r: i for i, r in enumerate(preference)}
+    return sorted(serving, key=lambda c: (rank.get(c.recipe, len(rank)), c.recipe))[0]
+
+
+def fetch_blob(store: Store, digest: str, size: int, progress=None) -> Path:
+    """Into the local blob cache, verified; a partial download never looks complete."""
+    dest = cache_root() / "blobs" / "sha256" / digest[:2] / digest
+    if dest.is_file() and dest.stat().st_size == size:
+        if progress is not None:
+            progress.update(size)
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{digest[:12]}.", suffix=".partial", dir=dest.parent)
+    os.close(fd)
+    try:
+        store.download_file(blob_key(digest), Path(tmp), progress)
+        if os.path.getsize(tmp) != size or sha256_file(Path(tmp)) != digest:
+            raise IntegrityError(f"blob {digest[:12]} from {store.uri} does not match its manifest sha256")
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return dest
+
+
+def _swap_into_place(tmp: Path, dest: Path) -> None:
+    if dest.exists():
+        if not dest.is_dir():
+            raise HiveError(f"{dest} exists and is not a directory")
+        if any(dest.iterdir()) and not (dest / MARKER).is_file():
+            raise HiveError(f"{dest} is not empty and was not made by hive-aot pull: refusing to replace it")
+        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+        os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dest)
+
+
+def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag: str = "latest",
+         store_uri: str | None = None, registry: str | None = None) -> dict[str, Any]:
+    store = open_store(store_uri)
+    model_id, build_id = parse_model(model)
+    profiles = _profiles(store, registry)
+    profile_id = detect_profile() if target == "auto" else target
+    if profiles and profile_id not in profiles:
+        raise HiveError(f"unknown runtime profile {profile_id!r} (known: {', '.join(sorted(profiles))})")
+    cands = candidates(store, model_id, tag, build_id)
+    if not cands:
+        what = f"build {build_id}" if build_id else f"tag {tag!r}"
+        raise HiveError(f"{model_id}: nothing published with {what} in {store.uri}")
+    profile = profiles.get(profile_id, {"id": profile_id})
+    chosen = choose(cands, profile_id, recipe, profile.get("recipe_preference", []))
+    m = chosen.manifest
+    for f in m.files:
+        safe_relpath(f.path, what="manifest file path")
+
+    dest = dest.resolve()
+    marker_doc = {"model_id": model_id, "build_id": m.build_id, "recipe": chosen.recipe, "runtime_profile": profile,
+                  "serving": {**profile.get("serving", {}), **m.serving}, "manifest": m.model_dump(mode="json")}
+    existing = dest / MARKER
+    if existing.is_file():
+        try:
+            if json.loads(existing.read_text()).get("build_id") == m.build_id and _complete(dest, m):
+                return {**_summary(marker_doc, dest, m), "already_present": True}
+        except (json.JSONDecodeError, OSError):
+            pass
+
+    with bar(m.total_size, f"pull {chosen.recipe}") as pb:
+        blobs = {f.sha256: fetch_blob(store, f.sha256, f.size, pb) for f in m.files}
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    try:
+        for f in m.files:
+            out = tmp / f.path
+            out.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                out.hardlink_to(blobs[f.sha256])
+            except OSError:
+                shutil.copyfile(blobs[f.sha256], out)
+        (tmp / MARKER).write_text(json.dumps(marker_doc, indent=1, sort_keys=True) + "\n")
+        os.chmod(tmp, 0o755)
+        _swap_into_place(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {**_summary(marker_doc, dest, m), "already_present": False}
+
+
+def _complete(dest: Path, m: Manifest) -> bool:
+    return all((dest / f.path).is_file() and (dest / f.path).stat().st_size == f.size for f in m.files)
+
+
+def _summary(doc: dict[str, Any], dest: Path, m: Manifest) -> dict[str, Any]:
+    files = [str(dest / f.path) for f in m.files]
+    serve = None
+    if m.format == "gguf":
+        serve = f"llama-server -m {files[0]} -c {doc['serving'].get('n_ctx', 4096)}"
+    return {"model_id": doc["model_id"], "build_id": m.build_id, "recipe": doc["recipe"],
+            "runtime_profile": doc["runtime_profile"]["id"], "dest": str(dest), "files": files,
+            "size": m.total_size, "serve": serve}

@@ -1,0 +1,81 @@
+"""The transformers fp32 reference: logits and a greedy continuation on fixed token ids.
+
+Every artifact kind is compared with this on the same ids. Results are cached on disk keyed by the
+snapshot content, the ids and the transformers/torch versions, so several recipes of one model pay
+for the reference once. Remote code is never executed (`trust_remote_code=False`), and only
+safetensors weights are read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ModelFormatError
+from .paths import cache_root
+
+
+@dataclass
+class Reference:
+    ids: list[list[int]]
+    logits: list[np.ndarray]  # float32 [len(ids[i]), vocab]
+    generation_prompt_ids: list[int]
+    generation_ids: list[int]
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - a tokenizer that cannot load is malformed input for us
+        raise ModelFormatError(f"tokenizer cannot be loaded: {type(e).__name__}: {e}") from None
+
+
+def encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    return [list(tokenizer(t).input_ids) for t in texts]
+
+
+def _key(content_digest: str, ids: list[list[int]], gen_ids: list[int], n_gen: int) -> str:
+    import torch
+    import transformers
+
+    payload = json.dumps([content_digest, ids, gen_ids, n_gen, transformers.__version__, torch.__version__])
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def compute(model_dir: Path, content_digest: str, ids: list[list[int]], gen_ids: list[int], n_gen: int) -> Reference:
+    cache = cache_root() / "reference" / f"{_key(content_digest, ids, gen_ids, n_gen)}.npz"
+    if cache.is_file():
+        with np.load(cache) as z:
+            logits = [z[f"l{i}"] for i in range(len(ids))]
+            return Reference(ids, logits, gen_ids, z["gen"].tolist())
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32, trust_remote_code=False, use_safetensors=True, local_files_only=True
+        )
+    except Exception as e:  # noqa: BLE001
+        raise ModelFormatError(f"transformers cannot load the reference model: {type(e).__name__}: {e}") from None
+    model.eval()
+    logits = []
+    with torch.inference_mode():
+        for seq in ids:
+            out = model(torch.tensor([seq], dtype=torch.long)).logits[0]
+            logits.append(out.float().numpy())
+        gen = model.generate(torch.tensor([gen_ids]), max_new_tokens=n_gen, do_sample=False,
+                             attention_mask=torch.ones(1, len(gen_ids), dtype=torch.long))[0, len(gen_ids):].tolist()
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache.parent, suffix=".npz")
+    os.close(fd)
+    np.savez(tmp, gen=np.asarray(gen, dtype=np.int64), **{f"l{i}": l for i, l in enumerate(logits)})
+    os.replace(tmp, cache)
+    return Reference(ids, logits, gen_ids, gen)

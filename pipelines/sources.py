@@ -1,0 +1,315 @@
+"""Fetch a model source to a pinned local snapshot: `hf://owner/repo[@rev]`, `owner/repo[@rev]`, or a directory.
+
+Only what builds need is downloaded (configs, tokenizer files, chat template, safetensors + index);
+every file name is checked before it touches the disk, and each file gets a size and sha256.
+Pickle weights are refused, never opened. The HF token comes from `HF_TOKEN` (read by the
+huggingface_hub client itself) and never appears in a message.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ModelFormatError, SourceError
+from .hashing import sha256_file, sha256_json
+from .paths import cache_root, confined, model_slug, safe_relpath
+from .progress import bar
+
+# What a build may read. Anything else in the repo (pickles, original/, consolidated.*) is left upstream.
+WANTED_PATTERNS = [
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
+    "chat_template.json", "model_index.json", "*.safetensors", "model.safetensors.index.json",
+    "README.md", "LICENSE", "LICENSE.txt",
+]
+EXCLUDED_PATTERNS = ["original/*", "consolidated*.safetensors"]
+PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle"]
+MARKER = ".hive-aot-snapshot.json"
+
+_REPO_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)(?:@([A-Za-z0-9._/-]+))?$")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    kind: str  # "hf" | "local"
+    repo_id: str | None = None
+    revision: str | None = None
+    path: Path | None = None
+
+    @property
+    def uri(self) -> str:
+        if self.kind == "hf":
+            return f"hf://{self.repo_id}" + (f"@{self.revision}" if self.revision else "")
+        return str(self.path)
+
+
+def parse_source(source: str) -> SourceSpec:
+    if source.startswith("hf://"):
+        m = _REPO_RE.match(source[5:])
+        if not m:
+            raise SourceError(f"{source!r} is not hf://owner/repo[@revision]")
+        return SourceSpec("hf", m.group(1), m.group(2))
+    if source.startswith("file://"):
+        source = source[7:]
+    p = Path(source).expanduser()
+    if p.exists() or source.startswith((".", "/", "~")):
+        if not p.is_dir():
+            raise SourceError(f"{source}: not a directory")
+        return SourceSpec("local", path=p.resolve())
+    m = _REPO_RE.match(source)
+    if m:
+        return SourceSpec("hf", m.group(1), m.group(2))
+    raise SourceError(f"{source!r} is neither a directory nor owner/repo[@revision]")
+
+
+@dataclass
+class FileRecord:
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass
+class Snapshot:
+    model_id: str
+    source: str
+    revision: str
+    commit: str
+    local_dir: str
+    files: list[FileRecord]
+    license: str | None = None
+    gated: bool | str = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.local_dir)
+
+    @property
+    def pinned_source(self) -> str:
+        """A source string that fetches exactly this snapshot again."""
+        if self.source.startswith("hf://"):
+            return f"hf://{self.model_id}@{self.commit}"
+        return self.local_dir
+
+    def file(self, name: str) -> Path | None:
+        if any(f.path == name for f in self.files):
+            return confined(self.dir, name)
+        return None
+
+    def has(self, name: str) -> bool:
+        return any(f.path == name for f in self.files)
+
+    def safetensors_files(self) -> list[Path]:
+        return [confined(self.dir, f.path) for f in self.files if f.path.endswith(".safetensors")]
+
+    def config(self) -> dict[str, Any]:
+        return load_config(self)
+
+    @property
+    def content_digest(self) -> str:
+        return sha256_json(sorted((f.path, f.sha256) for f in self.files))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Snapshot":
+        return cls(**{**d, "files": [FileRecord(**f) for f in d["files"]]})
+
+
+def load_config(snap: Snapshot) -> dict[str, Any]:
+    path = snap.file("config.json")
+    if path is None:
+        raise ModelFormatError(f"{snap.model_id}: config.json is missing")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{snap.model_id}: config.json is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ModelFormatError(f"{snap.model_id}: config.json is not a JSON object")
+    return cfg
+
+
+def _matches(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def select_files(names: list[str], model: str) -> list[str]:
+    """The files a build needs; refuses unsafe names and pickle-only repos."""
+    for n in names:
+        safe_relpath(n, what=f"file name in {model}")
+    wanted = sorted(n for n in names if _matches(n, WANTED_PATTERNS) and not _matches(n, EXCLUDED_PATTERNS))
+    if not any(n.endswith(".safetensors") for n in wanted) and "model_index.json" not in wanted:
+        pickles = sorted(n for n in names if _matches(n.rsplit("/", 1)[-1], PICKLE_PATTERNS))
+        if pickles:
+            raise SourceError(
+                f"{model}: only pickle weights ({', '.join(pickles[:3])}); hive-aot never unpickles - "
+                "publish safetensors upstream"
+            )
+        raise SourceError(f"{model}: no *.safetensors weights found")
+    if "config.json" not in wanted and "model_index.json" not in wanted:
+        raise ModelFormatError(f"{model}: config.json is missing")
+    return wanted
+
+
+def check_index(root: Path, files: list[str], model: str) -> None:
+    """The shard index may only name shards that exist in this snapshot."""
+    if "model.safetensors.index.json" not in files:
+        return
+    try:
+        index = json.loads((root / "model.safetensors.index.json").read_text(encoding="utf-8"))
+        weight_map = index["weight_map"]
+        assert isinstance(weight_map, dict)
+    except Exception:
+        raise ModelFormatError(f"{model}: model.safetensors.index.json is malformed (no weight_map object)") from None
+    for shard in sorted(set(weight_map.values())):
+        if not isinstance(shard, str):
+            raise ModelFormatError(f"{model}: index names a non-string shard")
+        safe_relpath(shard, what="shard named in model.safetensors.index.json")
+        if shard not in files:
+            raise ModelFormatError(f"{model}: model.safetensors.index.json names missing shard {shard!r}")
+
+
+def _hash_files(root: Path, names: list[str]) -> list[FileRecord]:
+    total = sum(confined(root, n).stat().st_size for n in names)
+    out = []
+    with bar(total, "sha256") as pb:
+        for n in names:
+            p = confined(root, n)
+            if p.is_symlink() or not p.is_file():
+                # confined() already refused links leading outside; a link inside is fine but must be a file
+                if not p.is_file():
+                    raise SourceError(f"refusing {n!r}: not a regular file")
+            out.append(FileRecord(n, p.stat().st_size, sha256_file(p, pb)))
+    return out
+
+
+def _readme_license(root: Path) -> str | None:
+    readme = root / "README.md"
+    if not readme.is_file():
+        return None
+    text = readme.read_text(encoding="utf-8", errors="replace")
+    m = re.match(r"^---\n(.*?)\n---", text, re.S)
+    if not m:
+        return None
+    lm = re.search(r"^license:\s*['\"]?([^'\"\n]+)", m.group(1), re.M)
+    return lm.group(1).strip() if lm else None
+
+
+def fetch_local(spec: SourceSpec, model_id: str | None) -> Snapshot:
+    root = spec.path
+    assert root is not None
+    names = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for fn in filenames:
+            if fn.startswith("."):
+                continue
+            names.append(str(Path(dirpath, fn).relative_to(root)).replace(os.sep, "/"))
+    mid = model_id or f"local/{root.name}"
+    wanted = select_files(names, mid)
+    for n in wanted:
+        confined(root, n)  # symlinks must stay inside the directory
+    check_index(root, wanted, mid)
+    files = _hash_files(root, wanted)
+    digest = sha256_json(sorted((f.path, f.sha256) for f in files))
+    rev = f"local-{digest}"
+    return Snapshot(model_id=mid, source=str(root), revision=rev, commit=rev, local_dir=str(root),
+                    files=files, license=_readme_license(root), gated=False)
+
+
+def _hf_errors():
+    from huggingface_hub import errors as hf_errors
+
+    return hf_errors
+
+
+def fetch_hf(spec: SourceSpec, model_id: str | None) -> Snapshot:
+    from huggingface_hub import HfApi, snapshot_download
+
+    hf_errors = _hf_errors()
+    repo = spec.repo_id
+    assert repo is not None
+    if model_id and model_id != repo:
+        raise SourceError(f"model id {model_id!r} does not match the source repo {repo!r}")
+    api = HfApi()
+    try:
+        # Offline mirrors answer model_info without a revision with 401; always ask for one.
+        info = api.model_info(repo, revision=spec.revision or "main", files_metadata=True)
+    except hf_errors.GatedRepoError:
+        raise SourceError(f"{repo}: gated repo - accept its terms on the Hub and set HF_TOKEN") from None
+    except hf_errors.RepositoryNotFoundError:
+        raise SourceError(f"{repo}: repository not found (or private without HF_TOKEN)") from None
+    except hf_errors.RevisionNotFoundError:
+        raise SourceError(f"{repo}: revision {spec.revision!r} not found") from None
+    except hf_errors.HfHubHTTPError as e:
+        code = getattr(getattr(e, "response", None), "status_code", "?")
+        raise SourceError(f"{repo}: the Hub answered HTTP {code}") from None
+    except OSError as e:
+        raise SourceError(f"{repo}: cannot reach the Hub at {api.endpoint} ({type(e).__name__})") from None
+    commit = info.sha
+    if not commit:
+        raise SourceError(f"{repo}: the Hub did not return a commit sha")
+    siblings = {s.rfilename: s for s in (info.siblings or [])}
+    wanted = select_files(list(siblings), repo)
+    dest = cache_root() / "snapshots" / model_slug(repo) / commit
+    marker = dest / MARKER
+    if marker.is_file():
+        snap = Snapshot.from_dict(json.loads(marker.read_text()))
+        if all(confined(dest, f.path).is_file() and confined(dest, f.path).stat().st_size == f.size for f in snap.files):
+            # Content comes from the cache; source and revision describe this request, not the first one.
+            snap.source, snap.revision = spec.uri, spec.revision or "main"
+            return snap
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # Download into a private directory and rename: a crash never leaves a snapshot that looks complete.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{commit}.", dir=dest.parent))
+    try:
+        snapshot_download(repo, revision=commit, allow_patterns=wanted, local_dir=str(tmp))
+        shutil.rmtree(tmp / ".cache", ignore_errors=True)
+        for n in wanted:
+            if not confined(tmp, n).is_file():
+                raise SourceError(f"{repo}: {n} was listed but not downloaded")
+        check_index(tmp, wanted, repo)
+        files = _hash_files(tmp, wanted)
+        for f in files:
+            s = siblings[f.path]
+            lfs_sha = getattr(getattr(s, "lfs", None), "sha256", None)
+            if lfs_sha and lfs_sha != f.sha256:
+                raise SourceError(f"{repo}: {f.path} sha256 does not match the Hub's LFS digest")
+            if s.size is not None and s.size != f.size:
+                raise SourceError(f"{repo}: {f.path} is {f.size} bytes, the Hub says {s.size}")
+        card = getattr(info, "card_data", None) or {}
+        license_ = card.get("license") if hasattr(card, "get") else None
+        if not license_:
+            license_ = next((t.split(":", 1)[1] for t in (info.tags or []) if t.startswith("license:")), None)
+        snap = Snapshot(model_id=repo, source=spec.uri, revision=spec.revision or "main", commit=commit,
+                        local_dir=str(dest), files=files, license=license_, gated=info.gated or False)
+        (tmp / MARKER).write_text(json.dumps(snap.to_dict()))
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except hf_errors.HfHubHTTPError as e:
+        code = getattr(getattr(e, "response", None), "status_code", "?")
+        raise SourceError(f"{repo}: download failed with HTTP {code}") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return snap
+
+
+def fetch(source: str, model_id: str | None = None) -> Snapshot:
+    spec = parse_source(source)
+    return fetch_hf(spec, model_id) if spec.kind == "hf" else fetch_local(spec, model_id)

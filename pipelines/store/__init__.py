@@ -1,0 +1,35 @@
+"""The artifact store: one layout for local directories and S3.
+
+    blobs/sha256/<2 hex>/<64 hex>                     immutable, verified on write
+    manifests/<model-slug>/<recipe>/<build-id>.json   immutable, deterministic bytes
+    refs/<model-slug>/<recipe>/<tag>                  {build_id, manifest_sha256, created_at}
+    staging/<build-id>.json                           candidate awaiting validation
+    profiles.json                                     runtime profiles as last published (for pull)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .base import Store
+from .layout import blob_key, manifest_key, ref_key, staging_key
+
+
+def default_store_uri() -> str:
+    return os.environ.get("HIVE_AOT_STORE") or "./artifacts"
+
+
+def open_store(uri: str | None = None) -> Store:
+    uri = uri or default_store_uri()
+    if uri.startswith("s3://"):
+        from ..errors import StoreError
+
+        raise StoreError(f"{uri}: the S3 store is not available in this version (use a local path or file://)")
+    from .local import LocalStore
+
+    path = uri[len("file://"):] if uri.startswith("file://") else uri
+    return LocalStore(Path(path).expanduser().resolve())
+
+
+__all__ = ["Store", "open_store", "default_store_uri", "blob_key", "manifest_key", "ref_key", "staging_key"]

@@ -1,0 +1,38 @@
+"""Key names inside a store (the same for every backend)."""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import IntegrityError
+from ..paths import model_slug
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def check_digest(digest: str) -> str:
+    if not _HEX64.match(digest):
+        raise IntegrityError(f"{digest!r} is not a bare lowercase sha256 hex digest")
+    return digest
+
+
+def blob_key(digest: str) -> str:
+    check_digest(digest)
+    return f"blobs/sha256/{digest[:2]}/{digest}"
+
+
+def manifest_key(model_id: str, recipe: str, build_id: str) -> str:
+    return f"manifests/{model_slug(model_id)}/{recipe}/{check_digest(build_id)}.json"
+
+
+def ref_key(model_id: str, recipe: str, tag: str) -> str:
+    if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", tag):
+        raise IntegrityError(f"{tag!r} is not a valid tag")
+    return f"refs/{model_slug(model_id)}/{recipe}/{tag}"
+
+
+def staging_key(build_id: str) -> str:
+    return f"staging/{check_digest(build_id)}.json"
+
+
+PROFILES_KEY = "profiles.json"

@@ -1,0 +1,119 @@
+"""A store in a local directory (or a shared file system mount)."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+from ..errors import IntegrityError, StoreError
+from ..hashing import CHUNK
+from ..paths import safe_relpath
+from .base import Store
+
+
+class LocalStore(Store):
+    def __init__(self, root: Path):
+        self.root = root
+        self.uri = root.as_uri()
+
+    def _path(self, key: str) -> Path:
+        return self.root / safe_relpath(key, what="store key")
+
+    def _io_error(self, what: str, e: OSError) -> StoreError:
+        reason = "disk full" if e.errno == errno.ENOSPC else (e.strerror or type(e).__name__)
+        return StoreError(f"{self.root}: cannot {what} ({reason})")
+
+    def check_writable(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".write-check-", dir=self.root)
+            os.close(fd)
+            os.unlink(tmp)
+        except OSError as e:
+            raise StoreError(f"store {self.root} is not writable ({e.strerror or type(e).__name__})") from None
+
+    def read_bytes(self, key: str) -> bytes | None:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+        except NotADirectoryError:
+            return None
+
+    def _atomic_write(self, dest: Path, writer) -> None:
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+        except OSError as e:
+            raise self._io_error(f"write {dest.name}", e) from None
+        try:
+            with os.fdopen(fd, "wb") as f:
+                writer(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, dest)
+        except OSError as e:
+            raise self._io_error(f"write {dest.name}", e) from None
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        self._atomic_write(self._path(key), lambda f: f.write(data))
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def size(self, key: str) -> int | None:
+        try:
+            return self._path(key).stat().st_size
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def list(self, prefix: str) -> list[str]:
+        base = self.root / prefix if prefix else self.root
+        if not base.exists():
+            return []
+        out = []
+        for dirpath, _dirs, files in os.walk(base):
+            for fn in files:
+                if fn.startswith("."):
+                    continue  # in-flight temporaries
+                out.append(str(Path(dirpath, fn).relative_to(self.root)).replace(os.sep, "/"))
+        return sorted(out)
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink()
+        except FileNotFoundError:
+            pass
+
+    def upload_file(self, key: str, path: Path, sha256: str) -> None:
+        def copy(f):
+            h = hashlib.sha256()
+            with open(path, "rb") as src:
+                while chunk := src.read(CHUNK):
+                    h.update(chunk)
+                    f.write(chunk)
+            if h.hexdigest() != sha256:
+                raise IntegrityError(f"{path.name}: content changed while uploading (sha256 mismatch)")
+
+        self._atomic_write(self._path(key), copy)
+
+    def download_file(self, key: str, dest: Path, progress=None) -> None:
+        src = self._path(key)
+        if not src.is_file():
+            raise StoreError(f"{self.root}: {key} is missing")
+        with open(src, "rb") as s, open(dest, "wb") as d:
+            while chunk := s.read(CHUNK):
+                d.write(chunk)
+                if progress is not None:
+                    progress.update(len(chunk))
+
+    def local_path(self, key: str) -> Path | None:
+        p = self._path(key)
+        return p if p.is_file() else None

@@ -1,0 +1,97 @@
+"""GGUF for llama.cpp: own converter (f32/f16/bf16/q8_0), libllama for k-quants, llama.cpp validation."""
+
+from __future__ import annotations
+
+import os
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .. import BuiltArtifact, ValidationReport, check_thresholds
+
+if TYPE_CHECKING:
+    from ...config import Recipe
+    from ...sources import Snapshot
+
+# Bump when the bytes this target writes change for the same inputs (part of every build id).
+FORMAT_VERSION = 1
+LOSSLESS = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def artifact_name(model_id: str, recipe: "Recipe") -> str:
+    label = (recipe.options.get("ftype") or recipe.options.get("outtype") or "f16").upper()
+    return f"{model_id.split('/')[-1]}-{label}.gguf"
+
+
+class GgufTarget:
+    kind = "gguf"
+    format = "gguf"
+    format_version = FORMAT_VERSION
+
+    def supports(self, architecture: str, config: dict[str, Any]) -> bool:
+        from .families import BY_ARCHITECTURE
+
+        return architecture in BY_ARCHITECTURE
+
+    def toolchain(self) -> dict[str, str]:
+        return {
+            "hive_aot_gguf_format": str(FORMAT_VERSION),
+            "gguf": _version("gguf"),
+            "llama_cpp_python": _version("llama_cpp_python"),
+            "transformers": _version("transformers"),
+            "tokenizers": _version("tokenizers"),
+        }
+
+    def build(self, snapshot: "Snapshot", recipe: "Recipe", out_dir: Path) -> BuiltArtifact:
+        from .convert import convert
+        from .quantize import quantize
+
+        cfg = snapshot.config()
+        opts = recipe.options
+        name = artifact_name(snapshot.model_id, recipe)
+        out = out_dir / name
+        ftype = opts.get("ftype")
+        if ftype:
+            # k-quants: a lossless intermediate in the source precision, then libllama's quantizer.
+            dtypes = {t for f in snapshot.safetensors_files() for t in _float_dtypes(f)}
+            inter = LOSSLESS.get(dtypes.pop(), "f32") if len(dtypes) == 1 else "f32"
+            tmp = out_dir / f".intermediate-{inter}.gguf"
+            report = convert(snapshot.dir, cfg, snapshot.safetensors_files(), tmp, inter,
+                             name=snapshot.model_id, options=opts)
+            try:
+                quantize(tmp, out, ftype)
+            finally:
+                tmp.unlink(missing_ok=True)
+            info = {**report.__dict__, "outtype": ftype.upper(), "intermediate": inter}
+        else:
+            report = convert(snapshot.dir, cfg, snapshot.safetensors_files(), out, opts.get("outtype", "f16"),
+                             name=snapshot.model_id, options=opts)
+            info = dict(report.__dict__)
+        os.chmod(out, 0o644)
+        ctx = int(cfg.get("max_position_embeddings") or 4096)
+        serving = {"engine": "llama.cpp", "model_file": name, "n_ctx": min(ctx, 4096),
+                   "chat_template": "embedded in GGUF metadata"}
+        return BuiltArtifact(root=out_dir, files=[name], format="gguf", info=info, serving=serving)
+
+    def validate(self, snapshot: "Snapshot", recipe: "Recipe", artifact_dir: Path, files: list[str]) -> ValidationReport:
+        from .validate import validate_gguf
+
+        metrics, details = validate_gguf(snapshot, artifact_dir / files[0])
+        failures = check_thresholds(metrics, recipe.validation)
+        return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details=details)
+
+
+def _float_dtypes(path: Path) -> set[str]:
+    from ...safetensors_io import read_header
+
+    return {t.dtype for t in read_header(path).tensors.values() if t.dtype in LOSSLESS}
+
+
+__all__ = ["GgufTarget", "artifact_name", "FORMAT_VERSION"]

@@ -1,0 +1,88 @@
+"""Validate a GGUF with llama.cpp against the transformers fp32 reference on the same token ids."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ... import parity, prompts, reference
+
+if TYPE_CHECKING:
+    from ...sources import Snapshot
+
+
+def _round(x: float) -> float:
+    # Manifests must be byte-stable for a build id: keep 6 significant digits.
+    return float(f"{x:.6g}")
+
+
+def validate_gguf(snapshot: "Snapshot", gguf_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    from llama_cpp import Llama
+
+    tok = reference.load_tokenizer(snapshot.dir)
+    ids = reference.encode(tok, prompts.PARITY_TEXTS)
+    gen_prompt = reference.encode(tok, [prompts.GENERATION_PROMPT])[0]
+    ref = reference.compute(snapshot.dir, snapshot.content_digest, ids, gen_prompt, prompts.GENERATION_TOKENS)
+
+    n_ctx = max(len(s) for s in ids + [gen_prompt]) + prompts.GENERATION_TOKENS + 8
+    llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
+                verbose=False, seed=0, n_threads=os.cpu_count() or 1)
+    try:
+        per_prompt = []
+        for seq, ref_logits in zip(ids, ref.logits):
+            llm.reset()
+            llm.eval(seq)
+            art = np.array(llm.scores[: len(seq)], dtype=np.float32)
+            per_prompt.append(parity.compare(ref_logits, art))
+        total = parity.merge(per_prompt)
+
+        mismatches = []
+        for text in prompts.TOKENIZER_TEXTS:
+            hf_ids = list(tok(text).input_ids)
+            cpp_ids = llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+            if hf_ids != cpp_ids:
+                mismatches.append({"text": text, "hf": hf_ids[:24], "llama_cpp": cpp_ids[:24]})
+        token_parity = 1 - len(mismatches) / len(prompts.TOKENIZER_TEXTS)
+
+        llm.reset()
+        llm.eval(gen_prompt)
+        gen: list[int] = []
+        for _ in range(prompts.GENERATION_TOKENS):
+            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            gen.append(nxt)
+            if nxt == llm.token_eos():
+                break
+            llm.eval([nxt])
+        agree = 0
+        for a, b in zip(gen, ref.generation_ids):
+            if a != b:
+                break
+            agree += 1
+    finally:
+        llm.close()
+
+    metrics = {
+        "positions": total.positions,
+        "top1_agreement": _round(total.top1_agreement),
+        "mean_kl": _round(total.mean_kl),
+        "max_kl": _round(total.max_kl),
+        "max_abs_logit_delta": _round(total.max_abs_logit_delta),
+        "finite": total.finite,
+        "token_parity": _round(token_parity),
+        "greedy_prefix_match": agree,
+    }
+    details = {
+        "reference": "transformers fp32",
+        "prompt_set_version": prompts.VERSION,
+        "per_prompt": [{k: _round(v) if isinstance(v, float) else v for k, v in p.as_dict().items()} for p in per_prompt],
+        "tokenizer_mismatches": mismatches,
+        "generation": {
+            "prompt": prompts.GENERATION_PROMPT,
+            "artifact": tok.decode(gen),
+            "reference": tok.decode(ref.generation_ids),
+        },
+    }
+    return metrics, details

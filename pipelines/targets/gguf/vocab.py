@@ -1,0 +1,189 @@
+"""Tokenizer -> GGUF vocabulary: SentencePiece (`llama`) and byte-level BPE (`gpt2` + pre-tokenizer).
+
+The BPE pre-tokenizer name is looked up the way llama.cpp recognises it: encode a fixed check text
+with the HF tokenizer and hash the id list. An unknown hash is an error unless the recipe names a
+fallback explicitly (`options.bpe_pre_fallback`), which is then recorded in the artifact metadata:
+a wrong-but-known name would load and silently tokenize differently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import gguf
+
+from ...errors import ModelFormatError
+
+_SPECIAL_LOOKING = re.compile(r"^(<\|.*\|>|<[a-z_]+>|\[[A-Z_]+\]|<s>|</s>|<unk>|<pad>)$")
+
+
+@dataclass
+class Vocab:
+    model: str  # "llama" | "gpt2"
+    pre: str | None
+    tokens: list[str]
+    scores: list[float] | None
+    types: list[int]
+    merges: bool
+    info: dict[str, Any] = field(default_factory=dict)  # recorded in the build (detection method, sizes)
+
+
+def _pre_table() -> dict[str, Any]:
+    text = resources.files(__package__).joinpath("data/bpe_pre_tokenizers.json").read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def _load_hf_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        # trust_remote_code stays False: a tokenizer class from the repo is never imported.
+        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any parse failure is a malformed tokenizer for us
+        raise ModelFormatError(f"tokenizer cannot be loaded: {type(e).__name__}: {e}") from None
+
+
+def detect_bpe_pre(tokenizer, fallback: str | None) -> tuple[str, str]:
+    table = _pre_table()
+    ids = tokenizer.encode(table["check_text"])
+    digest = hashlib.sha256(str(ids).encode()).hexdigest()
+    name = table["hashes"].get(digest)
+    if name:
+        return name, f"hash:{digest[:16]}"
+    if fallback:
+        return fallback, f"fallback:{digest[:16]}"
+    raise ModelFormatError(
+        f"BPE pre-tokenizer not recognised by llama.cpp (check hash {digest[:16]}...); set recipe option "
+        "bpe_pre_fallback to a llama.cpp pre-tokenizer name to override explicitly"
+    )
+
+
+def _bpe_vocab(model_dir: Path, vocab_size: int, fallback: str | None) -> Vocab:
+    tok = _load_hf_tokenizer(model_dir)
+    vocab: dict[str, int] = tok.get_vocab()
+    if not vocab:
+        raise ModelFormatError("tokenizer has an empty vocabulary")
+    if max(vocab.values()) >= vocab_size:
+        raise ModelFormatError(f"tokenizer has ids up to {max(vocab.values())} but config vocab_size is {vocab_size}")
+    pre, how = detect_bpe_pre(tok, fallback)
+    reverse = {i: t for t, i in vocab.items()}
+    added = tok.get_added_vocab()
+    decoder = tok.added_tokens_decoder
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+            continue
+        t = reverse[i]
+        if t in added:
+            # llama.cpp expects added tokens pre-normalized: round-trip non-normalized ones.
+            if i in decoder and not decoder[i].normalized:
+                t = tok.decode(tok.encode(t, add_special_tokens=False))
+            if (i in decoder and decoder[i].special) or _SPECIAL_LOOKING.match(t):
+                types.append(gguf.TokenType.CONTROL)
+            else:
+                t = t.replace("\u2581", " ")
+                types.append(gguf.TokenType.USER_DEFINED)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+        tokens.append(t)
+    return Vocab("gpt2", pre, tokens, None, types, merges=True,
+                 info={"tokenizer": "bpe", "pre": pre, "pre_detection": how, "size": vocab_size})
+
+
+def _spm_vocab(model_dir: Path, vocab_size: int) -> Vocab:
+    import sentencepiece as spm
+
+    path = model_dir / "tokenizer.model"
+    sp = spm.SentencePieceProcessor()
+    try:
+        sp.LoadFromFile(str(path))
+    except Exception as e:  # noqa: BLE001
+        raise ModelFormatError(f"tokenizer.model is not a SentencePiece model ({e})") from None
+    n = sp.vocab_size()
+    if n > vocab_size:
+        raise ModelFormatError(f"tokenizer.model has {n} pieces but config vocab_size is {vocab_size}")
+    tokens, scores, types = [], [], []
+    for i in range(n):
+        tokens.append(sp.id_to_piece(i))
+        scores.append(float(sp.get_score(i)))
+        if sp.is_unknown(i):
+            types.append(gguf.TokenType.UNKNOWN)
+        elif sp.is_control(i):
+            types.append(gguf.TokenType.CONTROL)
+        elif sp.is_unused(i):
+            types.append(gguf.TokenType.UNUSED)
+        elif sp.is_byte(i):
+            types.append(gguf.TokenType.BYTE)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+    added_file = model_dir / "added_tokens.json"
+    added: dict[str, int] = json.loads(added_file.read_text()) if added_file.is_file() else {}
+    tj = model_dir / "tokenizer.json"
+    if tj.is_file():
+        for a in json.loads(tj.read_text(encoding="utf-8")).get("added_tokens", []):
+            added.setdefault(a["content"], a["id"])
+    for content, idx in sorted(added.items(), key=lambda kv: kv[1]):
+        if idx < n:
+            continue
+        if idx >= vocab_size:
+            raise ModelFormatError(f"added token {content!r} has id {idx} >= vocab_size {vocab_size}")
+        while len(tokens) < idx:
+            tokens.append(f"[PAD{len(tokens)}]"); scores.append(-1000.0); types.append(gguf.TokenType.UNUSED)
+        tokens.append(content); scores.append(-1000.0); types.append(gguf.TokenType.USER_DEFINED)
+    while len(tokens) < vocab_size:
+        tokens.append(f"[PAD{len(tokens)}]"); scores.append(-1000.0); types.append(gguf.TokenType.UNUSED)
+    add_prefix = _spm_add_dummy_prefix(path)
+    return Vocab("llama", "default", tokens, scores, types, merges=False,
+                 info={"tokenizer": "sentencepiece", "size": vocab_size, "add_space_prefix": add_prefix})
+
+
+def _spm_add_dummy_prefix(path: Path) -> bool:
+    try:
+        from sentencepiece import sentencepiece_model_pb2 as pb
+    except Exception:  # noqa: BLE001 - protobuf missing: SentencePiece's default
+        return True
+    m = pb.ModelProto()
+    m.ParseFromString(path.read_bytes())
+    return bool(m.normalizer_spec.add_dummy_prefix)
+
+
+def build_vocab(model_dir: Path, vocab_size: int, options: dict[str, Any]) -> Vocab:
+    if (model_dir / "tokenizer.model").is_file():
+        return _spm_vocab(model_dir, vocab_size)
+    tj = model_dir / "tokenizer.json"
+    if not tj.is_file():
+        raise ModelFormatError("no tokenizer.json or tokenizer.model: GGUF needs the tokenizer")
+    try:
+        spec = json.loads(tj.read_text(encoding="utf-8"))
+        model_type = spec["model"]["type"]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ModelFormatError(f"tokenizer.json is malformed ({type(e).__name__}: {e})") from None
+    if model_type != "BPE":
+        raise ModelFormatError(f"tokenizer.json model type {model_type!r} is not supported for GGUF yet (BPE, SentencePiece)")
+    if spec["model"].get("byte_fallback"):
+        raise ModelFormatError("byte-fallback BPE without tokenizer.model is not supported for GGUF yet")
+    return _bpe_vocab(model_dir, vocab_size, options.get("bpe_pre_fallback"))
+
+
+def write_vocab(writer: gguf.GGUFWriter, vocab: Vocab, model_dir: Path) -> None:
+    writer.add_tokenizer_model(vocab.model)
+    if vocab.pre:
+        writer.add_tokenizer_pre(vocab.pre)
+    writer.add_token_list(vocab.tokens)
+    if vocab.scores is not None:
+        writer.add_token_scores(vocab.scores)
+    writer.add_token_types(vocab.types)
+    if "add_space_prefix" in vocab.info:
+        writer.add_add_space_prefix(vocab.info["add_space_prefix"])
+    special = gguf.SpecialVocab(model_dir, load_merges=vocab.merges, n_vocab=len(vocab.tokens))
+    if vocab.merges and not special.merges:
+        raise ModelFormatError("BPE tokenizer has no merges: llama.cpp cannot load it")
+    special.add_to_gguf(writer, quiet=True)

