@@ -89,3 +89,7 @@ lock: $(PROJECT_STAMP)
 
 clean:
 	rm -rf artifacts .dagster .venv .venvs .demo pulled
+
+.PHONY: bench-compare
+bench-compare: setup
+	.venv/bin/python bench/compare_llamacpp.py

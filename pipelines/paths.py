@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from .errors import SourceError
 
@@ -29,8 +29,9 @@ def safe_relpath(name: str, *, what: str = "file name") -> str:
     """
     if not name or _BAD_CHARS.search(name) or name.startswith("/"):
         raise SourceError(f"refusing {what} {name!r}: not a plain relative path")
-    parts = PurePosixPath(name).parts
-    if any(p in ("..", ".", "") for p in parts) or name.endswith("/"):
+    # Split the raw string: PurePosixPath would normalise "a/./b" and "a//b" away before we look.
+    parts = name.split("/")
+    if any(p in ("..", ".", "") for p in parts):
         raise SourceError(f"refusing {what} {name!r}: path escapes its directory")
     return name
 

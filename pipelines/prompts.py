@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-VERSION = 1
+VERSION = 2
 
 # Held-out prose and code for logit parity (never used to build anything).
 PARITY_TEXTS = [
@@ -18,6 +18,18 @@ PARITY_TEXTS = [
     "depends on light intensity, temperature and the concentration of carbon dioxide in the air.",
     "Question: A train leaves the station at 3:15 pm and travels 180 km at 72 km/h. When does it arrive?\n"
     "Answer: It needs 180 / 72 = 2.5 hours, so it arrives at 5:45 pm.",
+    "The old lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, polished "
+    "the great lens until it gleamed, and watched the fishing boats return one by one across the grey water. "
+    "On stormy nights he stayed awake until dawn, counting the seconds between each sweep of the beam and "
+    "listening to the waves break against the rocks below.",
+    "User: Can you explain what a hash table is?\nAssistant: A hash table stores key-value pairs. It uses a hash "
+    "function to turn each key into an index in an array, so looking up a value usually takes constant time. "
+    "When two keys land on the same index, the table resolves the collision, for example by chaining entries "
+    "in a list or by probing for the next free slot.",
+    "To replace a bicycle tyre, first release the brake and remove the wheel from the frame. Push the valve "
+    "into the tyre, then use two levers to lift one side of the tyre over the rim. Pull out the old inner "
+    "tube, check the inside of the tyre for thorns or glass, fit the new tube, and inflate it to the pressure "
+    "printed on the sidewall.",
 ]
 
 # Varied text for tokenizer id parity: code, digits, emoji, CJK, whitespace runs, accents.

@@ -114,7 +114,9 @@ def choose(cands: list[Candidate], profile: str, recipe: str | None, preference:
 def fetch_blob(store: Store, digest: str, size: int, progress=None) -> Path:
     """Into the local blob cache, verified; a partial download never looks complete."""
     dest = cache_root() / "blobs" / "sha256" / digest[:2] / digest
-    if dest.is_file() and dest.stat().st_size == size:
+    # A cache hit is re-hashed: pulled files are hard links to cached blobs, so a file edited in a
+    # serving directory would otherwise poison every later pull of the same digest.
+    if dest.is_file() and dest.stat().st_size == size and sha256_file(dest) == digest:
         if progress is not None:
             progress.update(size)
         return dest

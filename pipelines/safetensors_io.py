@@ -156,6 +156,21 @@ class SafetensorsFile:
         t = self.header.tensors[name]
         return to_float32(self.raw(name), t.dtype).reshape(t.shape)
 
+    def release(self, name: str) -> None:
+        """Drop a finished tensor's pages from this process's resident set (the page cache keeps them).
+
+        Pages read through the mmap stay resident until the file is closed: without this, a
+        streaming conversion's peak RSS grows to the size of the whole model.
+        """
+        if self._map is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        t = self.header.tensors[name]
+        start, end = self.header.data_offset + t.start, self.header.data_offset + t.end
+        lo = start - start % mmap.PAGESIZE
+        hi = min(len(self._map), end + (-end) % mmap.PAGESIZE)
+        if hi > lo:
+            self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
     def close(self) -> None:
         if self._map is not None:
             self._map.close()
@@ -188,6 +203,9 @@ class TensorSource:
 
     def float32(self, name: str) -> np.ndarray:
         return self.where[name].float32(name)
+
+    def release(self, name: str) -> None:
+        self.where[name].release(name)
 
     def __contains__(self, name: str) -> bool:
         return name in self.where

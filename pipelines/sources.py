@@ -237,6 +237,20 @@ def _hf_errors():
     return hf_errors
 
 
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """Connection-level failures of the Hub client's HTTP stack (httpx2 in huggingface_hub 2.x, httpx in
+    1.x); they are not OSErrors, so without this an unreachable Hub ends in a traceback."""
+    import importlib
+
+    errs: list[type[BaseException]] = [OSError]
+    for mod in ("httpx2", "httpx"):
+        try:
+            errs.append(importlib.import_module(mod).TransportError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errs)
+
+
 def fetch_hf(spec: SourceSpec, model_id: str | None) -> Snapshot:
     from huggingface_hub import HfApi, snapshot_download
 
@@ -258,7 +272,7 @@ def fetch_hf(spec: SourceSpec, model_id: str | None) -> Snapshot:
     except hf_errors.HfHubHTTPError as e:
         code = getattr(getattr(e, "response", None), "status_code", "?")
         raise SourceError(f"{repo}: the Hub answered HTTP {code}") from None
-    except OSError as e:
+    except _transport_errors() as e:
         raise SourceError(f"{repo}: cannot reach the Hub at {api.endpoint} ({type(e).__name__})") from None
     commit = info.sha
     if not commit:
@@ -304,6 +318,8 @@ def fetch_hf(spec: SourceSpec, model_id: str | None) -> Snapshot:
     except hf_errors.HfHubHTTPError as e:
         code = getattr(getattr(e, "response", None), "status_code", "?")
         raise SourceError(f"{repo}: download failed with HTTP {code}") from None
+    except _transport_errors() as e:  # the Hub went away mid-download (LocalEntryNotFoundError is an OSError)
+        raise SourceError(f"{repo}: download failed ({type(e).__name__})") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -107,22 +107,145 @@ def poison_weights(model_dir: Path, tensor: str = "model.layers.0.mlp.down_proj.
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-# Random-weight tiny models have flat logits, so 4- and 8-bit quantization flips many top-1 choices that a
-# trained model keeps (the shipped thresholds are calibrated on SmolLM2-135M). Tests that must publish a
-# quantized tiny model use a copy of the recipes with these gates instead; f16 keeps the shipped gates.
+# Random-weight tiny models have flat logits (49152-way, no trained structure), so small numerical differences
+# flip top-1 choices that a trained model keeps: 4- and 8-bit quantization flips many, and even f16 (llama.cpp
+# rounds activations to f16) flips a few positions per thousand. The shipped gates are calibrated on
+# SmolLM2-135M; tests that must publish a tiny model use a copy of the recipes with these gates instead, so that
+# a change of the prompt set cannot push a mechanics test over a quality threshold. f16 stays strict on KL.
 LENIENT_VALIDATION = {"min_top1_agreement": 0.3, "max_mean_kl": 1.0, "require_token_parity": True}
+TEST_GATES = {
+    "gguf-f16": {"min_top1_agreement": 0.95, "max_mean_kl": 0.001, "require_token_parity": True},
+    "gguf-q8_0": LENIENT_VALIDATION,
+    "gguf-q4_k_m": LENIENT_VALIDATION,
+}
 
 
 def write_test_config(dest_dir: Path, repo_root: Path, *, models: list[dict[str, Any]] | None = None,
-                      lenient: tuple[str, ...] = ("gguf-q8_0", "gguf-q4_k_m")) -> Path:
-    """registry.yaml + recipes/ in dest_dir: the project's, with lenient validation for the named recipes."""
+                      gates: dict[str, dict[str, Any]] | None = None) -> Path:
+    """registry.yaml + recipes/ in dest_dir: the project's, with the validation gates replaced per recipe
+    (default TEST_GATES; pass {} for an exact copy)."""
     import yaml
 
     recipes = dest_dir / "recipes"
     shutil.copytree(repo_root / "recipes", recipes)
-    for rid in lenient:
+    for rid, gate in (TEST_GATES if gates is None else gates).items():
         p = recipes / f"{rid}.yaml"
         data = yaml.safe_load(p.read_text())
-        data["validation"] = dict(LENIENT_VALIDATION)
+        data["validation"] = dict(gate)
         p.write_text(yaml.safe_dump(data, sort_keys=False))
     return write_registry(dest_dir, repo_root, models=models if models is not None else [], recipes_dir=recipes)
+
+
+# --- SentencePiece (Llama-2 style) tokenizers, trained here --------------------------------------
+
+_SPM_WORDS = (
+    "the of and to in is was for on that with as by at from it this which be are or an have has not but "
+    "history printing press century movable metal type ink screw books cities scholars compare copies "
+    "knowledge water oxygen carbon dioxide light energy plant cells sugar cycle temperature concentration "
+    "train station travels hours arrive question answer number function return value print list range "
+    "quick brown fox jumps over lazy dog hello world how are you today river mountain city market music "
+    "computer program memory model weights layer token language people school garden morning evening"
+).split()
+
+
+def spm_corpus(lines: int = 4000, seed: int = 0) -> list[str]:
+    """Varied English-like sentences with punctuation, digits, decimals, dates and a little code."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        words = [rng.choice(_SPM_WORDS) for _ in range(rng.randint(3, 16))]
+        s = " ".join(words)
+        if rng.random() < 0.6:
+            s = s[0].upper() + s[1:] + rng.choice(".!?;:,")
+        r = rng.random()
+        if r < 0.25:
+            s += f" {rng.randint(0, 10 ** rng.randint(1, 8))}"
+        elif r < 0.4:
+            s += f" {rng.random() * 1000:.{rng.randint(1, 4)}f}"
+        elif r < 0.5:
+            s = f"{rng.randint(1900, 2100)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d} {s}"
+        elif r < 0.6:
+            s = f"{rng.choice(_SPM_WORDS)} = {rng.choice(_SPM_WORDS)}({rng.randint(0, 99)}, '{rng.choice(_SPM_WORDS)}')"
+        out.append(s)
+    return out
+
+
+def make_spm_tokenizer(dest: Path, *, add_dummy_prefix: bool = True, vocab_size: int = 700,
+                       hf_tokenizer: str = "llama", seed: int = 0) -> Path:
+    """Train a SentencePiece BPE model (byte fallback; Llama-2 settings: identity normalization, whitespace
+    kept) and write HF tokenizer files next to `tokenizer.model`.
+
+    hf_tokenizer="llama": transformers 5 `LlamaTokenizer` built from the SentencePiece vocab and merges
+    (transformers rebuilds its Metaspace pipeline on load; its own SentencePiece conversion needs
+    sentencepiece's protobuf module, which does not import next to protobuf 6).
+    hf_tokenizer="legacy": the tokenizer.json layout Llama-2 repos ship (Prepend + Replace normalizer,
+    no pre-tokenizer), loaded as-is through `PreTrainedTokenizerFast`.
+    """
+    import io
+
+    import sentencepiece as spm
+    from transformers.convert_slow_tokenizer import generate_merges
+
+    dest.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(spm_corpus(seed=seed)), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, split_digits=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=add_dummy_prefix, allow_whitespace_only_pieces=True,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2,
+    )
+    (dest / "tokenizer.model").write_bytes(buf.getvalue())
+    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    vocab = {sp.id_to_piece(i): i for i in range(sp.vocab_size())}
+    merges = generate_merges(vocab, {sp.id_to_piece(i): sp.get_score(i) for i in range(sp.vocab_size())})
+    if hf_tokenizer == "llama":
+        from transformers import LlamaTokenizer
+
+        tok = LlamaTokenizer(vocab=vocab, merges=merges, add_prefix_space=add_dummy_prefix, legacy=False,
+                             add_bos_token=True, add_eos_token=False)
+        tok.save_pretrained(str(dest))
+    elif hf_tokenizer == "legacy":
+        from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
+        t = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+        steps = [normalizers.Prepend("\u2581")] if add_dummy_prefix else []
+        t.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "\u2581")])
+        dec = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        t.decoder = decoders.Sequence(dec + ([decoders.Strip(" ", 1, 0)] if add_dummy_prefix else []))
+        t.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+        t.add_special_tokens([AddedToken(s, normalized=False, special=True) for s in ("<unk>", "<s>", "</s>")])
+        t.save(str(dest / "tokenizer.json"))
+        (dest / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+            "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+        }, indent=2))
+    else:
+        raise ValueError(f"unknown hf_tokenizer {hf_tokenizer!r}")
+    (dest / "config.json").write_text(json.dumps({"vocab_size": sp.vocab_size()}))  # read by make_llama
+    return dest
+
+
+def make_spm_llama(dest: Path, *, add_dummy_prefix: bool = True, hf_tokenizer: str = "llama", spm_vocab: int = 700,
+                   **overrides: Any) -> Path:
+    """A tiny Llama whose vocabulary is a freshly trained SentencePiece model (tokenizer.model kept in the dir)."""
+    tok_dir = make_spm_tokenizer(dest.parent / f"{dest.name}-tokenizer", add_dummy_prefix=add_dummy_prefix,
+                                 vocab_size=spm_vocab, hf_tokenizer=hf_tokenizer)
+    make_llama(dest, tok_dir, **overrides)
+    shutil.copy(tok_dir / "tokenizer.model", dest / "tokenizer.model")
+    return dest
+
+
+def rewrite_safetensors(model_dir: Path, edit) -> None:
+    """Load model.safetensors as numpy (bf16 widened to float32), let `edit(dict)` change it, write it back."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    import pipelines.safetensors_io as sio
+
+    path = model_dir / "model.safetensors"
+    with sio.SafetensorsFile(path) as f:
+        tensors = {n: np.array(f.float32(n)) for n in f.header.tensors}
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})

@@ -9,10 +9,16 @@ git repo olah serves as `org/name`, and returns that commit's sha. Publishing ag
 repo adds a new commit whose tree is exactly the new directory. Files go into git as ordinary
 blobs (olah serves them from the git object store; no LFS).
 
-olah quirks worth knowing (0.5.4, offline mode):
-- `model_info` without a revision answers 401: always pass one (the engine does).
-- Files are served from git; the siblings of `model_info(files_metadata=True)` carry sizes but no
-  `lfs` entry, and no card data is parsed from README.md.
+olah quirks worth knowing (0.5.4, offline mode, checked with huggingface_hub 2.4):
+- `model_info` without a revision answers 401: always pass one (the engine does). A branch name or a
+  full commit sha both work, and `info.sha` is the git commit sha.
+- An unknown repo and an unknown revision of a known repo both answer 401, which the client raises
+  as RepositoryNotFoundError (never RevisionNotFoundError).
+- Siblings of `model_info(files_metadata=True)` have `size=None` and `lfs=None` (files come straight
+  from git), so there is no upstream digest to check against; README front matter does reach
+  `card_data` (license).
+- `GET /` answers 500; readiness here means "answers HTTP at all".
+- huggingface_hub reads `HF_ENDPOINT` once, at import: see `_point_loaded_client_at`.
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ def _olah_cli() -> Path:
 
 def _git(repo: Path, *args: str) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    env.update(GIT_CONFIG_NOSYSTEM="1", HOME=str(repo), GIT_TERMINAL_PROMPT="0")
+    # No system/user git config (signing, hooks, LFS filters) may change what gets committed.
+    env.update(GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull, GIT_TERMINAL_PROMPT="0")
     res = subprocess.run(["git", "-C", str(repo), *args], env=env, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"git {' '.join(args)} failed in {repo}: {res.stderr.strip()}")

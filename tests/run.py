@@ -28,7 +28,8 @@ def main() -> int:
             for k in counts:
                 counts[k] += int(suite.get(k, 0))
         for case in root.iter("testcase"):
-            f = (case.get("classname") or "?").split(".")[-2] if "." in (case.get("classname") or "") else case.get("classname", "?")
+            parts = (case.get("classname") or "?").split(".")
+            f = next((p for p in parts if p.startswith("test_")), parts[-1])
             per_file[f] = per_file.get(f, 0.0) + float(case.get("time", 0))
     print("\n== timing summary ==")
     for name, secs in sorted(per_file.items(), key=lambda kv: -kv[1]):

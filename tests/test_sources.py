@@ -12,6 +12,7 @@ import os
 import pickle
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import uuid
@@ -167,6 +168,26 @@ def test_unknown_repo_is_one_line_source_error(hf_mirror):
     msg = one_line_error(ei.value)
     assert f"{ORG}/does-not-exist" in msg and "not found" in msg
     assert snapshots_of(f"{ORG}/does-not-exist") == []
+
+
+def test_unknown_revision_is_one_line_source_error(tiny_repo):
+    repo, _, _ = tiny_repo
+    with pytest.raises(SourceError) as ei:
+        fetch(f"hf://{repo}@no-such-branch")
+    # olah answers 401 for an unknown revision too, so the client cannot tell it from an unknown repo.
+    assert repo in one_line_error(ei.value)
+
+
+def test_unreachable_hub_is_one_line_error():
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    secret = f"hf_{uuid.uuid4().hex}"
+    res = cli("check", f"hf://{ORG}/anything@main", env={**os.environ, "HF_ENDPOINT": dead, "HF_TOKEN": secret})
+    assert res.returncode == 1
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "cannot reach the Hub" in lines[0] and dead in lines[0], res.stderr[-2000:]
+    assert secret not in res.stdout + res.stderr
 
 
 def test_pickle_only_repo_is_refused_without_unpickling(hf_mirror, tiny_llama, tmp_path):

@@ -8,7 +8,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from ..errors import IntegrityError, StoreError
+from ..errors import HiveError, IntegrityError, StoreError
 from ..hashing import CHUNK
 from ..paths import safe_relpath
 from .base import Store
@@ -20,7 +20,10 @@ class LocalStore(Store):
         self.uri = root.as_uri()
 
     def _path(self, key: str) -> Path:
-        return self.root / safe_relpath(key, what="store key")
+        try:
+            return self.root / safe_relpath(key, what="store key")
+        except HiveError as e:
+            raise StoreError(str(e)) from None
 
     def _io_error(self, what: str, e: OSError) -> StoreError:
         reason = "disk full" if e.errno == errno.ENOSPC else (e.strerror or type(e).__name__)

@@ -171,6 +171,8 @@ def convert(model_dir: Path, cfg: dict[str, Any], safetensors: list[Path], out_p
                     nonfinite.append(p.gguf_name)
                 writer.write_tensor_data(_encode(data, p.qtype))
                 del data
+                if p.hf_name is not None:
+                    tensors.release(p.hf_name)
         writer.close()
         return ConvertReport(
             architecture=arch, gguf_arch=family.gguf_arch, outtype=outtype, tensors=len(plan),

@@ -19,6 +19,25 @@ def _round(x: float) -> float:
     return float(f"{x:.6g}")
 
 
+def _reference_tokenizer(snapshot: "Snapshot", tok):
+    """The tokenizer llama.cpp's ids must equal: the model's own SentencePiece model when it has one.
+
+    transformers 5 rebuilds SentencePiece tokenizers with a pre-tokenizer that drops the leading
+    "▁" after a special token or before existing leading spaces, where SentencePiece itself (and
+    llama.cpp) add it; no GGUF setting reproduces that, and SentencePiece is the ground truth.
+    """
+    spm_path = snapshot.file("tokenizer.model")
+    if spm_path is None:
+        return (lambda text: list(tok(text).input_ids)), "hf"
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor()
+    sp.LoadFromFile(str(spm_path))
+    probe = list(tok("a").input_ids)
+    bos = [tok.bos_token_id] if tok.bos_token_id is not None and probe[:1] == [tok.bos_token_id] else []
+    return (lambda text: bos + list(sp.encode(text))), "sentencepiece"
+
+
 def validate_gguf(snapshot: "Snapshot", gguf_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     from llama_cpp import Llama
 
@@ -39,12 +58,13 @@ def validate_gguf(snapshot: "Snapshot", gguf_path: Path) -> tuple[dict[str, Any]
             per_prompt.append(parity.compare(ref_logits, art))
         total = parity.merge(per_prompt)
 
+        reference_ids, reference_name = _reference_tokenizer(snapshot, tok)
         mismatches = []
         for text in prompts.TOKENIZER_TEXTS:
-            hf_ids = list(tok(text).input_ids)
+            ref_ids = reference_ids(text)
             cpp_ids = llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
-            if hf_ids != cpp_ids:
-                mismatches.append({"text": text, "hf": hf_ids[:24], "llama_cpp": cpp_ids[:24]})
+            if ref_ids != cpp_ids:
+                mismatches.append({"text": text, reference_name: ref_ids[:24], "llama_cpp": cpp_ids[:24]})
         token_parity = 1 - len(mismatches) / len(prompts.TOKENIZER_TEXTS)
 
         llm.reset()
@@ -78,6 +98,7 @@ def validate_gguf(snapshot: "Snapshot", gguf_path: Path) -> tuple[dict[str, Any]
         "reference": "transformers fp32",
         "prompt_set_version": prompts.VERSION,
         "per_prompt": [{k: _round(v) if isinstance(v, float) else v for k, v in p.as_dict().items()} for p in per_prompt],
+        "tokenizer_reference": reference_name,
         "tokenizer_mismatches": mismatches,
         "generation": {
             "prompt": prompts.GENERATION_PROMPT,

@@ -145,14 +145,55 @@ def _spm_vocab(model_dir: Path, vocab_size: int) -> Vocab:
                  info={"tokenizer": "sentencepiece", "size": vocab_size, "add_space_prefix": add_prefix})
 
 
+def _proto_fields(buf: bytes):
+    """(field number, wire type, value) of one protobuf message: ints for varints, bytes for LEN fields."""
+    i, n = 0, len(buf)
+
+    def varint() -> int:
+        nonlocal i
+        out = shift = 0
+        while True:
+            b = buf[i]
+            i += 1
+            out |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                return out
+
+    while i < n:
+        key = varint()
+        field_no, wire = key >> 3, key & 7
+        if wire == 0:
+            yield field_no, wire, varint()
+        elif wire == 2:
+            size = varint()
+            if i + size > n:
+                raise ValueError("truncated field")
+            yield field_no, wire, buf[i:i + size]
+            i += size
+        elif wire in (1, 5):
+            i += 8 if wire == 1 else 4
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+
+
 def _spm_add_dummy_prefix(path: Path) -> bool:
+    """ModelProto.normalizer_spec (3) .add_dummy_prefix (3), proto2 default true.
+
+    Read from the wire format directly: sentencepiece's generated `sentencepiece_model_pb2` needs a
+    protobuf runtime matching its gencode (0.2.x wants protobuf 7, dagster pins < 7), and a silent
+    default of True would make llama.cpp prepend a space the model's tokenizer never adds.
+    """
+    value = True
     try:
-        from sentencepiece import sentencepiece_model_pb2 as pb
-    except Exception:  # noqa: BLE001 - protobuf missing: SentencePiece's default
-        return True
-    m = pb.ModelProto()
-    m.ParseFromString(path.read_bytes())
-    return bool(m.normalizer_spec.add_dummy_prefix)
+        for field_no, wire, spec in _proto_fields(path.read_bytes()):
+            if field_no == 3 and wire == 2:
+                for f2, w2, v2 in _proto_fields(spec):
+                    if f2 == 3 and w2 == 0:
+                        value = bool(v2)
+    except (IndexError, ValueError) as e:
+        raise ModelFormatError(f"tokenizer.model is not a valid SentencePiece model proto ({e})") from None
+    return value
 
 
 def build_vocab(model_dir: Path, vocab_size: int, options: dict[str, Any]) -> Vocab:
@@ -170,6 +211,9 @@ def build_vocab(model_dir: Path, vocab_size: int, options: dict[str, Any]) -> Vo
         raise ModelFormatError(f"tokenizer.json model type {model_type!r} is not supported for GGUF yet (BPE, SentencePiece)")
     if spec["model"].get("byte_fallback"):
         raise ModelFormatError("byte-fallback BPE without tokenizer.model is not supported for GGUF yet")
+    if not spec["model"].get("merges"):
+        # Checked first: without merges the pre-tokenizer check hash is meaningless and llama.cpp cannot load the vocab.
+        raise ModelFormatError("BPE tokenizer.json has no merges: llama.cpp cannot load a BPE vocabulary without them")
     return _bpe_vocab(model_dir, vocab_size, options.get("bpe_pre_fallback"))
 
 

@@ -1,0 +1,331 @@
+"""The build engine end to end on a tiny real model: fetch, classify, convert, validate with llama.cpp, publish."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from factories import copy_model, edit_config, poison_weights, rewrite_safetensors_header, write_test_config
+from pipelines.build import build_and_publish, plan, publish_staged, stage, validate_staged
+from pipelines.config import Config
+from pipelines.errors import ConfigError, HiveError, StoreError, ValidationFailed
+from pipelines.manifest import Manifest, compute_build_id
+from pipelines.paths import cache_root
+from pipelines.store import open_store
+
+REPO = Path.cwd()
+MODEL = "test-org/tiny-llama"
+SLUG = "test-org--tiny-llama"
+
+
+def _files(root: Path) -> list[str]:
+    if not root.exists():
+        return []
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def _visible(root: Path) -> list[str]:
+    """What a reader of the store could see as published or pending."""
+    return [f for f in _files(root) if f.startswith(("manifests/", "refs/", "staging/"))]
+
+
+def _local_revision(model_dir: Path) -> str:
+    """DESIGN: local-<sha256 of the sorted (path, sha256) list>, computed here independently."""
+    pairs = sorted([p.name, hashlib.sha256(p.read_bytes()).hexdigest()] for p in model_dir.iterdir() if p.is_file())
+    return "local-" + hashlib.sha256(json.dumps(pairs, separators=(",", ":")).encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def tconfig(tmp_path_factory):
+    """The project's registry and recipes with test gates for random-weight models (see factories.TEST_GATES)."""
+    return Config.load(write_test_config(tmp_path_factory.mktemp("cfg"), REPO))
+
+
+@pytest.fixture(scope="module")
+def published(tiny_llama, tconfig, tmp_path_factory):
+    """One f16 build of the tiny model, published into a module-wide store."""
+    store = tmp_path_factory.mktemp("published") / "store"
+    res = build_and_publish(str(tiny_llama), "gguf-f16", tconfig, str(store), MODEL)
+    return store, res
+
+
+def test_publish_layout_matches_the_design(published, tiny_llama, tconfig):
+    config = tconfig
+    store, res = published
+    assert res.state == "published" and res.skipped is False
+    assert res.validation["passed"] is True and res.validation["failures"] == []
+    gate = tconfig.recipe("gguf-f16").validation
+    assert res.validation["metrics"]["top1_agreement"] >= gate.min_top1_agreement
+    assert res.validation["metrics"]["mean_kl"] <= gate.max_mean_kl and res.validation["metrics"]["finite"] is True
+    assert res.validation["thresholds"] == gate.model_dump(mode="json")
+
+    rev = _local_revision(tiny_llama)
+    bid = res.build_id
+    assert len(bid) == 64 and all(c in "0123456789abcdef" for c in bid)
+    (entry,) = res.files
+    blob = f"blobs/sha256/{entry['sha256'][:2]}/{entry['sha256']}"
+    mkey = f"manifests/{SLUG}/gguf-f16/{bid}.json"
+    assert _files(store) == sorted([blob, mkey, f"refs/{SLUG}/gguf-f16/latest", f"refs/{SLUG}/gguf-f16/{rev}",
+                                    "profiles.json"])
+    assert res.manifest == f"{store.as_uri()}/{mkey}"
+
+    # the blob is the artifact, verified by its name
+    data = (store / blob).read_bytes()
+    assert hashlib.sha256(data).hexdigest() == entry["sha256"] and len(data) == entry["size"]
+    assert data[:4] == b"GGUF"
+    assert entry["path"] == "tiny-llama-F16.gguf"
+
+    raw = (store / mkey).read_bytes()
+    m = Manifest.model_validate_json(raw)
+    assert raw == m.to_bytes()  # canonical bytes
+    doc = json.loads(raw)
+    assert doc["schema_version"] == 1 and doc["build_id"] == bid
+    assert doc["model"]["id"] == MODEL and doc["model"]["revision"] == rev == doc["model"]["commit"]
+    assert doc["model"]["source"] == "local" and doc["model"]["gated"] is False
+    assert doc["recipe"]["id"] == "gguf-f16" and doc["recipe"]["digest"] == config.recipe("gguf-f16").digest
+    assert doc["runtime_profiles"] == ["llm-llamacpp-cpu"] and doc["format"] == "gguf"
+    assert doc["files"] == res.files
+    assert {"gguf", "llama_cpp_python", "transformers", "hive_aot_gguf_format"} <= set(doc["toolchain"])
+    assert doc["serving"]["engine"] == "llama.cpp" and doc["serving"]["model_file"] == entry["path"]
+    assert doc["validation"]["passed"] is True
+    assert "created_at" not in raw.decode() and str(store) not in raw.decode()  # no timestamps, no local paths
+
+    # the build id is recomputable from what the manifest records
+    snap_files = sorted((p.name, hashlib.sha256(p.read_bytes()).hexdigest()) for p in tiny_llama.iterdir() if p.is_file())
+    assert bid == compute_build_id(MODEL, rev, snap_files, config.recipe("gguf-f16").canonical_json(), doc["toolchain"])
+
+    for tag in ("latest", rev):
+        ref = json.loads((store / f"refs/{SLUG}/gguf-f16/{tag}").read_text())
+        assert ref["build_id"] == bid and ref["manifest"] == mkey
+        assert ref["manifest_sha256"] == hashlib.sha256(raw).hexdigest()
+        assert ref["created_at"].endswith("+00:00")
+
+    profiles = json.loads((store / "profiles.json").read_text())
+    assert {p["id"] for p in profiles["runtime_profiles"]} == {p.id for p in config.registry.runtime_profiles}
+
+
+def test_rebuild_in_a_fresh_store_is_byte_identical(published, tiny_llama, tconfig, tmp_path):
+    store, first = published
+    fresh = tmp_path / "fresh"
+    second = build_and_publish(str(tiny_llama), "gguf-f16", tconfig, str(fresh), MODEL)
+    assert second.state == "published" and second.build_id == first.build_id
+    assert second.files == first.files  # identical blob digests: the build is deterministic
+    mkey = f"manifests/{SLUG}/gguf-f16/{first.build_id}.json"
+    assert (fresh / mkey).read_bytes() == (store / mkey).read_bytes()
+    for f in first.files:
+        key = f"blobs/sha256/{f['sha256'][:2]}/{f['sha256']}"
+        assert (fresh / key).read_bytes() == (store / key).read_bytes()
+
+
+def test_same_inputs_are_skipped(published, tiny_llama, tconfig):
+    store, first = published
+    before = {f: (store / f).stat().st_mtime_ns for f in _files(store)}
+    res = build_and_publish(str(tiny_llama), "gguf-f16", tconfig, str(store), MODEL)
+    assert res.state == "skipped" and res.skipped is True
+    assert res.build_id == first.build_id and res.manifest == first.manifest and res.files == first.files
+    assert {f: (store / f).stat().st_mtime_ns for f in _files(store)} == before  # nothing rewritten
+
+
+def test_build_id_is_content_addressed(tiny_llama, config, tmp_path):
+    base = plan(str(tiny_llama), "gguf-f16", config, MODEL).build_id
+
+    # the same content elsewhere, plus files a build never reads: same id
+    moved = copy_model(tiny_llama, tmp_path / "elsewhere")
+    (moved / "notes.txt").write_text("not part of the model")
+    (moved / "pytorch_model.bin").write_bytes(b"never read")
+    assert plan(str(moved), "gguf-f16", config, MODEL).build_id == base
+
+    # one weight changed: new revision, new id
+    poison_weights(moved, value=0.5)
+    p = plan(str(moved), "gguf-f16", config, MODEL)
+    assert p.build_id != base and p.snapshot.revision != _local_revision(tiny_llama)
+
+    # another model id or recipe: new id
+    assert plan(str(tiny_llama), "gguf-f16", config, "test-org/other").build_id != base
+    assert plan(str(tiny_llama), "gguf-q8_0", config, MODEL).build_id != base
+
+
+def test_build_id_changes_with_recipe_options(tiny_llama, config, tmp_path):
+    base = plan(str(tiny_llama), "gguf-f16", config, MODEL)
+    reg = write_test_config(tmp_path / "cfg", REPO, gates={})
+    same = Config.load(reg)
+    assert plan(str(tiny_llama), "gguf-f16", same, MODEL).build_id == base.build_id
+
+    p = tmp_path / "cfg" / "recipes" / "gguf-f16.yaml"
+    data = yaml.safe_load(p.read_text())
+    data["description"] = "reworded: not part of the id"
+    p.write_text(yaml.safe_dump(data))
+    assert plan(str(tiny_llama), "gguf-f16", Config.load(reg), MODEL).build_id == base.build_id
+
+    data["options"] = {"outtype": "f16", "bpe_pre_fallback": "smollm"}
+    p.write_text(yaml.safe_dump(data))
+    assert plan(str(tiny_llama), "gguf-f16", Config.load(reg), MODEL).build_id != base.build_id
+
+
+def test_build_id_changes_with_toolchain():
+    args = ("org/m", "local-x", [("a", "0" * 64)], '{"id":"r"}')
+    a = compute_build_id(*args, {"gguf": "0.19.0", "hive_aot_gguf_format": "1"})
+    assert a == compute_build_id(*args, {"hive_aot_gguf_format": "1", "gguf": "0.19.0"})
+    assert a != compute_build_id(*args, {"gguf": "0.19.0", "hive_aot_gguf_format": "2"})
+    assert a != compute_build_id(*args, {"gguf": "0.20.0", "hive_aot_gguf_format": "1"})
+
+
+def test_interrupted_publish_is_repaired(published, tiny_llama, tconfig, tmp_path):
+    src, first = published
+    store = tmp_path / "store"
+    shutil.copytree(src, store)
+    refs = [f for f in _files(store) if f.startswith("refs/")]
+    assert len(refs) == 2
+    for r in refs:
+        (store / r).unlink()  # a publisher died after writing the manifest
+    res = build_and_publish(str(tiny_llama), "gguf-f16", tconfig, str(store), MODEL)
+    assert res.state == "skipped" and res.build_id == first.build_id
+    assert [f for f in _files(store) if f.startswith("refs/")] == refs
+    mbytes = (store / f"manifests/{SLUG}/gguf-f16/{first.build_id}.json").read_bytes()
+    for r in refs:
+        ref = json.loads((store / r).read_text())
+        assert ref["build_id"] == first.build_id and ref["manifest_sha256"] == hashlib.sha256(mbytes).hexdigest()
+
+
+# --- bad inputs: one clear line, nothing visible in the store ----------------------------------
+
+def _truncate(d: Path) -> None:
+    p = d / "model.safetensors"
+    p.write_bytes(p.read_bytes()[:-1000])
+
+
+def _shape_mismatch(d: Path) -> None:
+    def edit(h):
+        h["model.norm.weight"]["shape"] = [65]
+    rewrite_safetensors_header(d / "model.safetensors", edit)
+
+
+def _offsets_past_end(d: Path) -> None:
+    def edit(h):
+        last = max((k for k in h if k != "__metadata__"), key=lambda k: h[k]["data_offsets"][1])
+        s, e = h[last]["data_offsets"]
+        h[last]["data_offsets"] = [s + 4096, e + 4096]
+    rewrite_safetensors_header(d / "model.safetensors", edit)
+
+
+def _pickle_only(d: Path) -> None:
+    (d / "model.safetensors").rename(d / "pytorch_model.bin")
+
+
+BAD_INPUTS = {
+    "unknown_architecture": (lambda d: edit_config(d, architectures=["FancyNewForCausalLM"]),
+                             "not in the architecture database yet"),
+    "no_architectures": (lambda d: edit_config(d, architectures=None), "config.json has no architectures field"),
+    "missing_config": (lambda d: (d / "config.json").unlink(), "config.json is missing"),
+    "malformed_config": (lambda d: (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],'),
+                         "config.json is not valid JSON"),
+    "truncated_safetensors": (_truncate, "truncated safetensors file"),
+    "shape_mismatch": (_shape_mismatch, "do not match its shape [65] BF16"),
+    "offsets_past_end": (_offsets_past_end, "data section has"),
+    "vocab_mismatch": (lambda d: edit_config(d, vocab_size=50000),
+                       "config vocab_size=50000 but model.embed_tokens.weight has 49152 rows"),
+    "absurd_sizes": (lambda d: edit_config(d, num_hidden_layers=10 ** 6), "num_hidden_layers=1000000 is not plausible"),
+    "malformed_tokenizer": (lambda d: (d / "tokenizer.json").write_text('{"version": "1.0", "model": '),
+                            "tokenizer"),
+    "auto_map_unreviewed": (lambda d: edit_config(d, auto_map={"AutoModelForCausalLM": "modeling_x.X"}),
+                            "requires review"),
+    "recipe_not_applicable": (lambda d: edit_config(d, architectures=["Qwen2ForCausalLM"]),
+                              "recipe gguf-f16 does not apply to test-org/bad (Qwen2ForCausalLM)"),
+    "pickle_only": (_pickle_only, "only pickle weights (pytorch_model.bin)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_refused_and_leaves_nothing(case, tiny_llama, config, tmp_path):
+    breaker, fragment = BAD_INPUTS[case]
+    d = copy_model(tiny_llama, tmp_path / "bad")
+    breaker(d)
+    store = tmp_path / "store"
+    with pytest.raises(HiveError) as ei:
+        build_and_publish(str(d), "gguf-f16", config, str(store), "test-org/bad")
+    msg = str(ei.value)
+    assert "\n" not in msg and fragment in msg, msg
+    assert ei.value.exit_code == 1
+    assert _visible(store) == []
+    assert _files(cache_root() / "work") == []  # build scratch is cleaned up
+
+
+def test_unknown_recipe(tiny_llama, config, tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown recipe 'gguf-q1' \(known: "):
+        build_and_publish(str(tiny_llama), "gguf-q1", config, str(tmp_path / "store"), MODEL)
+    assert _visible(tmp_path / "store") == []
+
+
+def test_unwritable_store(tiny_llama, config, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(StoreError, match="is not writable") as ei:
+        build_and_publish(str(tiny_llama), "gguf-f16", config, str(blocker / "store"), MODEL)
+    assert "\n" not in str(ei.value)
+    # checked before any source work: even a broken source reports the store first
+    with pytest.raises(StoreError, match="is not writable"):
+        build_and_publish(str(tmp_path / "missing-model"), "gguf-f16", config, str(blocker / "store"), MODEL)
+
+
+def test_nan_weights_are_rejected(tiny_llama, config, tmp_path):
+    d = copy_model(tiny_llama, tmp_path / "nan")
+    poison_weights(d)
+    store = tmp_path / "store"
+    res = build_and_publish(str(d), "gguf-f16", config, str(store), "test-org/nan")
+    assert res.state == "rejected" and res.skipped is False and res.manifest == ""
+    assert res.validation["passed"] is False
+    assert any("not finite" in f or "non-finite" in f for f in res.validation["failures"]), res.validation
+    assert res.validation["metrics"]["finite"] is False
+    # nothing visible, no staging record; the uploaded blob is left for gc
+    assert _visible(store) == []
+    assert [f for f in _files(store) if f.startswith("blobs/")] == [
+        f"blobs/sha256/{res.files[0]['sha256'][:2]}/{res.files[0]['sha256']}"]
+
+
+def test_unvalidated_candidate_cannot_be_published(tiny_llama, config, tmp_path):
+    d = copy_model(tiny_llama, tmp_path / "nan")
+    poison_weights(d, tensor="model.layers.1.self_attn.o_proj.weight")
+    store = open_store(str(tmp_path / "store"))
+    p = plan(str(d), "gguf-f16", config, "test-org/nan2")
+    staged = stage(p, store)
+    assert staged.state == "staged" and staged.manifest.endswith(f"/staging/{p.build_id}.json")
+    assert _visible(store.root) == [f"staging/{p.build_id}.json"]
+    with pytest.raises(ValidationFailed, match="is staged, not validated: refusing to publish") as ei:
+        publish_staged(p, store, config)
+    assert ei.value.exit_code == 3
+    report = validate_staged(p, store)
+    assert report.passed is False
+    assert _visible(store.root) == []  # the rejected candidate's staging record is gone
+    with pytest.raises(StoreError, match="no staged candidate"):
+        publish_staged(p, store, config)
+    assert _visible(store.root) == []
+
+
+def test_auto_map_builds_when_reviewed_and_never_imports_its_code(tiny_llama, tmp_path):
+    d = copy_model(tiny_llama, tmp_path / "remote")
+    sentinel = tmp_path / "SENTINEL"
+    code = f"open({str(sentinel)!r}, 'w').write('remote code ran')\n"
+    for name in ("modeling_evil.py", "configuration_evil.py", "tokenization_evil.py"):
+        (d / name).write_text(code)
+    edit_config(d, auto_map={"AutoConfig": "configuration_evil.EvilConfig",
+                             "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
+    tcfg = json.loads((d / "tokenizer_config.json").read_text())
+    tcfg["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+    (d / "tokenizer_config.json").write_text(json.dumps(tcfg))
+
+    unreviewed = Config.load(write_test_config(tmp_path / "u", REPO, models=[{"id": "test-org/remote", "recipes": ["gguf-f16"]}]))
+    with pytest.raises(HiveError, match="requires review"):
+        build_and_publish(str(d), "gguf-f16", unreviewed, str(tmp_path / "store"), "test-org/remote")
+
+    reviewed = Config.load(write_test_config(tmp_path / "r", REPO, models=[
+        {"id": "test-org/remote", "recipes": ["gguf-f16"], "reviewed": True}]))
+    res = build_and_publish(str(d), "gguf-f16", reviewed, str(tmp_path / "store"), "test-org/remote")
+    assert res.state == "published", res.validation
+    assert not sentinel.exists()
+    assert os.path.isfile(tmp_path / "store" / f"manifests/test-org--remote/gguf-f16/{res.build_id}.json")

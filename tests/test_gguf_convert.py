@@ -1,0 +1,467 @@
+"""Our HF -> GGUF converter against the transformers fp32 reference, on tiny but real models.
+
+Every parity test converts a 2-layer model, loads the GGUF in llama.cpp and compares logits with
+transformers on the same token ids (`validate_gguf`). Negative controls show the metrics do fail
+when the conversion is wrong (no Q/K permutation, no rope_freqs), so the thresholds mean something.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from factories import copy_model, edit_config, make_llama, make_spm_llama, rewrite_safetensors
+from pipelines.errors import ModelFormatError
+from pipelines.sources import fetch
+from pipelines.targets.gguf import convert as convert_mod
+from pipelines.targets.gguf import families
+from pipelines.targets.gguf.convert import convert
+from pipelines.targets.gguf.validate import validate_gguf
+
+Q = gguf.GGMLQuantizationType
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+def run_convert(model_dir: Path, out: Path, outtype: str = "f16", options: dict | None = None):
+    snap = fetch(str(model_dir), f"test/{model_dir.name}")
+    report = convert(snap.dir, snap.config(), snap.safetensors_files(), out, outtype, name=snap.model_id,
+                     options=options)
+    return snap, report
+
+
+def convert_and_validate(model_dir: Path, out: Path, outtype: str = "f16", options: dict | None = None):
+    snap, report = run_convert(model_dir, out, outtype, options)
+    metrics, details = validate_gguf(snap, out)
+    print(f"{model_dir.name} {outtype}: {metrics}")
+    return report, metrics, details
+
+
+def field(reader: gguf.GGUFReader, key: str):
+    return reader.fields[key].contents()
+
+
+def tensor_types(reader: gguf.GGUFReader) -> dict[str, Q]:
+    return {t.name: t.tensor_type for t in reader.tensors}
+
+
+def assert_f16_parity(metrics: dict, *, min_top1: float = 0.98) -> None:
+    """Lossless-ish conversion: KL is the sharp measure; top-1 of a random tiny model can flip on near-ties."""
+    assert metrics["finite"] is True
+    assert metrics["positions"] > 200
+    assert metrics["top1_agreement"] >= min_top1, metrics
+    assert metrics["mean_kl"] < 1e-4, metrics
+    assert metrics["max_abs_logit_delta"] < 0.2, metrics
+    assert metrics["token_parity"] == 1.0, metrics
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_dir, tmp_path_factory):
+    """Build (once per module) a tiny SmolLM2-tokenizer Llama variant by name."""
+    built: dict[str, Path] = {}
+    root = tmp_path_factory.mktemp("gguf-convert-models")
+
+    def build(name: str, **kwargs) -> Path:
+        if name not in built:
+            built[name] = make_llama(root / name, smollm2_dir, **kwargs)
+        return built[name]
+
+    return build
+
+
+# --- parity ----------------------------------------------------------------------------------------
+
+def test_tied_llama_f16_parity_and_metadata(tiny_llama, tmp_path):
+    out = tmp_path / "tied-f16.gguf"
+    report, metrics, details = convert_and_validate(tiny_llama, out)
+    assert metrics["finite"] is True
+    assert metrics["top1_agreement"] >= 0.99
+    assert metrics["mean_kl"] < 1e-3
+    assert metrics["token_parity"] == 1.0
+    assert details["tokenizer_mismatches"] == []
+    assert metrics["greedy_prefix_match"] >= 10
+
+    assert report.architecture == "LlamaForCausalLM" and report.gguf_arch == "llama"
+    assert report.nonfinite_tensors == []
+    assert report.vocab["pre"] == "smollm" and report.vocab["pre_detection"].startswith("hash:")
+    assert report.tensor_types == {"F16": 15, "F32": 5}  # 2 layers x 7 matrices + token_embd; 5 norms
+
+    r = gguf.GGUFReader(str(out))
+    assert field(r, "general.architecture") == "llama"
+    assert field(r, "general.file_type") == int(gguf.LlamaFileType.MOSTLY_F16)
+    assert field(r, "llama.block_count") == 2
+    assert field(r, "llama.embedding_length") == 64
+    assert field(r, "llama.feed_forward_length") == 128
+    assert field(r, "llama.attention.head_count") == 4
+    assert field(r, "llama.attention.head_count_kv") == 2
+    assert field(r, "llama.rope.dimension_count") == 16
+    assert field(r, "llama.context_length") == 512
+    assert field(r, "llama.vocab_size") == 49152
+    assert field(r, "tokenizer.ggml.model") == "gpt2"
+    assert field(r, "tokenizer.ggml.pre") == "smollm"
+    assert len(field(r, "tokenizer.ggml.tokens")) == 49152
+    assert len(field(r, "tokenizer.ggml.merges")) > 40000
+    types = tensor_types(r)
+    assert "output.weight" not in types  # tied: llama.cpp reuses token_embd
+    assert "rope_freqs.weight" not in types
+    assert types["token_embd.weight"] == Q.F16 and types["blk.1.attn_q.weight"] == Q.F16
+    assert types["output_norm.weight"] == Q.F32 and types["blk.0.attn_norm.weight"] == Q.F32
+    q = next(t for t in r.tensors if t.name == "blk.0.attn_q.weight")
+    assert q.data.shape == (64, 64)
+
+
+def test_untied_lm_head_becomes_output_weight(model, tmp_path):
+    d = model("untied", tie=False)
+    out = tmp_path / "untied.gguf"
+    report, metrics, _ = convert_and_validate(d, out)
+    assert_f16_parity(metrics)
+    types = tensor_types(gguf.GGUFReader(str(out)))
+    assert types["output.weight"] == Q.F16
+    assert report.tensors == 21 and report.tensor_types == {"F16": 16, "F32": 5}
+    # the lm_head really is a different matrix here, so output.weight cannot be a copy of token_embd
+    r = gguf.GGUFReader(str(out))
+    data = {t.name: np.asarray(t.data) for t in r.tensors}
+    assert not np.array_equal(data["output.weight"], data["token_embd.weight"])
+
+
+def test_mistral(model, tmp_path):
+    d = model("mistral", arch="MistralForCausalLM")
+    assert json.loads((d / "config.json").read_text())["architectures"] == ["MistralForCausalLM"]
+    out = tmp_path / "mistral.gguf"
+    report, metrics, _ = convert_and_validate(d, out)
+    assert_f16_parity(metrics)
+    assert report.architecture == "MistralForCausalLM"
+    assert field(gguf.GGUFReader(str(out)), "general.architecture") == "llama"
+
+
+@pytest.fixture(scope="module")
+def bias_model(model):
+    """attention_bias=True; transformers initializes biases to zero, so make them random (and large)."""
+    d = model("attention-bias", attention_bias=True)
+    rng = np.random.default_rng(0)
+
+    def randomize(tensors):
+        for name in tensors:
+            if name.endswith(".bias"):
+                tensors[name] = rng.normal(0.0, 1.0, tensors[name].shape).astype(np.float32)
+
+    rewrite_safetensors(d, randomize)
+    return d
+
+
+def test_attention_bias(bias_model, tmp_path):
+    out = tmp_path / "bias.gguf"
+    report, metrics, _ = convert_and_validate(bias_model, out)
+    assert_f16_parity(metrics)
+    types = tensor_types(gguf.GGUFReader(str(out)))
+    for bid in range(2):
+        for t in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            assert types[f"blk.{bid}.{t}.bias"] == Q.F32
+
+
+def test_attention_bias_needs_the_q_k_bias_permutation(bias_model, tmp_path, monkeypatch):
+    """Negative control: weights permuted but q/k biases not -> parity collapses."""
+    original = convert_mod.family_for
+
+    def without_bias_permutation(arch):
+        fam = original(arch)
+        rules = tuple(dataclasses.replace(r, transform=None) if r.gguf.endswith(".bias") else r
+                      for r in fam.block_tensors)
+        return dataclasses.replace(fam, block_tensors=rules)
+
+    monkeypatch.setattr(convert_mod, "family_for", without_bias_permutation)
+    _, metrics, _ = convert_and_validate(bias_model, tmp_path / "bias-unpermuted.gguf")
+    assert metrics["top1_agreement"] < 0.5
+    assert metrics["mean_kl"] > 0.1
+
+
+def test_head_dim_differs_from_hidden_over_heads(model, tmp_path):
+    d = model("head-dim-32", head_dim=32)  # hidden 64, 4 heads: hidden/heads would be 16
+    out = tmp_path / "head-dim.gguf"
+    _, metrics, _ = convert_and_validate(d, out)
+    assert_f16_parity(metrics)
+    r = gguf.GGUFReader(str(out))
+    assert field(r, "llama.attention.key_length") == 32
+    assert field(r, "llama.attention.value_length") == 32
+    assert field(r, "llama.rope.dimension_count") == 32
+    shapes = {t.name: tuple(t.data.shape) for t in r.tensors}
+    assert shapes["blk.0.attn_q.weight"] == (4 * 32, 64)
+    assert shapes["blk.0.attn_k.weight"] == (2 * 32, 64)
+    assert shapes["blk.0.attn_output.weight"] == (64, 4 * 32)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               # far below the ~100-token prompts, so the scaled frequencies are really used
+               "original_max_position_embeddings": 64}
+
+
+@pytest.fixture(scope="module")
+def llama3_model(model):
+    return model("llama3-rope", rope_parameters={**LLAMA3_ROPE, "rope_theta": 10000.0})
+
+
+@pytest.mark.parametrize("spelling", ["rope_parameters", "rope_scaling"])
+def test_llama3_rope_scaling(llama3_model, tmp_path, spelling):
+    d = llama3_model
+    if spelling == "rope_scaling":  # the transformers 4 spelling: rope_scaling + top-level rope_theta
+        d = copy_model(llama3_model, tmp_path / "llama3-rope-scaling")
+        edit_config(d, rope_parameters=None, rope_scaling=dict(LLAMA3_ROPE), rope_theta=10000.0)
+    cfg = json.loads((d / "config.json").read_text())
+    assert (cfg.get("rope_parameters") or cfg.get("rope_scaling"))["rope_type"] == "llama3"
+    out = tmp_path / "llama3.gguf"
+    report, metrics, _ = convert_and_validate(d, out)
+    assert_f16_parity(metrics)
+    r = gguf.GGUFReader(str(out))
+    freqs = {t.name: np.asarray(t.data) for t in r.tensors}["rope_freqs.weight"]
+    assert tensor_types(r)["rope_freqs.weight"] == Q.F32
+    assert freqs.shape == (16 // 2,)
+    # all three regimes of the llama3 rule occur: kept (1), fully scaled (factor) and smoothed in between
+    assert freqs[0] == 1.0 and freqs[-1] == 8.0
+    assert any(1.0 < f < 8.0 for f in freqs)
+    assert report.tensor_types["F32"] == 6  # 5 norms + rope_freqs
+
+
+def test_llama3_rope_freqs_matter(llama3_model, tmp_path, monkeypatch):
+    """Negative control: the same model without rope_freqs diverges, so the scaling is really exercised."""
+    original = convert_mod.family_for
+    monkeypatch.setattr(convert_mod, "family_for",
+                        lambda arch: dataclasses.replace(original(arch), extra_tensors=lambda hp: {}))
+    out = tmp_path / "llama3-no-freqs.gguf"
+    _, metrics, _ = convert_and_validate(llama3_model, out)
+    assert "rope_freqs.weight" not in tensor_types(gguf.GGUFReader(str(out)))
+    assert metrics["top1_agreement"] < 0.5
+    assert metrics["mean_kl"] > 0.1
+
+
+def test_q_k_permutation_matters(tiny_llama, tmp_path, monkeypatch):
+    """Negative control: without llama.cpp's rotary pair layout the GGUF loads but is garbage."""
+    monkeypatch.setattr(families, "permute_qk", lambda w, n_head: w)
+    _, metrics, _ = convert_and_validate(tiny_llama, tmp_path / "unpermuted.gguf")
+    assert metrics["finite"] is True  # it loads and runs: only parity can catch this
+    assert metrics["top1_agreement"] < 0.5
+    assert metrics["mean_kl"] > 0.1
+
+
+def test_q8_0_parity(tiny_llama, tmp_path):
+    out = tmp_path / "q8.gguf"
+    report, metrics, _ = convert_and_validate(tiny_llama, out, "q8_0")
+    assert metrics["finite"] is True and metrics["token_parity"] == 1.0
+    assert metrics["top1_agreement"] >= 0.8
+    assert metrics["mean_kl"] < 0.01
+    assert report.tensor_types == {"Q8_0": 15, "F32": 5}
+    r = gguf.GGUFReader(str(out))
+    assert field(r, "general.file_type") == int(gguf.LlamaFileType.MOSTLY_Q8_0)
+    assert field(r, "general.quantization_version") == gguf.GGML_QUANT_VERSION
+    assert tensor_types(r)["token_embd.weight"] == Q.Q8_0
+
+
+def test_bf16_parity(tiny_llama, tmp_path):
+    out = tmp_path / "bf16.gguf"
+    report, metrics, _ = convert_and_validate(tiny_llama, out, "bf16")
+    assert metrics["finite"] is True and metrics["token_parity"] == 1.0
+    assert metrics["top1_agreement"] >= 0.95
+    assert metrics["mean_kl"] < 1e-3
+    assert report.tensor_types == {"BF16": 15, "F32": 5}
+    r = gguf.GGUFReader(str(out))
+    assert field(r, "general.file_type") == int(gguf.LlamaFileType.MOSTLY_BF16)
+    # the source is bf16: a bf16 GGUF holds exactly the source bits
+    from pipelines.safetensors_io import SafetensorsFile
+
+    with SafetensorsFile(tiny_llama / "model.safetensors") as f:
+        src = f.raw("model.layers.0.mlp.up_proj.weight").view(np.uint16).reshape(128, 64).copy()
+    got = next(t for t in r.tensors if t.name == "blk.0.ffn_up.weight")
+    assert np.array_equal(np.asarray(got.data).view(np.uint16).reshape(128, 64), src)
+
+
+def test_q4_k_m_through_the_target(smollm2_dir, tmp_path, config):
+    """k-quants via libllama from a lossless intermediate; hidden 256 so Q4_K/Q6_K are really used."""
+    from pipelines.targets.gguf import GgufTarget
+
+    d = make_llama(tmp_path / "q4km-model", smollm2_dir, hidden_size=256, intermediate_size=512,
+                   initializer_range=0.02)
+    snap = fetch(str(d), "test/q4km-model")
+    recipe = config.recipe("gguf-q4_k_m")  # Config.load("registry.yaml")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    target = GgufTarget()
+    art = target.build(snap, recipe, out_dir)
+    assert art.files == ["q4km-model-Q4_K_M.gguf"]
+    assert sorted(p.name for p in out_dir.iterdir()) == art.files  # the intermediate is gone
+    assert art.info["intermediate"] == "bf16" and art.info["outtype"] == "Q4_K_M"
+    r = gguf.GGUFReader(str(out_dir / art.files[0]))
+    assert field(r, "general.file_type") == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    counts = Counter(t.tensor_type for t in r.tensors)
+    assert counts[Q.Q4_K] > 0 and counts[Q.Q6_K] > 0, counts
+    assert all(t.tensor_type == Q.F32 for t in r.tensors if len(t.shape) == 1)
+    rep = target.validate(snap, recipe, out_dir, art.files)
+    m = rep.metrics
+    print(f"q4_k_m: {m} passed={rep.passed} {rep.failures}")
+    assert m["finite"] is True and m["token_parity"] == 1.0
+    assert m["top1_agreement"] >= 0.6  # measured 0.79 (random weights are hard on 4-bit)
+    assert m["mean_kl"] < 0.02  # measured 0.0012
+
+
+# --- errors ----------------------------------------------------------------------------------------
+
+def test_unmapped_extra_tensor_is_refused(tiny_llama, tmp_path):
+    d = copy_model(tiny_llama, tmp_path / "extra")
+    rewrite_safetensors(d, lambda t: t.__setitem__("model.layers.0.mlp.extra_proj.weight", np.ones((4, 4), np.float32)))
+    out = tmp_path / "extra.gguf"
+    with pytest.raises(ModelFormatError, match=r"unmapped tensors for llama: model\.layers\.0\.mlp\.extra_proj\.weight"):
+        run_convert(d, out)
+    assert not out.exists()
+
+
+def test_missing_required_tensor_is_refused(tiny_llama, tmp_path):
+    d = copy_model(tiny_llama, tmp_path / "missing")
+    rewrite_safetensors(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    out = tmp_path / "missing.gguf"
+    with pytest.raises(ModelFormatError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'.*blk\.1\.ffn_up\.weight"):
+        run_convert(d, out)
+    assert not out.exists()
+
+
+def test_untied_without_lm_head_is_refused(tiny_llama, tmp_path):
+    d = copy_model(tiny_llama, tmp_path / "no-head")
+    edit_config(d, tie_word_embeddings=False)
+    with pytest.raises(ModelFormatError, match="lm_head.weight is missing and tie_word_embeddings is false"):
+        run_convert(d, tmp_path / "no-head.gguf")
+
+
+def test_embedding_rows_must_match_vocab_size(tiny_llama, tmp_path):
+    d = copy_model(tiny_llama, tmp_path / "vocab-mismatch")
+    edit_config(d, vocab_size=49152 + 64)
+    out = tmp_path / "vocab-mismatch.gguf"
+    with pytest.raises(ModelFormatError, match=r"embedding is \[49152, 64\], config says vocab_size=49216"):
+        run_convert(d, out)
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def unknown_pre_model(tiny_llama, tmp_path_factory):
+    """SmolLM2's tokenizer with two vocab ids swapped: a valid BPE tokenizer whose check hash is unknown."""
+    from transformers import AutoTokenizer
+
+    from pipelines.targets.gguf.vocab import _pre_table
+
+    d = copy_model(tiny_llama, tmp_path_factory.mktemp("unknown-pre") / "model")
+    tok = AutoTokenizer.from_pretrained(str(d))
+    ids = tok.encode(_pre_table()["check_text"])
+    a, b = [i for i in dict.fromkeys(ids) if i not in tok.added_tokens_decoder][:2]
+    spec = json.loads((d / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = spec["model"]["vocab"]
+    by_id = {i: t for t, i in vocab.items()}
+    vocab[by_id[a]], vocab[by_id[b]] = b, a
+    (d / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    return d
+
+
+def test_unknown_bpe_pre_tokenizer_is_an_error(unknown_pre_model, tmp_path):
+    out = tmp_path / "unknown-pre.gguf"
+    with pytest.raises(ModelFormatError, match=r"BPE pre-tokenizer not recognised by llama\.cpp \(check hash [0-9a-f]{16}.*bpe_pre_fallback"):
+        run_convert(unknown_pre_model, out)
+    assert not out.exists()
+
+
+def test_unknown_bpe_pre_tokenizer_explicit_fallback_is_recorded(unknown_pre_model, tmp_path):
+    out = tmp_path / "fallback.gguf"
+    _, report = run_convert(unknown_pre_model, out, options={"bpe_pre_fallback": "gpt-2"})
+    assert report.vocab["pre"] == "gpt-2"
+    assert report.vocab["pre_detection"].startswith("fallback:")
+    assert field(gguf.GGUFReader(str(out)), "tokenizer.ggml.pre") == "gpt-2"
+
+
+def test_nan_weight_is_reported_and_fails_validation(tiny_llama, tmp_path):
+    d = copy_model(tiny_llama, tmp_path / "nan")
+
+    def poison(tensors):
+        tensors["model.layers.0.mlp.down_proj.weight"][3, 5] = np.nan
+
+    rewrite_safetensors(d, poison)
+    out = tmp_path / "nan.gguf"
+    snap, report = run_convert(d, out)
+    assert report.nonfinite_tensors == ["blk.0.ffn_down.weight"]
+    metrics, _ = validate_gguf(snap, out)
+    assert metrics["finite"] is False
+    from pipelines.targets import check_thresholds
+    from pipelines.config import ValidationThresholds
+
+    failures = check_thresholds(metrics, ValidationThresholds(min_top1_agreement=0.9, max_mean_kl=0.1))
+    assert failures and "not finite" in failures[0]
+
+
+# --- streaming -------------------------------------------------------------------------------------
+# The probe runs in a fresh process and reads the kernel's peak-RSS watermark (VmHWM), reset after a
+# warm-up conversion. Not getrusage().ru_maxrss: in a child of pytest it starts at the parent's RSS
+# (exec records the forked parent image's high-water mark; RUSAGE_THREAD too on this kernel) and the
+# reset does not lower it, so a ~450 MB pytest process hides any growth below that.
+
+_RSS_PROBE = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from pipelines.sources import fetch
+    from pipelines.safetensors_io import TensorSource
+    from pipelines.targets.gguf import convert as C
+
+    def status_kib(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+    model_dir, out_dir, outtype, keep_pages = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
+    if keep_pages:  # counterfactual: what the probe sees when source pages are never released
+        TensorSource.release = lambda self, name: None
+    snap = fetch(str(model_dir), "test/streaming")
+    args = (snap.dir, snap.config(), snap.safetensors_files())
+    C.convert(*args, out_dir / "warmup.gguf", outtype, name="t")  # imports, vocab, lazy inits
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset this process's peak-RSS watermark to its current RSS
+    before = status_kib("VmHWM")
+    C.convert(*args, out_dir / "measured.gguf", outtype, name="t")
+    print(json.dumps({"before_kib": before, "after_kib": status_kib("VmHWM"), "rss_kib": status_kib("VmRSS")}))
+""")
+
+
+@pytest.fixture(scope="module")
+def streaming_model(tmp_path_factory):
+    """~89 MB of f32 weights whose largest tensor is 2 MiB (small SentencePiece vocab, 12 wide-MLP layers)."""
+    return make_spm_llama(tmp_path_factory.mktemp("streaming") / "model", hidden_size=256, intermediate_size=2048,
+                          num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=4, dtype="float32")
+
+
+def _peak_growth(model_dir: Path, out_dir: Path, outtype: str, keep_pages: bool) -> int:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(model_dir), str(out_dir), outtype,
+                           "1" if keep_pages else "0"], capture_output=True, text=True, timeout=300,
+                          cwd=Path.cwd(), env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    return (res["after_kib"] - res["before_kib"]) * 1024
+
+
+@pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="peak-RSS reset needs /proc/self/clear_refs")
+def test_conversion_streams_tensors(streaming_model, tmp_path):
+    from pipelines.safetensors_io import read_header
+
+    header = read_header(streaming_model / "model.safetensors")
+    total = sum(t.nbytes for t in header.tensors.values())
+    largest = max(t.nbytes for t in header.tensors.values())
+    assert total > 80e6 and largest * 40 < total
+    for outtype in ("f16", "q8_0"):
+        growth = _peak_growth(streaming_model, tmp_path / outtype, outtype, keep_pages=False)
+        print(f"{outtype}: peak RSS growth {growth / 2**20:.1f} MiB for {total / 2**20:.1f} MiB of weights "
+              f"(largest tensor {largest / 2**20:.1f} MiB)")
+        assert growth < total / 5, (outtype, growth, total)
+    # the probe can fail: with the source pages left mapped, peak RSS grows to about the whole model
+    kept = _peak_growth(streaming_model, tmp_path / "kept", "f16", keep_pages=True)
+    print(f"f16 without page release: peak RSS growth {kept / 2**20:.1f} MiB")
+    assert kept > total / 2

@@ -1,0 +1,140 @@
+"""The Dagster layer: definitions load (`dg check defs`), the graph's shape, and the whole slice
+materialized in-process on a tiny model with real checks and a real published manifest."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import pytest
+import yaml
+from factories import copy_model
+
+from pipelines.config import Config
+from pipelines.orchestration.automation import onboard_job, registry_sensor
+from pipelines.orchestration.factories import PARITY_CHECK, all_recipe_assets, artifact_key, published_key, source_assets
+from pipelines.orchestration.partitions import models_partitions
+from pipelines.orchestration.resources import HiveResource
+
+REPO = Path.cwd()
+
+
+def _registry(tmp: Path, models: list[dict]) -> Path:
+    """The repo's registry and recipes plus a lossless f32 recipe (tiny random models have
+    small logit margins, so the q8_0 threshold tuned on a real model is not what this tests)."""
+    base = yaml.safe_load((REPO / "registry.yaml").read_text())
+    base["models"] = models
+    recipes = tmp / "recipes"
+    shutil.copytree(REPO / "recipes", recipes, dirs_exist_ok=True)
+    (recipes / "gguf-f32.yaml").write_text(yaml.safe_dump({
+        "id": "gguf-f32", "kind": "gguf", "options": {"outtype": "f32"}, "runtime_profiles": ["llm-llamacpp-cpu"],
+        "validation": {"min_top1_agreement": 0.99, "max_mean_kl": 0.001}}))
+    base["recipes_dir"] = str(recipes)
+    path = tmp / "registry.yaml"
+    path.write_text(yaml.safe_dump(base))
+    return path
+
+
+def test_dg_check_defs_loads_the_code_location():
+    env = {**os.environ, "HIVE_AOT_REGISTRY": str(REPO / "registry.yaml")}
+    dg_bin = Path(sys.executable).parent / "dg"
+    proc = subprocess.run([str(dg_bin), "check", "defs"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def test_graph_snapshot():
+    """Fails loudly when the asset graph changes by accident (keys, checks, job, automation)."""
+    from pipelines.definitions import defs
+
+    graph = defs.resolve_asset_graph()
+    keys = sorted(k.to_user_string() for k in graph.get_all_asset_keys())
+    recipes = sorted(Config.load(REPO / "registry.yaml").recipes)
+    assert keys == sorted(["snapshot", "compatibility"] + [f"artifact/{r}" for r in recipes]
+                          + [f"published/{r}" for r in recipes])
+    checks = sorted(f"{c.asset_key.to_user_string()}:{c.name}" for c in graph.asset_check_keys)
+    assert checks == [f"artifact/{r}:{PARITY_CHECK}" for r in recipes]
+    for r in recipes:
+        node = graph.get(artifact_key(r))
+        assert node.partitions_def == models_partitions
+        assert node.code_version == Config.load(REPO / "registry.yaml").recipe(r).digest[:16]
+        assert graph.get(published_key(r)).parent_keys == {artifact_key(r)}
+    assert defs.resolve_job_def("onboard") is not None
+    assert [s.name for s in defs.sensors] == ["registry_sensor"]
+    assert [s.name for s in defs.schedules] == ["revisions_schedule"]
+
+
+def test_registry_sensor_adds_new_models_as_partitions(tmp_path, tiny_llama):
+    reg = _registry(tmp_path, [{"id": "test/tiny", "source": str(tiny_llama), "recipes": ["gguf-f16"]}])
+    instance = dg.DagsterInstance.ephemeral()
+    ctx = dg.build_sensor_context(instance=instance, resources={"hive": HiveResource(registry=str(reg))})
+    result = registry_sensor(ctx)
+    assert [r.partition_key for r in result.run_requests] == ["test/tiny"]
+    assert result.dynamic_partitions_requests[0].partition_keys == ["test/tiny"]
+    instance.add_dynamic_partitions("models", ["test/tiny"])
+    again = registry_sensor(dg.build_sensor_context(instance=instance, resources={"hive": HiveResource(registry=str(reg))}))
+    assert again.run_requests == [] and again.dynamic_partitions_requests == []
+
+
+def _run(reg: Path, store: Path, model_id: str):
+    config = Config.load(reg)
+    recipe_assets, checks = all_recipe_assets(config.recipes.values())
+    defs = dg.Definitions(assets=source_assets() + recipe_assets, asset_checks=checks, jobs=[onboard_job],
+                          resources={"hive": HiveResource(registry=str(reg), store=str(store))})
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions("models", [model_id])
+    return defs.resolve_job_def("onboard").execute_in_process(partition_key=model_id, instance=instance,
+                                                              raise_on_error=False)
+
+
+def test_materialize_whole_slice_publishes_and_checks(tmp_path, tiny_llama):
+    reg = _registry(tmp_path, [{"id": "test/tiny", "source": str(tiny_llama), "recipes": ["gguf-f16", "gguf-f32"]}])
+    store = tmp_path / "store"
+    result = _run(reg, store, "test/tiny")
+    assert result.success
+    evals = {e.asset_key.path[-1]: e for e in result.get_asset_check_evaluations()}
+    assert set(evals) == {"gguf-f16", "gguf-f32"}
+    assert all(e.passed for e in evals.values())
+    assert evals["gguf-f16"].metadata["top1_agreement"].value >= 0.99
+    mats = {e.asset_key.to_user_string(): e.materialization.metadata for e in result.get_asset_materialization_events()}
+    # q4_k_m is not requested for this model: nothing built, nothing published
+    assert "artifact/gguf-q4_k_m" not in mats and "published/gguf-q4_k_m" not in mats
+    assert mats["compatibility"]["status"].value == "compatible"
+    for rid in ("gguf-f16", "gguf-f32"):
+        md = mats[f"published/{rid}"]
+        assert md["state"].value == "published"
+        manifest_path = Path(md["manifest"].value.removeprefix("file://"))
+        doc = json.loads(manifest_path.read_text())
+        assert doc["build_id"] == md["build_id"].value == mats[f"artifact/{rid}"]["build_id"].value
+        assert doc["validation"]["passed"] is True
+        assert (store / "refs" / "test--tiny" / rid / "latest").is_file()
+    # a second run rebuilds nothing
+    again = _run(reg, store, "test/tiny")
+    states = {e.asset_key.to_user_string(): e.materialization.metadata["state"].value
+              for e in again.get_asset_materialization_events() if e.asset_key.path[0] == "published"}
+    assert states == {"published/gguf-f16": "skipped", "published/gguf-f32": "skipped"}
+
+
+def test_failing_check_blocks_publish(tmp_path, tiny_llama):
+    """NaN weights: the artifact builds, the blocking parity check fails, publish never runs."""
+    from safetensors.torch import load_file, save_file
+
+    bad = copy_model(tiny_llama, tmp_path / "nan-model")
+    weights = load_file(str(bad / "model.safetensors"))
+    name = next(k for k in weights if "q_proj" in k)
+    weights[name][0, 0] = float("nan")
+    save_file(weights, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    reg = _registry(tmp_path, [{"id": "test/nan", "source": str(bad), "recipes": ["gguf-f16"]}])
+    store = tmp_path / "store"
+    result = _run(reg, store, "test/nan")
+    evals = result.get_asset_check_evaluations()
+    assert len(evals) == 1 and not evals[0].passed
+    assert "not finite" in (evals[0].description or "")
+    published = [e for e in result.get_asset_materialization_events() if e.asset_key == published_key("gguf-f16")]
+    assert published == []
+    assert not (store / "manifests").exists() or not any((store / "manifests").rglob("*.json"))
+    assert not (store / "refs").exists()
