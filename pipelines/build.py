@@ -61,21 +61,16 @@ class BuildResult:
         }
 
 
-def _registry_entry(config: Config, model_id: str):
-    return config.registry.model(model_id)
-
-
 def plan(source: str, recipe_id: str, config: Config, model_id: str | None = None) -> Plan:
     """Resolve everything that decides the build id; refuses inapplicable recipes before any build work."""
     recipe = config.recipe(recipe_id)
     snap = fetch(source, model_id)
-    compat = classify_snapshot(snap, config.recipes.values())
+    reviewed = config.reviewed(snap.model_id)
+    compat = classify_snapshot(snap, config.recipes.values(), registry=config.registry, reviewed=reviewed)
     if compat.status == "incompatible":
         raise NotApplicableError(f"{snap.model_id} is incompatible: {compat.reason()}")
     if compat.status == "requires_review":
-        entry = _registry_entry(config, snap.model_id)
-        allowed = (entry is not None and entry.reviewed) or snap.model_id in config.registry.trust_remote_code_allowlist
-        if not allowed:
+        if not reviewed:
             raise NotApplicableError(
                 f"{snap.model_id} requires review ({compat.reason()}); set reviewed: true in registry.yaml to build it"
             )

@@ -31,22 +31,82 @@ def _mb(n: int) -> str:
 
 
 def cmd_check(args) -> int:
-    from .compat import classify_snapshot
+    from .compat.check import WeightsSummary, classify, classify_snapshot
     from .config import Config
-    from .sources import fetch
+    from .sources import fetch, parse_source
 
     config = Config.load(args.registry)
-    snap = fetch(args.source, args.model_id)
-    compat = classify_snapshot(snap, config.recipes.values(), hardware=args.hardware)
-    doc = {"model_id": snap.model_id, "revision": snap.revision, "commit": snap.commit, **compat.model_dump()}
-    lines = [f"{snap.model_id} @ {snap.commit[:12]}: {compat.status} -> {compat.runtime_profile_id or 'none'}"]
+    spec = parse_source(args.source)
+    extra: dict[str, Any] = {}
+    if spec.kind == "hf":
+        # Header-only: config.json, the index and safetensors headers by HTTP range; no weight bytes.
+        from .compat.remote import inspect_remote
+
+        repo = inspect_remote(spec)
+        weights = WeightsSummary.from_headers(repo.headers.values()) if repo.headers else None
+        compat = classify(repo.config, weights=weights, files=repo.files, hardware=args.hardware,
+                          recipes=config.recipes.values(), registry=config.registry,
+                          reviewed=config.reviewed(repo.model_id), config_error=repo.config_error)
+        model_id, revision, commit = repo.model_id, repo.revision, repo.commit
+        extra = {"bytes_fetched": repo.bytes_fetched, "repo_weights_bytes": repo.repo_bytes}
+    else:
+        snap = fetch(args.source, args.model_id)
+        compat = classify_snapshot(snap, config.recipes.values(), hardware=args.hardware, registry=config.registry,
+                                   reviewed=config.reviewed(snap.model_id))
+        model_id, revision, commit = snap.model_id, snap.revision, snap.commit
+    doc = {"model_id": model_id, "revision": revision, "commit": commit, **compat.model_dump(), **extra}
+    lines = [f"{model_id} @ {commit[:12]}: {compat.status} -> {compat.runtime_profile_id or 'none'} ({compat.hardware})"]
     lines += [f"  [{c.status}] {c.name}: {c.detail}" for c in compat.checks]
     req = compat.estimated_requirements
     if req:
-        lines.append(f"  parameters {req['parameters']:,}, weights {_mb(req['weights_bytes'])}")
+        lines.append(f"  parameters {req['parameters']:,}, weights {_mb(req['weights_bytes'])}, "
+                     f"estimated memory {_mb(req.get('vram_bytes', 0))}")
+        if req.get("recommended_config"):
+            lines.append("  recommended: " + ", ".join(f"{k}={v}" for k, v in req["recommended_config"].items()))
+    if extra:
+        lines.append(f"  header-only: fetched {extra['bytes_fetched']:,} bytes of {extra['repo_weights_bytes']:,}")
     lines.append(f"  recipes: {', '.join(compat.recipes) or 'none'}")
     _emit(args, doc, "\n".join(lines))
     return {"compatible": EXIT_OK, "requires_review": EXIT_REVIEW}.get(compat.status, EXIT_INCOMPATIBLE)
+
+
+def cmd_registry(args) -> int:
+    from .config import Config
+
+    if args.registry_command == "sync":
+        from .compat.sync import build_snapshot, snapshot_path, write_snapshot
+
+        doc = build_snapshot(args.vllm_version, Path(args.wheel) if args.wheel else None)
+        path = Path(args.output) if args.output else snapshot_path()
+        write_snapshot(doc, path)
+        archs = doc["architectures"].values()
+        summary = {"path": str(path), "sources": doc["sources"], "architectures": len(doc["architectures"]),
+                   "vllm_supported": sum(1 for a in archs if (a.get("vllm") or {}).get("support"))}
+        _emit(args, summary, f"wrote {summary['architectures']} architectures ({summary['vllm_supported']} run by vLLM "
+                             f"{args.vllm_version}) to {path}")
+        return EXIT_OK
+    config = Config.load(args.registry)
+    if args.registry_command == "backends":
+        rows = [p.model_dump(mode="json") for p in config.registry.runtime_profiles]
+        human = "\n".join(f"{p['id']:26} {p['vendor']:9} {p['role']:13} {'active' if p['active'] else 'INACTIVE':9} "
+                          f"{','.join(p['loads']):32} {p['image']}" for p in rows)
+        _emit(args, rows, human)
+        return EXIT_OK
+    from .compat import database
+
+    db = database.build(config.registry)
+    rows = [a.to_dict() for a in db.architectures.values()]
+    if not args.json:
+        active = sum(1 for r in rows if r["active"])
+        print(f"{len(rows)} architectures, {active} active (vLLM {db.sources.get('vllm')}, "
+              f"transformers {db.sources.get('transformers')})")
+        for r in rows:
+            tested = ",".join(r["tested"]) if r["tested"] else ""
+            print(f"{r['name']:48} {r['family']:16} {r['task']:17} {'active' if r['active'] else 'inactive':8} "
+                  f"{str(r['vllm_support'] or '-'):20} {tested}")
+        return EXIT_OK
+    _emit(args, {"sources": db.sources, "aliases": db.aliases, "architectures": rows}, "")
+    return EXIT_OK
 
 
 def cmd_build(args) -> int:
@@ -132,7 +192,8 @@ def parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("check", help="classify a model: status, runtime profile, checks, requirements")
     sp.add_argument("source", help="hf://owner/repo[@rev], owner/repo[@rev] or a local directory")
-    sp.add_argument("--hardware", default="nvidia", help="nvidia (default), amd, intel, cpu, qaic")
+    sp.add_argument("--hardware", default="nvidia",
+                    help="vendor[-model][-<N>gb]: nvidia (default), nvidia-a100-80gb, amd-mi300x-192gb, intel-max-1550, cpu, qaic-ai100")
     sp.add_argument("--model-id", help="model id for a local directory source")
     common(sp, store=False)
     sp.set_defaults(func=cmd_check)
@@ -164,6 +225,20 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--dry-run", action="store_true")
     sp.add_argument("--min-age", type=float, default=3600.0, help="only collect items older than this many seconds")
     sp.set_defaults(func=cmd_gc)
+
+    sp = sub.add_parser("registry", help="the architecture database and runtime profiles")
+    rsub = sp.add_subparsers(dest="registry_command", required=True)
+    for name, text in (("architectures", "one record per architecture"), ("backends", "the runtime profiles")):
+        r = rsub.add_parser(name, help=text)
+        r.add_argument("--json", action="store_true")
+        r.add_argument("--registry")
+    r = rsub.add_parser("sync", help="regenerate the architecture snapshot from vLLM's registry and transformers")
+    r.add_argument("--vllm-version", default="0.33.0", help="the vLLM release the serving images pin")
+    r.add_argument("--wheel", help="a local vllm wheel instead of downloading one")
+    r.add_argument("--output", help="where to write (default: the packaged snapshot)")
+    r.add_argument("--json", action="store_true")
+    r.add_argument("--registry")
+    sp.set_defaults(func=cmd_registry)
 
     sp = sub.add_parser("onboard", help="run the Dagster onboarding job headless for registry models")
     sp.add_argument("--model", action="append", help="only this model id (repeatable)")

@@ -26,11 +26,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+Role = Literal["vllm", "transformers", "tgi", "ssm", "diffusers", "generative", "specialists", "gguf", "qaic"]
+
+
 class RuntimeProfile(_Strict):
     """A backend of the serving platform: the image that serves a model and what it can load."""
 
     id: str
     vendor: Literal["nvidia", "amd", "intel", "cpu", "qualcomm"]
+    role: Role = Field(description="what the compatibility check routes to it (one active profile per vendor and role)")
     framework: str
     image: str
     active: bool = True
@@ -59,6 +63,21 @@ class ModelEntry(_Strict):
         return v
 
 
+class ArchitectureOverride(_Strict):
+    """Curated facts about one architecture, merged over the generated snapshot."""
+
+    family: str | None = None
+    task: str | None = None
+    active: bool | None = None
+    vllm_support: Literal["native", "transformers-backend"] | None = None
+    tested: dict[str, int | None] = Field(default_factory=dict, description="runtime profile -> tok/s (null: no figure)")
+    benchmark_model: str | None = None
+    notes: list[str] = Field(default_factory=list)
+    aliases: list[str] = Field(default_factory=list, description="names in the seeds that are not real classes")
+    qaic: bool = False
+    trust_remote_code: bool = False
+
+
 class Registry(_Strict):
     version: Literal[1] = 1
     recipes_dir: str = "recipes"
@@ -67,6 +86,7 @@ class Registry(_Strict):
         default_factory=list, description="repos whose auto_map code may be reviewed; it is never executed by hive-aot"
     )
     models: list[ModelEntry] = Field(default_factory=list)
+    architectures: dict[str, ArchitectureOverride] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _unique(self) -> "Registry":
@@ -221,6 +241,11 @@ class Config:
         except KeyError:
             known = ", ".join(sorted(self.recipes)) or "none"
             raise ConfigError(f"unknown recipe {recipe_id!r} (known: {known})") from None
+
+    def reviewed(self, model_id: str) -> bool:
+        """A human reviewed this model (remote code, SSM, ...): `reviewed: true` or the allow-list."""
+        entry = self.registry.model(model_id)
+        return (entry is not None and entry.reviewed) or model_id in self.registry.trust_remote_code_allowlist
 
     def model_source(self, entry: ModelEntry) -> str:
         """The source URI of a registry model; relative local paths are relative to the registry file."""

@@ -251,18 +251,13 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return tuple(errs)
 
 
-def fetch_hf(spec: SourceSpec, model_id: str | None) -> Snapshot:
-    from huggingface_hub import HfApi, snapshot_download
-
+def fetch_hf_info(api, spec: SourceSpec):
+    """model_info at the requested revision (commit sha, file list, card data), errors as one line."""
     hf_errors = _hf_errors()
     repo = spec.repo_id
-    assert repo is not None
-    if model_id and model_id != repo:
-        raise SourceError(f"model id {model_id!r} does not match the source repo {repo!r}")
-    api = HfApi()
     try:
         # Offline mirrors answer model_info without a revision with 401; always ask for one.
-        info = api.model_info(repo, revision=spec.revision or "main", files_metadata=True)
+        return api.model_info(repo, revision=spec.revision or "main", files_metadata=True)
     except hf_errors.GatedRepoError:
         raise SourceError(f"{repo}: gated repo - accept its terms on the Hub and set HF_TOKEN") from None
     except hf_errors.RepositoryNotFoundError:
@@ -274,6 +269,17 @@ def fetch_hf(spec: SourceSpec, model_id: str | None) -> Snapshot:
         raise SourceError(f"{repo}: the Hub answered HTTP {code}") from None
     except _transport_errors() as e:
         raise SourceError(f"{repo}: cannot reach the Hub at {api.endpoint} ({type(e).__name__})") from None
+
+
+def fetch_hf(spec: SourceSpec, model_id: str | None) -> Snapshot:
+    from huggingface_hub import HfApi, snapshot_download
+
+    hf_errors = _hf_errors()
+    repo = spec.repo_id
+    assert repo is not None
+    if model_id and model_id != repo:
+        raise SourceError(f"model id {model_id!r} does not match the source repo {repo!r}")
+    info = fetch_hf_info(HfApi(), spec)
     commit = info.sha
     if not commit:
         raise SourceError(f"{repo}: the Hub did not return a commit sha")

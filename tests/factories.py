@@ -249,3 +249,50 @@ def rewrite_safetensors(model_dir: Path, edit) -> None:
         tensors = {n: np.array(f.float32(n)) for n in f.header.tensors}
     edit(tensors)
     save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def make_sharded_llama(dest: Path, *, hidden: int = 256, intermediate: int = 704, layers: int = 4, vocab: int = 32000,
+                       heads: int = 8, kv_heads: int = 2, shards: int = 3) -> tuple[Path, int]:
+    """A Llama-layout repo split into `shards` safetensors files with an index; tensor data are zeros
+    written as sparse files (headers are what the header-only check reads). Returns (dir, parameters)."""
+    import struct
+
+    head_dim = hidden // heads
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+                                          "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (heads * head_dim, hidden), p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden), p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": (intermediate, hidden), p + "mlp.up_proj.weight": (intermediate, hidden),
+            p + "mlp.down_proj.weight": (hidden, intermediate), p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        })
+    names = list(shapes)
+    per = -(-len(names) // shards)
+    dest.mkdir(parents=True, exist_ok=True)
+    weight_map, total_params = {}, 0
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        header, offset = {}, 0
+        for n in names[s * per:(s + 1) * per]:
+            numel = 1
+            for d in shapes[n]:
+                numel *= d
+            header[n] = {"dtype": "BF16", "shape": list(shapes[n]), "data_offsets": [offset, offset + 2 * numel]}
+            offset += 2 * numel
+            total_params += numel
+            weight_map[n] = fname
+        raw = json.dumps(header).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(dest / fname, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            f.truncate(8 + len(raw) + offset)
+    (dest / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 2 * total_params},
+                                                                   "weight_map": weight_map}))
+    (dest / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden, "intermediate_size": intermediate,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": vocab,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
+    return dest, total_params

@@ -137,12 +137,10 @@ def _answers_http(port: int) -> bool:
         return False
 
 
-@pytest.fixture(scope="session")
-def hf_mirror(tmp_path_factory, hermetic_env):
-    """A running olah mirror; HF_ENDPOINT points at it for the rest of the session."""
-    root = tmp_path_factory.mktemp("hf-mirror")
-    (root / "repos").mkdir()
-    (root / "mirrors" / "models").mkdir(parents=True)
+def start_mirror(root: Path) -> HfMirror:
+    """Start olah in offline mode over `root/mirrors` on a free loopback port (also used by bench/)."""
+    (root / "repos").mkdir(parents=True, exist_ok=True)
+    (root / "mirrors" / "models").mkdir(parents=True, exist_ok=True)
     port = _free_port()
     config = root / "config.toml"
     config.write_text(
@@ -163,13 +161,24 @@ def hf_mirror(tmp_path_factory, hermetic_env):
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     mirror = HfMirror(root=root, port=port, process=proc, log=log)
     deadline = time.monotonic() + START_TIMEOUT_S
+    while not _answers_http(port):
+        if proc.poll() is not None:
+            raise RuntimeError(f"olah exited with {proc.returncode} before answering on port {port}:\n{_log_tail(log)}")
+        if time.monotonic() > deadline:
+            _stop(proc)
+            raise RuntimeError(f"olah did not answer on port {port} within {START_TIMEOUT_S:.0f} s:\n{_log_tail(log)}")
+        time.sleep(0.2)
+    return mirror
+
+
+@pytest.fixture(scope="session")
+def hf_mirror(tmp_path_factory, hermetic_env):
+    """A running olah mirror; HF_ENDPOINT points at it for the rest of the session."""
     try:
-        while not _answers_http(port):
-            if proc.poll() is not None:
-                pytest.fail(f"olah exited with {proc.returncode} before answering on port {port}:\n{_log_tail(log)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"olah did not answer on port {port} within {START_TIMEOUT_S:.0f} s:\n{_log_tail(log)}")
-            time.sleep(0.2)
+        mirror = start_mirror(tmp_path_factory.mktemp("hf-mirror"))
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    try:
         old = os.environ.get("HF_ENDPOINT")
         os.environ["HF_ENDPOINT"] = mirror.endpoint
         restore = _point_loaded_client_at(mirror.endpoint)
@@ -182,7 +191,7 @@ def hf_mirror(tmp_path_factory, hermetic_env):
             else:
                 os.environ["HF_ENDPOINT"] = old
     finally:
-        _stop(proc)
+        _stop(mirror.process)
 
 
 def _point_loaded_client_at(endpoint: str):

@@ -220,7 +220,7 @@ def _pickle_only(d: Path) -> None:
 
 BAD_INPUTS = {
     "unknown_architecture": (lambda d: edit_config(d, architectures=["FancyNewForCausalLM"]),
-                             "not in the architecture database yet"),
+                             "FancyNewForCausalLM is not in the architecture database"),
     "no_architectures": (lambda d: edit_config(d, architectures=None), "config.json has no architectures field"),
     "missing_config": (lambda d: (d / "config.json").unlink(), "config.json is missing"),
     "malformed_config": (lambda d: (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],'),

@@ -1,32 +1,50 @@
 """The compatibility check: the same object the platform's live check returns.
 
 status (compatible | requires_review | incompatible), runtime_profile_id, checks [{name, status,
-detail}], estimated_requirements, and the recipes this project can build for the model.
-Status speaks of the platform; `recipes` speaks of this project's converters.
+detail}], estimated_requirements, and the recipes this project can build for the model. Status
+speaks of the platform; `recipes` speaks of this project's converters.
+
+Routing (the seed's rules; each target is the active profile of that role for the hardware's vendor):
+- diffusers pipelines (`model_index.json`) -> diffusers; text-to-audio -> generative (NVIDIA only)
+- time series, embeddings, rerankers, speech-to-text -> the vendor's specialists backend
+  (`specialists-ts-cu121` is the NVIDIA specialists image, `inference-specialists`)
+- SSM / hybrid -> requires_review (fine-tuning templates only), mamba-vllm-cu121 on NVIDIA
+- causal LMs and vision-language models vLLM runs (natively or through its Transformers backend)
+  -> vLLM; other architectures transformers knows -> the transformers fallback
+- `--hardware cpu`: the GGUF tier (llm-llamacpp-cpu) when a GGUF recipe applies, else transformers-cpu
+- `--hardware qaic-*`: vllm-qaic, compatible for the AI 100 validated matrix, requires_review otherwise
+- unknown class: incompatible, or requires_review with `auto_map` (remote code, never executed here)
+- any `auto_map`: requires_review until the registry marks the model reviewed
+Deactivated profiles are never chosen.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Literal
 
 from pydantic import BaseModel, Field
 
-from ..errors import HiveError
-from ..safetensors_io import TensorSource
+from ..safetensors_io import Header, TensorSource
 from . import database
+from .hardware import Hardware, parse_hardware
 
 if TYPE_CHECKING:
-    from ..config import Recipe
+    from ..config import Recipe, Registry
     from ..sources import Snapshot
 
 Status = Literal["compatible", "requires_review", "incompatible"]
+GIB = 1024**3
 
 # Bounds beyond which a config is not a model we should try to read (guards against absurd allocations).
 PLAUSIBLE = {
     "hidden_size": 131072, "num_hidden_layers": 2048, "num_attention_heads": 4096, "num_key_value_heads": 4096,
     "intermediate_size": 1048576, "vocab_size": 8_388_608, "max_position_embeddings": 1 << 27, "head_dim": 4096,
 }
+SPECIALIST_TASKS = {"time-series", "embedding", "reranker", "seq2seq-audio"}
+LM_TASKS = {"causal-lm", "vision-language", "seq2seq", "speculative-draft"}
 
 
 class Check(BaseModel):
@@ -40,6 +58,7 @@ class Compatibility(BaseModel):
     runtime_profile_id: str | None
     architecture: str | None
     family: str | None = None
+    task: str | None = None
     hardware: str = "nvidia"
     checks: list[Check]
     estimated_requirements: dict[str, Any] = Field(default_factory=dict)
@@ -53,9 +72,40 @@ class Compatibility(BaseModel):
         return "; ".join(f"{c.name}: {c.detail}" for c in bad) or self.status
 
 
+@dataclass
+class WeightsSummary:
+    """What the check needs from safetensors headers (local files or HTTP ranges alike)."""
+
+    parameters: int
+    bytes_by_dtype: dict[str, int]
+    shapes: dict[str, tuple[int, ...]]
+    files: int
+    tensors: int = field(default=0)
+
+    @classmethod
+    def from_headers(cls, headers: Iterable[Header]) -> "WeightsSummary":
+        params, by_dtype, shapes, n = 0, {}, {}, 0
+        for h in headers:
+            n += 1
+            params += h.parameters
+            for k, v in h.bytes_by_dtype().items():
+                by_dtype[k] = by_dtype.get(k, 0) + v
+            shapes.update({t.name: t.shape for t in h.tensors.values()})
+        return cls(params, by_dtype, shapes, n, len(shapes))
+
+    @classmethod
+    def from_source(cls, src: TensorSource) -> "WeightsSummary":
+        return cls.from_headers(f.header for f in src.files)
+
+
+def _text_cfg(cfg: dict[str, Any]) -> dict[str, Any]:
+    tc = cfg.get("text_config")
+    return tc if isinstance(tc, dict) else cfg
+
+
 def _sanity(cfg: dict[str, Any]) -> list[str]:
     problems = []
-    text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    text_cfg = _text_cfg(cfg)
     for key, bound in PLAUSIBLE.items():
         if key not in text_cfg or text_cfg[key] is None:
             continue
@@ -71,113 +121,269 @@ def _sanity(cfg: dict[str, Any]) -> list[str]:
 _EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
 
 
-def _vocab_consistency(cfg: dict[str, Any], tensors: TensorSource) -> str | None:
-    vocab = (cfg.get("text_config") or cfg).get("vocab_size")
+def _vocab_consistency(cfg: dict[str, Any], weights: WeightsSummary) -> str | None:
+    vocab = _text_cfg(cfg).get("vocab_size")
     if not isinstance(vocab, int):
         return None
-    for name in tensors:
-        if name.endswith(_EMBED_SUFFIXES):
-            rows = tensors.info(name).shape[0]
-            if rows != vocab:
-                return f"config vocab_size={vocab} but {name} has {rows} rows"
+    for name, shape in weights.shapes.items():
+        if name.endswith(_EMBED_SUFFIXES) and shape:
+            if shape[0] != vocab:
+                return f"config vocab_size={vocab} but {name} has {shape[0]} rows"
             return None
     return None
+
+
+class _Profiles:
+    def __init__(self, registry: "Registry | None"):
+        self.active = [p for p in (registry.runtime_profiles if registry else []) if p.active]
+
+    def pick(self, hw: Hardware, role: str) -> str | None:
+        return next((p.id for p in self.active if p.vendor == hw.profile_vendor and p.role == role), None)
+
+
+def _route(rec: database.Architecture | None, arch: str | None, task: str, hw: Hardware, profiles: _Profiles,
+           auto_map: bool, reviewed: bool, gguf_applies: bool, closest: str | None) -> tuple[Status, str | None, Check]:
+    """(status, runtime profile, the architecture_known check explaining it)."""
+    pick = lambda role: profiles.pick(hw, role)  # noqa: E731
+    if task == "diffusion":
+        prof = pick("diffusers")
+        if prof is None:
+            return "incompatible", None, Check(name="architecture_known", status="fail",
+                                               detail=f"diffusers pipeline {arch}: no diffusers backend on {hw.vendor}")
+        return "compatible", prof, Check(name="architecture_known", status="pass", detail=f"diffusers pipeline {arch}")
+    if rec is None:
+        hint = f" (closest known: {closest})" if closest else ""
+        if auto_map:
+            prof = pick("transformers") if reviewed else None
+            return "requires_review", prof, Check(name="architecture_known", status="warn",
+                                                  detail=f"{arch} is not in the architecture database; it ships remote code{hint}")
+        return "incompatible", None, Check(name="architecture_known", status="fail",
+                                           detail=f"{arch} is not in the architecture database{hint}")
+    detail = f"{rec.name}: family {rec.family}, task {rec.task}"
+    if rec.name != arch:
+        detail = f"{arch} is an alias of {detail}"
+    if rec.tested:
+        detail += ", tested on " + ", ".join(f"{p}" + (f" ({v} tok/s)" if v else "") for p, v in rec.tested.items())
+    ok = Check(name="architecture_known", status="pass", detail=detail)
+    if not rec.active:
+        why = f"vLLM dropped {rec.name} after {rec.vllm_last_version}" if rec.vllm_last_version else f"{rec.name} is inactive"
+        if auto_map:
+            prof = pick("transformers") if reviewed else None
+            return "requires_review", prof, Check(name="architecture_known", status="warn",
+                                                  detail=f"{why}; only its remote code could serve it")
+        return "incompatible", None, Check(name="architecture_known", status="fail",
+                                           detail=f"{why} and transformers has no class for it")
+    if rec.trust_remote_code and not rec.vllm_support:
+        # The seed's universal fallback: custom modeling_*.py served by transformers, after review.
+        return "requires_review", pick("transformers") if reviewed else None, Check(
+            name="architecture_known", status="warn", detail=f"{detail}; served by the transformers fallback with the "
+                                                                  "repo's own modeling code once reviewed")
+    if task == "ssm-hybrid":
+        return "requires_review", pick("ssm"), Check(name="architecture_known", status="warn",
+                                                     detail=f"{detail}; SSM/hybrid: fine-tuning templates only, untested, no public inference endpoint")
+    if hw.vendor == "qaic":
+        prof = pick("qaic")
+        if rec.qaic:
+            return "compatible", prof, Check(name="architecture_known", status="pass", detail=f"{detail}; in the AI 100 validated matrix")
+        return "requires_review", prof, Check(name="architecture_known", status="warn",
+                                              detail=f"{detail}; not in the AI 100 validated matrix")
+    if task == "text-to-audio":
+        prof = pick("generative")
+        return ("compatible", prof, ok) if prof else ("incompatible", None, Check(
+            name="architecture_known", status="fail", detail=f"{detail}; no generative backend on {hw.vendor}"))
+    if task in SPECIALIST_TASKS:
+        prof = pick("specialists")
+        return ("compatible", prof, ok) if prof else ("incompatible", None, Check(
+            name="architecture_known", status="fail", detail=f"{detail}; no specialists backend on {hw.vendor}"))
+    if task == "speculative-draft":
+        prof = pick("vllm")
+        if prof in rec.tested:  # e.g. the GLM-4 MoE MTP heads validated on vllm-xpu
+            return "compatible", prof, ok
+        return "requires_review", prof, Check(name="architecture_known", status="warn",
+                                              detail=f"{detail}; a draft/MTP head, served with its target model")
+    if hw.vendor == "cpu":
+        if gguf_applies:
+            return "compatible", pick("gguf"), ok
+        if rec.transformers_known:
+            return "compatible", pick("transformers"), ok
+        return "incompatible", None, Check(name="architecture_known", status="fail",
+                                           detail=f"{detail}; no GGUF recipe and no transformers class for the CPU tier")
+    if rec.vllm_support:
+        return "compatible", pick("vllm"), ok
+    if rec.transformers_known:
+        return "compatible", pick("transformers"), Check(name="architecture_known", status="pass",
+                                                         detail=f"{detail}; transformers fallback (slower than vLLM-native)")
+    return "incompatible", None, Check(name="architecture_known", status="fail", detail=f"{detail}; no backend serves it")
+
+
+def _requirements(cfg: dict[str, Any], weights: WeightsSummary, task: str, hw: Hardware) -> tuple[dict[str, Any], Check | None]:
+    """VRAM = weights + KV cache at the recommended context and batch + overhead (README: the formula)."""
+    tc = _text_cfg(cfg)
+    quantized = isinstance(cfg.get("quantization_config"), dict)
+    dtype = "float16" if set(weights.bytes_by_dtype) <= {"F16"} else "bfloat16"
+    serving_weights = sum(weights.bytes_by_dtype.values()) if quantized else weights.parameters * 2
+    reqs: dict[str, Any] = {"parameters": weights.parameters, "weights_bytes": sum(weights.bytes_by_dtype.values()),
+                            "weights_bytes_by_dtype": weights.bytes_by_dtype, "serving_weights_bytes": serving_weights}
+    layers, heads = tc.get("num_hidden_layers"), tc.get("num_attention_heads")
+    kv_per_token = 0
+    if task in LM_TASKS and isinstance(layers, int) and isinstance(heads, int) and isinstance(tc.get("hidden_size"), int):
+        head_dim = tc.get("head_dim") or tc["hidden_size"] // heads
+        kv_heads = tc.get("num_key_value_heads") or heads
+        kv_per_token = 2 * layers * kv_heads * head_dim * 2  # K and V, 16-bit cache
+    ctx = min(int(tc.get("max_position_embeddings") or 4096), 8192)
+    seqs = 16
+    overhead = GIB + serving_weights // 10  # activations, CUDA graphs, allocator slack
+
+    def total(c: int, s: int) -> int:
+        return serving_weights + kv_per_token * c * s + overhead
+
+    reqs.update(kv_cache_bytes_per_token=kv_per_token, overhead_bytes=overhead)
+    if hw.vendor == "qaic":
+        mxfp6 = math.ceil(weights.parameters * 6.25 / 8)  # 6-bit E2M3 + one E8M0 scale per 32 weights
+        ctx = min(ctx, 2048)
+        devices = max(1, math.ceil((mxfp6 + kv_per_token * ctx * 8 // 2) / (hw.memory_gb * GIB * 0.9))) if hw.memory_gb else 1
+        reqs["recommended_config"] = {"num_cores": 16, "ctx_len": ctx, "prefill_seq_len": 128, "batch_size": 1,
+                                      "full_batch_size": 8, "mxfp6": True, "mxint8": True, "num_devices": devices}
+        reqs["vram_bytes"] = mxfp6 + kv_per_token * ctx * 8 // 2 + overhead  # MXINT8 KV: ~1 byte per value
+        return reqs, Check(name="fits_hardware", status="pass",
+                           detail=f"~{reqs['vram_bytes'] / GIB:.1f} GiB with MXFP6 weights / MXINT8 KV on {devices} device(s)")
+    if hw.vendor == "cpu":
+        reqs["recommended_config"] = {"dtype": dtype, "max_model_len": ctx, "max_num_seqs": 1}
+        reqs["vram_bytes"] = total(ctx, 1)
+        return reqs, None
+    mem = (hw.memory_gb or 0) * GIB * 0.9  # vLLM's default gpu_memory_utilization
+    for tp in (1, 2, 4, 8):
+        fit = next(((c, s) for c, s in ((ctx, seqs), (ctx, 4), (ctx, 1), (min(ctx, 2048), 1)) if total(c, s) <= mem * tp), None)
+        if fit:
+            break
+    reqs["vram_bytes"] = total(ctx, seqs)
+    if fit is None:
+        reqs["recommended_config"] = None
+        return reqs, Check(name="fits_hardware", status="fail",
+                           detail=f"needs ~{total(ctx, 1) / GIB:.0f} GiB even at batch 1: more than 8 x {hw.memory_gb:g} GB")
+    c, s = fit
+    reqs["recommended_config"] = {"dtype": dtype, "max_model_len": c, "max_num_seqs": s, "tensor_parallel_size": tp,
+                                  "gpu_memory_utilization": 0.9, "kv_cache_dtype": "auto",
+                                  "quantization": (cfg.get("quantization_config") or {}).get("quant_method") if quantized else None}
+    return reqs, Check(name="fits_hardware", status="pass",
+                       detail=f"~{total(c, s) / GIB:.1f} GiB at max_model_len {c}, {s} seqs: tensor_parallel_size {tp} x {hw.memory_gb:g} GB")
 
 
 def classify(
     cfg: dict[str, Any] | None,
     *,
-    tensors: TensorSource | None = None,
-    has_tokenizer: bool = True,
+    weights: WeightsSummary | None = None,
+    files: Iterable[str] = (),
     hardware: str = "nvidia",
     recipes: Iterable["Recipe"] = (),
+    registry: "Registry | None" = None,
+    reviewed: bool = False,
     config_error: str | None = None,
 ) -> Compatibility:
     from ..targets import target_for
 
+    hw = parse_hardware(hardware)
+    files = set(files)
     checks: list[Check] = []
-    vendor = hardware.split("-", 1)[0]
-    if vendor not in database.VENDOR_LLM_PROFILE:
-        raise HiveError(f"unknown hardware {hardware!r} (vendors: {', '.join(database.VENDOR_LLM_PROFILE)})")
     if cfg is None:
         checks.append(Check(name="config", status="fail", detail=config_error or "config.json is missing"))
-        return Compatibility(status="incompatible", runtime_profile_id=None, architecture=None,
-                             hardware=hardware, checks=checks)
+        return Compatibility(status="incompatible", runtime_profile_id=None, architecture=None, hardware=hw.spec, checks=checks)
+    db = database.cached(registry)
+    profiles = _Profiles(registry)
 
+    pipeline = cfg.get("_diffusers_pipeline") or (cfg.get("_class_name") if "_diffusers_version" in cfg else None)
     archs = cfg.get("architectures")
-    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
-    record = database.lookup(arch) if arch else None
-    status: Status = "compatible"
-    profile: str | None = None
-
+    if pipeline:
+        arch, rec, task = str(pipeline), None, "diffusion"
+    else:
+        names = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
+        arch = names[0] if names else None
+        rec = db.lookup(arch) if arch else None
+        task = rec.task if rec else "causal-lm"
+        if len({db.lookup(a).name if db.lookup(a) else a for a in names}) > 1:
+            checks.append(Check(name="architectures_consistent", status="fail",
+                                detail=f"config.json lists conflicting architectures: {', '.join(names)}"))
+    auto_map = "auto_map" in cfg or "auto_map" in _text_cfg(cfg)
+    status: Status
     if arch is None:
         checks.append(Check(name="architecture_known", status="fail", detail="config.json has no architectures field"))
-        status = "incompatible"
-    elif record is None:
-        close = difflib.get_close_matches(arch, list(database.ARCHITECTURES), n=1)
-        hint = f" (closest known: {close[0]})" if close else ""
-        checks.append(Check(name="architecture_known", status="warn",
-                            detail=f"{arch} is not in the architecture database yet{hint}"))
-        status = "requires_review"
+        status, profile = "incompatible", None
     else:
-        detail = f"{arch}: family {record.family}, task {record.task}"
-        if record.tested:
-            detail += f", tested on {record.default_profile}"
-            if record.throughput_tok_s:
-                detail += f" ({record.throughput_tok_s} tok/s)"
-        checks.append(Check(name="architecture_known", status="pass", detail=detail))
-        profile = record.default_profile if vendor == "nvidia" else database.VENDOR_LLM_PROFILE[vendor]
+        gguf_applies = any(target_for(r.kind).supports(rec.name if rec else arch, cfg) and "llm-llamacpp-cpu" in r.runtime_profiles
+                           for r in recipes) and not auto_map
+        closest = None
+        if rec is None and task != "diffusion":
+            close = difflib.get_close_matches(arch, list(db.architectures), n=1, cutoff=0.6)
+            closest = f"{close[0]} ({db.architectures[close[0]].family} family)" if close else None
+        status, profile, arch_check = _route(rec, arch, task, hw, profiles, auto_map, reviewed, gguf_applies, closest)
+        checks.append(arch_check)
+    if any(c.status == "fail" for c in checks):
+        status = "incompatible"
 
-    if "auto_map" in cfg:
+    if auto_map:
         checks.append(Check(name="remote_code", status="warn",
                             detail="config.json has auto_map (custom modeling code): requires review; hive-aot never executes it"))
         if status == "compatible":
             status = "requires_review"
     else:
         checks.append(Check(name="remote_code", status="pass", detail="no custom code"))
+    if rec is not None and rec.trust_remote_code:
+        checks.append(Check(name="trust_remote_code", status="warn", detail="the serving engine needs trust_remote_code=True for this family"))
 
-    problems = _sanity(cfg)
+    problems = _sanity(_text_cfg(cfg)) if not pipeline else []
     if problems:
         checks.append(Check(name="config_sane", status="fail", detail="; ".join(problems)))
         status = "incompatible"
-    else:
+    elif not pipeline:
         checks.append(Check(name="config_sane", status="pass", detail="sizes plausible"))
 
+    tc = _text_cfg(cfg)
+    if tc.get("sliding_window") and tc.get("use_sliding_window", True) is not False:
+        note = " (pass disable_sliding_window under vLLM)" if rec is not None and rec.family == "gemma" else ""
+        checks.append(Check(name="sliding_window", status="warn" if note else "pass",
+                            detail=f"sliding_window={tc['sliding_window']}{note}"))
+    qc = cfg.get("quantization_config")
+    if isinstance(qc, dict):
+        checks.append(Check(name="quantization_config", status="pass",
+                            detail=f"pre-quantized ({qc.get('quant_method', 'unknown method')}); weights served as stored"))
+
     reqs: dict[str, Any] = {}
-    if tensors is not None:
+    if weights is not None:
         checks.append(Check(name="weights_safetensors", status="pass",
-                            detail=f"{len(tensors.files)} safetensors file(s), {len(tensors.names())} tensors"))
-        by_dtype = tensors.bytes_by_dtype()
-        reqs = {"parameters": tensors.parameters, "weights_bytes": sum(by_dtype.values()),
-                "weights_bytes_by_dtype": by_dtype}
-        mismatch = _vocab_consistency(cfg, tensors)
+                            detail=f"{weights.files} safetensors file(s), {weights.tensors} tensors"))
+        mismatch = _vocab_consistency(cfg, weights)
         if mismatch:
             checks.append(Check(name="vocab_consistent", status="fail", detail=mismatch))
             status = "incompatible"
-        else:
+        elif not pipeline:
             checks.append(Check(name="vocab_consistent", status="pass", detail="embedding rows match vocab_size"))
-    checks.append(Check(name="tokenizer_present", status="pass" if has_tokenizer else "warn",
-                        detail="tokenizer files present" if has_tokenizer else "no tokenizer.json or tokenizer.model"))
+        if not problems and not pipeline:
+            reqs, fit = _requirements(cfg, weights, task, hw)
+            if fit is not None:
+                checks.append(fit)
+                if fit.status == "fail" and status == "compatible":
+                    status = "incompatible"
+    has_tok = bool(files & {"tokenizer.json", "tokenizer.model", "vocab.json"}) or any(f.endswith("/tokenizer.json") for f in files)
+    if not pipeline:
+        checks.append(Check(name="tokenizer_present", status="pass" if has_tok else "warn",
+                            detail="tokenizer files present" if has_tok else "no tokenizer.json or tokenizer.model"))
 
     applicable = []
-    if status != "incompatible" and arch is not None:
+    if status != "incompatible" and arch is not None and not pipeline:
         for r in recipes:
-            t = target_for(r.kind)
-            if t.supports(arch, cfg):
+            if target_for(r.kind).supports(rec.name if rec else arch, cfg):
                 applicable.append(r.id)
-        if vendor == "cpu":
-            gguf = [r for r in recipes if r.id in applicable and "llm-llamacpp-cpu" in r.runtime_profiles]
-            profile = "llm-llamacpp-cpu" if gguf else None
-            if not gguf:
-                status = "incompatible"
-                checks.append(Check(name="cpu_tier", status="fail", detail=f"no GGUF recipe applies to {arch}"))
     return Compatibility(status=status, runtime_profile_id=profile if status != "incompatible" else None,
-                         architecture=arch, family=record.family if record else None, hardware=hardware,
-                         checks=checks, estimated_requirements=reqs, recipes=applicable)
+                         architecture=arch, family=(rec.family if rec else ("diffusion" if pipeline else None)),
+                         task=task if arch else None, hardware=hw.spec, checks=checks, estimated_requirements=reqs,
+                         recipes=applicable)
 
 
-def classify_snapshot(snap: "Snapshot", recipes: Iterable["Recipe"] = (), hardware: str = "nvidia") -> Compatibility:
+def classify_snapshot(snap: "Snapshot", recipes: Iterable["Recipe"] = (), hardware: str = "nvidia",
+                      registry: "Registry | None" = None, reviewed: bool = False) -> Compatibility:
     """Classify a fetched snapshot: config, safetensors headers (strictly checked), tokenizer presence."""
+    import json
+
     from ..errors import ModelFormatError
 
     cfg, err = None, None
@@ -185,10 +391,13 @@ def classify_snapshot(snap: "Snapshot", recipes: Iterable["Recipe"] = (), hardwa
         cfg = snap.config()
     except ModelFormatError as e:
         err = str(e)
-    tensors = TensorSource(snap.safetensors_files()) if snap.safetensors_files() else None
-    try:
-        return classify(cfg, tensors=tensors, has_tokenizer=snap.has("tokenizer.json") or snap.has("tokenizer.model"),
-                        hardware=hardware, recipes=list(recipes), config_error=err)
-    finally:
-        if tensors is not None:
-            tensors.close()
+        index = snap.file("model_index.json")
+        if index is not None:
+            cfg, err = {"_diffusers_pipeline": json.loads(index.read_text()).get("_class_name")}, None
+    files = snap.safetensors_files()
+    weights = None
+    if files:
+        with TensorSource(files) as src:
+            weights = WeightsSummary.from_source(src)
+    return classify(cfg, weights=weights, files=[f.path for f in snap.files], hardware=hardware, recipes=list(recipes),
+                    registry=registry, reviewed=reviewed, config_error=err)

@@ -1,12 +1,23 @@
-"""The architecture database (data). Minimal until the full generated snapshot lands.
+"""The architecture database: the generated snapshot (`data/architectures.json`, from vLLM's
+registry and transformers' auto mappings) merged with the curated overrides of `registry.yaml`
+(the seeds' tested rows and throughput, notes, aliases, the AI 100 validated matrix).
 
-Each record: family, task, the platform's default NVIDIA runtime profile, and whether the seed
-marks it tested (with the benchmarked vllm-cu121 throughput where the seed gives one).
+Data only; the routing rules live in `check.py`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..config import Registry
+
+TASKS = ("causal-lm", "vision-language", "embedding", "reranker", "seq2seq-audio", "seq2seq", "text-to-audio",
+         "diffusion", "time-series", "ssm-hybrid", "speculative-draft")
 
 
 @dataclass(frozen=True)
@@ -14,39 +25,90 @@ class Architecture:
     name: str
     family: str
     task: str
-    default_profile: str
-    tested: bool = False
-    throughput_tok_s: int | None = None
-    notes: str = ""
+    active: bool
+    vllm_support: str | None  # "native" | "transformers-backend" | None
+    vllm_last_version: str | None = None
+    transformers_model_type: str | None = None
+    tested: dict[str, int | None] = field(default_factory=dict)  # profile -> tok/s (None: tested, no figure)
+    benchmark_model: str | None = None
+    notes: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
+    qaic: bool = False  # in the Cloud AI 100 AOT validated matrix
+    trust_remote_code: bool = False
+
+    @property
+    def transformers_known(self) -> bool:
+        return self.transformers_model_type is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "family": self.family, "task": self.task, "active": self.active,
+            "vllm_support": self.vllm_support, "vllm_last_version": self.vllm_last_version,
+            "transformers_model_type": self.transformers_model_type, "tested": self.tested,
+            "benchmark_model": self.benchmark_model, "notes": list(self.notes), "aliases": list(self.aliases),
+            "qaic": self.qaic, "trust_remote_code": self.trust_remote_code,
+        }
 
 
-# The seed's benchmarked rows (architecture-and-backend-compatibility.txt, "Benchmarked throughput").
-_ROWS = [
-    Architecture("GPT2LMHeadModel", "gpt2", "causal-lm", "vllm-cu121", True, 150),
-    Architecture("MixtralForCausalLM", "mistral", "causal-lm", "vllm-cu121", True, 120),
-    Architecture("PhiForCausalLM", "phi", "causal-lm", "vllm-cu121", True, 110),
-    Architecture("Phi3ForCausalLM", "phi", "causal-lm", "vllm-cu121", True, 105,
-                 "set trust_remote_code for Phi-3 family on AI 100"),
-    Architecture("LlamaForCausalLM", "llama", "causal-lm", "vllm-cu121", True, 100),
-    Architecture("MistralForCausalLM", "mistral", "causal-lm", "vllm-cu121", True, 95),
-    Architecture("GemmaForCausalLM", "gemma", "causal-lm", "vllm-cu121", True, 90,
-                 "pass disable_sliding_window under vLLM"),
-    Architecture("Qwen2ForCausalLM", "qwen", "causal-lm", "vllm-cu121", True, 90),
-    Architecture("QWenLMHeadModel", "qwen", "causal-lm", "vllm-cu121", True, 85),
-    Architecture("GPTNeoXForCausalLM", "gpt-neox", "causal-lm", "vllm-cu121", True, 80),
-]
+@dataclass
+class Database:
+    architectures: dict[str, Architecture]
+    aliases: dict[str, str]
+    sources: dict[str, str]
 
-ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in _ROWS}
+    def lookup(self, name: str) -> Architecture | None:
+        return self.architectures.get(self.aliases.get(name, name))
 
-# Per vendor, the profile that serves causal LMs natively (the `--hardware` switch).
-VENDOR_LLM_PROFILE = {
-    "nvidia": "vllm-cu121",
-    "amd": "vllm-rocm",
-    "intel": "vllm-xpu",
-    "cpu": "llm-llamacpp-cpu",
-    "qaic": "vllm-qaic",
-}
+    def active(self) -> list[Architecture]:
+        return [a for a in self.architectures.values() if a.active]
 
 
-def lookup(name: str) -> Architecture | None:
-    return ARCHITECTURES.get(name)
+@lru_cache(maxsize=1)
+def _snapshot() -> dict[str, Any]:
+    text = resources.files(__package__).joinpath("data/architectures.json").read_text(encoding="utf-8")
+    return json.loads(text)
+
+
+def _from_snapshot(rec: dict[str, Any]) -> Architecture:
+    vllm = rec.get("vllm") or {}
+    tf = rec.get("transformers") or {}
+    support = vllm.get("support")
+    # Active: the serving platform can run it somewhere - vLLM (natively or through its Transformers
+    # backend) or the transformers fallback. Archs vLLM dropped and transformers never had are kept,
+    # inactive, with the last vLLM version that ran them.
+    active = support is not None or tf.get("model_type") is not None
+    return Architecture(name=rec["name"], family=rec["family"], task=rec["task"], active=active, vllm_support=support,
+                        vllm_last_version=vllm.get("last_version"), transformers_model_type=tf.get("model_type"))
+
+
+def build(registry: "Registry | None" = None) -> Database:
+    snap = _snapshot()
+    archs = {name: _from_snapshot(rec) for name, rec in snap["architectures"].items()}
+    aliases: dict[str, str] = {}
+    overrides = registry.architectures if registry is not None else {}
+    for name, ov in overrides.items():
+        base = archs.get(name) or Architecture(name=name, family=ov.family or "other", task=ov.task or "causal-lm",
+                                               active=True, vllm_support=None)
+        changes = {k: v for k, v in ov.model_dump(exclude_unset=True).items() if k in Architecture.__dataclass_fields__}
+        if "notes" in changes:
+            changes["notes"] = tuple(changes["notes"])
+        if "aliases" in changes:
+            changes["aliases"] = tuple(changes["aliases"])
+        archs[name] = replace(base, **changes)
+        for alias in archs[name].aliases:
+            aliases[alias] = name
+    return Database(architectures=dict(sorted(archs.items())), aliases=aliases, sources=dict(snap["sources"]))
+
+
+
+
+_CACHE: dict[int, tuple[Any, Database]] = {}
+
+
+def cached(registry: "Registry | None") -> Database:
+    """build() once per registry object (the check runs per model; the merge need not)."""
+    key = id(registry)
+    hit = _CACHE.get(key)
+    if hit is None or hit[0] is not registry:
+        hit = _CACHE[key] = (registry, build(registry))
+    return hit[1]

@@ -75,7 +75,8 @@ def source_assets() -> list[dg.AssetsDefinition]:
     def compatibility(context: dg.AssetExecutionContext, hive: HiveResource, snapshot: dict) -> dg.Output[dict]:
         try:
             snap = fetch(snapshot["source"], snapshot["model_id"])
-            compat = classify_snapshot(snap, hive.config().recipes.values())
+            cfg = hive.config()
+            compat = classify_snapshot(snap, cfg.recipes.values(), registry=cfg.registry, reviewed=cfg.reviewed(snap.model_id))
         except HiveError as e:
             raise _failure(e) from None
         doc = compat.model_dump()

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from ...sources import Snapshot
 
 # Bump when the bytes this target writes change for the same inputs (part of every build id).
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: explicit add_bos_token for BPE; SentencePiece add_dummy_prefix read from the model
 LOSSLESS = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 
 

@@ -94,8 +94,12 @@ def _bpe_vocab(model_dir: Path, vocab_size: int, fallback: str | None) -> Vocab:
         else:
             types.append(gguf.TokenType.NORMAL)
         tokens.append(t)
+    # Whether the HF tokenizer prepends BOS, written explicitly: libllama's default depends on the
+    # pre-tokenizer name and would silently differ for some BPE models.
+    bos = tok.bos_token_id
+    add_bos = bos is not None and list(tok("a").input_ids)[:1] == [bos]
     return Vocab("gpt2", pre, tokens, None, types, merges=True,
-                 info={"tokenizer": "bpe", "pre": pre, "pre_detection": how, "size": vocab_size})
+                 info={"tokenizer": "bpe", "pre": pre, "pre_detection": how, "size": vocab_size, "add_bos": add_bos})
 
 
 def _spm_vocab(model_dir: Path, vocab_size: int) -> Vocab:
@@ -228,6 +232,8 @@ def write_vocab(writer: gguf.GGUFWriter, vocab: Vocab, model_dir: Path) -> None:
     if "add_space_prefix" in vocab.info:
         writer.add_add_space_prefix(vocab.info["add_space_prefix"])
     special = gguf.SpecialVocab(model_dir, load_merges=vocab.merges, n_vocab=len(vocab.tokens))
+    if "add_bos" in vocab.info:
+        special.add_special_token.setdefault("bos", vocab.info["add_bos"])
     if vocab.merges and not special.merges:
         raise ModelFormatError("BPE tokenizer has no merges: llama.cpp cannot load it")
     special.add_to_gguf(writer, quiet=True)
