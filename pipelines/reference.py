@@ -76,6 +76,6 @@ def compute(model_dir: Path, content_digest: str, ids: list[list[int]], gen_ids:
     cache.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=cache.parent, suffix=".npz")
     os.close(fd)
-    np.savez(tmp, gen=np.asarray(gen, dtype=np.int64), **{f"l{i}": l for i, l in enumerate(logits)})
+    np.savez(tmp, gen=np.asarray(gen, dtype=np.int64), **{f"l{i}": lg for i, lg in enumerate(logits)})
     os.replace(tmp, cache)
     return Reference(ids, logits, gen_ids, gen)

@@ -115,7 +115,7 @@ def parse_header(raw: bytes, header_len: int, file_size: int, name: str) -> Head
             )
         tensors[tname] = TensorInfo(tname, dtype, shape, start, end)
     spans = sorted((t.start, t.end, t.name) for t in tensors.values() if t.end > t.start)
-    for (s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
+    for (_s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
         if s1 < e0:
             raise ModelFormatError(f"{name}: tensors {n0!r} and {n1!r} overlap in the data section")
     return Header(tensors=tensors, metadata={str(k): str(v) for k, v in meta.items()}, header_len=header_len)

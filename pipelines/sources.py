@@ -165,22 +165,27 @@ def select_files(names: list[str], model: str) -> list[str]:
     return wanted
 
 
-def check_index(root: Path, files: list[str], model: str) -> None:
-    """The shard index may only name shards that exist in this snapshot."""
-    if "model.safetensors.index.json" not in files:
-        return
+def index_shards(raw: bytes, files: list[str], model: str) -> list[str]:
+    """The shards a model.safetensors.index.json names; each must be a safe name present in `files`."""
     try:
-        index = json.loads((root / "model.safetensors.index.json").read_text(encoding="utf-8"))
-        weight_map = index["weight_map"]
+        weight_map = json.loads(raw.decode("utf-8"))["weight_map"]
         assert isinstance(weight_map, dict)
     except Exception:
         raise ModelFormatError(f"{model}: model.safetensors.index.json is malformed (no weight_map object)") from None
-    for shard in sorted(set(weight_map.values())):
+    shards = sorted(set(weight_map.values()), key=str)
+    for shard in shards:
         if not isinstance(shard, str):
             raise ModelFormatError(f"{model}: index names a non-string shard")
         safe_relpath(shard, what="shard named in model.safetensors.index.json")
         if shard not in files:
             raise ModelFormatError(f"{model}: model.safetensors.index.json names missing shard {shard!r}")
+    return shards
+
+
+def check_index(root: Path, files: list[str], model: str) -> None:
+    """The shard index may only name shards that exist in this snapshot."""
+    if "model.safetensors.index.json" in files:
+        index_shards((root / "model.safetensors.index.json").read_bytes(), files, model)
 
 
 def _hash_files(root: Path, names: list[str]) -> list[FileRecord]:
@@ -251,6 +256,13 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return tuple(errs)
 
 
+def hf_license(info) -> str | None:
+    """The repo's license from its card data, else from a `license:` tag."""
+    card = getattr(info, "card_data", None) or {}
+    found = card.get("license") if hasattr(card, "get") else None
+    return found or next((t.split(":", 1)[1] for t in (info.tags or []) if t.startswith("license:")), None)
+
+
 def fetch_hf_info(api, spec: SourceSpec):
     """model_info at the requested revision (commit sha, file list, card data), errors as one line."""
     hf_errors = _hf_errors()
@@ -311,10 +323,7 @@ def fetch_hf(spec: SourceSpec, model_id: str | None) -> Snapshot:
                 raise SourceError(f"{repo}: {f.path} sha256 does not match the Hub's LFS digest")
             if s.size is not None and s.size != f.size:
                 raise SourceError(f"{repo}: {f.path} is {f.size} bytes, the Hub says {s.size}")
-        card = getattr(info, "card_data", None) or {}
-        license_ = card.get("license") if hasattr(card, "get") else None
-        if not license_:
-            license_ = next((t.split(":", 1)[1] for t in (info.tags or []) if t.startswith("license:")), None)
+        license_ = hf_license(info)
         snap = Snapshot(model_id=repo, source=spec.uri, revision=spec.revision or "main", commit=commit,
                         local_dir=str(dest), files=files, license=license_, gated=info.gated or False)
         (tmp / MARKER).write_text(json.dumps(snap.to_dict()))

@@ -279,3 +279,25 @@ def test_bpe_without_merges_is_a_clear_error(tiny_llama, tmp_path, how, options)
 def test_bpe_tokenizer_ids_beyond_vocab_size_are_refused(smollm2_dir):
     with pytest.raises(ModelFormatError, match="tokenizer has ids up to 49151 but config vocab_size is 49000"):
         build_vocab(smollm2_dir, 49000, {})
+
+
+def test_plain_tokenizer_fast_path_equals_transformers(smollm2_dir, tmp_path):
+    """Conversion reads a plain tokenizer.json with `tokenizers` (no transformers/torch import); the
+    vocabulary, types, pre-tokenizer hash and BOS behaviour must equal what AutoTokenizer gives."""
+    import json
+    import shutil
+
+    from pipelines.targets.gguf.vocab import _bpe_vocab, _load_hf_tokenizer, _PlainTokenizer
+
+    fast = _bpe_vocab(smollm2_dir, 49152, None, prefer_plain=True)
+    slow = _bpe_vocab(smollm2_dir, 49152, None, prefer_plain=False)
+    assert isinstance(_load_hf_tokenizer(smollm2_dir), _PlainTokenizer)
+    assert (fast.tokens, fast.types, fast.pre, fast.info) == (slow.tokens, slow.types, slow.pre, slow.info)
+    # a class-specific switch in tokenizer_config.json sends it through transformers
+    d = tmp_path / "switch"
+    d.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, d / name)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": True}))
+    assert not isinstance(_load_hf_tokenizer(d), _PlainTokenizer)

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import dagster as dg
-import pytest
 import yaml
 from factories import copy_model
 

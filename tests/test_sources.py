@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from factories import copy_model, make_llama
+from factories import copy_model
 
 from pipelines.errors import HiveError, ModelFormatError, SourceError
 from pipelines.paths import model_slug, safe_relpath

@@ -16,10 +16,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..config import Registry
 
-TASKS = ("causal-lm", "vision-language", "embedding", "reranker", "seq2seq-audio", "seq2seq", "text-to-audio",
-         "diffusion", "time-series", "ssm-hybrid", "speculative-draft")
-
-
 @dataclass(frozen=True)
 class Architecture:
     name: str

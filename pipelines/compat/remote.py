@@ -12,10 +12,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ModelFormatError, SourceError
-from ..paths import safe_relpath
+from ..errors import SourceError
 from ..safetensors_io import Header, header_length, parse_header
-from ..sources import PICKLE_PATTERNS, SourceSpec, _matches
+from ..sources import SourceSpec, hf_license, index_shards, select_files
 
 FIRST_RANGE = 64 * 1024
 
@@ -109,21 +108,11 @@ def inspect_remote(spec: SourceSpec) -> RemoteRepo:
     repo = spec.repo_id
     info = fetch_hf_info(HfApi(), spec)
     names = [s.rfilename for s in (info.siblings or [])]
-    for n in names:
-        safe_relpath(n, what=f"file name in {repo}")
+    wanted = select_files(names, repo)  # the same refusals as a full fetch: unsafe names, pickle-only
     out = RemoteRepo(model_id=repo, revision=spec.revision or "main", commit=info.sha, files=sorted(names),
-                     config=None, config_error=None, gated=info.gated or False)
-    card = getattr(info, "card_data", None) or {}
-    out.license = card.get("license") if hasattr(card, "get") else None
+                     config=None, config_error=None, license=hf_license(info), gated=info.gated or False)
     f = _Fetcher(repo, info.sha)
-    weights = sorted(n for n in names if n.endswith(".safetensors") and not n.startswith("original/")
-                     and not n.split("/")[-1].startswith("consolidated"))
-    if not weights and "model_index.json" not in names:
-        pickles = sorted(n for n in names if _matches(n.rsplit("/", 1)[-1], PICKLE_PATTERNS))
-        if pickles:
-            raise SourceError(f"{repo}: only pickle weights ({', '.join(pickles[:3])}); hive-aot never unpickles - "
-                              "publish safetensors upstream")
-        raise SourceError(f"{repo}: no *.safetensors weights found")
+    weights = [n for n in wanted if n.endswith(".safetensors")]
     for cfg_name in ("config.json", "model_index.json"):
         if cfg_name in names:
             raw, _ = f.get(cfg_name)
@@ -134,7 +123,7 @@ def inspect_remote(spec: SourceSpec) -> RemoteRepo:
                 if cfg_name == "config.json":
                     out.config = doc
                 else:
-                    out.config = out.config or {"_diffusers_pipeline": doc.get("_class_name"), **{"architectures": None}}
+                    out.config = {"_diffusers_pipeline": doc.get("_class_name")}
             except (UnicodeDecodeError, ValueError) as e:
                 out.config_error = f"{cfg_name} is not valid JSON ({e})"
             break
@@ -142,14 +131,7 @@ def inspect_remote(spec: SourceSpec) -> RemoteRepo:
         out.config_error = "config.json is missing"
     if "model.safetensors.index.json" in names:
         raw, _ = f.get("model.safetensors.index.json")
-        try:
-            shards = sorted(set(json.loads(raw)["weight_map"].values()))
-        except Exception:  # noqa: BLE001
-            raise ModelFormatError(f"{repo}: model.safetensors.index.json is malformed (no weight_map object)") from None
-        for s in shards:
-            safe_relpath(s, what="shard named in model.safetensors.index.json")
-            if s not in names:
-                raise ModelFormatError(f"{repo}: model.safetensors.index.json names missing shard {s!r}")
+        shards = index_shards(raw, names, repo)
         weights = shards
     for name in weights:
         first, total = f.get(name, (0, FIRST_RANGE - 1))

@@ -15,7 +15,7 @@ import dagster as dg
 
 from ..config import Config
 from ..errors import ConfigError
-from .factories import PARITY_CHECK, artifact_key, published_key
+from .factories import artifact_key, published_key
 from .partitions import models_partitions, partition_key
 from .resources import HiveResource
 

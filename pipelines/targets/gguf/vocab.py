@@ -39,7 +39,18 @@ def _pre_table() -> dict[str, Any]:
     return json.loads(text)
 
 
-def _load_hf_tokenizer(model_dir: Path):
+def _load_hf_tokenizer(model_dir: Path, prefer_plain: bool = True):
+    """The tokenizer as transformers would build it.
+
+    When tokenizer_config.json asks for no class-specific behaviour (a plain fast tokenizer, no
+    add_bos/add_eos/add_prefix_space switches), transformers only wraps tokenizer.json, so we read it
+    with `tokenizers` directly: same ids, without importing transformers (and torch) into a
+    conversion. Anything else goes through AutoTokenizer.
+    """
+    if prefer_plain:
+        plain = _PlainTokenizer.load(model_dir)
+        if plain is not None:
+            return plain
     from transformers import AutoTokenizer
 
     try:
@@ -47,6 +58,52 @@ def _load_hf_tokenizer(model_dir: Path):
         return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - any parse failure is a malformed tokenizer for us
         raise ModelFormatError(f"tokenizer cannot be loaded: {type(e).__name__}: {e}") from None
+
+
+_PLAIN_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+_CLASS_SWITCHES = {"add_bos_token", "add_eos_token", "add_prefix_space", "legacy", "auto_map"}
+
+
+class _PlainTokenizer:
+    """The slice of the transformers tokenizer API this module uses, over `tokenizers.Tokenizer`."""
+
+    def __init__(self, tok, bos_token: str | None):
+        self.tok = tok
+        self.bos_token_id = tok.token_to_id(bos_token) if bos_token else None
+        self.added_tokens_decoder = tok.get_added_tokens_decoder()
+
+    @classmethod
+    def load(cls, model_dir: Path) -> "_PlainTokenizer | None":
+        cfg_path = model_dir / "tokenizer_config.json"
+        try:
+            cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return None  # let transformers report it
+        if not isinstance(cfg, dict) or cfg.get("tokenizer_class") not in _PLAIN_CLASSES or _CLASS_SWITCHES & set(cfg):
+            return None
+        from tokenizers import Tokenizer
+
+        try:
+            tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        except Exception as e:  # noqa: BLE001
+            raise ModelFormatError(f"tokenizer cannot be loaded: {type(e).__name__}: {e}") from None
+        bos = cfg.get("bos_token")
+        return cls(tok, bos.get("content") if isinstance(bos, dict) else bos)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.tok.get_vocab(with_added_tokens=True)
+
+    def get_added_vocab(self) -> dict[str, int]:
+        return {t.content: i for i, t in self.added_tokens_decoder.items()}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def __call__(self, text: str):
+        return type("Encoding", (), {"input_ids": self.encode(text)})()
 
 
 def detect_bpe_pre(tokenizer, fallback: str | None) -> tuple[str, str]:
@@ -64,8 +121,8 @@ def detect_bpe_pre(tokenizer, fallback: str | None) -> tuple[str, str]:
     )
 
 
-def _bpe_vocab(model_dir: Path, vocab_size: int, fallback: str | None) -> Vocab:
-    tok = _load_hf_tokenizer(model_dir)
+def _bpe_vocab(model_dir: Path, vocab_size: int, fallback: str | None, prefer_plain: bool = True) -> Vocab:
+    tok = _load_hf_tokenizer(model_dir, prefer_plain)
     vocab: dict[str, int] = tok.get_vocab()
     if not vocab:
         raise ModelFormatError("tokenizer has an empty vocabulary")
@@ -134,16 +191,22 @@ def _spm_vocab(model_dir: Path, vocab_size: int) -> Vocab:
     if tj.is_file():
         for a in json.loads(tj.read_text(encoding="utf-8")).get("added_tokens", []):
             added.setdefault(a["content"], a["id"])
+
+    def append(token: str, kind: gguf.TokenType) -> None:
+        tokens.append(token)
+        scores.append(-1000.0)
+        types.append(kind)
+
     for content, idx in sorted(added.items(), key=lambda kv: kv[1]):
         if idx < n:
             continue
         if idx >= vocab_size:
             raise ModelFormatError(f"added token {content!r} has id {idx} >= vocab_size {vocab_size}")
         while len(tokens) < idx:
-            tokens.append(f"[PAD{len(tokens)}]"); scores.append(-1000.0); types.append(gguf.TokenType.UNUSED)
-        tokens.append(content); scores.append(-1000.0); types.append(gguf.TokenType.USER_DEFINED)
+            append(f"[PAD{len(tokens)}]", gguf.TokenType.UNUSED)
+        append(content, gguf.TokenType.USER_DEFINED)
     while len(tokens) < vocab_size:
-        tokens.append(f"[PAD{len(tokens)}]"); scores.append(-1000.0); types.append(gguf.TokenType.UNUSED)
+        append(f"[PAD{len(tokens)}]", gguf.TokenType.UNUSED)
     add_prefix = _spm_add_dummy_prefix(path)
     return Vocab("llama", "default", tokens, scores, types, merges=False,
                  info={"tokenizer": "sentencepiece", "size": vocab_size, "add_space_prefix": add_prefix})
