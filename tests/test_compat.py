@@ -43,6 +43,19 @@ SEED_BACKENDS = ["vllm-cu121", "transformers-cu121", "tgi-cu121", "mamba-vllm-cu
                  "generative-cu121", "specialists-ts-cu121", "vllm-rocm", "transformers-rocm", "specialists-rocm",
                  "vllm-xpu", "ipex-xe", "specialists-ipex-xpu", "transformers-cpu", "specialist-cpu-optimized",
                  "llm-llamacpp-cpu"]
+# The expected answer for every seed name on the default hardware (NVIDIA).
+REMOTE_CODE_ONLY = ["BaichuanForCausalLM", "InternLMForCausalLM", "XverseForCausalLM", "MPTForCausalLM", "ArcticForCausalLM"]
+SPECIALISTS = [*TIME_SERIES, "BertModel", "MPNetForMaskedLM", "RobertaModel", "XLMRobertaForSequenceClassification",
+               "XLMRobertaModel", "Whisper"]
+TRANSFORMERS_FALLBACK = ["MllamaForConditionalGeneration"]  # vLLM 0.33 serves Mllama no more; transformers does
+EXPECTED = {
+    **{a: ("compatible", "vllm-cu121") for a in SEED_NAMES
+       if a not in SSM + REMOTE_CODE_ONLY + SPECIALISTS + TRANSFORMERS_FALLBACK},
+    **{a: ("requires_review", "mamba-vllm-cu121") for a in SSM},
+    **{a: ("requires_review", None) for a in REMOTE_CODE_ONLY},
+    **{a: ("compatible", "specialists-ts-cu121") for a in SPECIALISTS},
+    **{a: ("compatible", "transformers-cu121") for a in TRANSFORMERS_FALLBACK},
+}
 GGUF_RECIPES = ["gguf-f16", "gguf-q4_k_m", "gguf-q8_0"]
 SANE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 512}
@@ -72,6 +85,12 @@ def test_every_seed_architecture_and_backend_is_present(db, config):
     assert set(SEED_BACKENDS) <= {p for p, v in profiles.items() if v.active}
     assert not profiles["vllm-rocm60"].active and not profiles["transformers-rocm60"].active
     assert profiles["vllm-qaic"].loads == ["qpc"] and profiles["llm-llamacpp-cpu"].loads == ["gguf"]
+
+
+@pytest.mark.parametrize("arch", SEED_NAMES)
+def test_every_seed_architecture_gets_its_expected_answer(arch, config):
+    c = check(config, arch)
+    assert (c.status, c.runtime_profile_id) == EXPECTED[arch], c.checks
 
 
 def test_database_size_and_sources(db):

@@ -29,18 +29,20 @@ from ..errors import HiveError
 
 REGISTRY_MEMBER = "vllm/model_executor/models/registry.py"
 
-# vLLM registry dict -> task. The two transformers dicts are refined from transformers' mappings.
+# vLLM registry dict -> task, in priority order: an architecture listed in several tables (e.g.
+# LlavaNext is a chat VLM and an embedding model) takes the first. The transformers tables are
+# refined from transformers' own mappings.
 VLLM_TASKS = {
     "_TEXT_GENERATION_MODELS": "causal-lm",
+    "_MULTIMODAL_MODELS": "vision-language",
+    "_TRANSFORMERS_SUPPORTED_MODELS": None,
+    "_TRANSFORMERS_BACKEND_MODELS": None,
     "_EMBEDDING_MODELS": "embedding",
     "_LATE_INTERACTION_MODELS": "embedding",
     "_REWARD_MODELS": "reranker",
     "_TOKEN_CLASSIFICATION_MODELS": "reranker",
     "_SEQUENCE_CLASSIFICATION_MODELS": "reranker",
-    "_MULTIMODAL_MODELS": "vision-language",
     "_SPECULATIVE_DECODING_MODELS": "speculative-draft",
-    "_TRANSFORMERS_SUPPORTED_MODELS": None,
-    "_TRANSFORMERS_BACKEND_MODELS": None,
 }
 
 # transformers auto mapping -> task, most specific first.
@@ -148,10 +150,11 @@ def build_snapshot(vllm_version: str, wheel: Path | None = None) -> dict[str, An
     records: dict[str, dict[str, Any]] = {}
     for table, task in VLLM_TASKS.items():
         for arch, (module, cls) in tables[table].items():
-            rec = records.setdefault(arch, {"name": arch})
+            if arch in records:
+                continue  # listed in a higher-priority table already
             support = "transformers-backend" if module == "transformers" else "native"
-            rec["vllm"] = {"support": support, "module": module, "class": cls, "table": table.strip("_").lower()}
-            rec.setdefault("task", task or t_task.get(arch) or ("vision-language" if "MultiModal" in cls else "causal-lm"))
+            records[arch] = {"name": arch, "task": task or t_task.get(arch) or ("vision-language" if "MultiModal" in cls else "causal-lm"),
+                             "vllm": {"support": support, "module": module, "class": cls, "table": table.strip("_").lower()}}
     for arch, last in tables["_PREVIOUSLY_SUPPORTED_MODELS"].items():
         rec = records.setdefault(arch, {"name": arch})
         rec.setdefault("vllm", {"support": None, "last_version": last})
