@@ -9,6 +9,7 @@ refs (the commit point). A rejected candidate's staging record is removed; its b
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -110,8 +111,6 @@ def stage(p: Plan, store: Store) -> BuildResult:
     work = Path(tempfile.mkdtemp(prefix=f"build-{p.build_id[:12]}-", dir=_work_root()))
     try:
         art = p.target.build(p.snapshot, p.recipe, work)
-
-
         entries = []
         for rel in art.files:
             path = art.root / rel
@@ -148,8 +147,6 @@ def _staged(store: Store, p: Plan) -> tuple[str, Manifest]:
 
 def materialize_blobs(store: Store, files: list[FileEntry], dest: Path) -> None:
     """Place a build's files under dest (hard link or copy), verifying each sha256."""
-
-
     for f in files:
         target = dest / f.path
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -167,7 +164,7 @@ def materialize_blobs(store: Store, files: list[FileEntry], dest: Path) -> None:
 
 def validate_staged(p: Plan, store: Store) -> ValidationReport:
     """Validate the staged candidate numerically; the result is recorded in the staging record."""
-    state, manifest = _staged(store, p)
+    _state, manifest = _staged(store, p)
     work = Path(tempfile.mkdtemp(prefix=f"validate-{p.build_id[:12]}-", dir=_work_root()))
     try:
         materialize_blobs(store, manifest.files, work)
@@ -184,8 +181,6 @@ def validate_staged(p: Plan, store: Store) -> ValidationReport:
 
 
 def _ref_doc(p: Plan, manifest: Manifest) -> bytes:
-    import hashlib
-
     return json.dumps({
         "build_id": manifest.build_id,
         "manifest": manifest_key(p.model_id, p.recipe.id, manifest.build_id),

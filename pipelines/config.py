@@ -221,8 +221,13 @@ class Config:
         return cls(reg, path, load_recipes(recipes_dir(reg, path, recipes)))
 
     def _cross_check(self) -> None:
+        from .targets import target_for
+
         profiles = {p.id for p in self.registry.runtime_profiles}
         for r in self.recipes.values():
+            problems = target_for(r.kind).option_problems(r.options)
+            if problems:
+                raise ConfigError(f"recipe {r.id}: options: {'; '.join(problems)}")
             for pid in r.runtime_profiles:
                 if pid not in profiles:
                     raise ConfigError(f"recipe {r.id}: runtime_profiles: unknown profile {pid!r}")

@@ -251,3 +251,21 @@ def test_recipe_canonical_json_and_digest(tmp_path):
     # The three shipped recipes all differ.
     digests = {load_recipe_file(f).digest for f in (REPO / "recipes").glob("*.yaml")}
     assert len(digests) == 3
+
+
+@pytest.mark.parametrize("options,problem", [
+    ({"outtype": "q5"}, "outtype 'q5' is not one of f32, f16, bf16, q8_0"),
+    ({"ftype": "Q9_K"}, "ftype 'Q9_K' is not a llama.cpp file type"),
+    ({"outtype": "f16", "ftype": "Q4_K_M"}, "give exactly one of outtype"),
+    ({}, "give exactly one of outtype"),
+    ({"outtype": "f16", "imatrix": "x"}, "unknown option 'imatrix'"),
+])
+def test_recipe_options_are_checked_when_recipes_load(tmp_path, options, problem):
+    d = _recipes_copy(tmp_path)
+    p = d / "gguf-f16.yaml"
+    data = yaml.safe_load(p.read_text())
+    data["options"] = options
+    p.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"recipe gguf-f16: options: ") as ei:
+        Config.load(write_registry(tmp_path, REPO, recipes_dir=d, models=[]))
+    assert problem in str(ei.value)

@@ -36,6 +36,9 @@ class Target(Protocol):
     format: str
     format_version: int
 
+    @staticmethod
+    def option_problems(options: dict[str, Any]) -> list[str]: ...
+
     def supports(self, architecture: str, config: dict[str, Any]) -> bool: ...
 
     def toolchain(self) -> dict[str, str]: ...

@@ -30,10 +30,27 @@ def artifact_name(model_id: str, recipe: "Recipe") -> str:
     return f"{model_id.split('/')[-1]}-{label}.gguf"
 
 
+DIRECT_OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # written by our converter (convert.OUTTYPES)
+
+
 class GgufTarget:
     kind = "gguf"
     format = "gguf"
     format_version = FORMAT_VERSION
+
+    @staticmethod
+    def option_problems(options: dict[str, Any]) -> list[str]:
+        """What is wrong with a recipe's options for this target (checked when recipes load)."""
+        from .quantize import FTYPES
+
+        problems = [f"unknown option {k!r}" for k in options if k not in ("outtype", "ftype", "bpe_pre_fallback")]
+        if ("outtype" in options) == ("ftype" in options):
+            problems.append("give exactly one of outtype (written directly) or ftype (llama.cpp quantization)")
+        if "outtype" in options and options["outtype"] not in DIRECT_OUTTYPES:
+            problems.append(f"outtype {options['outtype']!r} is not one of {', '.join(DIRECT_OUTTYPES)}")
+        if "ftype" in options and str(options["ftype"]).upper() not in FTYPES:
+            problems.append(f"ftype {options['ftype']!r} is not a llama.cpp file type hive-aot can make")
+        return problems
 
     def supports(self, architecture: str, config: dict[str, Any]) -> bool:
         from .families import BY_ARCHITECTURE
