@@ -141,79 +141,72 @@ class _Profiles:
         return next((p.id for p in self.active if p.vendor == hw.profile_vendor and p.role == role), None)
 
 
+def _answer(status: Status, profile: str | None, level: str, detail: str) -> tuple[Status, str | None, Check]:
+    return status, profile, Check(name="architecture_known", status=level, detail=detail)
+
+
 def _route(rec: database.Architecture | None, arch: str | None, task: str, hw: Hardware, profiles: _Profiles,
            auto_map: bool, reviewed: bool, gguf_applies: bool, closest: str | None) -> tuple[Status, str | None, Check]:
     """(status, runtime profile, the architecture_known check explaining it)."""
-    pick = lambda role: profiles.pick(hw, role)  # noqa: E731
+
+    def pick(role: str) -> str | None:
+        return profiles.pick(hw, role)
+
+    def served_by(role: str, detail: str, why_not: str) -> tuple[Status, str | None, Check]:
+        prof = pick(role)
+        return _answer("compatible", prof, "pass", detail) if prof else _answer(
+            "incompatible", None, "fail", f"{detail}; no {why_not} backend on {hw.vendor}")
+
+    def remote_code(detail: str) -> tuple[Status, str | None, Check]:
+        # The seed's universal fallback serves custom modeling_*.py with transformers, after review.
+        return _answer("requires_review", pick("transformers") if reviewed else None, "warn", detail)
+
     if task == "diffusion":
-        prof = pick("diffusers")
-        if prof is None:
-            return "incompatible", None, Check(name="architecture_known", status="fail",
-                                               detail=f"diffusers pipeline {arch}: no diffusers backend on {hw.vendor}")
-        return "compatible", prof, Check(name="architecture_known", status="pass", detail=f"diffusers pipeline {arch}")
+        return served_by("diffusers", f"diffusers pipeline {arch}", "diffusers")
     if rec is None:
         hint = f" (closest known: {closest})" if closest else ""
         if auto_map:
-            prof = pick("transformers") if reviewed else None
-            return "requires_review", prof, Check(name="architecture_known", status="warn",
-                                                  detail=f"{arch} is not in the architecture database; it ships remote code{hint}")
-        return "incompatible", None, Check(name="architecture_known", status="fail",
-                                           detail=f"{arch} is not in the architecture database{hint}")
+            return remote_code(f"{arch} is not in the architecture database; it ships remote code{hint}")
+        return _answer("incompatible", None, "fail", f"{arch} is not in the architecture database{hint}")
     detail = f"{rec.name}: family {rec.family}, task {rec.task}"
     if rec.name != arch:
         detail = f"{arch} is an alias of {detail}"
     if rec.tested:
-        detail += ", tested on " + ", ".join(f"{p}" + (f" ({v} tok/s)" if v else "") for p, v in rec.tested.items())
-    ok = Check(name="architecture_known", status="pass", detail=detail)
+        detail += ", tested on " + ", ".join(p + (f" ({v} tok/s)" if v else "") for p, v in rec.tested.items())
     if not rec.active:
         why = f"vLLM dropped {rec.name} after {rec.vllm_last_version}" if rec.vllm_last_version else f"{rec.name} is inactive"
         if auto_map:
-            prof = pick("transformers") if reviewed else None
-            return "requires_review", prof, Check(name="architecture_known", status="warn",
-                                                  detail=f"{why}; only its remote code could serve it")
-        return "incompatible", None, Check(name="architecture_known", status="fail",
-                                           detail=f"{why} and transformers has no class for it")
+            return remote_code(f"{why}; only its remote code could serve it")
+        return _answer("incompatible", None, "fail", f"{why} and transformers has no class for it")
     if rec.trust_remote_code and not rec.vllm_support:
-        # The seed's universal fallback: custom modeling_*.py served by transformers, after review.
-        return "requires_review", pick("transformers") if reviewed else None, Check(
-            name="architecture_known", status="warn", detail=f"{detail}; served by the transformers fallback with the "
-                                                                  "repo's own modeling code once reviewed")
+        return remote_code(f"{detail}; served by the transformers fallback with the repo's own modeling code once reviewed")
     if task == "ssm-hybrid":
-        return "requires_review", pick("ssm"), Check(name="architecture_known", status="warn",
-                                                     detail=f"{detail}; SSM/hybrid: fine-tuning templates only, untested, no public inference endpoint")
+        return _answer("requires_review", pick("ssm"), "warn",
+                       f"{detail}; SSM/hybrid: fine-tuning templates only, untested, no public inference endpoint")
     if hw.vendor == "qaic":
-        prof = pick("qaic")
         if rec.qaic:
-            return "compatible", prof, Check(name="architecture_known", status="pass", detail=f"{detail}; in the AI 100 validated matrix")
-        return "requires_review", prof, Check(name="architecture_known", status="warn",
-                                              detail=f"{detail}; not in the AI 100 validated matrix")
+            return _answer("compatible", pick("qaic"), "pass", f"{detail}; in the AI 100 validated matrix")
+        return _answer("requires_review", pick("qaic"), "warn", f"{detail}; not in the AI 100 validated matrix")
     if task == "text-to-audio":
-        prof = pick("generative")
-        return ("compatible", prof, ok) if prof else ("incompatible", None, Check(
-            name="architecture_known", status="fail", detail=f"{detail}; no generative backend on {hw.vendor}"))
+        return served_by("generative", detail, "generative")
     if task in SPECIALIST_TASKS:
-        prof = pick("specialists")
-        return ("compatible", prof, ok) if prof else ("incompatible", None, Check(
-            name="architecture_known", status="fail", detail=f"{detail}; no specialists backend on {hw.vendor}"))
+        return served_by("specialists", detail, "specialists")
     if task == "speculative-draft":
         prof = pick("vllm")
         if prof in rec.tested:  # e.g. the GLM-4 MoE MTP heads validated on vllm-xpu
-            return "compatible", prof, ok
-        return "requires_review", prof, Check(name="architecture_known", status="warn",
-                                              detail=f"{detail}; a draft/MTP head, served with its target model")
+            return _answer("compatible", prof, "pass", detail)
+        return _answer("requires_review", prof, "warn", f"{detail}; a draft/MTP head, served with its target model")
     if hw.vendor == "cpu":
         if gguf_applies:
-            return "compatible", pick("gguf"), ok
+            return _answer("compatible", pick("gguf"), "pass", detail)
         if rec.transformers_known:
-            return "compatible", pick("transformers"), ok
-        return "incompatible", None, Check(name="architecture_known", status="fail",
-                                           detail=f"{detail}; no GGUF recipe and no transformers class for the CPU tier")
+            return _answer("compatible", pick("transformers"), "pass", detail)
+        return _answer("incompatible", None, "fail", f"{detail}; no GGUF recipe and no transformers class for the CPU tier")
     if rec.vllm_support:
-        return "compatible", pick("vllm"), ok
+        return _answer("compatible", pick("vllm"), "pass", detail)
     if rec.transformers_known:
-        return "compatible", pick("transformers"), Check(name="architecture_known", status="pass",
-                                                         detail=f"{detail}; transformers fallback (slower than vLLM-native)")
-    return "incompatible", None, Check(name="architecture_known", status="fail", detail=f"{detail}; no backend serves it")
+        return _answer("compatible", pick("transformers"), "pass", f"{detail}; transformers fallback (slower than vLLM-native)")
+    return _answer("incompatible", None, "fail", f"{detail}; no backend serves it")
 
 
 def _requirements(cfg: dict[str, Any], weights: WeightsSummary, task: str, hw: Hardware) -> tuple[dict[str, Any], Check | None]:
