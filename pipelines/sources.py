@@ -188,17 +188,65 @@ def check_index(root: Path, files: list[str], model: str) -> None:
         index_shards((root / "model.safetensors.index.json").read_bytes(), files, model)
 
 
-def _hash_files(root: Path, names: list[str]) -> list[FileRecord]:
+class _DigestCache:
+    """sha256 of local files keyed by (real path, size, inode, mtime_ns, ctime_ns), like git's index.
+
+    Every Dagster step re-resolves its snapshot; for a local-directory source that would re-hash the
+    whole model each time. ctime cannot be set by user code, so any write to a file misses the cache.
+    """
+
+    def __init__(self) -> None:
+        self.path = cache_root() / "digests.json"
+        try:
+            self.entries: dict[str, list] = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.entries = {}
+        self.dirty = False
+
+    @staticmethod
+    def _key(p: Path) -> tuple[str, list]:
+        st = p.stat()
+        return str(p.resolve()), [st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
+
+    def get(self, p: Path) -> str | None:
+        real, sig = self._key(p)
+        hit = self.entries.get(real)
+        return hit[1] if hit and hit[0] == sig else None
+
+    def put(self, p: Path, digest: str) -> None:
+        real, sig = self._key(p)
+        self.entries[real] = [sig, digest]
+        self.dirty = True
+
+    def save(self) -> None:
+        if not self.dirty:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.entries, f)
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a cache that cannot be written only costs time
+
+
+def _hash_files(root: Path, names: list[str], cache: _DigestCache | None = None) -> list[FileRecord]:
     total = sum(confined(root, n).stat().st_size for n in names)
     out = []
     with bar(total, "sha256") as pb:
         for n in names:
             p = confined(root, n)
-            if p.is_symlink() or not p.is_file():
-                # confined() already refused links leading outside; a link inside is fine but must be a file
-                if not p.is_file():
-                    raise SourceError(f"refusing {n!r}: not a regular file")
-            out.append(FileRecord(n, p.stat().st_size, sha256_file(p, pb)))
+            if not p.is_file():  # confined() already refused links leading outside
+                raise SourceError(f"refusing {n!r}: not a regular file")
+            digest = cache.get(p) if cache is not None else None
+            if digest is None:
+                digest = sha256_file(p, pb)
+                if cache is not None:
+                    cache.put(p, digest)
+            out.append(FileRecord(n, p.stat().st_size, digest))
+    if cache is not None:
+        cache.save()
     return out
 
 
@@ -229,7 +277,7 @@ def fetch_local(spec: SourceSpec, model_id: str | None) -> Snapshot:
     for n in wanted:
         confined(root, n)  # symlinks must stay inside the directory
     check_index(root, wanted, mid)
-    files = _hash_files(root, wanted)
+    files = _hash_files(root, wanted, _DigestCache())
     digest = sha256_json(sorted((f.path, f.sha256) for f in files))
     rev = f"local-{digest}"
     return Snapshot(model_id=mid, source=str(root), revision=rev, commit=rev, local_dir=str(root),

@@ -432,3 +432,25 @@ def test_cli_build_through_mirror_then_pull(tiny_repo, tmp_path):
     assert ggufs[0].name == entry["path"] and sha256(ggufs[0]) == entry["sha256"]
     meta = json.loads((dest / "hive-aot.json").read_text())
     assert json.dumps(meta).count(doc["build_id"]) >= 1
+
+
+def test_local_digest_cache_never_serves_a_stale_digest(tiny_llama, tmp_path):
+    """Local sources reuse digests across fetches (each Dagster step re-resolves its snapshot), but a
+    rewrite that keeps size and mtime still changes ctime, so the file is hashed again."""
+    import os
+
+    d = copy_model(tiny_llama, tmp_path / "m")
+    first = fetch(str(d), "sources-test/cache")
+    cfg = d / "config.json"
+    st = cfg.stat()
+    text = cfg.read_text()
+    flipped = text.replace('"bos_token_id": 1', '"bos_token_id": 3')
+    assert flipped != text and len(flipped) == len(text)
+    cfg.write_text(flipped)
+    os.utime(cfg, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size, same mtime: only ctime moved
+    second = fetch(str(d), "sources-test/cache")
+    digests = {f.path: f.sha256 for f in second.files}
+    assert digests["config.json"] == hashlib.sha256(flipped.encode()).hexdigest()
+    assert second.revision != first.revision
+    third = fetch(str(d), "sources-test/cache")
+    assert third.revision == second.revision
