@@ -296,3 +296,28 @@ def make_sharded_llama(dest: Path, *, hidden: int = 256, intermediate: int = 704
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "vocab_size": vocab,
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}))
     return dest, total_params
+
+
+def make_qwen2(dest: Path, tokenizer_dir: Path, *, seed: int = 0, **overrides: Any) -> Path:
+    """A 2-layer Qwen2 (q/k/v biases, randomized: transformers initializes them to zero) with SmolLM2's
+    tokenizer files. transformers loads them as Qwen2Tokenizer (qwen2's own pre-tokenizer regex)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    params = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=True,
+                  bos_token_id=1, eos_token_id=2)
+    params.update(overrides)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**params))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+    dest.mkdir(parents=True, exist_ok=True)
+    model.to(torch.bfloat16).save_pretrained(str(dest), safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, dest / name)
+    return dest

@@ -235,8 +235,8 @@ BAD_INPUTS = {
                             "tokenizer"),
     "auto_map_unreviewed": (lambda d: edit_config(d, auto_map={"AutoModelForCausalLM": "modeling_x.X"}),
                             "requires review"),
-    "recipe_not_applicable": (lambda d: edit_config(d, architectures=["Qwen2ForCausalLM"]),
-                              "recipe gguf-f16 does not apply to test-org/bad (Qwen2ForCausalLM)"),
+    "recipe_not_applicable": (lambda d: edit_config(d, architectures=["GemmaForCausalLM"]),
+                              "recipe gguf-f16 does not apply to test-org/bad (GemmaForCausalLM)"),
     "pickle_only": (_pickle_only, "only pickle weights (pytorch_model.bin)"),
 }
 

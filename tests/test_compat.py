@@ -57,6 +57,7 @@ EXPECTED = {
     **{a: ("compatible", "transformers-cu121") for a in TRANSFORMERS_FALLBACK},
 }
 GGUF_RECIPES = ["gguf-f16", "gguf-q4_k_m", "gguf-q8_0"]
+GGUF_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}  # our converter's families
 SANE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 512}
 
@@ -108,7 +109,7 @@ def test_tested_rows_are_compatible_on_vllm_cu121(arch, tok_s, config, db):
     assert (c.status, c.runtime_profile_id) == ("compatible", "vllm-cu121"), c.checks
     assert f"tested on vllm-cu121 ({tok_s} tok/s)" in _check(c, "architecture_known").detail
     assert db.lookup(arch).tested == {"vllm-cu121": tok_s}
-    assert sorted(c.recipes) == (GGUF_RECIPES if arch in ("LlamaForCausalLM", "MistralForCausalLM") else [])
+    assert sorted(c.recipes) == (GGUF_RECIPES if arch in GGUF_ARCHS else [])
 
 
 def test_every_other_vllm_causal_lm_is_compatible_on_vllm(config, db):
@@ -189,7 +190,7 @@ def test_known_class_with_auto_map_requires_review(config):
     assert sorted(c.recipes) == GGUF_RECIPES  # applicable, but build() refuses until the registry says reviewed
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM", "CodeLlamaForCausalLM"])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM", "CodeLlamaForCausalLM", "Qwen2ForCausalLM"])
 def test_cpu_tier_goes_to_llamacpp_when_a_gguf_recipe_applies(arch, config):
     c = check(config, arch, hardware="cpu")
     assert (c.status, c.runtime_profile_id) == ("compatible", "llm-llamacpp-cpu")

@@ -465,3 +465,36 @@ def test_conversion_streams_tensors(streaming_model, tmp_path):
     kept = _peak_growth(streaming_model, tmp_path / "kept", "f16", keep_pages=True)
     print(f"f16 without page release: peak RSS growth {kept / 2**20:.1f} MiB")
     assert kept > total / 2
+
+
+# --- Qwen2: Llama layout with q/k/v biases, NEOX rope (no permutation) ----------------------------
+
+@pytest.fixture(scope="module")
+def qwen2_model(smollm2_dir, tmp_path_factory):
+    from factories import make_qwen2
+
+    return make_qwen2(tmp_path_factory.mktemp("qwen2") / "tiny-qwen2", smollm2_dir)
+
+
+def test_qwen2_f16_parity_and_metadata(qwen2_model, tmp_path):
+    out = tmp_path / "qwen2.gguf"
+    # transformers reads these tokenizer files as Qwen2Tokenizer, whose check hash llama.cpp does not
+    # know for this vocabulary: the pre-tokenizer is named explicitly and recorded as a fallback.
+    with pytest.raises(ModelFormatError, match="pre-tokenizer not recognised"):
+        run_convert(qwen2_model, tmp_path / "no-fallback.gguf")
+    report, metrics, _ = convert_and_validate(qwen2_model, out, options={"bpe_pre_fallback": "qwen2"})
+    assert_f16_parity(metrics)
+    assert report.vocab["pre_detection"].startswith("fallback:")
+    r = gguf.GGUFReader(str(out))
+    assert field(r, "general.architecture") == "qwen2" and field(r, "tokenizer.ggml.pre") == "qwen2"
+    assert field(r, "qwen2.block_count") == 2 and field(r, "qwen2.attention.head_count_kv") == 2
+    assert tensor_types(r)["blk.0.attn_q.bias"] == Q.F32
+
+
+def test_qwen2_must_not_be_permuted(qwen2_model, tmp_path, monkeypatch):
+    """Negative control: Llama's Q/K permutation under the qwen2 architecture (NEOX rope) breaks it."""
+    permuted = dataclasses.replace(families.QWEN2, block_tensors=families.LLAMA.block_tensors)
+    monkeypatch.setattr(convert_mod, "family_for", lambda arch: permuted)
+    _, metrics, _ = convert_and_validate(qwen2_model, tmp_path / "qwen2-permuted.gguf",
+                                         options={"bpe_pre_fallback": "qwen2"})
+    assert metrics["top1_agreement"] < 0.5

@@ -185,7 +185,30 @@ LLAMA = Family(
     ignored=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"model\.rotary_emb\.inv_freq"),
 )
 
-FAMILIES: tuple[Family, ...] = (LLAMA,)
+def _unpermuted(rules: tuple[TensorRule, ...]) -> tuple[TensorRule, ...]:
+    """The same rules without the Q/K permutation (for NEOX-style rope, which matches HF's rotate_half)."""
+    return tuple(TensorRule(r.gguf, r.hf, None if r.transform in (_permute_q, _permute_k) else r.transform, r.optional)
+                 for r in rules)
+
+
+def _qwen2_hparams(w: gguf.GGUFWriter, hp: HParams) -> None:
+    if hp.rope["rope_type"] not in ("default", "linear", "yarn"):
+        raise ModelFormatError(f"rope scaling type {hp.rope['rope_type']!r} is not supported for qwen2 GGUF yet")
+    _llama_hparams(w, hp)
+
+
+# Qwen2: the Llama tensor layout plus q/k/v biases; llama.cpp runs it with NEOX rope, so no permutation.
+QWEN2 = Family(
+    name="qwen2",
+    gguf_arch="qwen2",
+    architectures=("Qwen2ForCausalLM",),
+    global_tensors=LLAMA.global_tensors,
+    block_tensors=_unpermuted(LLAMA.block_tensors),
+    write_hparams=_qwen2_hparams,
+    ignored=LLAMA.ignored,
+)
+
+FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2)
 BY_ARCHITECTURE: dict[str, Family] = {a: f for f in FAMILIES for a in f.architectures}
 
 

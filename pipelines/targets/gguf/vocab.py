@@ -61,6 +61,9 @@ def _load_hf_tokenizer(model_dir: Path, prefer_plain: bool = True):
 
 
 _PLAIN_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+# Model types for which transformers 5 honours a plain tokenizer_class (checked in the tests). Others,
+# e.g. qwen2 and phi3, are in its MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS and get their own class.
+_PLAIN_MODEL_TYPES = {"llama", "mistral"}
 _CLASS_SWITCHES = {"add_bos_token", "add_eos_token", "add_prefix_space", "legacy", "auto_map"}
 
 
@@ -80,6 +83,12 @@ class _PlainTokenizer:
         except (UnicodeDecodeError, json.JSONDecodeError):
             return None  # let transformers report it
         if not isinstance(cfg, dict) or cfg.get("tokenizer_class") not in _PLAIN_CLASSES or _CLASS_SWITCHES & set(cfg):
+            return None
+        try:
+            model_type = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            return None
+        if model_type not in _PLAIN_MODEL_TYPES:
             return None
         from tokenizers import Tokenizer
 
