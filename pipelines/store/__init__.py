@@ -23,9 +23,14 @@ def default_store_uri() -> str:
 def open_store(uri: str | None = None) -> Store:
     uri = uri or default_store_uri()
     if uri.startswith("s3://"):
-        from ..errors import StoreError
+        from .s3 import S3Store
 
-        raise StoreError(f"{uri}: the S3 store is not available in this version (use a local path or file://)")
+        bucket, _, prefix = uri[5:].partition("/")
+        if not bucket:
+            from ..errors import StoreError
+
+            raise StoreError(f"{uri!r} is not s3://bucket[/prefix]")
+        return S3Store(bucket, prefix)
     from .local import LocalStore
 
     path = uri[len("file://"):] if uri.startswith("file://") else uri

