@@ -42,13 +42,11 @@ def gc(store_uri: str | None = None, *, dry_run: bool = False, min_age_s: float 
         for f in json.loads(store.read_bytes(key) or b"{}").get("files", []):
             live.add(blob_key(f["sha256"]))
     for key in store.list("staging/"):
-        age = now - (store.modified(key) or 0)
-        doc = store.read_json(key) or {}
-        if age > min_age_s:
+        if now - (store.modified(key) or 0) > min_age_s:
             stale_staging.append(key)
-        else:
-            for f in doc.get("manifest", {}).get("files", []):
-                live.add(blob_key(f["sha256"]))
+            continue
+        for f in (store.read_json(key) or {}).get("manifest", {}).get("files", []):
+            live.add(blob_key(f["sha256"]))
     dead, freed = [], 0
     for key in store.list("blobs/"):
         if key in live:

@@ -313,20 +313,18 @@ def test_q4_k_m_through_the_target(smollm2_dir, tmp_path, config):
 
 # --- errors ----------------------------------------------------------------------------------------
 
-def test_unmapped_extra_tensor_is_refused(tiny_llama, tmp_path):
-    d = copy_model(tiny_llama, tmp_path / "extra")
-    rewrite_safetensors(d, lambda t: t.__setitem__("model.layers.0.mlp.extra_proj.weight", np.ones((4, 4), np.float32)))
-    out = tmp_path / "extra.gguf"
-    with pytest.raises(ModelFormatError, match=r"unmapped tensors for llama: model\.layers\.0\.mlp\.extra_proj\.weight"):
-        run_convert(d, out)
-    assert not out.exists()
-
-
-def test_missing_required_tensor_is_refused(tiny_llama, tmp_path):
-    d = copy_model(tiny_llama, tmp_path / "missing")
-    rewrite_safetensors(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    out = tmp_path / "missing.gguf"
-    with pytest.raises(ModelFormatError, match=r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'.*blk\.1\.ffn_up\.weight"):
+@pytest.mark.parametrize("mutate,error", [
+    (lambda t: t.__setitem__("model.layers.0.mlp.extra_proj.weight", np.ones((4, 4), np.float32)),
+     r"unmapped tensors for llama: model\.layers\.0\.mlp\.extra_proj\.weight"),
+    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+     r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'.*blk\.1\.ffn_up\.weight"),
+], ids=["unmapped-extra", "missing-required"])
+def test_tensor_set_must_match_the_family(tiny_llama, tmp_path, mutate, error):
+    """Planning refuses before anything is written: no GGUF file appears."""
+    d = copy_model(tiny_llama, tmp_path / "m")
+    rewrite_safetensors(d, mutate)
+    out = tmp_path / "m.gguf"
+    with pytest.raises(ModelFormatError, match=error):
         run_convert(d, out)
     assert not out.exists()
 

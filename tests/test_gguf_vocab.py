@@ -112,27 +112,17 @@ def assert_full_token_parity(snap, out) -> None:
         assert hf_ids.count(1) >= 2 or 2 in hf_ids, text  # really parsed as control tokens
 
 
-def test_spm_llama2_layout_full_parity(spm_model):
-    """add_dummy_prefix (the SentencePiece default) with the tokenizer.json layout Llama-2 repos ship."""
-    snap, out, report = spm_model(True, "legacy")
-    assert report.vocab == {"tokenizer": "sentencepiece", "size": 700, "add_space_prefix": True}
-    assert_spm_metadata(out, 700, True, 700)
+@pytest.mark.parametrize("dummy_prefix,layout", [
+    (True, "legacy"),  # the SentencePiece default, with the tokenizer.json layout Llama-2 repos ship
+    (False, "llama"),  # add_dummy_prefix=false must reach llama.cpp as add_space_prefix=false
+])
+def test_spm_full_parity(spm_model, dummy_prefix, layout):
+    snap, out, report = spm_model(dummy_prefix, layout)
+    assert report.vocab == {"tokenizer": "sentencepiece", "size": 700, "add_space_prefix": dummy_prefix}
+    assert_spm_metadata(out, 700, dummy_prefix, 700)
     assert_full_token_parity(snap, out)
     metrics, details = validate_gguf(snap, out)
-    print(f"spm legacy: {metrics}")
-    assert details["tokenizer_mismatches"] == []
-    assert metrics["token_parity"] == 1.0
-    assert metrics["top1_agreement"] >= 0.98 and metrics["mean_kl"] < 1e-4 and metrics["finite"] is True
-
-
-def test_spm_without_dummy_prefix_full_parity(spm_model):
-    """add_dummy_prefix=false must reach llama.cpp as add_space_prefix=false (transformers 5 LlamaTokenizer)."""
-    snap, out, report = spm_model(False, "llama")
-    assert report.vocab["add_space_prefix"] is False
-    assert_spm_metadata(out, 700, False, 700)
-    assert_full_token_parity(snap, out)
-    metrics, details = validate_gguf(snap, out)
-    print(f"spm no prefix: {metrics}")
+    print(f"spm {layout} dummy_prefix={dummy_prefix}: {metrics}")
     assert details["tokenizer_mismatches"] == []
     assert metrics["token_parity"] == 1.0
     assert metrics["top1_agreement"] >= 0.98 and metrics["mean_kl"] < 1e-4 and metrics["finite"] is True

@@ -51,13 +51,9 @@ def _load_hf_tokenizer(model_dir: Path, prefer_plain: bool = True):
         plain = _PlainTokenizer.load(model_dir)
         if plain is not None:
             return plain
-    from transformers import AutoTokenizer
+    from ...reference import load_tokenizer
 
-    try:
-        # trust_remote_code stays False: a tokenizer class from the repo is never imported.
-        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False, local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - any parse failure is a malformed tokenizer for us
-        raise ModelFormatError(f"tokenizer cannot be loaded: {type(e).__name__}: {e}") from None
+    return load_tokenizer(model_dir)  # the same loader (and refusal of remote code) as the reference
 
 
 _PLAIN_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
