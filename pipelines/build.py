@@ -23,7 +23,7 @@ from .config import Config, Recipe
 from .errors import NotApplicableError, StoreError, ValidationFailed
 from .hashing import sha256_file
 from .manifest import FileEntry, Manifest, ModelInfo, RecipeInfo, compute_build_id
-from .paths import cache_root
+from .paths import work_root
 from .sources import Snapshot, fetch
 from .store import Store, blob_key, manifest_key, open_store, ref_key, staging_key
 from .store.layout import PROFILES_KEY
@@ -108,7 +108,7 @@ def stage(p: Plan, store: Store) -> BuildResult:
         _ensure_refs(store, p, existing)
         return _result(p, store, "skipped", existing, skipped=True)
     store.check_writable()
-    work = Path(tempfile.mkdtemp(prefix=f"build-{p.build_id[:12]}-", dir=_work_root()))
+    work = Path(tempfile.mkdtemp(prefix=f"build-{p.build_id[:12]}-", dir=work_root()))
     try:
         art = p.target.build(p.snapshot, p.recipe, work)
         entries = []
@@ -130,12 +130,6 @@ def stage(p: Plan, store: Store) -> BuildResult:
     )
     store.write_bytes(staging_key(p.build_id), json.dumps({"state": "staged", "manifest": manifest.model_dump(mode="json")}).encode())
     return _result(p, store, "staged", manifest, skipped=False)
-
-
-def _work_root() -> Path:
-    root = cache_root() / "work"
-    root.mkdir(parents=True, exist_ok=True)
-    return root
 
 
 def _staged(store: Store, p: Plan) -> tuple[str, Manifest]:
@@ -165,7 +159,7 @@ def materialize_blobs(store: Store, files: list[FileEntry], dest: Path) -> None:
 def validate_staged(p: Plan, store: Store) -> ValidationReport:
     """Validate the staged candidate numerically; the result is recorded in the staging record."""
     _state, manifest = _staged(store, p)
-    work = Path(tempfile.mkdtemp(prefix=f"validate-{p.build_id[:12]}-", dir=_work_root()))
+    work = Path(tempfile.mkdtemp(prefix=f"validate-{p.build_id[:12]}-", dir=work_root()))
     try:
         materialize_blobs(store, manifest.files, work)
         report = p.target.validate(p.snapshot, p.recipe, work, [f.path for f in manifest.files])

@@ -3,13 +3,17 @@
 Conventions: `--json` prints exactly one JSON document on stdout (progress and logs go to stderr);
 errors are one line on stderr. Exit codes: 0 done, 1 error (bad input, refused source, store
 problem), 2 usage, 3 validation failed (nothing published), 4 check: requires_review,
-5 check: incompatible.
+5 check: incompatible, 6 a native engine crashed (its step named; nothing published).
+
+The base install is the pull client; `check`, `build` and `onboard` need extras, and without them
+say which one in one line instead of a ModuleNotFoundError traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,14 @@ from typing import Any
 from .errors import HiveError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_REJECTED, EXIT_REVIEW, EXIT_INCOMPATIBLE = 0, 1, 2, 3, 4, 5
+
+# Top-level modules of each extra (pyproject.toml), to name the extra a missing import belongs to.
+EXTRA_OF_MODULE = {
+    **dict.fromkeys(["torch", "transformers", "tokenizers", "accelerate", "huggingface_hub", "safetensors", "numpy",
+                     "gguf", "llama_cpp", "sentencepiece", "google", "jinja2", "onnx", "onnxruntime", "optimum"],
+                    "build"),
+    **dict.fromkeys(["dagster", "dagster_webserver", "dagster_dg_cli", "dagster_aws", "dagster_celery"], "orchestrate"),
+}
 
 
 def _emit(args: argparse.Namespace, doc: Any, human: str) -> None:
@@ -33,12 +45,12 @@ def _mb(n: int) -> str:
 def cmd_check(args) -> int:
     from .compat.check import WeightsSummary, classify, classify_snapshot
     from .config import Config
-    from .sources import fetch, parse_source
+    from .sources import fetch, hub_offline, parse_source
 
-    config = Config.load(args.registry)
+    config = Config.load(args.registry, args.recipes)
     spec = parse_source(args.source)
     extra: dict[str, Any] = {}
-    if spec.kind == "hf":
+    if spec.kind == "hf" and not hub_offline():
         # Header-only: config.json, the index and safetensors headers by HTTP range; no weight bytes.
         from .compat.remote import inspect_remote
 
@@ -85,7 +97,7 @@ def cmd_registry(args) -> int:
         _emit(args, summary, f"wrote {summary['architectures']} architectures ({summary['vllm_supported']} run by vLLM "
                              f"{args.vllm_version}) to {path}")
         return EXIT_OK
-    config = Config.load(args.registry)
+    config = Config.load(args.registry, args.recipes)
     if args.registry_command == "backends":
         rows = [p.model_dump(mode="json") for p in config.registry.runtime_profiles]
         human = "\n".join(f"{p['id']:26} {p['vendor']:9} {p['role']:13} {'active' if p['active'] else 'INACTIVE':9} "
@@ -113,7 +125,7 @@ def cmd_build(args) -> int:
     from .build import build_and_publish
     from .config import Config
 
-    config = Config.load(args.registry)
+    config = Config.load(args.registry, args.recipes)
     res = build_and_publish(args.source, args.recipe, config, args.store, args.model_id)
     v = res.validation or {}
     met = v.get("metrics", {})
@@ -171,7 +183,7 @@ def cmd_gc(args) -> int:
 def cmd_onboard(args) -> int:
     from .orchestration.onboard import onboard
 
-    res = onboard(registry=args.registry, store=args.store, models=args.model or None)
+    res = onboard(registry=args.registry, store=args.store, models=args.model or None, recipes=args.recipes)
     if args.json:
         _emit(args, res, "")
     else:
@@ -186,7 +198,10 @@ def parser() -> argparse.ArgumentParser:
 
     def common(sp, store=True):
         sp.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-        sp.add_argument("--registry", help="registry.yaml (default: $HIVE_AOT_REGISTRY or ./registry.yaml)")
+        sp.add_argument("--registry", help="a registry.yaml extending the packaged defaults "
+                                           "(default: $HIVE_AOT_REGISTRY, else ./registry.yaml if present)")
+        sp.add_argument("--recipes", help="a directory of recipe YAMLs extending the packaged ones "
+                                          "(default: $HIVE_AOT_RECIPES, else the registry's recipes_dir)")
         if store:
             sp.add_argument("--store", help="store URI (default: $HIVE_AOT_STORE or ./artifacts)")
 
@@ -232,12 +247,14 @@ def parser() -> argparse.ArgumentParser:
         r = rsub.add_parser(name, help=text)
         r.add_argument("--json", action="store_true")
         r.add_argument("--registry")
+        r.add_argument("--recipes")
     r = rsub.add_parser("sync", help="regenerate the architecture snapshot from vLLM's registry and transformers")
     r.add_argument("--vllm-version", default="0.33.0", help="the vLLM release the serving images pin")
     r.add_argument("--wheel", help="a local vllm wheel instead of downloading one")
     r.add_argument("--output", help="where to write (default: the packaged snapshot)")
     r.add_argument("--json", action="store_true")
     r.add_argument("--registry")
+    r.add_argument("--recipes")
     sp.set_defaults(func=cmd_registry)
 
     sp = sub.add_parser("onboard", help="run the Dagster onboarding job headless for registry models")
@@ -247,18 +264,37 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _missing_extra(command: str, e: ModuleNotFoundError) -> HiveError:
+    top = (e.name or "").split(".")[0]
+    extra = EXTRA_OF_MODULE.get(top)
+    if extra is None:
+        return HiveError(f"`hive-aot {command}` needs the Python module {e.name!r}, which is not installed")
+    return HiveError(f"`hive-aot {command}` needs the '{extra}' extra (module {top!r} is not installed): "
+                     f"pip install 'hive-aot[{extra}]'")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.func(args)
+    except ModuleNotFoundError as e:
+        return _fail(args, _missing_extra(args.command, e))
     except HiveError as e:
-        print(f"hive-aot: error: {e}", file=sys.stderr)
-        if getattr(args, "json", False):
-            sys.stdout.write(json.dumps({"error": str(e), "exit_code": e.exit_code}) + "\n")
-        return e.exit_code
+        return _fail(args, e)
+    except BrokenPipeError:
+        # The reader went away (`hive-aot ls | head`): stop quietly, as Unix tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:
         print("hive-aot: interrupted", file=sys.stderr)
         return 130
+
+
+def _fail(args: argparse.Namespace, e: HiveError) -> int:
+    print(f"hive-aot: error: {e}", file=sys.stderr)
+    if getattr(args, "json", False):
+        sys.stdout.write(json.dumps({"error": str(e), "exit_code": e.exit_code}) + "\n")
+    return e.exit_code
 
 
 if __name__ == "__main__":

@@ -1,7 +1,14 @@
-"""Declarative inputs: `registry.yaml` (runtime profiles, models to onboard) and `recipes/*.yaml`.
+"""Declarative inputs: `registry.yaml` (runtime profiles, architecture facts, models to onboard) and
+`recipes/*.yaml`.
 
-Files are located through configuration only: an explicit path, else `$HIVE_AOT_REGISTRY` /
-`$HIVE_AOT_RECIPES`, else `./registry.yaml` in the working directory and the `recipes_dir` it names.
+Two layers. The package ships the platform's defaults (`pipelines/defaults/`: the project's
+registry.yaml and recipes/ as built into the wheel): runtime profiles, curated architecture facts and
+the standard recipes, so `check` and `build` work from any directory of any install. A deployment's
+registry (`--registry`, else `$HIVE_AOT_REGISTRY`, else `./registry.yaml` if there is one) extends or
+overrides them: a runtime profile or recipe with a packaged id replaces it, an architecture entry is
+merged field by field, and its `models:` are the models to onboard (the packaged registry contributes
+none). Extra recipes come from `--recipes`, else `$HIVE_AOT_RECIPES`, else the registry's
+`recipes_dir`. `packaged_defaults: false` in a registry starts from nothing instead.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -80,8 +88,9 @@ class ArchitectureOverride(_Strict):
 
 class Registry(_Strict):
     version: Literal[1] = 1
-    recipes_dir: str = "recipes"
-    runtime_profiles: list[RuntimeProfile]
+    packaged_defaults: bool = Field(default=True, description="extend the profiles, facts and recipes hive-aot ships")
+    recipes_dir: str | None = Field(default=None, description="extra recipes, relative to this file")
+    runtime_profiles: list[RuntimeProfile] = Field(default_factory=list)
     trust_remote_code_allowlist: list[str] = Field(
         default_factory=list, description="repos whose auto_map code may be reviewed; it is never executed by hive-aot"
     )
@@ -95,6 +104,16 @@ class Registry(_Strict):
             if dupes:
                 raise ValueError(f"duplicate {what} id(s): {', '.join(dupes)}")
         return self
+
+    def extended_by(self, overlay: "Registry") -> "Registry":
+        """This registry with `overlay` on top: profiles replaced by id, architectures merged per field."""
+        profiles = {p.id: p for p in self.runtime_profiles} | {p.id: p for p in overlay.runtime_profiles}
+        archs = dict(self.architectures)
+        for name, facts in overlay.architectures.items():
+            archs[name] = archs[name].model_copy(update=facts.model_dump(exclude_unset=True)) if name in archs else facts
+        allow = list(dict.fromkeys(self.trust_remote_code_allowlist + overlay.trust_remote_code_allowlist))
+        return overlay.model_copy(update={"runtime_profiles": list(profiles.values()), "architectures": archs,
+                                          "trust_remote_code_allowlist": allow})
 
     def profile(self, profile_id: str) -> RuntimeProfile:
         for p in self.runtime_profiles:
@@ -164,27 +183,50 @@ def _load_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
 
 
-def registry_path(explicit: str | os.PathLike | None = None) -> Path:
-    return Path(explicit or os.environ.get("HIVE_AOT_REGISTRY") or "registry.yaml").resolve()
+def packaged_defaults_dir() -> Path:
+    """The registry.yaml and recipes/ built into the package (a real directory in every install)."""
+    return Path(str(resources.files("pipelines.defaults")))
 
 
-def load_registry(explicit: str | os.PathLike | None = None) -> tuple[Registry, Path]:
-    path = registry_path(explicit)
+def registry_path(explicit: str | os.PathLike | None = None) -> Path | None:
+    """The deployment registry: `--registry`, else `$HIVE_AOT_REGISTRY`, else ./registry.yaml if it exists."""
+    given = explicit or os.environ.get("HIVE_AOT_REGISTRY")
+    if given:
+        return Path(given).expanduser().resolve()
+    local = Path("registry.yaml").resolve()
+    return local if local.is_file() else None
+
+
+def _parse_registry(path: Path, how: str = "") -> Registry:
+    if not path.is_file() and how:
+        raise ConfigError(f"{path}: file not found (given by {how})")
     data = _load_yaml(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     try:
-        return Registry.model_validate(data), path
+        return Registry.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(path, e)) from None
 
 
-def recipes_dir(registry: Registry | None, reg_path: Path | None, explicit: str | os.PathLike | None = None) -> Path:
+def load_registry(explicit: str | os.PathLike | None = None) -> tuple[Registry, Path | None]:
+    """The packaged defaults extended by the deployment registry (if any), and that registry's path."""
+    path = registry_path(explicit)
+    how = "--registry" if explicit else ("$HIVE_AOT_REGISTRY" if os.environ.get("HIVE_AOT_REGISTRY") else "")
+    defaults = _parse_registry(packaged_defaults_dir() / "registry.yaml").model_copy(update={"models": []})
+    if path is None:
+        return defaults, None
+    own = _parse_registry(path, how)
+    return (defaults.extended_by(own) if own.packaged_defaults else own), path
+
+
+def recipes_dir(registry: Registry | None, reg_path: Path | None, explicit: str | os.PathLike | None = None) -> Path | None:
+    """Where the deployment's own recipes are: `--recipes`, `$HIVE_AOT_RECIPES`, or the registry's recipes_dir."""
     if explicit or os.environ.get("HIVE_AOT_RECIPES"):
-        return Path(explicit or os.environ["HIVE_AOT_RECIPES"]).resolve()
-    if registry is not None and reg_path is not None:
+        return Path(explicit or os.environ["HIVE_AOT_RECIPES"]).expanduser().resolve()
+    if registry is not None and reg_path is not None and registry.recipes_dir:
         return (reg_path.parent / registry.recipes_dir).resolve()
-    return Path("recipes").resolve()
+    return None
 
 
 def load_recipe_file(path: Path) -> Recipe:
@@ -206,10 +248,21 @@ def load_recipes(directory: Path) -> dict[str, Recipe]:
     return {p.stem: load_recipe_file(p) for p in sorted(directory.glob("*.yaml"))}
 
 
+def load_all_recipes(registry: Registry, own_dir: Path | None) -> dict[str, Recipe]:
+    """Packaged recipes (unless the registry opts out), then the deployment's, which win by id."""
+    recipes: dict[str, Recipe] = {}
+    packaged = (packaged_defaults_dir() / "recipes").resolve()
+    if registry.packaged_defaults:
+        recipes.update(load_recipes(packaged))
+    if own_dir is not None and own_dir != packaged:
+        recipes.update(load_recipes(own_dir))
+    return recipes
+
+
 class Config:
     """Registry + recipes, loaded together and cross-checked."""
 
-    def __init__(self, registry: Registry, registry_file: Path, recipes: dict[str, Recipe]):
+    def __init__(self, registry: Registry, registry_file: Path | None, recipes: dict[str, Recipe]):
         self.registry = registry
         self.registry_file = registry_file
         self.recipes = recipes
@@ -218,7 +271,12 @@ class Config:
     @classmethod
     def load(cls, registry: str | os.PathLike | None = None, recipes: str | os.PathLike | None = None) -> "Config":
         reg, path = load_registry(registry)
-        return cls(reg, path, load_recipes(recipes_dir(reg, path, recipes)))
+        return cls(reg, path, load_all_recipes(reg, recipes_dir(reg, path, recipes)))
+
+    @property
+    def origin(self) -> str:
+        """What this configuration was loaded from, for messages."""
+        return str(self.registry_file) if self.registry_file else "the packaged default registry"
 
     def _cross_check(self) -> None:
         from .targets import target_for
@@ -234,11 +292,11 @@ class Config:
         for i, m in enumerate(self.registry.models):
             for rid in m.recipes:
                 if rid not in self.recipes:
-                    raise ConfigError(f"{self.registry_file}: models.{i}.recipes: unknown recipe {rid!r}")
+                    raise ConfigError(f"{self.origin}: models.{i}.recipes: unknown recipe {rid!r}")
         for p in self.registry.runtime_profiles:
             for rid in p.recipe_preference:
                 if rid not in self.recipes:
-                    raise ConfigError(f"{self.registry_file}: runtime profile {p.id}: unknown recipe {rid!r}")
+                    raise ConfigError(f"{self.origin}: runtime profile {p.id}: unknown recipe {rid!r}")
 
     def recipe(self, recipe_id: str) -> Recipe:
         try:
@@ -256,6 +314,6 @@ class Config:
         """The source URI of a registry model; relative local paths are relative to the registry file."""
         if entry.source is None:
             return f"hf://{entry.id}" + (f"@{entry.revision}" if entry.revision else "")
-        if "://" in entry.source:
+        if "://" in entry.source or self.registry_file is None:
             return entry.source
         return str((self.registry_file.parent / entry.source).resolve())

@@ -1,11 +1,13 @@
 """`make demo`: onboard the registry's models through Dagster, pull the q4_k_m artifact, generate.
 
 Runs fully offline on the embedded defaults: the local store ./artifacts and the SQLite Dagster
-instance in ./.dagster. A second run rebuilds nothing (every build id is already published).
+instance in ./.dagster (the Makefile sets both explicitly, whatever the shell exports). A second run
+rebuilds nothing (every build id is already published).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -14,10 +16,26 @@ DEMO_RECIPE = "gguf-q4_k_m"
 PROMPT = "The capital of France is"
 
 
+def greedy_completion(model_path: str, prompt: str, max_tokens: int) -> str:
+    """llama.cpp greedy decoding; runs in a child process (pipelines.isolation)."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=model_path, n_ctx=256, verbose=False, seed=0)
+    try:
+        return llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0)["choices"][0]["text"]
+    finally:
+        llm.close()
+
+
 def main() -> int:
+    from .errors import HiveError
+    from .isolation import run_isolated
     from .orchestration.onboard import onboard
     from .pull import pull
+    from .store import default_store_uri
 
+    print(f"demo: store {default_store_uri()}, Dagster instance {os.environ.get('DAGSTER_HOME', './.dagster')}",
+          file=sys.stderr)
     report = onboard(models=[DEMO_MODEL])
     rows = report["results"]
     print(f"\n{'recipe':14} {'size':>10} {'top-1':>7} {'KL':>9} {'build id':14} {'skipped?':8} state")
@@ -36,12 +54,13 @@ def main() -> int:
     dest = Path("pulled") / DEMO_MODEL.split("/")[1]
     res = pull(DEMO_MODEL, "llm-llamacpp-cpu", dest, recipe=DEMO_RECIPE)
     print(f"\npulled {res['recipe']} build {res['build_id'][:12]} into {res['dest']}")
-    from llama_cpp import Llama
-
-    llm = Llama(model_path=res["files"][0], n_ctx=256, verbose=False, seed=0)
-    out = llm.create_completion(PROMPT, max_tokens=16, temperature=0.0)
-    llm.close()
-    print(f"llama.cpp greedy from the pulled file: {PROMPT!r} -> {out['choices'][0]['text']!r}")
+    try:
+        text = run_isolated("pipelines.demo:greedy_completion", engine="llama.cpp", step="the demo's generation",
+                            model_path=res["files"][0], prompt=PROMPT, max_tokens=16)
+    except HiveError as e:
+        print(f"demo: {e}", file=sys.stderr)
+        return e.exit_code
+    print(f"llama.cpp greedy from the pulled file: {PROMPT!r} -> {text!r}")
     print(f"serve it: {res['serve']}")
     print(f"\nDagster UI with these runs: make ui   (DAGSTER_HOME={report['dagster_home']})")
     return 0

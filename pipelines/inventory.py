@@ -12,6 +12,7 @@ from .store import blob_key, open_store
 
 def list_published(store_uri: str | None = None) -> list[dict[str, Any]]:
     store = open_store(store_uri)
+    store.check_exists()
     rows = []
     sizes: dict[str, int] = {}
     for key in store.list("refs/"):
@@ -35,6 +36,7 @@ def gc(store_uri: str | None = None, *, dry_run: bool = False, min_age_s: float 
     candidates: a build in flight keeps its blobs.
     """
     store = open_store(store_uri)
+    store.check_exists()
     now = time.time()
     live: set[str] = set()
     stale_staging = []

@@ -14,6 +14,13 @@ def cache_root() -> Path:
     return Path(os.environ.get("HIVE_AOT_CACHE") or Path.home() / ".cache" / "hive-aot")
 
 
+def work_root() -> Path:
+    """Scratch space for builds, validations and child-process exchanges (`<cache>/work`), created on demand."""
+    root = cache_root() / "work"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
 def model_slug(model_id: str) -> str:
     """`org/name` -> `org--name`, the form used in store paths."""
     return model_id.replace("/", "--")
@@ -36,12 +43,17 @@ def safe_relpath(name: str, *, what: str = "file name") -> str:
     return name
 
 
-def confined(root: Path, rel: str) -> Path:
-    """Join and check that the real path stays inside root (symlinks included)."""
+def confined(root: Path, rel: str, within: Path | None = None) -> Path:
+    """Join and check that the real path stays inside `within` (default root), symlinks included.
+
+    `within` is wider than root only for a Hugging Face cache snapshot, whose files are symlinks
+    into the `blobs/` of the same `models--org--name` tree (see sources.hf_cache_repo_dir).
+    """
     safe_relpath(rel)
     p = root / rel
-    real_root = root.resolve()
+    fence = within or root
+    real_fence = fence.resolve()
     real = p.resolve()
-    if real != real_root and real_root not in real.parents:
-        raise SourceError(f"refusing {rel!r}: it resolves outside {root} (symlink?)")
+    if real != real_fence and real_fence not in real.parents:
+        raise SourceError(f"refusing {rel!r}: it resolves outside {fence} (symlink?)")
     return p

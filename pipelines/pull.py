@@ -25,6 +25,8 @@ from .store import Store, blob_key, manifest_key, open_store, ref_key
 from .store.layout import PROFILES_KEY
 
 MARKER = "hive-aot.json"
+# Serving processes often run as another user than the puller: what a pull leaves is world-readable.
+FILE_MODE, DIR_MODE = 0o644, 0o755
 
 
 @dataclass
@@ -70,15 +72,16 @@ def candidates(store: Store, model_id: str, tag: str, build_id: str | None) -> l
 
 
 def _profiles(store: Store, registry: str | None) -> dict[str, dict[str, Any]]:
-    """Runtime profiles: an explicit/ambient registry.yaml wins, else the store's published copy."""
+    """Runtime profiles: a deployment registry wins (over the packaged defaults), else the copy the
+    publisher left in the store, else the packaged defaults."""
     from .config import load_registry, registry_path
 
-    path = registry_path(registry)
-    if registry or path.is_file():
-        reg, _ = load_registry(path)
-        return {p.id: p.model_dump(mode="json") for p in reg.runtime_profiles}
-    doc = store.read_json(PROFILES_KEY) or {}
-    return {p["id"]: p for p in doc.get("runtime_profiles", [])}
+    if registry_path(registry) is None:
+        doc = store.read_json(PROFILES_KEY)
+        if doc and doc.get("runtime_profiles"):
+            return {p["id"]: p for p in doc["runtime_profiles"]}
+    reg, _ = load_registry(registry)
+    return {p.id: p.model_dump(mode="json") for p in reg.runtime_profiles}
 
 
 def detect_profile() -> str:
@@ -119,6 +122,7 @@ def fetch_blob(store: Store, digest: str, size: int, progress=None) -> Path:
     if dest.is_file() and dest.stat().st_size == size and sha256_file(dest) == digest:
         if progress is not None:
             progress.update(size)
+        _ensure_mode(dest, FILE_MODE)
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{digest[:12]}.", suffix=".partial", dir=dest.parent)
@@ -127,11 +131,45 @@ def fetch_blob(store: Store, digest: str, size: int, progress=None) -> Path:
         store.download_file(blob_key(digest), Path(tmp), progress)
         if os.path.getsize(tmp) != size or sha256_file(Path(tmp)) != digest:
             raise IntegrityError(f"blob {digest[:12]} from {store.uri} does not match its manifest sha256")
+        # Cached blobs are hard-linked into serving directories, so they carry the served mode.
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, dest)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return dest
+
+
+def _ensure_mode(path: Path, mode: int) -> None:
+    """Give a cached blob the served mode (blobs cached by older versions were 0600); a blob we may not
+    chmod (another user's cache) keeps its mode and is copied instead of linked (see _place)."""
+    if path.stat().st_mode & 0o777 != mode:
+        try:
+            os.chmod(path, mode)
+        except PermissionError:
+            pass
+
+
+def _place(blob: Path, out: Path) -> None:
+    """out = the blob's content, mode FILE_MODE: a hard link when the blob has that mode, else a copy."""
+    if blob.stat().st_mode & 0o777 == FILE_MODE:
+        try:
+            out.hardlink_to(blob)
+            return
+        except OSError:
+            pass
+    shutil.copyfile(blob, out)
+    os.chmod(out, FILE_MODE)
+
+
+def _mkdirs(root: Path, rel_dir: Path) -> None:
+    """Create rel_dir's components under root with DIR_MODE whatever the umask."""
+    path = root
+    for part in rel_dir.parts:
+        path = path / part
+        if not path.is_dir():
+            path.mkdir()
+            os.chmod(path, DIR_MODE)
 
 
 def _swap_into_place(tmp: Path, dest: Path) -> None:
@@ -152,6 +190,7 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
          store_uri: str | None = None, registry: str | None = None) -> dict[str, Any]:
     store = open_store(store_uri)
     model_id, build_id = parse_model(model)
+    store.check_exists()
     profiles = _profiles(store, registry)
     profile_id = detect_profile() if target == "auto" else target
     if profiles and profile_id not in profiles:
@@ -184,13 +223,11 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
     try:
         for f in m.files:
             out = tmp / f.path
-            out.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                out.hardlink_to(blobs[f.sha256])
-            except OSError:
-                shutil.copyfile(blobs[f.sha256], out)
+            _mkdirs(tmp, Path(f.path).parent)
+            _place(blobs[f.sha256], out)
         (tmp / MARKER).write_text(json.dumps(marker_doc, indent=1, sort_keys=True) + "\n")
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp / MARKER, FILE_MODE)
+        os.chmod(tmp, DIR_MODE)
         _swap_into_place(tmp, dest)
     finally:
         if tmp.exists():
@@ -199,7 +236,10 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
 
 
 def _complete(dest: Path, m: Manifest) -> bool:
-    return all((dest / f.path).is_file() and (dest / f.path).stat().st_size == f.size for f in m.files)
+    """Every file present at its size and served mode (a directory pulled by an older version is redone)."""
+    def ok(p: Path, size: int) -> bool:
+        return p.is_file() and p.stat().st_size == size and p.stat().st_mode & 0o777 == FILE_MODE
+    return all(ok(dest / f.path, f.size) for f in m.files)
 
 
 def _summary(doc: dict[str, Any], dest: Path, m: Manifest) -> dict[str, Any]:

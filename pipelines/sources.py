@@ -35,6 +35,7 @@ PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle"]
 MARKER = ".hive-aot-snapshot.json"
 
 _REPO_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)(?:@([A-Za-z0-9._/-]+))?$")
+_COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")  # a full git commit sha, as the Hub and its cache name commits
 
 
 @dataclass(frozen=True)
@@ -102,14 +103,15 @@ class Snapshot:
 
     def file(self, name: str) -> Path | None:
         if any(f.path == name for f in self.files):
-            return confined(self.dir, name)
+            return confined(self.dir, name, hf_cache_repo_dir(self.dir))
         return None
 
     def has(self, name: str) -> bool:
         return any(f.path == name for f in self.files)
 
     def safetensors_files(self) -> list[Path]:
-        return [confined(self.dir, f.path) for f in self.files if f.path.endswith(".safetensors")]
+        fence = hf_cache_repo_dir(self.dir)
+        return [confined(self.dir, f.path, fence) for f in self.files if f.path.endswith(".safetensors")]
 
     def config(self) -> dict[str, Any]:
         return load_config(self)
@@ -231,12 +233,13 @@ class _DigestCache:
             pass  # a cache that cannot be written only costs time
 
 
-def _hash_files(root: Path, names: list[str], cache: _DigestCache | None = None) -> list[FileRecord]:
-    total = sum(confined(root, n).stat().st_size for n in names)
+def _hash_files(root: Path, names: list[str], cache: _DigestCache | None = None,
+                within: Path | None = None) -> list[FileRecord]:
+    total = sum(confined(root, n, within).stat().st_size for n in names)
     out = []
     with bar(total, "sha256") as pb:
         for n in names:
-            p = confined(root, n)
+            p = confined(root, n, within)  # through a symlink: the blob's bytes, cached by its real path
             if not p.is_file():  # confined() already refused links leading outside
                 raise SourceError(f"refusing {n!r}: not a regular file")
             digest = cache.get(p) if cache is not None else None
@@ -262,9 +265,36 @@ def _readme_license(root: Path) -> str | None:
     return lm.group(1).strip() if lm else None
 
 
+def hf_cache_repo_dir(path: Path) -> Path | None:
+    """The `models--org--name` directory when `path` is a snapshot in the Hugging Face cache layout, else None.
+
+    huggingface_hub keeps `models--org--name/snapshots/<commit>/<file>` as relative symlinks to
+    `../../blobs/<hash>`, so such a snapshot's files may resolve anywhere in that one repo tree (never
+    outside it, nor into a sibling `models--x--y`). Any directory at such a path gets this wider fence:
+    it only reaches two levels up, into the tree the snapshot is part of.
+    """
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent
+    return None
+
+
+def hf_cache_model_id(repo_dir: Path) -> str | None:
+    """`models--org--name` -> `org/name`.
+
+    huggingface_hub names the folder `models--` + repo_id with `/` replaced by `--`, and its
+    validate_repo_id refuses `--` inside repo ids, so splitting on `--` is unambiguous. Legacy ids
+    without an org (`models--gpt2`) are not `org/name` model ids here: None (give --model-id).
+    """
+    parts = repo_dir.name.split("--")
+    repo = "/".join(parts[1:])
+    m = _REPO_RE.match(repo)
+    return repo if len(parts) == 3 and m and m.group(2) is None else None
+
+
 def fetch_local(spec: SourceSpec, model_id: str | None) -> Snapshot:
     root = spec.path
     assert root is not None
+    hf_repo = hf_cache_repo_dir(root)  # None for a plain directory: symlinks must stay inside root
     names = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
@@ -272,14 +302,16 @@ def fetch_local(spec: SourceSpec, model_id: str | None) -> Snapshot:
             if fn.startswith("."):
                 continue
             names.append(str(Path(dirpath, fn).relative_to(root)).replace(os.sep, "/"))
-    mid = model_id or f"local/{root.name}"
+    mid = model_id or (hf_cache_model_id(hf_repo) if hf_repo else None) or f"local/{root.name}"
     wanted = select_files(names, mid)
     for n in wanted:
-        confined(root, n)  # symlinks must stay inside the directory
+        confined(root, n, hf_repo)  # symlinks must stay inside the directory (or its HF cache repo tree)
     check_index(root, wanted, mid)
-    files = _hash_files(root, wanted, _DigestCache())
+    files = _hash_files(root, wanted, _DigestCache(), hf_repo)
     digest = sha256_json(sorted((f.path, f.sha256) for f in files))
-    rev = f"local-{digest}"
+    # An HF cache snapshot is named by its commit: pin it like `hf://org/name@<commit>` would, so the same
+    # files give the same build id; the file digests are still part of it.
+    rev = root.name if hf_repo and _COMMIT_RE.match(root.name) else f"local-{digest}"
     return Snapshot(model_id=mid, source=str(root), revision=rev, commit=rev, local_dir=str(root),
                     files=files, license=_readme_license(root), gated=False)
 
@@ -331,6 +363,61 @@ def fetch_hf_info(api, spec: SourceSpec):
         raise SourceError(f"{repo}: cannot reach the Hub at {api.endpoint} ({type(e).__name__})") from None
 
 
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub read it at import, or as set in the environment since then."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _snapshot_dest(repo: str, commit: str) -> Path:
+    return cache_root() / "snapshots" / model_slug(repo) / commit
+
+
+def _cached_snapshot(dest: Path) -> Snapshot | None:
+    """hive-aot's own snapshot at dest if complete: the marker is written last and every file has its size."""
+    marker = dest / MARKER
+    if not marker.is_file():
+        return None
+    snap = Snapshot.from_dict(json.loads(marker.read_text()))
+    if all(confined(dest, f.path).is_file() and confined(dest, f.path).stat().st_size == f.size for f in snap.files):
+        return snap
+    return None
+
+
+def fetch_hf_offline(spec: SourceSpec) -> Snapshot:
+    """`hf://` with the Hub offline: hive-aot's own snapshot cache, else the user's HF cache (`HF_HUB_CACHE`).
+
+    The revision resolves as huggingface_hub resolves it offline: a full commit sha as is, else
+    `models--org--name/refs/<revision>`. An HF cache snapshot is read in place, with fetch_local's rules.
+    """
+    from huggingface_hub import constants
+
+    repo, rev = spec.repo_id, spec.revision or "main"
+    assert repo is not None
+    hf_repo = Path(constants.HF_HUB_CACHE) / f"models--{model_slug(repo)}"
+    offline = "the Hub is offline (HF_HUB_OFFLINE)"
+    if _COMMIT_RE.match(rev):
+        commit = rev
+    else:
+        ref = confined(hf_repo / "refs", safe_relpath(rev, what="revision"))  # `refs/pr/1` yes, `../x` no
+        commit = ref.read_text().strip() if ref.is_file() else ""
+        if not _COMMIT_RE.match(commit):
+            raise SourceError(f"{repo}: revision {rev!r} is not in the HF cache (no commit in {ref}) and {offline}")
+    dest = _snapshot_dest(repo, commit)
+    snap = _cached_snapshot(dest)
+    if snap is None:
+        snap_dir = hf_repo / "snapshots" / commit
+        if not snap_dir.is_dir():
+            raise SourceError(f"{repo}: revision {rev!r} (commit {commit}) is cached neither in {dest} nor in "
+                              f"{snap_dir} and {offline}")
+        snap = fetch_local(SourceSpec("local", path=snap_dir.resolve()), repo)
+        snap.gated = "unknown"  # only the Hub knows; nothing offline says
+    # Describe this request (pinned_source then gives hf://repo@commit), whichever cache served it.
+    snap.source, snap.revision = spec.uri, rev
+    return snap
+
+
 def fetch_hf(spec: SourceSpec, model_id: str | None) -> Snapshot:
     from huggingface_hub import HfApi, snapshot_download
 
@@ -339,20 +426,20 @@ def fetch_hf(spec: SourceSpec, model_id: str | None) -> Snapshot:
     assert repo is not None
     if model_id and model_id != repo:
         raise SourceError(f"model id {model_id!r} does not match the source repo {repo!r}")
+    if hub_offline():
+        return fetch_hf_offline(spec)
     info = fetch_hf_info(HfApi(), spec)
     commit = info.sha
     if not commit:
         raise SourceError(f"{repo}: the Hub did not return a commit sha")
     siblings = {s.rfilename: s for s in (info.siblings or [])}
     wanted = select_files(list(siblings), repo)
-    dest = cache_root() / "snapshots" / model_slug(repo) / commit
-    marker = dest / MARKER
-    if marker.is_file():
-        snap = Snapshot.from_dict(json.loads(marker.read_text()))
-        if all(confined(dest, f.path).is_file() and confined(dest, f.path).stat().st_size == f.size for f in snap.files):
-            # Content comes from the cache; source and revision describe this request, not the first one.
-            snap.source, snap.revision = spec.uri, spec.revision or "main"
-            return snap
+    dest = _snapshot_dest(repo, commit)
+    snap = _cached_snapshot(dest)
+    if snap is not None:
+        # Content comes from the cache; source and revision describe this request, not the first one.
+        snap.source, snap.revision = spec.uri, spec.revision or "main"
+        return snap
     dest.parent.mkdir(parents=True, exist_ok=True)
     # Download into a private directory and rename: a crash never leaves a snapshot that looks complete.
     tmp = Path(tempfile.mkdtemp(prefix=f".{commit}.", dir=dest.parent))

@@ -36,6 +36,10 @@ def hermetic_env(tmp_path_factory):
     os.environ.pop("HF_TOKEN", None)
     os.environ["HIVE_AOT_REGISTRY"] = str(REPO_ROOT / "registry.yaml")
     os.environ.pop("HIVE_AOT_STORE", None)
+    os.environ.pop("HIVE_AOT_RECIPES", None)
+    os.environ.pop("HIVE_AOT_FAULT", None)
+    # Never the shell's Dagster instance (it may be someone's real one).
+    os.environ["DAGSTER_HOME"] = str(tmp_path_factory.mktemp("dagster-home"))
     yield cache
     os.environ.clear()
     os.environ.update(old)

@@ -201,8 +201,30 @@ def test_ls(built, tmp_path):
     assert rows[0]["size"] == doc(built["first"])["files"][0]["size"]
     human = hive("ls", "--store", str(built["store"]))
     assert human.returncode == 0 and MODEL in human.stdout and bid[:12] in human.stdout
+    (tmp_path / "empty").mkdir()
     empty = hive("ls", "--store", str(tmp_path / "empty"), "--json")
     assert empty.returncode == 0 and doc(empty) == []
+
+
+@pytest.mark.parametrize("command", ["ls", "gc"])
+def test_missing_store_is_an_error_not_an_empty_store(command, tmp_path):
+    proc = hive(command, "--store", str(tmp_path / "does" / "not" / "exist"))
+    assert proc.returncode == 1
+    assert one_error_line(proc) == (f"hive-aot: error: store {tmp_path / 'does' / 'not' / 'exist'} does not exist "
+                                    "(check --store or $HIVE_AOT_STORE)")
+    assert not (tmp_path / "does").exists()
+
+
+def test_output_into_a_closed_pipe_ends_quietly(built):
+    """`hive-aot ls | head -1`: the reader leaves early; no BrokenPipeError traceback."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for args in (["ls", "--store", str(built["store"])], ["registry", "architectures"]):
+        cmd = " ".join([sys.executable, "-m", "pipelines.cli", *args]) + " | head -1"
+        proc = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], cwd=REPO, capture_output=True, text=True,
+                              env=env, timeout=120)
+        assert len(proc.stdout.splitlines()) == 1
+        assert proc.stderr == "", proc.stderr
+        assert proc.returncode in (0, 141)  # 141 = 128 + SIGPIPE, as other Unix tools report it
 
 
 def test_gc_collects_rejected_blobs_only(built, models, tmp_path):

@@ -269,3 +269,62 @@ def test_recipe_options_are_checked_when_recipes_load(tmp_path, options, problem
     with pytest.raises(ConfigError, match=r"recipe gguf-f16: options: ") as ei:
         Config.load(write_registry(tmp_path, REPO, recipes_dir=d, models=[]))
     assert problem in str(ei.value)
+
+
+# --- packaged defaults and the deployment layer -------------------------------------------------
+
+def test_packaged_defaults_outside_any_checkout(tmp_path, monkeypatch):
+    """No registry anywhere: the profiles, architecture facts and recipes shipped in the package."""
+    monkeypatch.delenv("HIVE_AOT_REGISTRY", raising=False)
+    monkeypatch.delenv("HIVE_AOT_RECIPES", raising=False)
+    monkeypatch.chdir(tmp_path)
+    cfg = Config.load()
+    assert cfg.registry_file is None and cfg.origin == "the packaged default registry"
+    assert set(cfg.recipes) == {"gguf-f16", "gguf-q8_0", "gguf-q4_k_m"}
+    assert cfg.registry.profile("llm-llamacpp-cpu").recipe_preference[0].startswith("gguf-")
+    assert cfg.registry.architectures["LlamaForCausalLM"].qaic is True
+    assert cfg.registry.models == []  # the packaged registry onboards nothing
+
+
+def test_deployment_registry_extends_and_overrides(tmp_path, monkeypatch):
+    monkeypatch.delenv("HIVE_AOT_REGISTRY", raising=False)
+    monkeypatch.delenv("HIVE_AOT_RECIPES", raising=False)
+    own = tmp_path / "recipes"
+    own.mkdir()
+    q8 = yaml.safe_load((REPO / "recipes" / "gguf-q8_0.yaml").read_text())
+    (own / "gguf-q8_0.yaml").write_text(yaml.safe_dump({**q8, "validation": {**q8["validation"], "max_mean_kl": 0.5}}))
+    (own / "gguf-q8-strict.yaml").write_text(yaml.safe_dump({**q8, "id": "gguf-q8-strict"}))
+    reg = tmp_path / "registry.yaml"
+    reg.write_text(yaml.safe_dump({
+        "version": 1, "recipes_dir": "recipes",
+        "runtime_profiles": [{"id": "llm-llamacpp-edge", "vendor": "cpu", "role": "gguf", "framework": "llama.cpp",
+                              "image": "edge:1", "loads": ["gguf"], "active": False}],
+        "architectures": {"LlamaForCausalLM": {"notes": ["site note"]}},
+        "models": [{"id": "org/model", "source": "models/m", "recipes": ["gguf-q8-strict"]}],
+    }))
+    monkeypatch.chdir(tmp_path)  # ./registry.yaml is picked up when nothing else is given
+    cfg = Config.load()
+    assert cfg.registry_file == reg
+    assert set(cfg.recipes) == {"gguf-f16", "gguf-q8_0", "gguf-q4_k_m", "gguf-q8-strict"}
+    assert cfg.recipe("gguf-q8_0").validation.max_mean_kl == 0.5  # own recipe wins by id
+    assert cfg.registry.profile("llm-llamacpp-edge").image == "edge:1"
+    assert cfg.registry.profile("vllm-cu121").active  # packaged profiles stay
+    llama = cfg.registry.architectures["LlamaForCausalLM"]
+    assert llama.notes == ["site note"] and llama.qaic is True  # merged field by field
+    assert [m.id for m in cfg.registry.models] == ["org/model"]
+    assert cfg.model_source(cfg.registry.models[0]) == str(tmp_path / "models" / "m")
+
+
+def test_registry_can_opt_out_of_packaged_defaults(tmp_path):
+    reg = tmp_path / "registry.yaml"
+    reg.write_text("version: 1\npackaged_defaults: false\nruntime_profiles: []\n")
+    cfg = Config.load(reg)
+    assert cfg.recipes == {} and cfg.registry.runtime_profiles == [] and cfg.registry.architectures == {}
+
+
+def test_missing_registry_names_where_it_came_from(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=r"nope.yaml: file not found \(given by --registry\)$"):
+        Config.load(tmp_path / "nope.yaml")
+    monkeypatch.setenv("HIVE_AOT_REGISTRY", str(tmp_path / "gone.yaml"))
+    with pytest.raises(ConfigError, match=r"gone.yaml: file not found \(given by \$HIVE_AOT_REGISTRY\)$"):
+        Config.load()

@@ -137,3 +137,17 @@ def test_failing_check_blocks_publish(tmp_path, tiny_llama):
     assert published == []
     assert not (store / "manifests").exists() or not any((store / "manifests").rglob("*.json"))
     assert not (store / "refs").exists()
+
+
+def test_engine_crash_fails_the_check_with_one_line_and_publishes_nothing(tmp_path, tiny_llama, monkeypatch):
+    """llama.cpp dying in validation (fault-injected SIGSEGV in its child) is the check's description."""
+    monkeypatch.setenv("HIVE_AOT_FAULT", "GGUF validation:segv")
+    reg = _registry(tmp_path, [{"id": "test/crash", "source": str(tiny_llama), "recipes": ["gguf-f16"]}])
+    store = tmp_path / "store"
+    result = _run(reg, store, "test/crash")
+    (ev,) = result.get_asset_check_evaluations()
+    assert not ev.passed
+    assert ev.description == ("llama.cpp crashed with SIGSEGV (segmentation fault) during GGUF validation of "
+                              "test/crash (gguf-f16); nothing was published")
+    assert [e for e in result.get_asset_materialization_events() if e.asset_key == published_key("gguf-f16")] == []
+    assert not (store / "refs").exists()

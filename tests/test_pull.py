@@ -167,6 +167,9 @@ def test_bad_requests(env, tmp_path):
         pull("test-org/other", CPU, tmp_path / "m", store_uri=store)
     with pytest.raises(HiveError, match="nothing published with tag 'v9'"):
         pull(MODEL, CPU, tmp_path / "m", tag="v9", store_uri=store)
+    with pytest.raises(HiveError, match=r"store .*/missing-store does not exist \(check --store or \$HIVE_AOT_STORE\)"):
+        pull(MODEL, CPU, tmp_path / "m", store_uri=str(tmp_path / "missing-store"))
+    (tmp_path / "empty-store").mkdir()
     with pytest.raises(HiveError, match="nothing published"):
         pull(MODEL, CPU, tmp_path / "m", store_uri=str(tmp_path / "empty-store"))
     assert not (tmp_path / "m").exists()
@@ -242,3 +245,59 @@ def test_pull_path_imports_neither_dagster_nor_torch(env, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split()[-2:] == ["light", "0"]
     assert (tmp_path / "dest2" / "tiny-llama-F16.gguf").is_file()
+
+
+def test_pulled_files_are_readable_by_other_users(env, tmp_path, monkeypatch):
+    """Serving processes run as other users: files 0644, directories 0755, whatever the puller's umask."""
+    import stat
+    import tempfile
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HIVE_AOT_CACHE", str(cache))
+    old_umask = os.umask(0o077)
+    try:
+        # a world-traversable parent, as a serving volume is (pytest's tmp dirs are 0700)
+        shared = Path(tempfile.mkdtemp(prefix="hive-aot-served-"))
+        os.chmod(shared, 0o755)
+        dest = shared / "model"
+        res = pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))
+        second = pull(MODEL, CPU, tmp_path / "other", recipe="gguf-f16", store_uri=str(env["store"]))
+    finally:
+        os.umask(old_umask)
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert mode(dest) == 0o755
+    assert {p.name: mode(p) for p in dest.iterdir()} == {Path(res["files"][0]).name: 0o644, MARKER: 0o644}
+    # the cache's blob is shared by both pulls (one inode) and keeps the served mode
+    f = Path(res["files"][0])
+    blob = next((cache / "blobs").rglob(env["builds"]["gguf-f16"].files[0]["sha256"]))
+    assert f.stat().st_ino == blob.stat().st_ino == Path(second["files"][0]).stat().st_ino
+    assert mode(blob) == 0o644
+    if os.geteuid() == 0 and shutil.which("runuser"):
+        # the real thing: another user reads the pulled file
+        out = subprocess.run(["runuser", "-u", "nobody", "--", "head", "-c4", str(f)], capture_output=True, timeout=30)
+        assert out.returncode == 0 and out.stdout == b"GGUF", out.stderr
+    shutil.rmtree(shared)
+
+
+def test_blob_cached_with_an_old_mode_is_fixed_or_copied(env, tmp_path, monkeypatch):
+    """Blobs cached by earlier versions were 0600: the next pull serves 0644 files again."""
+    import stat
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HIVE_AOT_CACHE", str(cache))
+    first = pull(MODEL, CPU, tmp_path / "a", recipe="gguf-f16", store_uri=str(env["store"]))
+    blob = next((cache / "blobs").rglob(env["builds"]["gguf-f16"].files[0]["sha256"]))
+    os.chmod(blob, 0o600)
+    assert stat.S_IMODE(Path(first["files"][0]).stat().st_mode) == 0o600  # same inode: the old state
+    again = pull(MODEL, CPU, tmp_path / "a", recipe="gguf-f16", store_uri=str(env["store"]))
+    assert again["already_present"] is False  # an unreadable directory is not "complete"
+    assert stat.S_IMODE(Path(again["files"][0]).stat().st_mode) == 0o644
+
+
+def test_manifest_records_quantization_fallbacks(env):
+    q4 = env["builds"]["gguf-q4_k_m"]
+    manifest = json.loads((env["store"] / f"manifests/{SLUG}/gguf-q4_k_m/{q4.build_id}.json").read_text())
+    fallbacks = manifest["build"]["quantization_fallbacks"]
+    assert fallbacks["tensors"] > 0
+    assert {(f["from"], f["to"]) for f in fallbacks["fallbacks"]} <= {("q4_K", "q5_0"), ("q6_K", "q8_0"), ("q5_K", "q5_1")}
+    assert sum(f["tensors"] for f in fallbacks["fallbacks"]) > 0

@@ -454,3 +454,239 @@ def test_local_digest_cache_never_serves_a_stale_digest(tiny_llama, tmp_path):
     assert second.revision != first.revision
     third = fetch(str(d), "sources-test/cache")
     assert third.revision == second.revision
+
+
+# --- the Hugging Face cache layout, and hf:// with the Hub offline ---------------------------------
+
+
+def hf_cache_snapshot(hub: Path, repo: str, commit: str, src: Path, ref: str = "main") -> Path:
+    """`src` laid out as huggingface_hub leaves a download in its cache: blobs named by content hash,
+    snapshot files as relative symlinks to them (one more `..` per directory level), refs/<ref> = commit."""
+    repo_dir = hub / f"models--{repo.replace('/', '--')}"
+    snap = repo_dir / "snapshots" / commit
+    for f in sorted(p for p in src.rglob("*") if p.is_file()):
+        rel = f.relative_to(src)
+        blob = repo_dir / "blobs" / sha256(f)
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, blob)
+        link = snap / rel
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(Path(*[".."] * (len(rel.parts) + 1), "blobs", blob.name))
+    (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
+    (repo_dir / "refs" / ref).write_text(commit)  # huggingface_hub writes the bare sha, no newline
+    return snap
+
+
+def build_id_of(snap) -> str:
+    """The build id of a snapshot for a fixed recipe and toolchain: what decides whether builds are shared."""
+    from pipelines.manifest import compute_build_id
+
+    return compute_build_id(snap.model_id, snap.commit, [(f.path, f.sha256) for f in snap.files], "{}", {})
+
+
+def dead_endpoint() -> str:
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path):
+    """An empty hive-aot cache of this test's own (nothing fetched by other tests can serve it), and a function
+    that takes the Hub offline: HF_HUB_OFFLINE on, a dead HF_ENDPOINT (any request fails), HF_HUB_CACHE = hub.
+    huggingface_hub read its env at import, so its constants are set as well as the env (for subprocesses)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HIVE_AOT_CACHE", str(tmp_path / "hive-cache"))
+
+    def go_offline(hub: Path | None = None) -> Path:
+        hub = hub or tmp_path / "empty-hf-cache"
+        dead = dead_endpoint()
+        for name, value in (("HF_HUB_OFFLINE", True), ("ENDPOINT", dead), ("HF_HUB_CACHE", str(hub))):
+            monkeypatch.setattr(constants, name, value)
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        monkeypatch.setenv("HF_ENDPOINT", dead)
+        monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+        return hub
+
+    return go_offline
+
+
+@pytest.fixture(scope="module")
+def hf_cached(hf_mirror, tiny_src, tmp_path_factory) -> tuple[str, str, Path]:
+    """tiny_src published to the mirror and downloaded by huggingface_hub itself into an HF cache."""
+    from huggingface_hub import snapshot_download
+
+    repo = f"{ORG}/hf-cached"
+    commit = hf_mirror.publish(repo, tiny_src)
+    hub = tmp_path_factory.mktemp("hf-hub-cache")
+    path = Path(snapshot_download(repo, revision="main", cache_dir=str(hub)))
+    assert path == hub / f"models--{ORG}--hf-cached" / "snapshots" / commit
+    return repo, commit, hub
+
+
+def test_hf_cache_model_id_decoding():
+    from pipelines.sources import hf_cache_model_id
+
+    assert hf_cache_model_id(Path("models--HuggingFaceTB--SmolLM2-135M")) == "HuggingFaceTB/SmolLM2-135M"
+    assert hf_cache_model_id(Path("models--a.b--c_d-e.f")) == "a.b/c_d-e.f"
+    assert hf_cache_model_id(Path("models--gpt2")) is None  # legacy id without an org
+    assert hf_cache_model_id(Path("models--a--b--c")) is None  # not a repo id huggingface_hub can write
+
+
+def test_hf_cache_snapshot_is_accepted_and_pinned_like_hf_source(hf_cached):
+    """A snapshot huggingface_hub downloaded (symlinks into ../../blobs) fetches as a local source with the
+    repo's model id and commit, so its build id is the one hf://repo@commit gives for the same files."""
+    repo, commit, hub = hf_cached
+    snap_dir = hub / f"models--{ORG}--hf-cached" / "snapshots" / commit
+    assert (snap_dir / "config.json").is_symlink() and (snap_dir / "model.safetensors").is_symlink()
+    assert (snap_dir / "original" / "x.safetensors").is_symlink()  # nested: ../../../blobs
+
+    local = fetch(str(snap_dir))
+    assert local.model_id == repo and local.commit == commit and local.revision == commit
+    assert local.dir == snap_dir and local.license == "apache-2.0"
+    assert {f.path for f in local.files} == {"README.md", "chat_template.jinja", "config.json", "model.safetensors",
+                                             "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
+    for f in local.files:  # hashed through the links: the blob bytes
+        assert f.sha256 == sha256(snap_dir / f.path) and f.size == (snap_dir / f.path).stat().st_size
+    assert local.file("config.json") == snap_dir / "config.json"  # later steps read through the same fence
+    assert local.safetensors_files() == [snap_dir / "model.safetensors"]
+    assert json.loads(local.file("config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+    online = fetch(f"hf://{repo}@{commit}")
+    assert (online.model_id, online.commit, online.files) == (local.model_id, local.commit, local.files)
+    assert build_id_of(local) == build_id_of(online)
+    # --model-id still overrides the derived one.
+    assert fetch(str(snap_dir), f"{ORG}/renamed").model_id == f"{ORG}/renamed"
+
+
+@pytest.mark.parametrize("where", ["outside", "sibling-repo"])
+def test_hf_cache_symlink_leaving_its_repo_tree_is_refused(tiny_llama, tmp_path, where):
+    hub = tmp_path / "hub"
+    commit = "1" * 40
+    snap_dir = hf_cache_snapshot(hub, f"{ORG}/m", commit, tiny_llama)
+    assert fetch(str(snap_dir)).commit == commit  # the layout itself is accepted
+
+    # A real, valid config.json as the target: only the fence can refuse it.
+    if where == "outside":
+        target = tmp_path / "elsewhere" / "config.json"
+    else:
+        target = hub / f"models--{ORG}--other" / "blobs" / sha256(tiny_llama / "config.json")
+    target.parent.mkdir(parents=True)
+    shutil.copy(tiny_llama / "config.json", target)
+    (snap_dir / "config.json").unlink()
+    (snap_dir / "config.json").symlink_to(os.path.relpath(target, snap_dir))
+    assert (snap_dir / "config.json").read_bytes() == (tiny_llama / "config.json").read_bytes()
+    with pytest.raises(SourceError) as ei:
+        fetch(str(snap_dir))
+    msg = one_line_error(ei.value)
+    assert "'config.json'" in msg and "outside" in msg and f"models--{ORG}--m" in msg
+
+
+def test_hf_cache_symlink_to_system_file_is_refused(tiny_llama, tmp_path):
+    snap_dir = hf_cache_snapshot(tmp_path / "hub", f"{ORG}/m", "2" * 40, tiny_llama)
+    (snap_dir / "tokenizer.json").unlink()
+    (snap_dir / "tokenizer.json").symlink_to("/etc/passwd")
+    with pytest.raises(SourceError) as ei:
+        fetch(str(snap_dir))
+    assert "'tokenizer.json'" in one_line_error(ei.value) and "outside" in str(ei.value)
+
+
+@pytest.mark.parametrize("layout", ["models--a--b/other/m", "cache--a--b/snapshots/m"])
+def test_plain_directory_gets_no_hf_cache_fence(tiny_llama, tmp_path, layout):
+    """Only `models--*/snapshots/<rev>` may link into its repo tree: a plain directory whose link reaches two
+    levels up (where an HF snapshot's blobs would be) is refused as before, and keeps its local- revision."""
+    src = copy_model(tiny_llama, tmp_path / layout)
+    blobs = src.parent.parent / "blobs"
+    blobs.mkdir()
+    (src / "model.safetensors").rename(blobs / "weights")
+    (src / "model.safetensors").symlink_to(Path("..", "..", "blobs", "weights"))
+    with pytest.raises(SourceError) as ei:
+        fetch(str(src))
+    assert "'model.safetensors'" in one_line_error(ei.value) and "outside" in str(ei.value)
+    (src / "model.safetensors").unlink()
+    shutil.copy(blobs / "weights", src / "model.safetensors")
+    snap = fetch(str(src))
+    assert snap.model_id == "local/m" and snap.revision.startswith("local-")
+
+
+def test_hf_cache_snapshot_not_named_by_a_commit_is_content_addressed(tiny_llama, tmp_path):
+    snap_dir = hf_cache_snapshot(tmp_path / "hub", f"{ORG}/m", "my-edit", tiny_llama)
+    snap = fetch(str(snap_dir))
+    assert snap.model_id == f"{ORG}/m" and re.fullmatch(r"local-[0-9a-f]{64}", snap.commit)
+
+
+def test_offline_hf_source_reuses_the_hf_cache(hf_cached, offline):
+    repo, commit, hub = hf_cached
+    offline(hub)
+    snap_dir = hub / f"models--{ORG}--hf-cached" / "snapshots" / commit
+    snap = fetch(f"hf://{repo}")
+    assert snap.dir == snap_dir and snap.commit == commit and snap.model_id == repo
+    assert snap.source == f"hf://{repo}" and snap.revision == "main" and snap.pinned_source == f"hf://{repo}@{commit}"
+    assert snap.license == "apache-2.0" and snap.gated == "unknown"
+    assert snap.files == fetch(str(snap_dir)).files
+    by_sha = fetch(f"hf://{repo}@{commit}")
+    assert (by_sha.dir, by_sha.revision, by_sha.files) == (snap.dir, commit, snap.files)
+    assert fetch(snap.pinned_source, repo).commit == commit  # what orchestration re-resolves
+    assert snapshots_of(repo) == [], "read in place: nothing copied into hive-aot's cache"
+
+
+def test_offline_hf_source_from_env_in_a_fresh_process(hf_cached, offline, tmp_path):
+    """huggingface_hub reads HF_HUB_OFFLINE and HF_HUB_CACHE at import: a new process sees only the env."""
+    repo, commit, hub = hf_cached
+    offline(hub)
+    code = ("import json, sys; from pipelines.sources import fetch; "
+            "s = fetch(sys.argv[1]); print(json.dumps([s.commit, s.local_dir]))")
+    res = subprocess.run([sys.executable, "-c", code, f"hf://{repo}@main"], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout) == [commit, str(hub / f"models--{ORG}--hf-cached" / "snapshots" / commit)]
+    # `hive-aot check hf://...` offline classifies the cached snapshot instead of asking the Hub for headers
+    check = subprocess.run([sys.executable, "-m", "pipelines.cli", "check", f"hf://{repo}", "--json"], cwd=REPO_ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stderr[-3000:]
+    doc = json.loads(check.stdout)
+    assert (doc["model_id"], doc["commit"], doc["status"]) == (repo, commit, "compatible")
+
+
+def test_offline_hf_source_prefers_hive_aot_cache(hf_cached, offline):
+    """A commit hive-aot already fetched is served from its own snapshot, even if the HF cache has it too."""
+    repo, commit, hub = hf_cached
+    online = fetch(f"hf://{repo}@main")  # into this test's empty hive-aot cache, through the mirror
+    assert snapshots_of(repo) == [online.dir]
+    offline(hub)
+    snap = fetch(f"hf://{repo}")
+    assert snap.dir == online.dir and snap.commit == commit and snap.files == online.files
+    assert snap.gated is False and snap.source == f"hf://{repo}" and snap.revision == "main"
+
+
+def test_offline_hf_source_with_nothing_cached_is_one_line_error(offline):
+    offline()
+    repo = f"{ORG}/never-fetched"
+    with pytest.raises(SourceError) as ei:
+        fetch(f"hf://{repo}")
+    msg = one_line_error(ei.value)
+    assert repo in msg and "'main'" in msg and "HF_HUB_OFFLINE" in msg
+    assert str(Path(os.environ["HF_HUB_CACHE"]) / f"models--{ORG}--never-fetched" / "refs" / "main") in msg
+
+    sha = "3" * 40
+    with pytest.raises(SourceError) as ei:
+        fetch(f"hf://{repo}@{sha}")
+    msg = one_line_error(ei.value)
+    assert repo in msg and sha in msg and "HF_HUB_OFFLINE" in msg
+    assert str(Path(os.environ["HIVE_AOT_CACHE"]) / "snapshots" / model_slug(repo) / sha) in msg
+    assert str(Path(os.environ["HF_HUB_CACHE"]) / f"models--{ORG}--never-fetched" / "snapshots" / sha) in msg
+
+
+def test_offline_hf_source_with_revision_not_in_refs(hf_cached, offline):
+    repo, commit, hub = hf_cached
+    offline(hub)
+    with pytest.raises(SourceError) as ei:
+        fetch(f"hf://{repo}@v2")
+    msg = one_line_error(ei.value)
+    assert repo in msg and "'v2'" in msg and "HF_HUB_OFFLINE" in msg and str(hub) in msg
+    # A revision is a name inside refs/, never a path out of it.
+    with pytest.raises(SourceError) as ei:
+        fetch(f"hf://{repo}@../../../etc/passwd")
+    assert "../../../etc/passwd" in one_line_error(ei.value)
+    assert fetch(f"hf://{repo}@main").commit == commit  # the control: the same cache serves main

@@ -1,5 +1,6 @@
-"""The real Dagster UI: `dg dev -w workspace.yaml` serves the code location headless, and its
-GraphQL API lists our assets and checks and accepts a new model partition."""
+"""The real Dagster UI: `make ui`'s launcher (pipelines.orchestration.ui, which execs `dg dev -w
+workspace.yaml`) serves the code location headless, and its GraphQL API lists our assets and checks and
+accepts a new model partition. A busy port is refused before anything starts."""
 
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ def dagster_ui(tmp_path):
            "HIVE_AOT_STORE": str(tmp_path / "store")}
     log = open(tmp_path / "dg-dev.log", "w")
     # Own session + default signal handling: a backgrounded `dg dev` otherwise ignores SIGINT/SIGTERM.
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "dg"), "dev", "-w", "workspace.yaml", "--port", str(port),
-                             "--host", "127.0.0.1"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.orchestration.ui", "--port", str(port)],
+                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True,
                             preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL),
                                                 signal.signal(signal.SIGTERM, signal.SIG_DFL)))
@@ -90,3 +91,26 @@ def test_ui_serves_assets_checks_and_partitions(dagster_ui):
           __typename ... on AddDynamicPartitionSuccess { partitionKey } } }""",
                      {"loc": loc["location"]["name"], "repo": loc["name"]})
     assert added["addDynamicPartition"]["partitionKey"] == "test/ui-model"
+
+
+def test_busy_port_is_refused_in_one_line_and_a_free_one_is_chosen():
+    from pipelines.orchestration.ui import choose_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "pipelines.orchestration.ui", "--port", str(port)], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 1
+        assert proc.stderr.strip().splitlines() == [
+            f"hive-aot ui: port {port} on 127.0.0.1 is already in use; pick another with `make ui UI_PORT=N`, "
+            "or leave UI_PORT empty for the first free one"]
+    # without --port: the first free port from 3000 up, skipping a busy one
+    first = choose_port("127.0.0.1", None)
+    assert 3000 <= first <= 3099
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", first))
+        busy.listen()
+        second = choose_port("127.0.0.1", None)
+    assert second > first

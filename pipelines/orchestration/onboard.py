@@ -34,7 +34,7 @@ def _instance() -> dg.DagsterInstance:
     return dg.DagsterInstance.get()
 
 
-def _definitions(config: Config, store: str | None) -> dg.Definitions:
+def _definitions(config: Config, store: str | None, recipes: str | None = None) -> dg.Definitions:
     # The same factories the code location uses (assets/ instantiates them from the ambient registry).
     from .automation import onboard_job
     from .factories import all_recipe_assets, source_assets
@@ -42,7 +42,8 @@ def _definitions(config: Config, store: str | None) -> dg.Definitions:
     recipe_assets, checks = all_recipe_assets(config.recipes.values())
     return dg.Definitions(
         assets=source_assets() + recipe_assets, asset_checks=checks, jobs=[onboard_job],
-        resources={"hive": HiveResource(registry=str(config.registry_file), store=store or "")},
+        resources={"hive": HiveResource(registry=str(config.registry_file or ""), recipes=recipes or "",
+                                        store=store or "")},
     )
 
 
@@ -76,14 +77,15 @@ def _summarize(result: dg.ExecuteInProcessResult, model_id: str, recipes: list[s
     return rows
 
 
-def onboard(registry: str | None = None, store: str | None = None, models: list[str] | None = None) -> dict[str, Any]:
-    config = Config.load(registry)
+def onboard(registry: str | None = None, store: str | None = None, models: list[str] | None = None,
+            recipes: str | None = None) -> dict[str, Any]:
+    config = Config.load(registry, recipes)
     entries = [m for m in config.registry.models if not models or m.id in models]
     missing = set(models or []) - {m.id for m in entries}
     if missing:
-        raise ConfigError(f"{config.registry_file}: no model(s) {', '.join(sorted(missing))}")
+        raise ConfigError(f"{config.origin}: no model(s) {', '.join(sorted(missing))}")
     instance = _instance()
-    defs = _definitions(config, store)
+    defs = _definitions(config, store, recipes)
     job = defs.resolve_job_def("onboard")
     keys = [partition_key(m.id) for m in entries]
     known = set(instance.get_dynamic_partitions(models_partitions.name))

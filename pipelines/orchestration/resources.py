@@ -15,11 +15,12 @@ class HiveResource(dg.ConfigurableResource):
     """Registry file and store URI. Steps exchange store URIs and build ids, never local paths."""
 
     registry: str = ""
+    recipes: str = ""
     store: str = ""
 
     @cached_property
     def _config(self) -> Config:
-        return Config.load(self.registry or None)
+        return Config.load(self.registry or None, self.recipes or None)
 
     def config(self) -> Config:
         return self._config
@@ -33,7 +34,7 @@ class HiveResource(dg.ConfigurableResource):
     def model(self, model_id: str) -> ModelEntry:
         entry = self.config().registry.model(model_id)
         if entry is None:
-            raise dg.Failure(f"model {model_id} is not in {self.config().registry_file}")
+            raise dg.Failure(f"model {model_id} is not in {self.config().origin}")
         return entry
 
     def source(self, model_id: str) -> str:
@@ -42,4 +43,5 @@ class HiveResource(dg.ConfigurableResource):
 
 def default_resource() -> HiveResource:
     # Resolved when definitions load; step processes load the same definitions with the same env.
-    return HiveResource(registry=os.environ.get("HIVE_AOT_REGISTRY", ""), store=os.environ.get("HIVE_AOT_STORE", ""))
+    return HiveResource(registry=os.environ.get("HIVE_AOT_REGISTRY", ""), recipes=os.environ.get("HIVE_AOT_RECIPES", ""),
+                        store=os.environ.get("HIVE_AOT_STORE", ""))

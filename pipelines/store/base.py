@@ -52,6 +52,11 @@ class Store(ABC):
     def check_writable(self) -> None:
         """Raise StoreError with a clear message unless the store accepts writes."""
 
+    def check_exists(self) -> None:
+        """Raise StoreError when the store itself is missing (a typo in --store), before reading it.
+
+        Remote stores report a missing bucket on their first request, so only local ones check here."""
+
     def local_path(self, key: str) -> Path | None:
         """A path readers can use in place, for stores on the local file system."""
         return None

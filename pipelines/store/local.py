@@ -38,6 +38,11 @@ class LocalStore(Store):
         except OSError as e:
             raise StoreError(f"store {self.root} is not writable ({e.strerror or type(e).__name__})") from None
 
+    def check_exists(self) -> None:
+        if not self.root.is_dir():
+            what = "is not a directory" if self.root.exists() else "does not exist"
+            raise StoreError(f"store {self.root} {what} (check --store or $HIVE_AOT_STORE)")
+
     def read_bytes(self, key: str) -> bytes | None:
         try:
             return self._path(key).read_bytes()

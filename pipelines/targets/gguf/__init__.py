@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 from importlib import metadata
+from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ...hashing import sha256_file
 from .. import BuiltArtifact, ValidationReport, check_thresholds
 
 if TYPE_CHECKING:
@@ -14,7 +17,9 @@ if TYPE_CHECKING:
     from ...sources import Snapshot
 
 # Bump when the bytes this target writes change for the same inputs (part of every build id).
-FORMAT_VERSION = 2  # 2: explicit add_bos_token for BPE; SentencePiece add_dummy_prefix read from the model
+# 2: explicit add_bos_token for BPE; SentencePiece add_dummy_prefix read from the model.
+# 3: the manifest's build info records llama.cpp's quantization type fallbacks.
+FORMAT_VERSION = 3
 LOSSLESS = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 
 
@@ -62,6 +67,7 @@ class GgufTarget:
             "hive_aot_gguf_format": str(FORMAT_VERSION),
             "gguf": _version("gguf"),
             "llama_cpp_python": _version("llama_cpp_python"),
+            "llama_cpp_cpu_backend": llama_cpp_cpu_backend_digest(),
             "transformers": _version("transformers"),
             "tokenizers": _version("tokenizers"),
         }
@@ -83,10 +89,11 @@ class GgufTarget:
             report = convert(snapshot.dir, cfg, snapshot.safetensors_files(), tmp, inter,
                              name=snapshot.model_id, options=opts)
             try:
-                quantize(tmp, out, ftype)
+                fallbacks = quantize(tmp, out, ftype, step=f"{ftype.upper()} quantization of {snapshot.model_id}")
             finally:
                 tmp.unlink(missing_ok=True)
-            info = {**report.__dict__, "outtype": ftype.upper(), "intermediate": inter}
+            info = {**report.__dict__, "outtype": ftype.upper(), "intermediate": inter,
+                    "quantization_fallbacks": fallbacks}
         else:
             report = convert(snapshot.dir, cfg, snapshot.safetensors_files(), out, opts.get("outtype", "f16"),
                              name=snapshot.model_id, options=opts)
@@ -100,9 +107,23 @@ class GgufTarget:
     def validate(self, snapshot: "Snapshot", recipe: "Recipe", artifact_dir: Path, files: list[str]) -> ValidationReport:
         from .validate import validate_gguf
 
-        metrics, details = validate_gguf(snapshot, artifact_dir / files[0])
+        metrics, details = validate_gguf(snapshot, artifact_dir / files[0],
+                                         step=f"GGUF validation of {snapshot.model_id} ({recipe.id})")
         failures = check_thresholds(metrics, recipe.validation)
         return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details=details)
+
+
+@lru_cache(maxsize=1)
+def llama_cpp_cpu_backend_digest() -> str:
+    """sha256 (16 hex) of the installed libggml-cpu: the same llama-cpp-python version compiled for another
+    CPU level runs other kernels, whose quantized outputs and validation metrics may differ, so it is a
+    different toolchain (else two hosts would publish different manifests under one build id).
+    Read from disk, not loaded: the parent process never runs native llama.cpp code."""
+    spec = find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return "absent"
+    libs = sorted(Path(spec.submodule_search_locations[0], "lib").glob("libggml-cpu*.so*"))
+    return sha256_file(libs[0])[:16] if libs else "absent"
 
 
 def _float_dtypes(path: Path) -> set[str]:

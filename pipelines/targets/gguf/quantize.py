@@ -1,10 +1,20 @@
-"""k-quants and other llama.cpp file types through libllama's own quantizer."""
+"""k-quants and other llama.cpp file types through libllama's own quantizer.
+
+libllama runs in a child process (pipelines.isolation), and its log is captured there: a k-quant
+whose rows are not a multiple of 256 falls back to another type for some tensors, which llama.cpp
+reports in one warning per tensor (about 180 lines for a small model). That is expected, so the
+build prints one summary line and records the counts per (requested type, fallback type).
+"""
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
+import sys
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from ...errors import HiveError
 
@@ -17,22 +27,66 @@ FTYPES = {
 # These need an importance matrix, which the Python bindings cannot compute.
 NEEDS_IMATRIX = {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M", "IQ3_XXS", "Q2_K_S"}
 
+# llama-quant.cpp: "warning: <tensor> - ncols <n> not divisible by <k> (required for type <t>) [(WARNING: must
+# use F16 due to unusual shape) ]-> falling back to <t2>", logged in several pieces.
+_FALLBACK = re.compile(r"warning: (\S+)\s+- ncols\s+\d+ not divisible by\s+\d+ \(required for type\s+(\S+)\)\s*"
+                       r"(?:\(WARNING: must use F16 due to unusual shape\)\s*)?-> falling back to\s+(\S+)")
+_TOTAL = re.compile(r"(\d+) of (\d+) tensor\(s\) required fallback quantization")
+GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT = 4, 5
 
-def quantize(src: Path, dst: Path, ftype: str, threads: int | None = None) -> None:
-    import llama_cpp
-    from llama_cpp import _logger
 
-    # libllama logs one line per tensor (e.g. k-quant fallbacks for rows not a multiple of 256,
-    # which is expected); keep stderr for errors.
-    _logger.set_verbose(False)
+def quantize(src: Path, dst: Path, ftype: str, *, step: str | None = None, threads: int | None = None) -> dict[str, Any]:
+    """Quantize src to dst; returns {"tensors": n, "fallbacks": [{"from", "to", "tensors"}]} and prints one line."""
+    from ...isolation import run_isolated
+
     name = ftype.upper()
     if name in NEEDS_IMATRIX:
         raise HiveError(f"{name} needs an importance matrix, which hive-aot does not compute yet")
     if name not in FTYPES:
         raise HiveError(f"unknown llama.cpp file type {ftype!r} (known: {', '.join(sorted(FTYPES))})")
+    summary = run_isolated("pipelines.targets.gguf.quantize:quantize_here", engine="llama.cpp",
+                           step=step or f"{name} quantization of {src.name}",
+                           src=str(src), dst=str(dst), name=name, threads=threads or os.cpu_count() or 1)
+    if summary["fallbacks"]:
+        n = sum(f["tensors"] for f in summary["fallbacks"])
+        kinds = ", ".join(f"{f['from']}->{f['to']} x{f['tensors']}" for f in summary["fallbacks"])
+        print(f"llama.cpp {name}: {n} of {summary['tensors'] or '?'} tensors fell back to another type ({kinds}): "
+              "their rows are not a multiple of the type's block size, which is expected", file=sys.stderr)
+    return summary
+
+
+def quantize_here(src: str, dst: str, name: str, threads: int) -> dict[str, Any]:
+    """Runs in the child: libllama's quantizer with its log captured instead of printed."""
+    import llama_cpp
+
+    pieces: list[str] = []
+    errors: list[str] = []
+    last_level = 0
+
+    @llama_cpp.llama_log_callback
+    def collect(level: int, text: bytes, _user_data) -> None:
+        nonlocal last_level
+        level = last_level if level == GGML_LOG_LEVEL_CONT else level
+        last_level = level
+        msg = text.decode("utf-8", "replace")
+        pieces.append(msg)
+        if level == GGML_LOG_LEVEL_ERROR:
+            errors.append(msg)
+
+    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FTYPES[name]
-    params.nthread = threads or os.cpu_count() or 1
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
-    if rc != 0 or not dst.is_file():
-        raise HiveError(f"llama.cpp quantization to {name} failed (return code {rc})")
+    params.nthread = threads
+    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
+    if errors:
+        sys.stderr.write("".join(errors))
+    if rc != 0 or not Path(dst).is_file():
+        last = " ".join("".join(errors).split())[-300:]
+        raise HiveError(f"llama.cpp quantization to {name} failed (return code {rc}){': ' + last if last else ''}")
+    log = "".join(pieces)
+    counts = Counter((m.group(2), m.group(3)) for m in _FALLBACK.finditer(log))
+    total = _TOTAL.search(log)
+    return {
+        "tensors": int(total.group(2)) if total else None,
+        "fallbacks": [{"from": a, "to": b, "tensors": n} for (a, b), n in sorted(counts.items())],
+    }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,51 +39,74 @@ def _reference_tokenizer(snapshot: "Snapshot", tok):
     return (lambda text: bos + list(sp.encode(text))), "sentencepiece"
 
 
-def validate_gguf(snapshot: "Snapshot", gguf_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def run_llama_cpp(gguf_path: str, sequences: list[list[int]], texts: list[str], generation_prompt: list[int],
+                  generation_tokens: int, logits_path: str) -> dict[str, Any]:
+    """llama.cpp's side of validation; runs in a child process (pipelines.isolation), so a native crash
+    is an error line, not a dead build. Logits go to an .npz file (too large for JSON): `l<i>` holds
+    [len(sequences[i]), vocab] float32. Returns llama.cpp's token ids of `texts` and its greedy ids."""
     from llama_cpp import Llama
+
+    n_ctx = max(len(s) for s in sequences + [generation_prompt]) + generation_tokens + 8
+    llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
+                verbose=False, seed=0, n_threads=os.cpu_count() or 1)
+    try:
+        logits = {}
+        for i, seq in enumerate(sequences):
+            llm.reset()
+            llm.eval(seq)
+            logits[f"l{i}"] = np.array(llm.scores[: len(seq)], dtype=np.float32)
+        with open(logits_path, "wb") as f:
+            np.savez(f, **logits)
+        tokenized = [llm.tokenize(text.encode("utf-8"), add_bos=True, special=True) for text in texts]
+        llm.reset()
+        llm.eval(generation_prompt)
+        generated: list[int] = []
+        for _ in range(generation_tokens):
+            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            generated.append(nxt)
+            if nxt == llm.token_eos():
+                break
+            llm.eval([nxt])
+    finally:
+        llm.close()
+    return {"tokenized": tokenized, "generated": generated}
+
+
+def validate_gguf(snapshot: "Snapshot", gguf_path: Path, step: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Metrics of a GGUF against the transformers fp32 reference. The reference and the comparison run
+    here; llama.cpp runs in a child process (`step` names it in a crash message)."""
+    from ...isolation import run_isolated
+    from ...paths import work_root
 
     tok = reference.load_tokenizer(snapshot.dir)
     ids = reference.encode(tok, prompts.PARITY_TEXTS)
     gen_prompt = reference.encode(tok, [prompts.GENERATION_PROMPT])[0]
     ref = reference.compute(snapshot.dir, snapshot.content_digest, ids, gen_prompt, prompts.GENERATION_TOKENS)
 
-    n_ctx = max(len(s) for s in ids + [gen_prompt]) + prompts.GENERATION_TOKENS + 8
-    llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
-                verbose=False, seed=0, n_threads=os.cpu_count() or 1)
-    try:
-        per_prompt = []
-        for seq, ref_logits in zip(ids, ref.logits):
-            llm.reset()
-            llm.eval(seq)
-            art = np.array(llm.scores[: len(seq)], dtype=np.float32)
-            per_prompt.append(parity.compare(ref_logits, art))
-        total = parity.merge(per_prompt)
+    with tempfile.TemporaryDirectory(prefix="llama-logits-", dir=work_root()) as tmp:
+        logits_path = Path(tmp) / "logits.npz"
+        out = run_isolated("pipelines.targets.gguf.validate:run_llama_cpp", engine="llama.cpp",
+                           step=step or f"GGUF validation of {snapshot.model_id}", gguf_path=str(gguf_path),
+                           sequences=ids, texts=prompts.TOKENIZER_TEXTS, generation_prompt=gen_prompt,
+                           generation_tokens=prompts.GENERATION_TOKENS, logits_path=str(logits_path))
+        with np.load(logits_path) as z:
+            per_prompt = [parity.compare(ref_logits, z[f"l{i}"]) for i, ref_logits in enumerate(ref.logits)]
+    total = parity.merge(per_prompt)
 
-        reference_ids, reference_name = _reference_tokenizer(snapshot, tok)
-        mismatches = []
-        for text in prompts.TOKENIZER_TEXTS:
-            ref_ids = reference_ids(text)
-            cpp_ids = llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
-            if ref_ids != cpp_ids:
-                mismatches.append({"text": text, reference_name: ref_ids[:24], "llama_cpp": cpp_ids[:24]})
-        token_parity = 1 - len(mismatches) / len(prompts.TOKENIZER_TEXTS)
+    reference_ids, reference_name = _reference_tokenizer(snapshot, tok)
+    mismatches = []
+    for text, cpp_ids in zip(prompts.TOKENIZER_TEXTS, out["tokenized"]):
+        ref_ids = reference_ids(text)
+        if ref_ids != cpp_ids:
+            mismatches.append({"text": text, reference_name: ref_ids[:24], "llama_cpp": cpp_ids[:24]})
+    token_parity = 1 - len(mismatches) / len(prompts.TOKENIZER_TEXTS)
 
-        llm.reset()
-        llm.eval(gen_prompt)
-        gen: list[int] = []
-        for _ in range(prompts.GENERATION_TOKENS):
-            nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-            gen.append(nxt)
-            if nxt == llm.token_eos():
-                break
-            llm.eval([nxt])
-        agree = 0
-        for a, b in zip(gen, ref.generation_ids):
-            if a != b:
-                break
-            agree += 1
-    finally:
-        llm.close()
+    gen = out["generated"]
+    agree = 0
+    for a, b in zip(gen, ref.generation_ids):
+        if a != b:
+            break
+        agree += 1
 
     metrics = {
         "positions": total.positions,

@@ -1,0 +1,122 @@
+"""Run native engines (llama.cpp today; ONNX Runtime and vLLM later) in a child process.
+
+A native engine that crashes (SIGILL from an instruction the CPU lacks, SIGSEGV, abort()) takes
+its whole process with it. Run in a child, the crash becomes one error line in the parent that names
+the engine, the signal and the step, and the build publishes nothing. The child is a fresh Python
+interpreter (`python -m pipelines.isolation`), not a fork: forking a process that already holds
+threads (Dagster, torch, tqdm) is unsafe, and a fresh interpreter also hands its memory back.
+
+Arguments and results cross as JSON files, never pickles. Exceptions raised in the child come back
+as the same `HiveError` class with the same one-line message; anything else becomes an
+`EngineFailed` line naming its type.
+
+Fault injection for tests: `HIVE_AOT_FAULT=<step>:<SIGNAL>` makes the child of that step kill
+itself with that signal just before calling the engine (`segv` dereferences NULL in native code).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from importlib import import_module
+from pathlib import Path
+from typing import Any
+
+from . import errors
+from .errors import HiveError
+from .paths import work_root
+
+_SIGNAL_MEANING = {
+    "SIGILL": "illegal instruction: the library uses CPU instructions this host lacks",
+    "SIGSEGV": "segmentation fault",
+    "SIGBUS": "bus error",
+    "SIGFPE": "arithmetic exception",
+    "SIGABRT": "aborted by the library",
+    "SIGKILL": "killed, most often by the kernel for lack of memory",
+}
+
+
+class EngineCrashed(HiveError):
+    """A native engine died from a signal (or exited) in its child process."""
+
+    exit_code = 6
+
+
+class EngineFailed(HiveError):
+    """A native engine's child raised an unexpected exception."""
+
+
+def run_isolated(function: str, *, engine: str, step: str, **kwargs: Any) -> Any:
+    """Call `package.module:function(**kwargs)` in a child Python and return its JSON result.
+
+    `engine` and `step` only name things in the error line, e.g. engine "llama.cpp", step
+    "GGUF validation of org/name (gguf-q4_k_m)".
+    """
+    fd, request_path = tempfile.mkstemp(prefix="isolated-", suffix=".json", dir=work_root())
+    result_path = request_path[: -len(".json")] + ".result.json"
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"function": function, "kwargs": kwargs, "result": result_path, "step": step}, f)
+        proc = subprocess.run([sys.executable, "-m", "pipelines.isolation", request_path], stdin=subprocess.DEVNULL)
+        try:
+            outcome = json.loads(Path(result_path).read_text())
+        except (OSError, ValueError):
+            outcome = None
+    finally:
+        for p in (request_path, result_path):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+    if proc.returncode < 0:
+        sig = signal.Signals(-proc.returncode).name
+        meaning = _SIGNAL_MEANING.get(sig, "killed by a signal")
+        raise EngineCrashed(f"{engine} crashed with {sig} ({meaning}) during {step}; nothing was published")
+    if outcome is None:
+        raise EngineCrashed(f"{engine} exited with status {proc.returncode} during {step} without a result; "
+                            "nothing was published")
+    if "error" in outcome:
+        err = outcome["error"]
+        cls = getattr(errors, err["type"], None)
+        if isinstance(cls, type) and issubclass(cls, HiveError):
+            raise cls(err["message"])
+        raise EngineFailed(f"{engine} failed during {step}: {err['type']}: {err['message']}")
+    return outcome["value"]
+
+
+def _inject_fault(step: str) -> None:
+    spec = os.environ.get("HIVE_AOT_FAULT", "")
+    where, _, what = spec.rpartition(":")
+    if not where or where not in step:
+        return
+    if what.lower() == "segv":
+        import ctypes
+
+        ctypes.string_at(0)  # a real invalid read in native code
+    os.kill(os.getpid(), signal.Signals[what.upper()])
+
+
+def _child(request_path: str) -> int:
+    request = json.loads(Path(request_path).read_text())
+    module, _, name = request["function"].partition(":")
+    try:
+        func = getattr(import_module(module), name)
+        _inject_fault(request["step"])
+        text, rc = json.dumps({"value": func(**request["kwargs"])}), 0
+    except HiveError as e:
+        text, rc = json.dumps({"error": {"type": type(e).__name__, "message": str(e)}}), 1
+    except Exception as e:  # noqa: BLE001 - reported to the parent as one line
+        text, rc = json.dumps({"error": {"type": type(e).__name__, "message": " ".join(str(e).split())}}), 1
+    # Written whole and renamed: the parent never reads half a result.
+    tmp = request["result"] + ".tmp"
+    Path(tmp).write_text(text)
+    os.replace(tmp, request["result"])
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1]))

@@ -1,0 +1,12 @@
+"""Functions tests run in child processes through pipelines.isolation (importable via PYTHONPATH)."""
+
+from __future__ import annotations
+
+import builtins
+
+from pipelines import errors
+
+
+def raise_exception(kind: str, message: str) -> None:
+    """Raise `kind`: a HiveError subclass by name, else a builtin exception."""
+    raise (getattr(errors, kind, None) or getattr(builtins, kind))(message)

@@ -1,0 +1,69 @@
+"""Native engines run in a child process: a crash is one error line naming engine, signal and step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from factories import write_test_config
+from pipelines.errors import ModelFormatError
+from pipelines.isolation import EngineCrashed, EngineFailed, run_isolated
+
+REPO = Path.cwd()
+
+
+def test_result_and_errors_cross_as_json(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # child_helpers.py
+    # os.path.relpath runs in the child: a real function, a JSON result
+    assert run_isolated("os.path:relpath", engine="e", step="s", path="x/y", start="x") == "y"
+    # a HiveError comes back as the same class with the same line
+    with pytest.raises(ModelFormatError, match=r"^config.json is not valid JSON \(x\)$"):
+        run_isolated("child_helpers:raise_exception", engine="e", step="s",
+                     kind="ModelFormatError", message="config.json is not valid JSON (x)")
+    # anything else becomes EngineFailed naming the engine, the step and the type
+    with pytest.raises(EngineFailed, match=r"^llama.cpp failed during the step: ValueError: bad\s*value$"):
+        run_isolated("child_helpers:raise_exception", engine="llama.cpp", step="the step",
+                     kind="ValueError", message="bad\nvalue")
+
+
+@pytest.mark.parametrize("fault, signame", [("SIGILL", "SIGILL"), ("segv", "SIGSEGV"), ("SIGABRT", "SIGABRT")])
+def test_native_crash_becomes_one_line(monkeypatch, fault, signame):
+    monkeypatch.setenv("HIVE_AOT_FAULT", f"GGUF validation:{fault}")
+    with pytest.raises(EngineCrashed) as ei:
+        run_isolated("os.path:relpath", engine="llama.cpp", step="GGUF validation of a/b (gguf-f16)", path="x")
+    msg = str(ei.value)
+    assert "\n" not in msg and ei.value.exit_code == 6
+    assert msg.startswith(f"llama.cpp crashed with {signame} (")
+    assert msg.endswith("during GGUF validation of a/b (gguf-f16); nothing was published")
+    # the fault is scoped to the named step: others run normally
+    assert run_isolated("os.path:relpath", engine="llama.cpp", step="Q4_K_M quantization", path="x") == "x"
+
+
+def test_child_exit_without_result_is_reported(monkeypatch):
+    with pytest.raises(EngineCrashed, match=r"^eng exited with status 3 during st without a result"):
+        run_isolated("os:_exit", engine="eng", step="st", status=3)
+
+
+def test_build_whose_validation_crashes_publishes_nothing(tiny_llama, tmp_path):
+    """Through the CLI, as a user sees it: the crash of llama.cpp in GGUF validation is one line, exit 6."""
+    store = tmp_path / "store"
+    reg = write_test_config(tmp_path / "cfg", REPO)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HIVE_AOT_FAULT": "GGUF validation:SIGILL"}
+    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "build", str(tiny_llama), "--recipe", "gguf-f16",
+                           "--model-id", "test-org/crashy", "--store", str(store), "--registry", str(reg)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 6, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hive-aot: error: ")]
+    assert errors == ["hive-aot: error: llama.cpp crashed with SIGILL (illegal instruction: the library uses CPU "
+                      "instructions this host lacks) during GGUF validation of test-org/crashy (gguf-f16); "
+                      "nothing was published"], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (store / "manifests").exists() and not (store / "refs").exists()
+    # the candidate stays unvalidated: publishing it is refused
+    staged = [json.loads(p.read_text()) for p in (store / "staging").glob("*.json")]
+    assert [s["state"] for s in staged] == ["staged"]

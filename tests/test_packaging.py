@@ -1,0 +1,141 @@
+"""hive-aot as users install it: the built wheel in fresh venvs, run from outside the checkout.
+
+- `[build]`: `check` and a tiny `build` work from any directory with no registry: the registry
+  profiles, architecture facts and recipes ship in the package.
+- the base package alone (the serving containers' pull client): `pull` works, and `check` /
+  `build` / `onboard` each say in one line which extra they need.
+The venvs reuse the pinned wheels: the compiled llama-cpp-python from `make setup`'s cache
+($HIVE_AOT_LLAMA_WHEELS), everything else through pip's cache and requirements/constraints.txt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from pipelines.build import build_and_publish
+from pipelines.config import Config
+
+REPO = Path.cwd()
+MODEL = "test-org/packaged"
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def outside(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """A working directory outside the checkout and an environment that knows nothing of it."""
+    cwd = tmp_path_factory.mktemp("elsewhere")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "HIVE_AOT_REGISTRY", "HIVE_AOT_RECIPES", "HIVE_AOT_STORE")}
+    env["HIVE_AOT_CACHE"] = str(tmp_path_factory.mktemp("installed-cache"))
+    return cwd, env
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    """The wheel built from a copy of the tracked tree (the checkout stays untouched)."""
+    src = tmp_path_factory.mktemp("src")
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True,
+                           check=True).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        p = REPO / rel
+        if not p.exists() and not p.is_symlink():
+            continue  # deleted in the work tree
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        if p.is_symlink():
+            (src / rel).symlink_to(os.readlink(p))
+        elif p.is_file():
+            shutil.copy2(p, src / rel)
+    dist = tmp_path_factory.mktemp("dist")
+    proc = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist),
+                 str(src)], cwd=src, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (whl,) = dist.glob("hive_aot-*.whl")
+    return whl
+
+
+def test_wheel_carries_every_data_file_the_package_reads(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    tracked = subprocess.run(["git", "ls-files", "pipelines"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.split()
+    data = [f for f in tracked if not f.endswith(".py")]
+    missing = [f for f in data if not any(n == f or n.startswith(f + "/") for n in names)]
+    assert missing == []
+    # the packaged defaults are real files with the top-level content
+    assert "pipelines/defaults/registry.yaml" in names and "pipelines/compat/data/architectures.json" in names
+    recipes = sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("pipelines/defaults/recipes/"))
+    assert recipes == sorted(p.name for p in (REPO / "recipes").glob("*.yaml"))
+    with zipfile.ZipFile(wheel) as z:
+        assert z.read("pipelines/defaults/registry.yaml") == (REPO / "registry.yaml").read_bytes()
+
+
+def _venv(root: Path, name: str, requirement: str, env: dict[str, str], extra: list[str] = ()) -> Path:
+    venv = root / name
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    proc = _run([str(venv / "bin" / "pip"), "install", "-q", "-c", str(REPO / "requirements" / "constraints.txt"),
+                 *extra, requirement], cwd=root, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return venv / "bin" / "hive-aot"
+
+
+@pytest.fixture(scope="module")
+def published_store(tiny_llama, tmp_path_factory) -> Path:
+    from factories import write_test_config
+
+    root = tmp_path_factory.mktemp("pkg-store")
+    config = Config.load(write_test_config(root / "cfg", REPO))
+    res = build_and_publish(str(tiny_llama), "gguf-f16", config, str(root / "store"), MODEL)
+    assert res.state == "published"
+    return root / "store"
+
+
+def test_base_install_pulls_and_names_the_missing_extra(wheel, outside, published_store, tiny_llama, tmp_path):
+    cwd, env = outside
+    hive = _venv(tmp_path, "client", str(wheel), env)
+    site = subprocess.run([str(hive.parent / "python"), "-c", "import torch"], capture_output=True)
+    assert site.returncode != 0  # the light client really has no torch
+    pulled = _run([str(hive), "pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(cwd / "m"),
+                   "--store", str(published_store), "--json"], cwd=cwd, env=env)
+    assert pulled.returncode == 0, pulled.stderr
+    assert Path(json.loads(pulled.stdout)["files"][0]).read_bytes()[:4] == b"GGUF"
+    for args, extra in ((["check", str(tiny_llama), "--model-id", MODEL], "build"),
+                        (["build", str(tiny_llama), "--recipe", "gguf-f16", "--model-id", MODEL], "build"),
+                        (["onboard"], "orchestrate")):
+        proc = _run([str(hive), *args], cwd=cwd, env=env)
+        assert proc.returncode == 1, (args, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, proc.stderr
+        assert lines[0].startswith(f"hive-aot: error: `hive-aot {args[0]}` needs the '{extra}' extra (module ")
+        assert lines[0].endswith(f"is not installed): pip install 'hive-aot[{extra}]'")
+
+
+def test_build_extra_checks_and_builds_outside_the_checkout(wheel, outside, tiny_llama, tmp_path):
+    cwd, env = outside
+    wheels = os.environ.get("HIVE_AOT_LLAMA_WHEELS")
+    if not wheels or not Path(wheels).is_dir():
+        pytest.fail("HIVE_AOT_LLAMA_WHEELS (the compiled llama-cpp-python) is not set: run through `make test`")
+    hive = _venv(tmp_path, "factory", f"{wheel}[build]", env,
+                 ["--find-links", wheels, "--only-binary", "llama-cpp-python"])
+    check = _run([str(hive), "check", str(tiny_llama), "--model-id", MODEL, "--hardware", "cpu", "--json"],
+                 cwd=cwd, env=env)
+    assert check.returncode == 0, check.stderr
+    doc = json.loads(check.stdout)
+    assert doc["status"] == "compatible" and doc["runtime_profile_id"] == "llm-llamacpp-cpu"
+    assert {"gguf-f16", "gguf-q8_0", "gguf-q4_k_m"} <= set(doc["recipes"])
+    store = tmp_path / "store"
+    build = _run([str(hive), "build", str(tiny_llama), "--recipe", "gguf-f16", "--model-id", MODEL,
+                  "--store", str(store), "--json"], cwd=cwd, env=env)
+    assert build.returncode == 0, build.stderr
+    res = json.loads(build.stdout)
+    assert res["state"] == "published" and res["validation"]["passed"] is True
+    assert (store / res["manifest"].split(store.as_uri() + "/", 1)[1]).is_file()
