@@ -22,15 +22,8 @@ from .errors import HiveError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_REJECTED, EXIT_REVIEW, EXIT_INCOMPATIBLE = 0, 1, 2, 3, 4, 5
 
-# Top-level modules of each extra (pyproject.toml), to name the extra a missing import belongs to.
-EXTRA_OF_MODULE = {
-    **dict.fromkeys(["torch", "transformers", "tokenizers", "accelerate", "huggingface_hub", "safetensors", "numpy",
-                     "gguf", "llama_cpp", "sentencepiece", "google", "jinja2", "onnx", "onnxruntime", "optimum"],
-                    "build"),
-    **dict.fromkeys(["dagster", "dagster_webserver", "dagster_dg_cli", "dagster_aws", "dagster_celery"], "orchestrate"),
-}
-
-
+# Import names that differ from the distribution that provides them.
+_DIST_OF_MODULE = {"llama_cpp": "llama_cpp_python", "google": "protobuf"}
 def _emit(args: argparse.Namespace, doc: Any, human: str) -> None:
     if getattr(args, "json", False):
         sys.stdout.write(json.dumps(doc, indent=1, sort_keys=True, default=str) + "\n")
@@ -264,9 +257,27 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _extra_providing(module: str) -> str | None:
+    """The extra of hive-aot whose requirements install `module`, read from the installed metadata
+    (pyproject.toml's optional-dependencies), so the two never disagree."""
+    import re
+    from importlib import metadata
+
+    dist = _DIST_OF_MODULE.get(module, module).lower()
+    try:
+        requirements = metadata.requires("hive-aot") or []
+    except metadata.PackageNotFoundError:
+        return None
+    for req in requirements:
+        m = re.match(r"([A-Za-z0-9._-]+).*;\s*extra\s*==\s*['\"]([\w-]+)['\"]", req)
+        if m and re.sub(r"[-.]", "_", m.group(1).lower()) == dist:
+            return m.group(2)
+    return None
+
+
 def _missing_extra(command: str, e: ModuleNotFoundError) -> HiveError:
     top = (e.name or "").split(".")[0]
-    extra = EXTRA_OF_MODULE.get(top)
+    extra = _extra_providing(top)
     if extra is None:
         return HiveError(f"`hive-aot {command}` needs the Python module {e.name!r}, which is not installed")
     return HiveError(f"`hive-aot {command}` needs the '{extra}' extra (module {top!r} is not installed): "

@@ -45,3 +45,13 @@ class ValidationFailed(HiveError):
     """The artifact was built but failed numerical validation: nothing is published."""
 
     exit_code = 3
+
+
+class EngineCrashed(HiveError):
+    """A native engine (llama.cpp, ...) died from a signal, or exited without a result, in its child process."""
+
+    exit_code = 6
+
+
+class EngineFailed(HiveError):
+    """A native engine's child process raised an unexpected exception."""

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from . import errors
-from .errors import HiveError
+from .errors import EngineCrashed, EngineFailed, HiveError
 from .paths import work_root
 
 _SIGNAL_MEANING = {
@@ -38,16 +38,6 @@ _SIGNAL_MEANING = {
     "SIGABRT": "aborted by the library",
     "SIGKILL": "killed, most often by the kernel for lack of memory",
 }
-
-
-class EngineCrashed(HiveError):
-    """A native engine died from a signal (or exited) in its child process."""
-
-    exit_code = 6
-
-
-class EngineFailed(HiveError):
-    """A native engine's child raised an unexpected exception."""
 
 
 def run_isolated(function: str, *, engine: str, step: str, **kwargs: Any) -> Any:
@@ -67,7 +57,7 @@ def run_isolated(function: str, *, engine: str, step: str, **kwargs: Any) -> Any
         except (OSError, ValueError):
             outcome = None
     finally:
-        for p in (request_path, result_path):
+        for p in (request_path, result_path, result_path + ".tmp"):
             try:
                 os.unlink(p)
             except FileNotFoundError:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from factories import write_test_config
-from pipelines.errors import ModelFormatError
-from pipelines.isolation import EngineCrashed, EngineFailed, run_isolated
+from pipelines.errors import EngineCrashed, EngineFailed, ModelFormatError
+from pipelines.isolation import run_isolated
 
 REPO = Path.cwd()
 
