@@ -63,7 +63,8 @@ $(MAIN_VENV)/.complete:
 	  CMAKE_ARGS='$(LLAMA_CMAKE_ARGS)' CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 	    $(MAIN_VENV)/bin/pip wheel --no-cache-dir --no-deps -w $(LLAMA_WHEELS).tmp llama-cpp-python==$(LLAMA_CPP_VERSION) && \
 	  rm -rf $(LLAMA_WHEELS) && mv $(LLAMA_WHEELS).tmp $(LLAMA_WHEELS) )
-	$(MAIN_VENV)/bin/pip install --no-cache-dir --only-binary llama-cpp-python --find-links $(LLAMA_WHEELS) \
+	# pip's http cache stays on: tests/test_packaging.py installs the same pinned wheels into fresh venvs.
+	$(MAIN_VENV)/bin/pip install --only-binary llama-cpp-python --find-links $(LLAMA_WHEELS) \
 	  -c requirements/constraints.txt -e '.[build,orchestrate,dev]'
 	touch $@
 
