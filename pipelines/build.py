@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -20,10 +19,10 @@ from typing import Any
 
 from .compat import Compatibility, classify_snapshot
 from .config import Config, Recipe
-from .errors import NotApplicableError, StoreError, ValidationFailed
+from .errors import IntegrityError, NotApplicableError, StoreError, ValidationFailed
 from .hashing import sha256_file
 from .manifest import FileEntry, Manifest, ModelInfo, RecipeInfo, compute_build_id
-from .paths import work_root
+from .paths import reclaim_work, work_dir
 from .sources import Snapshot, fetch
 from .store import Store, blob_key, manifest_key, open_store, ref_key, staging_key
 from .store.layout import PROFILES_KEY
@@ -50,7 +49,7 @@ class BuildResult:
     recipe: str
     manifest: str
     skipped: bool
-    state: str  # published | skipped | staged | rejected
+    state: str  # published | skipped | repaired | staged | rejected
     validation: dict[str, Any] | None = None
     files: list[dict[str, Any]] = field(default_factory=list)
     compatibility: dict[str, Any] | None = None
@@ -88,12 +87,14 @@ def plan(source: str, recipe_id: str, config: Config, model_id: str | None = Non
 
 def published_manifest(p: Plan, store: Store) -> Manifest | None:
     """The manifest already published for this build id, if any (then the build is skipped)."""
-    raw = store.read_bytes(manifest_key(p.model_id, p.recipe.id, p.build_id))
-    return None if raw is None else Manifest.model_validate_json(raw)
+    key = manifest_key(p.model_id, p.recipe.id, p.build_id)
+    raw = store.read_bytes(key)
+    return None if raw is None else Manifest.parse(raw, f"{store.uri}: {key}")
 
 
 def _result(p: Plan, store: Store, state: str, manifest: Manifest, skipped: bool) -> BuildResult:
-    key = manifest_key(p.model_id, p.recipe.id, p.build_id) if state in ("published", "skipped") else staging_key(p.build_id)
+    key = (manifest_key(p.model_id, p.recipe.id, p.build_id) if state in ("published", "skipped", "repaired")
+           else staging_key(p.build_id))
     return BuildResult(
         build_id=p.build_id, model_id=p.model_id, recipe=p.recipe.id, manifest=f"{store.uri.rstrip('/')}/{key}",
         skipped=skipped, state=state, validation=manifest.validation,
@@ -102,23 +103,33 @@ def _result(p: Plan, store: Store, state: str, manifest: Manifest, skipped: bool
 
 
 def stage(p: Plan, store: Store) -> BuildResult:
-    """Build the artifact, upload its blobs and write the staging record (or skip if already published)."""
+    """Build the artifact, upload its blobs and write the staging record.
+
+    An already published build is skipped only if the blobs its manifest names are intact (the store's
+    `blob_intact` policy: full sha256 locally, remembered per file stamp; size + recorded sha256 on S3).
+    Otherwise it is rebuilt (builds are deterministic) and the damaged blobs are uploaded again:
+    state "repaired", nothing else changes.
+    """
     existing = published_manifest(p, store)
-    if existing is not None:
+    if existing is not None and all(store.blob_intact(f.sha256, f.size) for f in existing.files):
         _ensure_refs(store, p, existing)
         return _result(p, store, "skipped", existing, skipped=True)
     store.check_writable()
-    work = Path(tempfile.mkdtemp(prefix=f"build-{p.build_id[:12]}-", dir=work_root()))
-    try:
+    reclaim_work()  # what killed builds left behind
+    with work_dir(f"build-{p.build_id[:12]}-") as work:
         art = p.target.build(p.snapshot, p.recipe, work)
         entries = []
         for rel in art.files:
             path = art.root / rel
             digest = sha256_file(path)
-            store.put_blob(path, digest)
+            store.put_blob(path, digest)  # replaces a damaged copy
             entries.append(FileEntry(path=rel, sha256=digest, size=path.stat().st_size))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    if existing is not None:
+        if entries != existing.files:
+            raise IntegrityError(f"{store.uri}: build {p.build_id[:12]} has damaged blobs and rebuilding it gave other "
+                                 "bytes than its manifest records: cannot repair (was the build not deterministic?)")
+        _ensure_refs(store, p, existing)
+        return _result(p, store, "repaired", existing, skipped=False)
     s = p.snapshot
     manifest = Manifest(
         build_id=p.build_id,
@@ -133,10 +144,13 @@ def stage(p: Plan, store: Store) -> BuildResult:
 
 
 def _staged(store: Store, p: Plan) -> tuple[str, Manifest]:
-    doc = store.read_json(staging_key(p.build_id))
+    key = staging_key(p.build_id)
+    doc = store.read_json(key)
     if doc is None:
         raise StoreError(f"no staged candidate for build {p.build_id[:12]} in {store.uri}")
-    return doc["state"], Manifest.model_validate(doc["manifest"])
+    if not isinstance(doc, dict) or not isinstance(doc.get("manifest"), dict):
+        raise IntegrityError(f"{store.uri}: {key} is not a staging record: the store is damaged")
+    return str(doc.get("state")), Manifest.parse(doc["manifest"], f"{store.uri}: {key}")
 
 
 def materialize_blobs(store: Store, files: list[FileEntry], dest: Path) -> None:
@@ -159,12 +173,15 @@ def materialize_blobs(store: Store, files: list[FileEntry], dest: Path) -> None:
 def validate_staged(p: Plan, store: Store) -> ValidationReport:
     """Validate the staged candidate numerically; the result is recorded in the staging record."""
     _state, manifest = _staged(store, p)
-    work = Path(tempfile.mkdtemp(prefix=f"validate-{p.build_id[:12]}-", dir=work_root()))
     try:
-        materialize_blobs(store, manifest.files, work)
-        report = p.target.validate(p.snapshot, p.recipe, work, [f.path for f in manifest.files])
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        with work_dir(f"validate-{p.build_id[:12]}-") as work:
+            materialize_blobs(store, manifest.files, work)
+            report = p.target.validate(p.snapshot, p.recipe, work, [f.path for f in manifest.files])
+    except BaseException:
+        # Validation itself failed (engine crash, interrupt): the candidate can never be published as
+        # it is, so its record goes; its blobs are left for gc.
+        store.delete(staging_key(p.build_id))
+        raise
     manifest.validation = validation_record(p, report)
     if report.passed:
         store.write_bytes(staging_key(p.build_id), json.dumps({"state": "validated", "manifest": manifest.model_dump(mode="json")}).encode())
@@ -201,6 +218,7 @@ def publish_staged(p: Plan, store: Store, config: Config | None = None) -> Build
     existing = published_manifest(p, store)
     if existing is not None:
         _ensure_refs(store, p, existing)
+        store.delete(staging_key(p.build_id))  # a concurrent builder's candidate of the same build
         return _result(p, store, "skipped", existing, skipped=True)
     state, manifest = _staged(store, p)
     if state != "validated":
@@ -229,7 +247,7 @@ def build_and_publish(source: str, recipe_id: str, config: Config, store_uri: st
     store.check_writable()  # fail before spending build time
     p = plan(source, recipe_id, config, model_id)
     staged = stage(p, store)
-    if staged.skipped:
+    if staged.state in ("skipped", "repaired"):  # published before: nothing to validate or publish
         return staged
     report = validate_staged(p, store)
     if not report.passed:

@@ -169,7 +169,8 @@ def cmd_gc(args) -> int:
 
     res = gc(args.store, dry_run=args.dry_run, min_age_s=args.min_age)
     _emit(args, res, f"{'would remove' if args.dry_run else 'removed'} {len(res['blobs'])} blob(s) "
-                     f"({_mb(res['bytes'])}) and {len(res['staging'])} staging record(s)")
+                     f"({_mb(res['bytes'])}), {len(res['staging'])} staging record(s), "
+                     f"{len(res['temporaries'])} stale temporary file(s) and {len(res['work'])} dead work dir(s)")
     return EXIT_OK
 
 

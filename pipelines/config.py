@@ -24,9 +24,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import ConfigError
+from .errors import ConfigError, HiveError
+from .paths import check_model_id
 
-MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 RECIPE_ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
 
@@ -66,9 +66,10 @@ class ModelEntry(_Strict):
     @field_validator("id")
     @classmethod
     def _model_id(cls, v: str) -> str:
-        if not MODEL_ID_RE.match(v):
-            raise ValueError(f"{v!r} is not an 'org/name' Hugging Face repo id")
-        return v
+        try:
+            return check_model_id(v)
+        except HiveError as e:
+            raise ValueError(str(e)) from None
 
 
 class ArchitectureOverride(_Strict):

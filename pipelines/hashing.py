@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
+
+from .paths import cache_root
 
 CHUNK = 4 * 1024 * 1024
 
@@ -26,3 +30,47 @@ def canonical_json(obj: Any) -> bytes:
 
 def sha256_json(obj: Any) -> str:
     return hashlib.sha256(canonical_json(obj)).hexdigest()
+
+
+class DigestCache:
+    """sha256 of local files keyed by (real path, size, inode, mtime_ns, ctime_ns), like git's index.
+
+    Every Dagster step re-resolves its snapshot, and every skipped build verifies the blobs it relies on;
+    for local files that would re-hash the whole model each time. ctime cannot be set by user code, so
+    any write to a file misses the cache.
+    """
+
+    def __init__(self) -> None:
+        self.path = cache_root() / "digests.json"
+        try:
+            self.entries: dict[str, list] = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.entries = {}
+        self.dirty = False
+
+    @staticmethod
+    def _key(p: Path) -> tuple[str, list]:
+        st = p.stat()
+        return str(p.resolve()), [st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
+
+    def get(self, p: Path) -> str | None:
+        real, sig = self._key(p)
+        hit = self.entries.get(real)
+        return hit[1] if hit and hit[0] == sig else None
+
+    def put(self, p: Path, digest: str) -> None:
+        real, sig = self._key(p)
+        self.entries[real] = [sig, digest]
+        self.dirty = True
+
+    def save(self) -> None:
+        if not self.dirty:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.entries, f)
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a cache that cannot be written only costs time

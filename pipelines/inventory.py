@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
+from .errors import IntegrityError
 from .manifest import Manifest
+from .paths import reclaim_work
 from .store import blob_key, open_store
 
 
@@ -16,12 +17,15 @@ def list_published(store_uri: str | None = None) -> list[dict[str, Any]]:
     rows = []
     sizes: dict[str, int] = {}
     for key in store.list("refs/"):
-        _, slug, recipe, tag = key.split("/", 3)
-        ref = store.read_json(key) or {}
+        parts = key.split("/")
+        if len(parts) != 4:
+            raise IntegrityError(f"{store.uri}: {key} is not refs/<model>/<recipe>/<tag>: the store is damaged")
+        _, slug, recipe, tag = parts
+        ref = store.read_ref(key) or {}
         mkey = ref.get("manifest", "")
         if mkey not in sizes:
-            raw = store.read_bytes(mkey)
-            sizes[mkey] = Manifest.model_validate_json(raw).total_size if raw else 0
+            raw = store.read_bytes(mkey) if mkey else None
+            sizes[mkey] = Manifest.parse(raw, f"{store.uri}: {mkey}").total_size if raw else 0
         model_id = slug.replace("--", "/", 1)
         rows.append({"model_id": model_id, "recipe": recipe, "tag": tag, "build_id": ref.get("build_id", ""),
                      "size": sizes[mkey], "created_at": ref.get("created_at", ""), "manifest": mkey})
@@ -40,15 +44,20 @@ def gc(store_uri: str | None = None, *, dry_run: bool = False, min_age_s: float 
     now = time.time()
     live: set[str] = set()
     stale_staging = []
+    # A manifest or live staging record that cannot be read might reference any blob: collecting
+    # nothing is then the only safe answer (Manifest.parse raises one line naming it).
     for key in store.list("manifests/"):
-        for f in json.loads(store.read_bytes(key) or b"{}").get("files", []):
-            live.add(blob_key(f["sha256"]))
+        raw = store.read_bytes(key)
+        if raw is not None:
+            live.update(blob_key(f.sha256) for f in Manifest.parse(raw, f"{store.uri}: {key}").files)
     for key in store.list("staging/"):
         if now - (store.modified(key) or 0) > min_age_s:
             stale_staging.append(key)
             continue
-        for f in (store.read_json(key) or {}).get("manifest", {}).get("files", []):
-            live.add(blob_key(f["sha256"]))
+        doc = store.read_json(key)
+        if doc is not None:
+            record = doc.get("manifest") if isinstance(doc, dict) else None
+            live.update(blob_key(f.sha256) for f in Manifest.parse(record or {}, f"{store.uri}: {key}").files)
     dead, freed = [], 0
     for key in store.list("blobs/"):
         if key in live:
@@ -60,4 +69,7 @@ def gc(store_uri: str | None = None, *, dry_run: bool = False, min_age_s: float 
     if not dry_run:
         for key in stale_staging + dead:
             store.delete(key)
-    return {"blobs": dead, "bytes": freed, "staging": stale_staging, "dry_run": dry_run}
+    temporaries = store.reclaim_temporaries(min_age_s, dry_run)
+    work = [] if dry_run else reclaim_work()  # this host's scratch directories of dead processes
+    return {"blobs": dead, "bytes": freed, "staging": stale_staging, "temporaries": temporaries, "work": work,
+            "dry_run": dry_run}

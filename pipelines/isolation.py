@@ -21,14 +21,13 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 from importlib import import_module
 from pathlib import Path
 from typing import Any
 
 from . import errors
 from .errors import EngineCrashed, EngineFailed, HiveError
-from .paths import work_root
+from .paths import work_dir
 
 _SIGNAL_MEANING = {
     "SIGILL": "illegal instruction: the library uses CPU instructions this host lacks",
@@ -46,22 +45,16 @@ def run_isolated(function: str, *, engine: str, step: str, **kwargs: Any) -> Any
     `engine` and `step` only name things in the error line, e.g. engine "llama.cpp", step
     "GGUF validation of org/name (gguf-q4_k_m)".
     """
-    fd, request_path = tempfile.mkstemp(prefix="isolated-", suffix=".json", dir=work_root())
-    result_path = request_path[: -len(".json")] + ".result.json"
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"function": function, "kwargs": kwargs, "result": result_path, "step": step}, f)
-        proc = subprocess.run([sys.executable, "-m", "pipelines.isolation", request_path], stdin=subprocess.DEVNULL)
+    with work_dir("isolated-") as work:
+        request_path, result_path = work / "request.json", work / "result.json"
+        request_path.write_text(json.dumps({"function": function, "kwargs": kwargs, "result": str(result_path),
+                                            "step": step}))
+        proc = subprocess.run([sys.executable, "-m", "pipelines.isolation", str(request_path)],
+                              stdin=subprocess.DEVNULL)
         try:
-            outcome = json.loads(Path(result_path).read_text())
+            outcome = json.loads(result_path.read_text())
         except (OSError, ValueError):
             outcome = None
-    finally:
-        for p in (request_path, result_path, result_path + ".tmp"):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
     if proc.returncode < 0:
         sig = signal.Signals(-proc.returncode).name
         meaning = _SIGNAL_MEANING.get(sig, "killed by a signal")

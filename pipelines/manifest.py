@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .errors import IntegrityError
 from .hashing import canonical_json, sha256_json
 
 SCHEMA_VERSION = 1
@@ -53,6 +54,17 @@ class Manifest(BaseModel):
     build: dict[str, Any] = Field(default_factory=dict)
     validation: dict[str, Any] | None = None
     serving: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, raw: bytes | str | dict, where: str) -> "Manifest":
+        """A manifest from stored bytes (or a decoded document); damage is one IntegrityError line naming
+        `where`, never a traceback."""
+        try:
+            return cls.model_validate(raw) if isinstance(raw, dict) else cls.model_validate_json(raw)
+        except ValidationError as e:
+            first = e.errors()[0]
+            loc = ".".join(str(x) for x in first["loc"]) or "(top level)"
+            raise IntegrityError(f"{where} is not a valid manifest ({loc}: {first['msg']}): the store is damaged") from None
 
     def to_bytes(self) -> bytes:
         return canonical_json(self.model_dump(mode="json")) + b"\n"

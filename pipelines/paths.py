@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from .errors import SourceError
 
@@ -21,9 +27,81 @@ def work_root() -> Path:
     return root
 
 
+LOCK_NAME = ".hive-aot-lock"
+
+
+@contextmanager
+def work_dir(prefix: str) -> Iterator[Path]:
+    """A private scratch directory under work_root(), removed on exit. An exclusive lock on a file inside
+    is held while it lives: the kernel drops it when the process dies however it dies (kill -9 too), so
+    reclaim_work() can tell a dead process's leftovers from a live one's."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=work_root()))
+    fd = os.open(path / LOCK_NAME, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+        os.close(fd)
+
+
+def reclaim_work(unlocked_grace_s: float = 3600.0) -> list[str]:
+    """Remove the scratch directories of dead processes (their lock is free); never a live one's.
+
+    A directory without a lock file is either microseconds old (created, lock not yet made) or left by an
+    older version: it is removed only once older than `unlocked_grace_s`."""
+    removed = []
+    for entry in sorted(work_root().iterdir()):
+        if not entry.is_dir() or entry.is_symlink():
+            continue
+        if not (entry / LOCK_NAME).exists():
+            if time.time() - entry.stat().st_mtime > unlocked_grace_s:
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry.name)
+            continue
+        if lock_is_free(entry / LOCK_NAME):  # else its process is alive
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
+
+
+def lock_is_free(path: Path) -> bool:
+    """Whether no live process holds an flock on `path` (the kernel releases a dead process's locks)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+# One grammar for model ids, checked wherever an id enters (registry, CLI, sources, pull) and wherever
+# one becomes a path: the Hugging Face repo id rules. `org/name`, each part 1-96 letters, digits, '.',
+# '_' or '-', starting with a letter or digit and not ending in '.' or '-', never '--' or '..'.
+# Without '--' the slug `org--name` is injective (`team--x/model` cannot collide with `team/x--model`),
+# and 96 + 2 + 96 characters fit in any file name.
+MODEL_ID_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_])?"
+MODEL_ID_PATTERN = rf"(?!\S*--)(?!\S*\.\.){MODEL_ID_PART}/{MODEL_ID_PART}"
+_MODEL_ID_RE = re.compile(MODEL_ID_PATTERN)
+
+
+def check_model_id(model_id: str, *, hint: str = "") -> str:
+    """`model_id` if it follows the grammar above, else a one-line SourceError."""
+    if isinstance(model_id, str) and _MODEL_ID_RE.fullmatch(model_id):
+        return model_id
+    shown = repr(model_id if not isinstance(model_id, str) or len(model_id) <= 100 else model_id[:97] + "...")
+    raise SourceError(f"{shown} is not a model id: org/name, each part 1-96 letters, digits, '.', '_' or '-' "
+                      f"(starting with a letter or digit, no '--' or '..'){hint}")
+
+
 def model_slug(model_id: str) -> str:
-    """`org/name` -> `org--name`, the form used in store paths."""
-    return model_id.replace("/", "--")
+    """`org/name` -> `org--name`, the form used in store paths (injective for valid ids)."""
+    return check_model_id(model_id).replace("/", "--")
 
 
 _BAD_CHARS = re.compile(r"[\x00-\x1f\\:]")

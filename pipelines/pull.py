@@ -3,15 +3,19 @@
 Light by design: no Dagster, no torch, no transformers. Blobs land in a content-addressed local
 cache (verified by sha256, written to a partial file and renamed), then DIR is assembled in a
 sibling temporary directory and renamed into place, so a DIR that exists is always complete.
+Pulls of one DIR are serialized by a lock file next to it, so concurrent pulls wait and then find it complete.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,10 +23,10 @@ from typing import Any
 from .errors import HiveError, IntegrityError, StoreError
 from .hashing import sha256_file
 from .manifest import Manifest
-from .paths import cache_root, model_slug, safe_relpath
+from .paths import cache_root, check_model_id, lock_is_free, model_slug, safe_relpath
 from .progress import bar
 from .store import Store, blob_key, manifest_key, open_store, ref_key
-from .store.layout import PROFILES_KEY
+from .store.layout import PROFILES_KEY, is_digest
 
 MARKER = "hive-aot.json"
 # Serving processes often run as another user than the puller: what a pull leaves is world-readable.
@@ -37,19 +41,25 @@ class Candidate:
 
 
 def parse_model(spec: str) -> tuple[str, str | None]:
-    model, _, build = spec.partition("@")
-    if model.count("/") != 1:
-        raise HiveError(f"{spec!r} is not org/name[@build_id]")
+    model, at, build = spec.partition("@")
+    check_model_id(model, hint=" (pull takes org/name[@build_id])")
+    if at and not is_digest(build):
+        shown = build if len(build) <= 80 else build[:77] + "..."
+        raise HiveError(f"{shown!r} is not a build id (64 lowercase hex digits; pull takes org/name[@build_id])")
     return model, build or None
 
 
-def _load_manifest(store: Store, key: str, expected_sha: str | None) -> Manifest:
+def _load_manifest(store: Store, key: str, expected_sha: str | None, model_id: str) -> Manifest:
     raw = store.read_bytes(key)
     if raw is None:
         raise StoreError(f"{store.uri}: manifest {key} is missing")
     if expected_sha and hashlib.sha256(raw).hexdigest() != expected_sha:
         raise IntegrityError(f"{store.uri}: manifest {key} does not match the sha256 its ref records")
-    return Manifest.model_validate_json(raw)
+    m = Manifest.parse(raw, f"{store.uri}: manifest {key}")
+    # The key is derived from the model id, but a tampered or colliding store path must not serve another model.
+    if m.model.id != model_id:
+        raise IntegrityError(f"{store.uri}: manifest {key} is for model {m.model.id!r}, not {model_id!r}")
+    return m
 
 
 def candidates(store: Store, model_id: str, tag: str, build_id: str | None) -> list[Candidate]:
@@ -59,15 +69,15 @@ def candidates(store: Store, model_id: str, tag: str, build_id: str | None) -> l
         for key in store.list(f"manifests/{slug}/"):
             if key.endswith(f"/{build_id}.json"):
                 recipe = key.split("/")[2]
-                out.append(Candidate(recipe, _load_manifest(store, key, None), None))
+                out.append(Candidate(recipe, _load_manifest(store, key, None, model_id), None))
         return out
     recipes = sorted({k.split("/")[2] for k in store.list(f"refs/{slug}/")})
     for recipe in recipes:
-        ref = store.read_json(ref_key(model_id, recipe, tag))
+        ref = store.read_ref(ref_key(model_id, recipe, tag))
         if ref is None:
             continue
         out.append(Candidate(recipe, _load_manifest(store, manifest_key(model_id, recipe, ref["build_id"]),
-                                                    ref.get("manifest_sha256")), ref))
+                                                    ref.get("manifest_sha256"), model_id), ref))
     return out
 
 
@@ -126,8 +136,8 @@ def fetch_blob(store: Store, digest: str, size: int, progress=None) -> Path:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{digest[:12]}.", suffix=".partial", dir=dest.parent)
-    os.close(fd)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held while downloading: reclaim_partials() leaves live ones alone
         store.download_file(blob_key(digest), Path(tmp), progress)
         if os.path.getsize(tmp) != size or sha256_file(Path(tmp)) != digest:
             raise IntegrityError(f"blob {digest[:12]} from {store.uri} does not match its manifest sha256")
@@ -135,9 +145,21 @@ def fetch_blob(store: Store, digest: str, size: int, progress=None) -> Path:
         os.chmod(tmp, FILE_MODE)
         os.replace(tmp, dest)
     finally:
+        os.close(fd)
         if os.path.exists(tmp):
             os.unlink(tmp)
     return dest
+
+
+def reclaim_partials() -> list[str]:
+    """Remove the partial blob downloads of pulls that died (kill -9 leaves them, as large as the blob);
+    a live pull holds a lock on its own, so it is never touched."""
+    removed = []
+    for partial in sorted((cache_root() / "blobs").glob("sha256/*/.*.partial")):
+        if lock_is_free(partial):
+            partial.unlink(missing_ok=True)
+            removed.append(partial.name)
+    return removed
 
 
 def _ensure_mode(path: Path, mode: int) -> None:
@@ -172,12 +194,39 @@ def _mkdirs(root: Path, rel_dir: Path) -> None:
             os.chmod(path, DIR_MODE)
 
 
+def _not_ours(dest: Path) -> list[str]:
+    """Entries under dest that the pull which made it did not create: anything but its marker, the files its
+    marker's manifest lists and their directories (only the marker when that is unreadable)."""
+    owned = {MARKER}
+    try:
+        for f in json.loads((dest / MARKER).read_text())["manifest"]["files"]:
+            parts = f["path"].split("/")
+            owned.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    foreign = []
+
+    def fail(e: OSError) -> None:
+        raise e  # an unreadable subdirectory may hold anything: never replace what we could not inspect
+
+    for root, dirs, files in os.walk(dest, onerror=fail):
+        rel = Path(root).relative_to(dest)
+        foreign += sorted(str(rel / n) for n in files + dirs if str(rel / n) not in owned)
+        dirs[:] = [d for d in dirs if str(rel / d) in owned]  # a foreign directory is reported once
+    return foreign
+
+
 def _swap_into_place(tmp: Path, dest: Path) -> None:
     if dest.exists():
         if not dest.is_dir():
             raise HiveError(f"{dest} exists and is not a directory")
-        if any(dest.iterdir()) and not (dest / MARKER).is_file():
+        foreign = _not_ours(dest)
+        if foreign and not (dest / MARKER).is_file():
             raise HiveError(f"{dest} is not empty and was not made by hive-aot pull: refusing to replace it")
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            raise HiveError(f"{dest} holds files an earlier pull did not create ({shown}): refusing to replace it "
+                            f"(move them elsewhere, or pull into another directory)")
         old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
         os.replace(dest, old)
         os.replace(tmp, dest)
@@ -206,40 +255,123 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
         safe_relpath(f.path, what="manifest file path")
 
     dest = dest.resolve()
+    if dest == dest.parent:  # DIR is replaced as a whole, and its lock file lives beside it
+        raise HiveError(f"cannot pull into {dest}: name a directory below it")
     marker_doc = {"model_id": model_id, "build_id": m.build_id, "recipe": chosen.recipe, "runtime_profile": profile,
                   "serving": {**profile.get("serving", {}), **m.serving}, "manifest": m.model_dump(mode="json")}
-    existing = dest / MARKER
-    if existing.is_file():
+    # Held from the "already present" check to the swap: a second pull of DIR waits, then finds it complete.
+    with _dest_lock(dest):
+        if _present(dest, m):
+            return {**_summary(marker_doc, dest, m), "already_present": True}
+        reclaim_partials()  # what killed pulls left in the cache
+        with bar(m.total_size, f"pull {chosen.recipe}") as pb:
+            blobs = {f.sha256: fetch_blob(store, f.sha256, f.size, pb) for f in m.files}
         try:
-            if json.loads(existing.read_text()).get("build_id") == m.build_id and _complete(dest, m):
-                return {**_summary(marker_doc, dest, m), "already_present": True}
-        except (json.JSONDecodeError, OSError):
-            pass
+            _assemble(dest, m, blobs, marker_doc)
+        except OSError as e:
+            raise _cannot_write(dest, e) from None
+    return {**_summary(marker_doc, dest, m), "already_present": False}
 
-    with bar(m.total_size, f"pull {chosen.recipe}") as pb:
-        blobs = {f.sha256: fetch_blob(store, f.sha256, f.size, pb) for f in m.files}
-    dest.parent.mkdir(parents=True, exist_ok=True)
+
+def _cannot_write(dest: Path, e: OSError) -> HiveError:
+    return HiveError(f"cannot pull into {dest} ({e.filename or dest}: {e.strerror or type(e).__name__})")
+
+
+@contextmanager
+def _dest_lock(dest: Path):
+    """An exclusive flock on `<parent>/.<name>.lock` for the block; the file is removed on release.
+
+    Removing it is safe because a waiter checks, once it holds the lock, that the path still names the
+    inode it locked; otherwise its lock is on a removed file and it starts over."""
+    lock = dest.with_name(f".{dest.name}.lock")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            # Read-only suffices for flock, so a lock file left by a killed pull of another user still opens.
+            fd = os.open(lock, os.O_RDONLY | os.O_CREAT, FILE_MODE)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                    break
+            except FileNotFoundError:
+                pass  # removed by the holder we waited for
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)
+    except OSError as e:  # /proc, a read-only volume, a regular file on the way
+        raise _cannot_write(dest, e) from None
+    try:
+        with suppress(OSError):
+            os.fchmod(fd, FILE_MODE)  # whatever the umask (not ours to change when another user made it)
+        yield
+    finally:
+        with suppress(OSError):
+            os.unlink(lock)
+        os.close(fd)
+
+
+def _assemble(dest: Path, m: Manifest, blobs: dict[str, Path], marker_doc: dict[str, Any]) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
     try:
         for f in m.files:
             out = tmp / f.path
             _mkdirs(tmp, Path(f.path).parent)
             _place(blobs[f.sha256], out)
-        (tmp / MARKER).write_text(json.dumps(marker_doc, indent=1, sort_keys=True) + "\n")
-        os.chmod(tmp / MARKER, FILE_MODE)
+        # Inode and mtime survive the rename into place, so the stamps taken here describe DIR's files.
+        _write_marker(tmp, {**marker_doc, "stamps": {f.path: _stamp((tmp / f.path).stat()) for f in m.files}})
         os.chmod(tmp, DIR_MODE)
         _swap_into_place(tmp, dest)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return {**_summary(marker_doc, dest, m), "already_present": False}
 
 
-def _complete(dest: Path, m: Manifest) -> bool:
-    """Every file present at its size and served mode (a directory pulled by an older version is redone)."""
-    def ok(p: Path, size: int) -> bool:
-        return p.is_file() and p.stat().st_size == size and p.stat().st_mode & 0o777 == FILE_MODE
-    return all(ok(dest / f.path, f.size) for f in m.files)
+def _write_marker(directory: Path, doc: dict[str, Any]) -> None:
+    """Atomically: a marker cut short by a crash would disown DIR's files (see _not_ours)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{MARKER}.", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+        os.chmod(tmp, FILE_MODE)
+        os.replace(tmp, directory / MARKER)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _stamp(st: os.stat_result) -> list[int]:
+    return [st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _present(dest: Path, m: Manifest) -> bool:
+    """DIR already holds build m: every file a regular file at its size and served mode, and unmodified.
+
+    Policy for "unmodified" (issue 7 item 5): a file whose (inode, size, mtime) equals the stamp the pull
+    recorded in the marker is trusted without reading it, since any write through the file system changes
+    the mtime; any other file (a copied or restored DIR, a marker from an older version, a file rewritten
+    at the same size) is re-hashed, and a mismatch means DIR is pulled again. After a successful re-hash
+    the new stamps are recorded, so the next check is cheap again."""
+    try:
+        doc = json.loads((dest / MARKER).read_text())
+        if not isinstance(doc, dict) or doc.get("build_id") != m.build_id:
+            return False
+        stamps = doc.get("stamps") if isinstance(doc.get("stamps"), dict) else {}
+        fresh = {}
+        for f in m.files:
+            p = dest / f.path
+            st = p.lstat()
+            if not stat.S_ISREG(st.st_mode) or st.st_size != f.size or stat.S_IMODE(st.st_mode) != FILE_MODE:
+                return False
+            fresh[f.path] = _stamp(st)
+            if stamps.get(f.path) != fresh[f.path] and sha256_file(p) != f.sha256:
+                return False
+    except (OSError, ValueError):
+        return False
+    if fresh != stamps:
+        with suppress(OSError):  # a read-only DIR stays valid; it is just re-hashed next time
+            _write_marker(dest, {**doc, "stamps": fresh})
+    return True
 
 
 def _summary(doc: dict[str, Any], dest: Path, m: Manifest) -> dict[str, Any]:

@@ -29,8 +29,22 @@ class Reference:
     generation_ids: list[int]
 
 
+def _quiet_transformers() -> None:
+    """transformers' own warnings (and, off a terminal, its progress bars) would surround hive-aot's one
+    error line and fill build logs; what matters is reported by hive-aot itself."""
+    import sys
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    if not sys.stderr.isatty():
+        hf_logging.disable_progress_bar()
+
+
 def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
+
+    _quiet_transformers()
 
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False, local_files_only=True)
@@ -58,6 +72,8 @@ def compute(model_dir: Path, content_digest: str, ids: list[list[int]], gen_ids:
             return Reference(ids, logits, gen_ids, z["gen"].tolist())
     import torch
     from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
 
     try:
         model = AutoModelForCausalLM.from_pretrained(

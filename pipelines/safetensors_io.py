@@ -88,6 +88,8 @@ def parse_header(raw: bytes, header_len: int, file_size: int, name: str) -> Head
         doc = json.loads(raw[:header_len].decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelFormatError(f"{name}: safetensors header is not valid JSON ({e})") from None
+    except RecursionError:  # a hostile header nested deeper than the parser's stack; no real header nests
+        raise ModelFormatError(f"{name}: safetensors header is nested too deeply to be a safetensors header") from None
     if not isinstance(doc, dict):
         raise ModelFormatError(f"{name}: safetensors header is not a JSON object")
     meta = doc.pop("__metadata__", None) or {}

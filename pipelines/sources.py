@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ModelFormatError, SourceError
-from .hashing import sha256_file, sha256_json
-from .paths import cache_root, confined, model_slug, safe_relpath
+from .hashing import DigestCache, sha256_file, sha256_json
+from .paths import MODEL_ID_PATTERN, cache_root, check_model_id, confined, model_slug, safe_relpath
 from .progress import bar
 
 # What a build may read. Anything else in the repo (pickles, original/, consolidated.*) is left upstream.
@@ -34,7 +34,7 @@ EXCLUDED_PATTERNS = ["original/*", "consolidated*.safetensors"]
 PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle"]
 MARKER = ".hive-aot-snapshot.json"
 
-_REPO_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)(?:@([A-Za-z0-9._/-]+))?$")
+_REPO_RE = re.compile(rf"^({MODEL_ID_PATTERN})(?:@([A-Za-z0-9._/-]+))?\Z")  # \Z: no trailing newline
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")  # a full git commit sha, as the Hub and its cache name commits
 
 
@@ -140,6 +140,8 @@ def load_config(snap: Snapshot) -> dict[str, Any]:
         cfg = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelFormatError(f"{snap.model_id}: config.json is not valid JSON ({e})") from None
+    except RecursionError:
+        raise ModelFormatError(f"{snap.model_id}: config.json is nested too deeply to be a model config") from None
     if not isinstance(cfg, dict):
         raise ModelFormatError(f"{snap.model_id}: config.json is not a JSON object")
     return cfg
@@ -190,50 +192,7 @@ def check_index(root: Path, files: list[str], model: str) -> None:
         index_shards((root / "model.safetensors.index.json").read_bytes(), files, model)
 
 
-class _DigestCache:
-    """sha256 of local files keyed by (real path, size, inode, mtime_ns, ctime_ns), like git's index.
-
-    Every Dagster step re-resolves its snapshot; for a local-directory source that would re-hash the
-    whole model each time. ctime cannot be set by user code, so any write to a file misses the cache.
-    """
-
-    def __init__(self) -> None:
-        self.path = cache_root() / "digests.json"
-        try:
-            self.entries: dict[str, list] = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            self.entries = {}
-        self.dirty = False
-
-    @staticmethod
-    def _key(p: Path) -> tuple[str, list]:
-        st = p.stat()
-        return str(p.resolve()), [st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns]
-
-    def get(self, p: Path) -> str | None:
-        real, sig = self._key(p)
-        hit = self.entries.get(real)
-        return hit[1] if hit and hit[0] == sig else None
-
-    def put(self, p: Path, digest: str) -> None:
-        real, sig = self._key(p)
-        self.entries[real] = [sig, digest]
-        self.dirty = True
-
-    def save(self) -> None:
-        if not self.dirty:
-            return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.entries, f)
-            os.replace(tmp, self.path)
-        except OSError:
-            pass  # a cache that cannot be written only costs time
-
-
-def _hash_files(root: Path, names: list[str], cache: _DigestCache | None = None,
+def _hash_files(root: Path, names: list[str], cache: DigestCache | None = None,
                 within: Path | None = None) -> list[FileRecord]:
     total = sum(confined(root, n, within).stat().st_size for n in names)
     out = []
@@ -302,12 +261,13 @@ def fetch_local(spec: SourceSpec, model_id: str | None) -> Snapshot:
             if fn.startswith("."):
                 continue
             names.append(str(Path(dirpath, fn).relative_to(root)).replace(os.sep, "/"))
-    mid = model_id or (hf_cache_model_id(hf_repo) if hf_repo else None) or f"local/{root.name}"
+    mid = check_model_id(model_id or (hf_cache_model_id(hf_repo) if hf_repo else None) or f"local/{root.name}",
+                         hint="; give --model-id org/name")
     wanted = select_files(names, mid)
     for n in wanted:
         confined(root, n, hf_repo)  # symlinks must stay inside the directory (or its HF cache repo tree)
     check_index(root, wanted, mid)
-    files = _hash_files(root, wanted, _DigestCache(), hf_repo)
+    files = _hash_files(root, wanted, DigestCache(), hf_repo)
     digest = sha256_json(sorted((f.path, f.sha256) for f in files))
     # An HF cache snapshot is named by its commit: pin it like `hf://org/name@<commit>` would, so the same
     # files give the same build id; the file digests are still part of it.

@@ -235,7 +235,7 @@ BAD_INPUTS = {
                             "tokenizer"),
     "auto_map_unreviewed": (lambda d: edit_config(d, auto_map={"AutoModelForCausalLM": "modeling_x.X"}),
                             "requires review"),
-    "recipe_not_applicable": (lambda d: edit_config(d, architectures=["GemmaForCausalLM"]),
+    "recipe_not_applicable": (lambda d: edit_config(d, architectures=["GemmaForCausalLM"], model_type="gemma"),
                               "recipe gguf-f16 does not apply to test-org/bad (GemmaForCausalLM)"),
     "pickle_only": (_pickle_only, "only pickle weights (pytorch_model.bin)"),
 }
@@ -273,37 +273,35 @@ def test_unwritable_store(tiny_llama, config, tmp_path):
         build_and_publish(str(tmp_path / "missing-model"), "gguf-f16", config, str(blocker / "store"), MODEL)
 
 
-def test_nan_weights_are_rejected(tiny_llama, config, tmp_path):
+def test_nan_weights_are_refused_while_converting(tiny_llama, config, tmp_path):
+    """NaN/Inf are found as tensors stream through conversion, even where no prompt's logits would show
+    them: nothing is uploaded, staged or published."""
     d = copy_model(tiny_llama, tmp_path / "nan")
     poison_weights(d)
     store = tmp_path / "store"
-    res = build_and_publish(str(d), "gguf-f16", config, str(store), "test-org/nan")
-    assert res.state == "rejected" and res.skipped is False and res.manifest == ""
-    assert res.validation["passed"] is False
-    assert any("not finite" in f or "non-finite" in f for f in res.validation["failures"]), res.validation
-    assert res.validation["metrics"]["finite"] is False
-    # nothing visible, no staging record; the uploaded blob is left for gc
-    assert _visible(store) == []
-    assert [f for f in _files(store) if f.startswith("blobs/")] == [
-        f"blobs/sha256/{res.files[0]['sha256'][:2]}/{res.files[0]['sha256']}"]
+    with pytest.raises(HiveError, match=r"test-org/nan: tensor \S+ has 1 non-finite value\(s\) \(NaN/Inf\)"):
+        build_and_publish(str(d), "gguf-f16", config, str(store), "test-org/nan")
+    assert _files(store) == []
+    assert _files(cache_root() / "work") == []
 
 
-def test_unvalidated_candidate_cannot_be_published(tiny_llama, config, tmp_path):
-    d = copy_model(tiny_llama, tmp_path / "nan")
-    poison_weights(d, tensor="model.layers.1.self_attn.o_proj.weight")
+def test_unvalidated_candidate_cannot_be_published(tiny_llama, tmp_path):
+    # gates no real artifact can meet: the candidate stages, then fails validation
+    strict = Config.load(write_test_config(tmp_path / "cfg", REPO, gates={"gguf-f16": {
+        "min_top1_agreement": 1.0, "max_mean_kl": 0.0, "max_abs_logit_delta": 0.0, "require_token_parity": True}}))
     store = open_store(str(tmp_path / "store"))
-    p = plan(str(d), "gguf-f16", config, "test-org/nan2")
+    p = plan(str(tiny_llama), "gguf-f16", strict, "test-org/strict")
     staged = stage(p, store)
     assert staged.state == "staged" and staged.manifest.endswith(f"/staging/{p.build_id}.json")
     assert _visible(store.root) == [f"staging/{p.build_id}.json"]
     with pytest.raises(ValidationFailed, match="is staged, not validated: refusing to publish") as ei:
-        publish_staged(p, store, config)
+        publish_staged(p, store, strict)
     assert ei.value.exit_code == 3
     report = validate_staged(p, store)
     assert report.passed is False
     assert _visible(store.root) == []  # the rejected candidate's staging record is gone
     with pytest.raises(StoreError, match="no staged candidate"):
-        publish_staged(p, store, config)
+        publish_staged(p, store, strict)
     assert _visible(store.root) == []
 
 

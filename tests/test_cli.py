@@ -53,14 +53,18 @@ def models(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def built(models, tmp_path_factory):
-    """Through the CLI: publish f16, build it again, and build a NaN model that validation rejects."""
+    """Through the CLI: publish f16, build it again, and a q4_k_m that validation rejects under strict
+    gates (NaN weights no longer get that far: conversion refuses them)."""
     root = tmp_path_factory.mktemp("cli")
     store = root / "store"
     reg = str(write_test_config(root / "cfg", REPO))  # test gates for random-weight models
+    strict = str(write_test_config(root / "strict", REPO, gates={
+        "gguf-q4_k_m": {"min_top1_agreement": 0.999, "max_mean_kl": 1e-6, "require_token_parity": True}}))
     common = ("--recipe", "gguf-f16", "--store", str(store), "--registry", reg, "--json")
     first = hive("build", str(models["good"]), "--model-id", MODEL, *common)
     again = hive("build", str(models["good"]), "--model-id", MODEL, *common)
-    rejected = hive("build", str(models["nan"]), "--model-id", "test-org/nan", *common)
+    rejected = hive("build", str(models["good"]), "--model-id", "test-org/strict", "--recipe", "gguf-q4_k_m",
+                    "--store", str(store), "--registry", strict, "--json")
     return {"store": store, "registry": reg, "first": first, "again": again, "rejected": rejected}
 
 
@@ -87,10 +91,10 @@ def test_build_rejected_exits_3(built):
     assert rej.returncode == 3, rej.stderr
     d = doc(rej)
     assert d["state"] == "rejected" and d["skipped"] is False and d["manifest"] == ""
-    assert d["validation"]["passed"] is False and d["validation"]["metrics"]["finite"] is False
-    assert "hive-aot: validation failed: logits are not finite" in rej.stderr
-    assert not (built["store"] / "manifests" / "test-org--nan").exists()
-    assert not (built["store"] / "refs" / "test-org--nan").exists()
+    assert d["validation"]["passed"] is False and d["validation"]["metrics"]["finite"] is True
+    assert "hive-aot: validation failed: " in rej.stderr and "mean KL" in rej.stderr
+    assert not (built["store"] / "manifests" / "test-org--strict").exists()
+    assert not (built["store"] / "refs" / "test-org--strict").exists()
     assert list((built["store"] / "staging").iterdir()) == []
 
 
@@ -184,7 +188,7 @@ def test_pull_json_and_errors(built, tmp_path):
     ):
         proc = hive("pull", MODEL, *args, "--dest", str(tmp_path / "x"), "--store", store)
         assert proc.returncode == 1 and fragment in one_error_line(proc), proc.stderr
-    proc = hive("pull", "test-org/nan", "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "x"), "--store", store,
+    proc = hive("pull", "test-org/strict", "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "x"), "--store", store,
                 "--json")
     assert proc.returncode == 1 and "nothing published" in one_error_line(proc)
     assert doc(proc)["exit_code"] == 1

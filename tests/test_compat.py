@@ -385,3 +385,147 @@ def test_registry_commands_list_architectures_and_backends():
                          capture_output=True, text=True, timeout=120)
     backends = {b["id"]: b for b in json.loads(out.stdout)}
     assert len(backends) == 19 and backends["vllm-rocm60"]["active"] is False
+
+
+# --- hostile configs (issue 7): range checks, model_type, quantization_config, malformed fields -----------------
+
+@pytest.mark.parametrize("key,value", [
+    ("rms_norm_eps", -1e-5), ("rms_norm_eps", 0.0), ("rms_norm_eps", float("nan")), ("rms_norm_eps", float("inf")),
+    ("rms_norm_eps", 1.5), ("rms_norm_eps", "1e-5"), ("layer_norm_eps", -1e-12), ("layer_norm_epsilon", True),
+    ("rope_theta", 0), ("rope_theta", -10000.0), ("rope_theta", float("inf")), ("rope_theta", "10000"),
+    ("rope_scaling", "linear"), ("rope_scaling", ["linear", 2.0]), ("rope_parameters", "default"),
+    ("sliding_window", 0), ("sliding_window", -4096), ("sliding_window", True), ("sliding_window", "4096"),
+])
+def test_engine_config_values_are_range_checked(key, value, config):
+    c = check(config, {"architectures": ["LlamaForCausalLM"], **SANE, key: value})
+    assert c.status == "incompatible" and c.runtime_profile_id is None and c.recipes == []
+    assert f"{key}={value!r} is not plausible" in _check(c, "config_sane").detail
+
+
+@pytest.mark.parametrize("rope", [{"rope_scaling": {"rope_type": "linear", "factor": -2.0}},
+                                  {"rope_parameters": {"rope_type": "default", "rope_theta": 0.0}},
+                                  {"rope_parameters": {"rope_type": "yarn", "factor": float("nan")}}])
+def test_rope_objects_are_range_checked(rope, config):
+    c = check(config, {"architectures": ["LlamaForCausalLM"], **SANE, **rope})
+    assert c.status == "incompatible" and "must be a finite number > 0" in _check(c, "config_sane").detail
+
+
+def test_kv_heads_must_divide_attention_heads(config):
+    c = check(config, {"architectures": ["LlamaForCausalLM"], **SANE, "num_key_value_heads": 3})
+    assert c.status == "incompatible"
+    assert _check(c, "config_sane").detail == "num_attention_heads=4 is not divisible by num_key_value_heads=3"
+
+
+def test_real_engine_values_pass(config):
+    real = {"rms_norm_eps": 1e-6, "rope_theta": 500000.0, "sliding_window": None, "max_window_layers": 28,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192}}
+    assert check(config, {"architectures": ["LlamaForCausalLM"], **SANE, **real}).status == "compatible"
+    v5 = {"layer_norm_eps": 1e-12, "sliding_window": 4096, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}
+    c = check(config, {"architectures": ["MistralForCausalLM"], **SANE, **v5})
+    assert c.status == "compatible" and _check(c, "config_sane").status == "pass"
+
+
+@pytest.mark.parametrize("arch,model_type", [
+    ("LlamaForCausalLM", "llama"), ("CodeLlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"),
+    ("Qwen2ForCausalLM", "qwen2"), ("Gemma3ForCausalLM", "gemma3_text"), ("GPT2LMHeadModel", "gpt2"),
+    ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl"), ("LlavaForConditionalGeneration", "llava"),
+])
+def test_model_type_that_matches_the_architecture_passes(arch, model_type, config):
+    c = check(config, {"architectures": [arch], "model_type": model_type, **SANE})
+    assert c.status != "incompatible" and not any(ch.name == "model_type_consistent" for ch in c.checks), c.checks
+
+
+@pytest.mark.parametrize("arch,model_type", [("LlamaForCausalLM", "qwen2"), ("Qwen2ForCausalLM", "bert"),
+                                             ("MistralForCausalLM", "llama"), ("LlamaForCausalLM", 7)])
+def test_model_type_contradicting_the_architecture_is_incompatible(arch, model_type, config):
+    c = check(config, {"architectures": [arch], "model_type": model_type, **SANE})
+    assert (c.status, c.runtime_profile_id, c.recipes) == ("incompatible", None, [])
+    detail = _check(c, "model_type_consistent").detail
+    assert repr(model_type) in detail and arch in detail
+
+
+def test_remote_code_may_bring_its_own_model_type(config):
+    c = check(config, {"architectures": ["LlamaForCausalLM"], "model_type": "acme", "auto_map": {"AutoConfig": "c.C"}, **SANE})
+    assert c.status == "requires_review"
+
+
+def test_every_model_type_transformers_maps_to_a_known_class_agrees(db):
+    """No false alarms: every (class, model_type) pair of transformers' own auto mappings passes."""
+    from transformers.models.auto import modeling_auto as auto
+
+    from pipelines.compat.check import _model_type_problem
+    from pipelines.compat.sync import TRANSFORMERS_TASKS
+
+    tables = [getattr(auto, t, {}) for t, _task in TRANSFORMERS_TASKS] + [auto.MODEL_MAPPING_NAMES]
+    pairs = {(cls, mt) for table in tables for mt, classes in table.items()
+             for cls in (classes if isinstance(classes, (list, tuple)) else [classes])}
+    wrong = [(cls, mt) for cls, mt in sorted(pairs) if db.lookup(cls) is not None
+             and _model_type_problem({"model_type": mt}, db.lookup(cls), cls)]
+    assert len(pairs) > 500 and wrong == []
+
+
+@pytest.mark.parametrize("qc,detail", [
+    ("yes", "quantization_config='yes' is not an object with a quant_method"),
+    (["gptq"], "quantization_config=['gptq'] is not an object with a quant_method"),
+    ({"bits": 4}, "quantization_config has unknown quant_method None"),
+    ({"quant_method": "banana"}, "quantization_config has unknown quant_method 'banana'"),
+])
+def test_garbage_quantization_config_is_incompatible(qc, detail, config):
+    c = check(config, {"architectures": ["LlamaForCausalLM"], **SANE, "quantization_config": qc})
+    assert (c.status, c.runtime_profile_id, c.recipes) == ("incompatible", None, [])
+    assert _check(c, "quantization_config").detail == detail
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "fp8", "bitsandbytes", "compressed-tensors"])
+def test_prequantized_models_are_served_but_never_converted_as_floats(method, config):
+    cfg = {"architectures": ["LlamaForCausalLM"], **SANE, "quantization_config": {"quant_method": method, "bits": 4}}
+    c = check(config, cfg)
+    assert (c.status, c.runtime_profile_id, c.recipes) == ("compatible", "vllm-cu121", [])
+    assert "gguf recipes do not apply (they convert unquantized float weights only)" in _check(c, "quantization_config").detail
+    cpu = check(config, cfg, hardware="cpu")  # the CPU tier cannot be the GGUF one without a GGUF recipe
+    assert (cpu.status, cpu.runtime_profile_id, cpu.recipes) == ("compatible", "transformers-cpu", [])
+
+
+@pytest.mark.parametrize("change,refusal", [
+    ({"rms_norm_eps": -1e-5}, "config_sane: rms_norm_eps=-1e-05 is not plausible"),
+    ({"rope_scaling": "linear"}, "config_sane: rope_scaling='linear' is not plausible (must be an object)"),
+    ({"model_type": "qwen2"}, "model_type_consistent: model_type 'qwen2' contradicts architecture LlamaForCausalLM"),
+    ({"quantization_config": {"quant_method": "banana"}}, "quantization_config: quantization_config has unknown quant_method 'banana'"),
+])
+def test_hostile_config_is_refused_by_check_and_by_build(change, refusal, tiny_llama, tmp_path, config):
+    """Issue 7 items 10, 11, 9a: `check` said compatible, then build aborted in llama.cpp or raised a traceback."""
+    from pipelines.build import build_and_publish
+    from pipelines.errors import NotApplicableError
+
+    d = copy_model(tiny_llama, tmp_path / "m")
+    edit_config(d, **change)
+    c = classify_snapshot(fetch(str(d), "test-org/m"), config.recipes.values(), registry=config.registry)
+    assert (c.status, c.recipes) == ("incompatible", []) and refusal in c.reason()
+    with pytest.raises(NotApplicableError, match=r"^test-org/m is incompatible: ") as e:
+        build_and_publish(str(d), "gguf-f16", config, str(tmp_path / "store"), "test-org/m")
+    assert refusal in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "store" / "manifests").exists()
+
+
+def test_prequantized_snapshot_is_not_built_as_unquantized(tiny_llama, tmp_path, config):
+    from pipelines.build import build_and_publish
+    from pipelines.errors import NotApplicableError
+
+    d = copy_model(tiny_llama, tmp_path / "m")
+    edit_config(d, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
+    with pytest.raises(NotApplicableError, match=r"recipe gguf-f16 does not apply to test-org/m .*applicable: none"):
+        build_and_publish(str(d), "gguf-f16", config, str(tmp_path / "store"), "test-org/m")
+
+
+def test_deeply_nested_config_is_one_line(tiny_llama, tmp_path, config):
+    """Issue 7 item 9a: json.loads raised RecursionError out of check and build."""
+    from pipelines.build import build_and_publish
+    from pipelines.errors import NotApplicableError
+
+    d = copy_model(tiny_llama, tmp_path / "m")
+    (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    c = classify_snapshot(fetch(str(d), "test-org/m"), config.recipes.values(), registry=config.registry)
+    assert c.status == "incompatible" and "config.json is nested too deeply" in c.reason()
+    with pytest.raises(NotApplicableError, match="config.json is nested too deeply"):
+        build_and_publish(str(d), "gguf-f16", config, str(tmp_path / "store"), "test-org/m")

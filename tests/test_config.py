@@ -98,9 +98,11 @@ def test_wrong_type_names_field(tmp_path):
     assert "models.0.recipes" in msg and "valid list" in msg
 
 
-def test_bad_model_id(tmp_path):
-    msg = _error(_edit_registry(tmp_path, lambda d: d["models"][0].update(id="no-slash")))
-    assert "models.0.id" in msg and "'no-slash' is not an 'org/name'" in msg
+@pytest.mark.parametrize("bad", ["no-slash", "a/b/c", "team--x/model", "a/" + "x" * 97, "a/b.", "a/..b"])
+def test_bad_model_id(tmp_path, bad):
+    """One grammar for model ids (the Hub's): what the registry accepts, pull accepts too."""
+    msg = _error(_edit_registry(tmp_path, lambda d: d["models"][0].update(id=bad)))
+    assert "models.0.id" in msg and "is not a model id: org/name" in msg and "\n" not in msg
 
 
 def test_duplicate_model_id(tmp_path):

@@ -92,7 +92,6 @@ def test_tied_llama_f16_parity_and_metadata(tiny_llama, tmp_path):
     assert metrics["greedy_prefix_match"] >= 10
 
     assert report.architecture == "LlamaForCausalLM" and report.gguf_arch == "llama"
-    assert report.nonfinite_tensors == []
     assert report.vocab["pre"] == "smollm" and report.vocab["pre_detection"].startswith("hash:")
     assert report.tensor_types == {"F16": 15, "F32": 5}  # 2 layers x 7 matrices + token_embd; 5 norms
 
@@ -379,23 +378,90 @@ def test_unknown_bpe_pre_tokenizer_explicit_fallback_is_recorded(unknown_pre_mod
     assert field(gguf.GGUFReader(str(out)), "tokenizer.ggml.pre") == "gpt-2"
 
 
-def test_nan_weight_is_reported_and_fails_validation(tiny_llama, tmp_path):
-    d = copy_model(tiny_llama, tmp_path / "nan")
+def _untouched_vocab_row(model_dir: Path) -> int:
+    """The highest token id that no validation text, tokenizer text or generation prompt contains."""
+    from transformers import AutoTokenizer
+
+    from pipelines import prompts
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    texts = [*prompts.PARITY_TEXTS, *prompts.TOKENIZER_TEXTS, prompts.GENERATION_PROMPT]
+    used = {i for t in texts for i in tok(t).input_ids}
+    return max(set(range(len(tok))) - used)
+
+
+def test_nan_in_an_embedding_row_no_prompt_touches_is_refused_by_build(model, tmp_path):
+    """Issue 7 item 2: logits never see this row (untied lm_head), so validation passed and the NaN was published."""
+    from factories import write_test_config
+    from pipelines.build import build_and_publish
+    from pipelines.config import Config
+
+    d = copy_model(model("untied", tie=False), tmp_path / "nan-embed")
+    row = _untouched_vocab_row(d)
 
     def poison(tensors):
-        tensors["model.layers.0.mlp.down_proj.weight"][3, 5] = np.nan
+        tensors["model.embed_tokens.weight"][row, 7] = np.nan
 
     rewrite_safetensors(d, poison)
-    out = tmp_path / "nan.gguf"
-    snap, report = run_convert(d, out)
-    assert report.nonfinite_tensors == ["blk.0.ffn_down.weight"]
-    metrics, _ = validate_gguf(snap, out)
-    assert metrics["finite"] is False
-    from pipelines.targets import check_thresholds
-    from pipelines.config import ValidationThresholds
+    tconfig = Config.load(write_test_config(tmp_path / "cfg", Path.cwd()))
+    store = tmp_path / "store"
+    with pytest.raises(ModelFormatError) as e:
+        build_and_publish(str(d), "gguf-f16", tconfig, str(store), "test-org/nan-embed")
+    assert str(e.value) == ("test-org/nan-embed: tensor model.embed_tokens.weight has 1 non-finite value(s) (NaN/Inf) "
+                            f"out of {49152 * 64}; refusing to convert corrupt weights")
+    assert "\n" not in str(e.value)
+    assert not list(store.rglob("*.json"))  # nothing staged, nothing published
 
-    failures = check_thresholds(metrics, ValidationThresholds(min_top1_agreement=0.9, max_mean_kl=0.1))
-    assert failures and "not finite" in failures[0]
+
+def test_inf_in_an_mlp_weight_is_refused_and_no_partial_file_is_left(tiny_llama, tmp_path):
+    d = copy_model(tiny_llama, tmp_path / "inf")
+
+    def poison(tensors):
+        tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = np.inf
+        tensors["model.layers.1.mlp.up_proj.weight"][4, 6] = -np.inf
+
+    rewrite_safetensors(d, poison)
+    for outtype in ("f16", "q8_0"):
+        out = tmp_path / f"inf-{outtype}.gguf"
+        with pytest.raises(ModelFormatError, match=r"^test/inf: tensor model\.layers\.1\.mlp\.up_proj\.weight has 2 "
+                                                   r"non-finite value\(s\) \(NaN/Inf\) out of 8192; refusing"):
+            run_convert(d, out, outtype)
+        assert not out.exists()  # the header and earlier tensors were already written: removed again
+
+
+def test_nan_blocks_the_kquant_intermediate_too(tiny_llama, tmp_path):
+    """The k-quant path converts to a lossless intermediate first: the refusal must stop it before libllama runs."""
+    from pipelines.config import Config
+    from pipelines.targets.gguf import GgufTarget
+
+    d = copy_model(tiny_llama, tmp_path / "nan-q4")
+
+    def poison(tensors):
+        tensors["model.norm.weight"][0] = np.nan
+
+    rewrite_safetensors(d, poison)
+    snap = fetch(str(d), "test/nan-q4")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    with pytest.raises(ModelFormatError, match=r"tensor model\.norm\.weight has 1 non-finite"):
+        GgufTarget().build(snap, Config.load(Path.cwd() / "registry.yaml").recipe("gguf-q4_k_m"), out_dir)
+    assert list(out_dir.iterdir()) == []  # no intermediate left behind
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"rope_scaling": "linear"}, "config.json rope_scaling must be an object, not str"),
+    ({"rope_parameters": ["rope_theta", 10000.0]}, "config.json rope_parameters must be an object, not list"),
+    ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "config.json has a quantization_config"),
+    ({"quantization_config": "yes"}, "config.json has a quantization_config"),
+])
+def test_config_the_converter_cannot_honour_is_one_line(tiny_llama, tmp_path, change, message):
+    """`check` refuses these before a build; a direct convert() must not die on dict("linear") or read GPTQ as floats."""
+    d = copy_model(tiny_llama, tmp_path / "m")
+    edit_config(d, **change)
+    out = tmp_path / "m.gguf"
+    with pytest.raises(ModelFormatError, match=message):
+        run_convert(d, out)
+    assert not out.exists()
 
 
 # --- streaming -------------------------------------------------------------------------------------

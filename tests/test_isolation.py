@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -53,7 +52,8 @@ def test_build_whose_validation_crashes_publishes_nothing(tiny_llama, tmp_path):
     """Through the CLI, as a user sees it: the crash of llama.cpp in GGUF validation is one line, exit 6."""
     store = tmp_path / "store"
     reg = write_test_config(tmp_path / "cfg", REPO)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HIVE_AOT_FAULT": "GGUF validation:SIGILL"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HIVE_AOT_FAULT": "GGUF validation:SIGILL",
+           "HIVE_AOT_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "build", str(tiny_llama), "--recipe", "gguf-f16",
                            "--model-id", "test-org/crashy", "--store", str(store), "--registry", str(reg)],
                           capture_output=True, text=True, env=env, timeout=600)
@@ -64,6 +64,7 @@ def test_build_whose_validation_crashes_publishes_nothing(tiny_llama, tmp_path):
                       "nothing was published"], proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (store / "manifests").exists() and not (store / "refs").exists()
-    # the candidate stays unvalidated: publishing it is refused
-    staged = [json.loads(p.read_text()) for p in (store / "staging").glob("*.json")]
-    assert [s["state"] for s in staged] == ["staged"]
+    # a candidate whose validation crashed can never be published as it is: its record is gone too
+    assert list((store / "staging").glob("*.json")) == []
+    # and no scratch directory of the build, the validation or the child stays behind
+    assert [p.name for p in (Path(env["HIVE_AOT_CACHE"]) / "work").iterdir()] == []

@@ -119,7 +119,24 @@ def test_materialize_whole_slice_publishes_and_checks(tmp_path, tiny_llama):
 
 
 def test_failing_check_blocks_publish(tmp_path, tiny_llama):
-    """NaN weights: the artifact builds, the blocking parity check fails, publish never runs."""
+    """Gates no artifact can meet: the artifact builds, the blocking parity check fails, publish never runs."""
+    reg = _registry(tmp_path, [{"id": "test/strict", "source": str(tiny_llama), "recipes": ["gguf-impossible"]}])
+    (tmp_path / "recipes" / "gguf-impossible.yaml").write_text(yaml.safe_dump({
+        "id": "gguf-impossible", "kind": "gguf", "options": {"outtype": "f16"}, "runtime_profiles": ["llm-llamacpp-cpu"],
+        "validation": {"min_top1_agreement": 1.0, "max_mean_kl": 0.0, "max_abs_logit_delta": 0.0}}))
+    store = tmp_path / "store"
+    result = _run(reg, store, "test/strict")
+    evals = result.get_asset_check_evaluations()
+    assert len(evals) == 1 and not evals[0].passed
+    assert "mean KL" in (evals[0].description or "")
+    published = [e for e in result.get_asset_materialization_events() if e.asset_key == published_key("gguf-impossible")]
+    assert published == []
+    assert not (store / "manifests").exists() or not any((store / "manifests").rglob("*.json"))
+    assert not (store / "refs").exists()
+
+
+def test_nan_weights_fail_the_artifact_step_with_one_line(tmp_path, tiny_llama):
+    """NaN weights are refused while converting: the artifact step fails with the engine's line."""
     from safetensors.torch import load_file, save_file
 
     bad = copy_model(tiny_llama, tmp_path / "nan-model")
@@ -130,13 +147,10 @@ def test_failing_check_blocks_publish(tmp_path, tiny_llama):
     reg = _registry(tmp_path, [{"id": "test/nan", "source": str(bad), "recipes": ["gguf-f16"]}])
     store = tmp_path / "store"
     result = _run(reg, store, "test/nan")
-    evals = result.get_asset_check_evaluations()
-    assert len(evals) == 1 and not evals[0].passed
-    assert "not finite" in (evals[0].description or "")
-    published = [e for e in result.get_asset_materialization_events() if e.asset_key == published_key("gguf-f16")]
-    assert published == []
-    assert not (store / "manifests").exists() or not any((store / "manifests").rglob("*.json"))
-    assert not (store / "refs").exists()
+    assert not result.success
+    failures = [e.event_specific_data.error.message for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    assert len(failures) == 1 and f"tensor {name} has 1 non-finite value(s)" in failures[0]
+    assert not (store / "refs").exists() and not (store / "manifests").exists()
 
 
 def test_engine_crash_fails_the_check_with_one_line_and_publishes_nothing(tmp_path, tiny_llama, monkeypatch):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ import pytest
 from factories import write_test_config
 from pipelines.build import build_and_publish
 from pipelines.config import Config
-from pipelines.errors import HiveError, IntegrityError
+from pipelines.errors import HiveError, IntegrityError, StoreError
 from pipelines.pull import MARKER, pull
 
 REPO = Path.cwd()
@@ -161,7 +164,7 @@ def test_bad_requests(env, tmp_path):
         pull(MODEL, "vllm-cu121", tmp_path / "m", store_uri=store)
     with pytest.raises(HiveError, match="no published gguf-q8_0 artifact serves llm-llamacpp-cpu"):
         pull(MODEL, CPU, tmp_path / "m", recipe="gguf-q8_0", store_uri=store)
-    with pytest.raises(HiveError, match="'tiny-llama' is not org/name"):
+    with pytest.raises(HiveError, match=r"'tiny-llama' is not a model id: .*\(pull takes org/name\[@build_id\]\)"):
         pull("tiny-llama", CPU, tmp_path / "m", store_uri=store)
     with pytest.raises(HiveError, match="test-org/other: nothing published with tag 'latest'"):
         pull("test-org/other", CPU, tmp_path / "m", store_uri=store)
@@ -301,3 +304,280 @@ def test_manifest_records_quantization_fallbacks(env):
     assert fallbacks["tensors"] > 0
     assert {(f["from"], f["to"]) for f in fallbacks["fallbacks"]} <= {("q4_K", "q5_0"), ("q6_K", "q8_0"), ("q5_K", "q5_1")}
     assert sum(f["tensors"] for f in fallbacks["fallbacks"]) > 0
+
+
+# --- issue 7: what a store may claim, and what a destination may hold -------------------------------
+
+
+def _copy_store(env, tmp_path) -> Path:
+    store = tmp_path / "store"
+    shutil.copytree(env["store"], store)
+    return store
+
+
+def _rewrite_manifest(store: Path, build, edit) -> Path:
+    """Replace a build's manifest by edit(its JSON) and re-point its ref's sha256, so only the content is wrong."""
+    mpath = store / f"manifests/{SLUG}/{build.recipe}/{build.build_id}.json"
+    raw = edit(json.loads(mpath.read_text()))
+    raw = raw if isinstance(raw, bytes) else json.dumps(raw, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+    mpath.write_bytes(raw)
+    ref = store / f"refs/{SLUG}/{build.recipe}/latest"
+    doc = json.loads(ref.read_text())
+    ref.write_text(json.dumps({**doc, "manifest_sha256": hashlib.sha256(raw).hexdigest()}))
+    return mpath
+
+
+def test_manifest_of_another_model_is_refused(env, tmp_path):
+    """Item 1: a manifest under the requested model's path that describes another model is never served."""
+    store = _copy_store(env, tmp_path)
+    f16 = env["builds"]["gguf-f16"]
+    _rewrite_manifest(store, f16, lambda doc: {**doc, "model": {**doc["model"], "id": "test-org/other"}})
+    dest = tmp_path / "model"
+    for spec in (MODEL, f"{MODEL}@{f16.build_id}"):  # by ref and by build id
+        with pytest.raises(IntegrityError, match=f"manifest manifests/{SLUG}/gguf-f16/{f16.build_id}.json is for "
+                                                 f"model 'test-org/other', not '{MODEL}'") as ei:
+            pull(spec, CPU, dest, recipe="gguf-f16", store_uri=str(store))
+        assert "\n" not in str(ei.value)
+    assert not dest.exists()
+
+
+def _ref(text: str):
+    def damage(store: Path, build) -> str:
+        key = f"refs/{SLUG}/{build.recipe}/latest"
+        (store / key).write_text(text)
+        return key
+    return damage
+
+
+def _manifest(edit):
+    def damage(store: Path, build) -> str:
+        return str(_rewrite_manifest(store, build, edit).relative_to(store))
+    return damage
+
+
+@pytest.mark.parametrize("damage, by_build_id, message", [
+    (_ref("{not json"), False, "{key} is not (valid )?JSON"),
+    (_ref("{}"), False, "ref {key} has no valid build_id"),
+    (_ref("[1, 2]"), False, "ref {key} has no valid build_id"),
+    (_ref('{"build_id": 7}'), False, "ref {key} has no valid build_id"),
+    (_ref('{"build_id": "../../x"}'), False, "ref {key} has no valid build_id"),
+    (_manifest(lambda doc: b"{not json"), False, r"{key} is not a valid manifest \(.*Invalid JSON"),
+    (_manifest(lambda doc: {k: v for k, v in doc.items() if k != "files"}), False,
+     r"{key} is not a valid manifest \(files: Field required\)"),
+    (_manifest(lambda doc: {**doc, "files": [{"path": "x"}]}), True,
+     r"{key} is not a valid manifest \(files.0.sha256: Field required\)"),
+], ids=["ref-not-json", "ref-empty", "ref-list", "ref-build-id-int", "ref-build-id-path", "manifest-not-json",
+        "manifest-no-files", "manifest-bad-file-by-build-id"])
+def test_unusable_ref_or_manifest_is_a_one_line_store_error(env, tmp_path, damage, by_build_id, message):
+    """Item 9: no JSONDecodeError, KeyError, TypeError or pydantic ValidationError escapes; the key is named."""
+    store = _copy_store(env, tmp_path)
+    f16 = env["builds"]["gguf-f16"]
+    key = damage(store, f16)
+    spec = f"{MODEL}@{f16.build_id}" if by_build_id else MODEL
+    with pytest.raises(StoreError) as ei:
+        pull(spec, CPU, tmp_path / "model", recipe="gguf-f16", store_uri=str(store))
+    assert str(ei.value).startswith(f"{store.as_uri()}: ") and re.search(message.format(key=key), str(ei.value))
+    assert "\n" not in str(ei.value)
+    assert not (tmp_path / "model").exists()
+
+
+def test_file_corrupted_at_the_same_size_is_pulled_again(env, tmp_path, monkeypatch):
+    """Item 5: equal sizes prove nothing; a file rewritten in place is re-hashed, found wrong and pulled again."""
+    monkeypatch.setenv("HIVE_AOT_CACHE", str(tmp_path / "cache"))
+    dest = tmp_path / "srv" / "model"
+    res = pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))
+    f = env["builds"]["gguf-f16"].files[0]
+    gguf = Path(res["files"][0])
+    before = gguf.stat()
+    time.sleep(0.05)  # past the file system's timestamp granularity: the write below must move the mtime
+    with open(gguf, "r+b") as fh:
+        fh.seek(f["size"] // 2)
+        byte = fh.read(1)
+        fh.seek(f["size"] // 2)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    assert gguf.stat().st_size == before.st_size and gguf.stat().st_mtime_ns != before.st_mtime_ns
+    again = pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))
+    assert again["already_present"] is False
+    assert hashlib.sha256(gguf.read_bytes()).hexdigest() == f["sha256"]
+    assert _siblings(dest) == ["model"]
+
+
+def test_present_check_trusts_its_stamp_and_rehashes_anything_else(env, tmp_path, monkeypatch):
+    """Item 5 policy: a file matching the (inode, size, mtime) stamp recorded at pull time is not read; a copied
+    DIR (new inodes) is re-hashed once, found intact, reported present, and stamped again."""
+    import pipelines.pull as pull_mod
+
+    dest = tmp_path / "model"
+    res = pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))
+    name = Path(res["files"][0]).name
+    st = (dest / name).stat()
+    assert json.loads((dest / MARKER).read_text())["stamps"] == {name: [st.st_ino, st.st_size, st.st_mtime_ns]}
+
+    copy = tmp_path / "copy"
+    shutil.copytree(dest, copy)  # new inodes, same bytes
+    hashed = []
+    real = pull_mod.sha256_file
+    monkeypatch.setattr(pull_mod, "sha256_file", lambda p, *a: hashed.append(Path(p)) or real(p, *a))
+    assert pull(MODEL, CPU, copy, recipe="gguf-f16", store_uri=str(env["store"]))["already_present"] is True
+    assert hashed == [copy / name]
+    st = (copy / name).stat()
+    assert json.loads((copy / MARKER).read_text())["stamps"] == {name: [st.st_ino, st.st_size, st.st_mtime_ns]}
+
+    hashed.clear()
+    for d in (dest, copy):
+        assert pull(MODEL, CPU, d, recipe="gguf-f16", store_uri=str(env["store"]))["already_present"] is True
+    assert hashed == []  # the stamps matched: nothing was read
+
+
+def test_replacing_an_earlier_pull_never_deletes_user_files(env, tmp_path):
+    """Item 6: a DIR made by an earlier pull is replaced only when it holds nothing but what that pull created."""
+    dest = tmp_path / "model"
+    q4 = pull(MODEL, CPU, dest, store_uri=str(env["store"]))
+    (dest / "notes.txt").write_text("mine")
+    (dest / "extra").mkdir()
+    (dest / "extra" / "lora.bin").write_bytes(b"mine too")
+    with pytest.raises(HiveError, match=r"holds files an earlier pull did not create \(extra, notes.txt\): "
+                                        r"refusing to replace it") as ei:
+        pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))
+    assert "\n" not in str(ei.value)
+    assert sorted(p.name for p in dest.iterdir()) == sorted(["extra", "notes.txt", MARKER, "tiny-llama-Q4_K_M.gguf"])
+    assert (dest / "notes.txt").read_text() == "mine" and (dest / "extra" / "lora.bin").read_bytes() == b"mine too"
+    assert json.loads((dest / MARKER).read_text())["build_id"] == q4["build_id"]
+    assert _siblings(dest) == ["model"]
+    # the same build is still "present" (nothing to replace, nothing deleted)
+    assert pull(MODEL, CPU, dest, store_uri=str(env["store"]))["already_present"] is True
+    assert (dest / "notes.txt").is_file()
+    # once the user's files are gone the switch goes through
+    (dest / "notes.txt").unlink()
+    shutil.rmtree(dest / "extra")
+    assert pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))["recipe"] == "gguf-f16"
+    assert sorted(p.name for p in dest.iterdir()) == sorted(["tiny-llama-F16.gguf", MARKER])
+
+
+@pytest.mark.parametrize("recipes", [["gguf-q4_k_m"] * 6, ["gguf-f16", "gguf-q4_k_m"] * 3], ids=["same", "mixed"])
+def test_concurrent_pulls_into_one_dest(env, tmp_path, recipes):
+    """Item 7: N processes pulling into one DIR all succeed; DIR ends complete, with no temporaries beside it."""
+    dest, go = tmp_path / "srv" / "model", tmp_path / "go"
+    procs = []
+    for i, recipe in enumerate(recipes):
+        code = (
+            "import json, os, time\n"
+            "from pathlib import Path\n"
+            "from pipelines.pull import pull\n"
+            f"Path({str(tmp_path / f'ready-{i}')!r}).touch()\n"
+            f"while not os.path.exists({str(go)!r}):\n"
+            "    time.sleep(0.002)\n"
+            f"res = pull({MODEL!r}, {CPU!r}, Path({str(dest)!r}), recipe={recipe!r}, store_uri={str(env['store'])!r})\n"
+            "print(json.dumps(res))\n"
+        )
+        env_vars = {k: v for k, v in os.environ.items() if k != "HIVE_AOT_REGISTRY"}
+        env_vars.update(PYTHONPATH=str(REPO), HIVE_AOT_CACHE=str(tmp_path / "cache"))  # one cache, shared too
+        procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=env_vars,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready-{i}").exists() for i in range(len(recipes))) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    go.touch()  # all start pulling at once
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0] * len(procs), [err for _, err in outs]
+    results = [json.loads(out) for out, _ in outs]
+    builds = {r: env["builds"][r].build_id for r in set(recipes)}
+    assert all(res["build_id"] == builds[recipe] for res, recipe in zip(results, recipes))
+    marker = json.loads((dest / MARKER).read_text())
+    assert marker["build_id"] in builds.values()
+    files = marker["manifest"]["files"]
+    assert sorted(p.name for p in dest.iterdir()) == sorted([f["path"] for f in files] + [MARKER])
+    assert all(hashlib.sha256((dest / f["path"]).read_bytes()).hexdigest() == f["sha256"] for f in files)
+    assert _siblings(dest) == ["model"]  # no partial DIR, no .old DIR, and the lock file is gone too
+    if len(builds) == 1:
+        assert sorted(res["already_present"] for res in results) == [False] + [True] * (len(recipes) - 1)
+
+
+@pytest.mark.parametrize("where", ["proc", "below-a-file", "two-below-a-file", "root"])
+def test_unwritable_dest_is_a_one_line_error(env, tmp_path, capsys, where):
+    """Item 9: a DIR that cannot be created is a one-line HiveError, not an OSError traceback (tests run as root,
+    so a chmod'ed directory stops nothing: /proc and a regular file on the way stand in for it)."""
+    from pipelines.cli import main
+
+    (tmp_path / "file").write_text("a regular file")
+    dest = {"proc": Path("/proc/self/model"), "below-a-file": tmp_path / "file" / "model",
+            "two-below-a-file": tmp_path / "file" / "sub" / "model", "root": Path("/")}[where]
+    with pytest.raises(HiveError, match="cannot pull into ") as ei:
+        pull(MODEL, CPU, dest, store_uri=str(env["store"]))
+    assert "\n" not in str(ei.value) and not isinstance(ei.value, OSError)
+    assert (tmp_path / "file").read_text() == "a regular file"
+    capsys.readouterr()
+    assert main(["pull", MODEL, "--target", CPU, "--dest", str(dest), "--store", str(env["store"])]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hive-aot: error: cannot pull into ") and err.count("\n") == 1, err
+
+
+def test_a_pull_of_another_build_waits_for_the_one_in_progress(env, tmp_path, monkeypatch):
+    """Item 7, deterministically: while one pull of DIR is mid-way (held inside its blob fetch), a pull of another
+    build into DIR does not finish; released, both succeed in order and DIR holds the later build, complete."""
+    import threading
+
+    import pipelines.pull as pull_mod
+
+    dest = tmp_path / "model"
+    f16_digest = env["builds"]["gguf-f16"].files[0]["sha256"]
+    entered, release = threading.Event(), threading.Event()
+    real = pull_mod.fetch_blob
+
+    def paused_fetch(store, digest, *a, **kw):
+        if digest == f16_digest:
+            entered.set()
+            release.wait(60)
+        return real(store, digest, *a, **kw)
+
+    monkeypatch.setattr(pull_mod, "fetch_blob", paused_fetch)
+    results: dict[str, object] = {}
+
+    def run(recipe: str) -> None:
+        try:
+            results[recipe] = pull(MODEL, CPU, dest, recipe=recipe, store_uri=str(env["store"]))
+        except BaseException as e:  # noqa: BLE001 - reported by the asserts below
+            results[recipe] = e
+
+    first = threading.Thread(target=run, args=("gguf-f16",))
+    first.start()
+    assert entered.wait(60)
+    second = threading.Thread(target=run, args=("gguf-q4_k_m",))
+    second.start()
+    second.join(1.0)
+    assert second.is_alive() and "gguf-q4_k_m" not in results  # it waits for the pull in progress
+    release.set()
+    first.join(60)
+    second.join(60)
+    assert results["gguf-f16"]["build_id"] == env["builds"]["gguf-f16"].build_id, results
+    assert results["gguf-q4_k_m"]["build_id"] == env["builds"]["gguf-q4_k_m"].build_id, results
+    assert json.loads((dest / MARKER).read_text())["recipe"] == "gguf-q4_k_m"
+    assert sorted(p.name for p in dest.iterdir()) == sorted(["tiny-llama-Q4_K_M.gguf", MARKER])
+    assert _siblings(dest) == ["model"]
+
+
+def test_partials_of_killed_pulls_are_reclaimed_live_ones_kept(env, tmp_path, monkeypatch):
+    """A pull killed mid-download leaves `.<digest>.<random>.partial`; the next pull removes it, unless the
+    pull that owns it is alive (it holds a lock on it)."""
+    from pipelines.pull import reclaim_partials
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HIVE_AOT_CACHE", str(cache))
+    d = cache / "blobs" / "sha256" / "ab"
+    d.mkdir(parents=True)
+    dead, live = d / ".abcdef012345.x1.partial", d / ".abcdef012345.x2.partial"
+    dead.write_bytes(b"x" * 1000)
+    live.write_bytes(b"y" * 1000)
+    code = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX); "
+            "print('locked', flush=True); time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(live)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        pull(MODEL, CPU, tmp_path / "m", recipe="gguf-f16", store_uri=str(env["store"]))
+        assert not dead.exists() and live.exists()
+        holder.kill()
+        holder.wait(timeout=30)
+        assert reclaim_partials() == [live.name] and not live.exists()
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)

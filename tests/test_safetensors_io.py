@@ -156,6 +156,15 @@ def test_non_json_header(tmp_path):
     _expect(path, "safetensors header is not a JSON object")
 
 
+def test_deeply_nested_header_is_one_line(tmp_path):
+    """Issue 7 item 9a: json.loads raised RecursionError (a traceback) on a hostile header."""
+    nested = b'{"__metadata__": {"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
+    path = raw_safetensors(tmp_path / "m.safetensors", nested, b"")
+    _expect(path, "safetensors header is nested too deeply")
+    path = raw_safetensors(tmp_path / "m.safetensors", b'{"w": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_001, b"")
+    _expect(path, "safetensors header is nested too deeply")
+
+
 def test_malformed_entries(tmp_path):
     cases = [
         ({"w": {"dtype": "F32", "shape": [1]}}, "tensor 'w' has a malformed header entry"),

@@ -130,14 +130,20 @@ def test_put_blob_with_wrong_digest_stores_nothing(tmp_path, store_dir):
     assert _files(store_dir) == []
 
 
-def test_put_blob_over_a_corrupt_existing_blob_is_refused(tmp_path, store_dir):
+@pytest.mark.parametrize("damage", [b"short", b"9876543210"], ids=["truncated", "same-size"])
+def test_put_blob_repairs_a_damaged_existing_blob(tmp_path, store_dir, damage):
+    """A blob already there is trusted only if intact (full sha256, remembered per file stamp): a damaged
+    one is replaced by the verified upload, even right after it was verified intact once."""
     src = tmp_path / "a"
     src.write_bytes(b"0123456789")
     digest = hashlib.sha256(src.read_bytes()).hexdigest()
     s = LocalStore(store_dir)
-    s.write_bytes(blob_key(digest), b"short")
-    with pytest.raises(IntegrityError, match="exists with a different size"):
-        s.put_blob(src, digest)
+    s.put_blob(src, digest)
+    assert s.blob_intact(digest, 10)  # hashed once, remembered
+    (store_dir / blob_key(digest)).write_bytes(damage)
+    assert not s.blob_intact(digest, 10)
+    s.put_blob(src, digest)
+    assert s.read_bytes(blob_key(digest)) == b"0123456789" and s.blob_intact(digest, 10)
 
 
 @pytest.mark.parametrize("key", ["../escape", "/etc/passwd", "refs/../../escape", "refs/x/../../../escape",
@@ -209,3 +215,21 @@ def test_store_uris_dispatch():
     assert isinstance(open_store("file:///tmp/x"), LocalStore) and isinstance(open_store("rel/dir"), LocalStore)
     with pytest.raises(StoreError, match="is not s3://bucket"):
         open_store("s3:///prefix")
+
+
+def test_stale_temporaries_of_killed_writers_are_reclaimed(store_dir):
+    """A writer killed between write and rename leaves `.<name>.<random>.tmp`: old ones go, fresh ones stay."""
+    import os
+    import time
+
+    s = LocalStore(store_dir)
+    s.write_bytes("refs/m/r/latest", b"{}")
+    stale = store_dir / "refs" / "m" / "r" / ".latest.abc.tmp"
+    fresh = store_dir / "refs" / "m" / "r" / ".latest.def.tmp"
+    for p in (stale, fresh):
+        p.write_bytes(b"half")
+    past = time.time() - 7200
+    os.utime(stale, (past, past))
+    assert s.reclaim_temporaries(3600, dry_run=True) == ["refs/m/r/.latest.abc.tmp"] and stale.exists()
+    assert s.reclaim_temporaries(3600) == ["refs/m/r/.latest.abc.tmp"]
+    assert not stale.exists() and fresh.exists() and s.read_bytes("refs/m/r/latest") == b"{}"

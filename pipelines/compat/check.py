@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Literal
 
@@ -42,6 +43,29 @@ GIB = 1024**3
 PLAUSIBLE = {
     "hidden_size": 131072, "num_hidden_layers": 2048, "num_attention_heads": 4096, "num_key_value_heads": 4096,
     "intermediate_size": 1048576, "vocab_size": 8_388_608, "max_position_embeddings": 1 << 27, "head_dim": 4096,
+}
+# Float settings engines take on trust: llama.cpp aborts the process on GGML_ASSERT(eps >= 0.0f) (exit 134), and
+# a non-positive or non-finite rope base turns every rotation into NaN. Range-checked before any engine sees them.
+EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon", "norm_eps")
+ROPE_KEYS = ("rope_scaling", "rope_parameters")  # transformers 4 and 5 spellings; objects when present
+# quant_method values transformers (QuantizationMethod, 5.23) and vLLM 0.33 load; anything else is not a model
+# any engine of the platform can read as quantized.
+QUANT_METHODS = frozenset({
+    "aqlm", "auto-round", "awq", "bitnet", "bitsandbytes", "compressed-tensors", "eetq", "fbgemm_fp8", "fouroversix",
+    "fp8", "fp_quant", "gemma", "gguf", "gptq", "higgs", "hqq", "metal", "mxfp4", "mxfp8", "nvfp4", "quanto", "quark",
+    "sinq", "spqr", "torchao", "vptq",
+    "awq_marlin", "bitblas", "deepspeedfp", "experts_int8", "gptq_bitblas", "gptq_marlin", "gptq_marlin_24", "inc",
+    "ipex", "marlin", "modelopt", "modelopt_fp4", "moe_wna16", "petit_nvfp4", "ptpc_fp8", "qqq", "rtn", "tpu_int8",
+})
+# Recipe kinds whose converters read pre-quantized weights. None today: GGUF reads unquantized floats only, and
+# a pre-quantized repo converted as if it were plain floats would be published as an unquantized model.
+PREQUANTIZED_KINDS: frozenset[str] = frozenset()
+# transformers model types a class serves that neither its name spells nor the snapshot records (the snapshot keeps
+# one model type per class, e.g. LlamaForCausalLM -> internlm3); from transformers 5.23's auto mappings.
+EXTRA_MODEL_TYPES = {
+    "LlamaForCausalLM": ("llama", "iquestcoder"), "LlamaModel": ("llama", "iquestcoder"),
+    "Gemma3ForConditionalGeneration": ("shieldgemma2",),
+    "Glm46VForConditionalGeneration": ("glmga",), "GotOcr2ForConditionalGeneration": ("pp_chart2table",),
 }
 SPECIALIST_TASKS = {"time-series", "embedding", "reranker", "seq2seq-audio"}
 LM_TASKS = {"causal-lm", "vision-language", "seq2seq", "speculative-draft"}
@@ -103,7 +127,12 @@ def _text_cfg(cfg: dict[str, Any]) -> dict[str, Any]:
     return tc if isinstance(tc, dict) else cfg
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _sanity(cfg: dict[str, Any]) -> list[str]:
+    """What makes a (text) config unreadable or dangerous for an engine: sizes, float ranges, shapes of fields."""
     problems = []
     text_cfg = _text_cfg(cfg)
     for key, bound in PLAUSIBLE.items():
@@ -112,10 +141,67 @@ def _sanity(cfg: dict[str, Any]) -> list[str]:
         v = text_cfg[key]
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v > bound:
             problems.append(f"{key}={v!r} is not plausible")
-    h, n = text_cfg.get("hidden_size"), text_cfg.get("num_attention_heads")
-    if not problems and isinstance(h, int) and isinstance(n, int) and "head_dim" not in text_cfg and h % n:
+    for key in EPS_KEYS:
+        v = text_cfg.get(key)
+        if v is not None and not (_number(v) and 0 < v < 1):
+            problems.append(f"{key}={v!r} is not plausible (must be a number in (0, 1))")
+    rope = {}
+    for key in ROPE_KEYS:
+        v = text_cfg.get(key)
+        if v is not None and not isinstance(v, dict):
+            problems.append(f"{key}={v!r} is not plausible (must be an object)")
+        elif v:
+            rope.update(v)
+    for key, v in (("rope_theta", text_cfg.get("rope_theta")), ("rope_theta", rope.get("rope_theta")),
+                   ("rope scaling factor", rope.get("factor"))):
+        if v is not None and not (_number(v) and math.isfinite(v) and v > 0):
+            problems.append(f"{key}={v!r} is not plausible (must be a finite number > 0)")
+    sw = text_cfg.get("sliding_window")
+    if sw is not None and (not isinstance(sw, int) or isinstance(sw, bool) or not 0 < sw <= PLAUSIBLE["max_position_embeddings"]):
+        problems.append(f"sliding_window={sw!r} is not plausible (must be a positive integer or null)")
+    if problems:
+        return problems
+    h, n, kv = text_cfg.get("hidden_size"), text_cfg.get("num_attention_heads"), text_cfg.get("num_key_value_heads")
+    if isinstance(h, int) and isinstance(n, int) and "head_dim" not in text_cfg and h % n:
         problems.append(f"hidden_size={h} is not divisible by num_attention_heads={n}")
+    if isinstance(n, int) and isinstance(kv, int) and n % kv:  # grouped-query attention shares K/V across n/kv heads
+        problems.append(f"num_attention_heads={n} is not divisible by num_key_value_heads={kv}")
     return problems
+
+
+def _model_type_problem(cfg: dict[str, Any], rec: database.Architecture, arch: str) -> str | None:
+    """transformers builds the model from `model_type`, vLLM from `architectures`: they must name the same model."""
+    if "model_type" not in cfg or rec.transformers_model_type is None:
+        return None  # nothing to compare against (vLLM-only class, or no model_type at all)
+    mt = cfg["model_type"]
+    if not isinstance(mt, str):
+        return f"model_type={mt!r} is not a string naming the model type of architecture {arch}"
+    known = {rec.transformers_model_type, *EXTRA_MODEL_TYPES.get(rec.name, ())}
+    if mt in known:
+        return None
+
+    def norm(s: str) -> str:
+        return re.sub(r"[^a-z0-9]", "", s.lower())
+
+    # The class name spells the model type (Qwen2_5_VLForConditionalGeneration / qwen2_5_vl, Gemma3ForCausalLM /
+    # gemma3_text): the snapshot records only one model type per class.
+    stems = {norm(re.sub(r"(For[A-Z]\w*|LMHeadModel|Model|Backbone)$", "", n)) for n in (rec.name, arch, *rec.aliases)}
+    if {norm(mt), norm(re.sub(r"_(text|vision)(_model)?$", "", mt))} & stems:
+        return None
+    return f"model_type {mt!r} contradicts architecture {arch} (transformers model type: {', '.join(sorted(known))})"
+
+
+def _quantization(cfg: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(quant_method, problem) of config.json's quantization_config; (None, None) when there is none."""
+    qc = cfg.get("quantization_config")
+    if qc is None:
+        return None, None
+    if not isinstance(qc, dict):
+        return None, f"quantization_config={qc!r:.60} is not an object with a quant_method"
+    method = qc.get("quant_method")
+    if not isinstance(method, str) or method.lower() not in QUANT_METHODS:
+        return None, f"quantization_config has unknown quant_method {method!r:.60}"
+    return method.lower(), None
 
 
 _EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "embed_in.weight")
@@ -277,6 +363,7 @@ def classify(
 
     hw = parse_hardware(hardware)
     files = set(files)
+    recipes = list(recipes)  # read more than once below
     checks: list[Check] = []
     if cfg is None:
         checks.append(Check(name="config", status="fail", detail=config_error or "config.json is missing"))
@@ -297,12 +384,17 @@ def classify(
             checks.append(Check(name="architectures_consistent", status="fail",
                                 detail=f"config.json lists conflicting architectures: {', '.join(names)}"))
     auto_map = "auto_map" in cfg or "auto_map" in _text_cfg(cfg)
+    quant_method, quant_problem = _quantization(cfg)
+
+    def recipe_applies(r: "Recipe", name: str) -> bool:
+        return target_for(r.kind).supports(name, cfg) and (quant_method is None or r.kind in PREQUANTIZED_KINDS)
+
     status: Status
     if arch is None:
         checks.append(Check(name="architecture_known", status="fail", detail="config.json has no architectures field"))
         status, profile = "incompatible", None
     else:
-        gguf_applies = any(target_for(r.kind).supports(rec.name if rec else arch, cfg) and "llm-llamacpp-cpu" in r.runtime_profiles
+        gguf_applies = any(recipe_applies(r, rec.name if rec else arch) and "llm-llamacpp-cpu" in r.runtime_profiles
                            for r in recipes) and not auto_map
         closest = None
         if rec is None and task != "diffusion":
@@ -310,6 +402,9 @@ def classify(
             closest = f"{close[0]} ({db.architectures[close[0]].family} family)" if close else None
         status, profile, arch_check = _route(rec, arch, task, hw, profiles, auto_map, reviewed, gguf_applies, closest)
         checks.append(arch_check)
+        mismatch = _model_type_problem(cfg, rec, arch) if rec is not None and not auto_map else None
+        if mismatch:  # remote code brings its own model_type; review covers it
+            checks.append(Check(name="model_type_consistent", status="fail", detail=mismatch))
     if any(c.status == "fail" for c in checks):
         status = "incompatible"
 
@@ -335,10 +430,14 @@ def classify(
         note = " (pass disable_sliding_window under vLLM)" if rec is not None and rec.family == "gemma" else ""
         checks.append(Check(name="sliding_window", status="warn" if note else "pass",
                             detail=f"sliding_window={tc['sliding_window']}{note}"))
-    qc = cfg.get("quantization_config")
-    if isinstance(qc, dict):
+    if quant_problem:
+        checks.append(Check(name="quantization_config", status="fail", detail=quant_problem))
+        status = "incompatible"
+    elif quant_method:
+        skipped = sorted({r.kind for r in recipes if r.kind not in PREQUANTIZED_KINDS})
+        why = f"; {', '.join(skipped)} recipes do not apply (they convert unquantized float weights only)" if skipped else ""
         checks.append(Check(name="quantization_config", status="pass",
-                            detail=f"pre-quantized ({qc.get('quant_method', 'unknown method')}); weights served as stored"))
+                            detail=f"pre-quantized ({quant_method}); weights served as stored{why}"))
 
     reqs: dict[str, Any] = {}
     if weights is not None:
@@ -364,7 +463,7 @@ def classify(
     applicable = []
     if status != "incompatible" and arch is not None and not pipeline:
         for r in recipes:
-            if target_for(r.kind).supports(rec.name if rec else arch, cfg):
+            if recipe_applies(r, rec.name if rec else arch):
                 applicable.append(r.id)
     return Compatibility(status=status, runtime_profile_id=profile if status != "incompatible" else None,
                          architecture=arch, family=(rec.family if rec else ("diffusion" if pipeline else None)),
@@ -382,11 +481,16 @@ def classify_snapshot(snap: "Snapshot", recipes: Iterable["Recipe"] = (), hardwa
     cfg, err = None, None
     try:
         cfg = snap.config()
-    except ModelFormatError as e:
+    except ModelFormatError as e:  # includes hostile nesting (sources.load_config)
         err = str(e)
         index = snap.file("model_index.json")
         if index is not None:
-            cfg, err = {"_diffusers_pipeline": json.loads(index.read_text()).get("_class_name")}, None
+            try:
+                doc = json.loads(index.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, ValueError, RecursionError) as bad:
+                doc, err = None, f"model_index.json is not valid JSON ({type(bad).__name__})"
+            if isinstance(doc, dict):
+                cfg, err = {"_diffusers_pipeline": doc.get("_class_name")}, None
     files = snap.safetensors_files()
     weights = None
     if files:

@@ -126,6 +126,8 @@ def inspect_remote(spec: SourceSpec) -> RemoteRepo:
                     out.config = {"_diffusers_pipeline": doc.get("_class_name")}
             except (UnicodeDecodeError, ValueError) as e:
                 out.config_error = f"{cfg_name} is not valid JSON ({e})"
+            except RecursionError:
+                out.config_error = f"{cfg_name} is nested too deeply to be a model config"
             break
     else:
         out.config_error = "config.json is missing"

@@ -10,7 +10,10 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+
+from ..errors import StoreError
 
 from .base import Store
 from .layout import blob_key, manifest_key, ref_key, staging_key
@@ -20,15 +23,24 @@ def default_store_uri() -> str:
     return os.environ.get("HIVE_AOT_STORE") or "./artifacts"
 
 
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
 def open_store(uri: str | None = None) -> Store:
+    """A path, `file:///absolute/path` or `s3://bucket[/prefix]`; anything else is refused (an unknown
+    scheme taken as a relative path once wrote `./ftp:/x/...` and reported success)."""
     uri = uri or default_store_uri()
+    scheme = _SCHEME.match(uri)
+    if scheme and scheme.group(1) not in ("s3", "file"):
+        raise StoreError(f"{uri!r}: unknown store scheme {scheme.group(1)!r} "
+                         "(use a path, file:///absolute/path or s3://bucket/prefix)")
+    if uri.startswith("file://") and not uri.startswith("file:///"):
+        raise StoreError(f"{uri!r}: a file:// store URI must be absolute (file:///absolute/path)")
     if uri.startswith("s3://"):
         from .s3 import S3Store
 
         bucket, _, prefix = uri[5:].partition("/")
         if not bucket:
-            from ..errors import StoreError
-
             raise StoreError(f"{uri!r} is not s3://bucket[/prefix]")
         return S3Store(bucket, prefix)
     from .local import LocalStore

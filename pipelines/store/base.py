@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import IntegrityError
 from ..hashing import sha256_file
-from .layout import blob_key
+from .layout import blob_key, is_digest
 
 
 class Store(ABC):
@@ -57,24 +57,47 @@ class Store(ABC):
 
         Remote stores report a missing bucket on their first request, so only local ones check here."""
 
+    def reclaim_temporaries(self, min_age_s: float, dry_run: bool = False) -> list[str]:
+        """Remove in-flight temporaries older than min_age_s that a killed writer left (local stores; S3
+        writes are atomic per object and leave none)."""
+        return []
+
     def local_path(self, key: str) -> Path | None:
         """A path readers can use in place, for stores on the local file system."""
         return None
 
     # --- helpers shared by every backend ---
     def read_json(self, key: str) -> Any | None:
+        """The decoded object, None when absent; undecodable bytes are one IntegrityError line."""
         raw = self.read_bytes(key)
-        return None if raw is None else json.loads(raw)
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise IntegrityError(f"{self.uri}: {key} is not valid JSON: the store is damaged") from None
+
+    def read_ref(self, key: str) -> dict[str, Any] | None:
+        """A ref ({build_id, manifest, manifest_sha256, created_at}); a malformed one is one IntegrityError line."""
+        ref = self.read_json(key)
+        if ref is None:
+            return None
+        build_id = ref.get("build_id") if isinstance(ref, dict) else None
+        if not (is_digest(build_id) and isinstance(ref.get("manifest", ""), str)):
+            raise IntegrityError(f"{self.uri}: ref {key} has no valid build_id (a sha256 hex digest): the store is damaged")
+        return ref
+
+    def blob_intact(self, digest: str, size: int) -> bool:
+        """Whether the stored blob still holds its content, by this backend's verification policy
+        (size here; LocalStore and S3Store check content too, see theirs)."""
+        return self.size(blob_key(digest)) == size
 
     def put_blob(self, path: Path, sha256: str | None = None) -> str:
+        """Upload a blob unless an intact copy is there; a damaged copy is replaced (repaired)."""
         digest = sha256 or sha256_file(path)
-        key = blob_key(digest)
-        size = self.size(key)
-        if size is not None:
-            if size != path.stat().st_size:
-                raise IntegrityError(f"{self.uri}: blob {digest} exists with a different size (corrupt store?)")
+        if self.size(blob_key(digest)) is not None and self.blob_intact(digest, path.stat().st_size):
             return digest  # content-addressed: already there
-        self.upload_file(key, path, digest)
+        self.upload_file(blob_key(digest), path, digest)
         return digest
 
     def __str__(self) -> str:

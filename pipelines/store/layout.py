@@ -7,11 +7,16 @@ import re
 from ..errors import IntegrityError
 from ..paths import model_slug
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def is_digest(value: object) -> bool:
+    """A bare lowercase sha256 hex digest (blob names and build ids)."""
+    return isinstance(value, str) and _HEX64.fullmatch(value) is not None
 
 
 def check_digest(digest: str) -> str:
-    if not _HEX64.match(digest):
+    if not is_digest(digest):
         raise IntegrityError(f"{digest!r} is not a bare lowercase sha256 hex digest")
     return digest
 

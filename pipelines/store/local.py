@@ -6,12 +6,14 @@ import errno
 import hashlib
 import os
 import tempfile
+import time
 from pathlib import Path
 
 from ..errors import HiveError, IntegrityError, StoreError
-from ..hashing import CHUNK
+from ..hashing import CHUNK, DigestCache, sha256_file
 from ..paths import safe_relpath
 from .base import Store
+from .layout import blob_key
 
 
 class LocalStore(Store):
@@ -127,6 +129,42 @@ class LocalStore(Store):
                 d.write(chunk)
                 if progress is not None:
                     progress.update(len(chunk))
+
+    def blob_intact(self, digest: str, size: int) -> bool:
+        """Size and full sha256; the digest is remembered with the file's (inode, mtime, ctime) stamp, so a
+        blob is hashed once and again only after something wrote to it (skipped builds stay cheap)."""
+        path = self._path(blob_key(digest))
+        try:
+            if path.stat().st_size != size:
+                return False
+        except OSError:
+            return False
+        cache = DigestCache()
+        known = cache.get(path)
+        if known is None:
+            known = sha256_file(path)
+            cache.put(path, known)
+            cache.save()
+        return known == digest
+
+    def reclaim_temporaries(self, min_age_s: float, dry_run: bool = False) -> list[str]:
+        # _atomic_write's `.<name>.<random>.tmp` and check_writable's `.write-check-*`: a live writer's are
+        # seconds old, so age tells a dead writer's apart.
+        now, out = time.time(), []
+        for dirpath, _dirs, files in os.walk(self.root):
+            for fn in files:
+                if not (fn.startswith(".") and (fn.endswith(".tmp") or fn.startswith(".write-check-"))):
+                    continue
+                path = Path(dirpath, fn)
+                try:
+                    if now - path.stat().st_mtime <= min_age_s:
+                        continue
+                    if not dry_run:
+                        path.unlink()
+                except FileNotFoundError:
+                    continue
+                out.append(str(path.relative_to(self.root)))
+        return sorted(out)
 
     def local_path(self, key: str) -> Path | None:
         p = self._path(key)

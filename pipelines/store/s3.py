@@ -15,6 +15,7 @@ from ..errors import HiveError, IntegrityError, StoreError
 from ..hashing import sha256_file
 from ..paths import safe_relpath
 from .base import Store
+from .layout import blob_key
 
 CHUNK = 64 * 1024 * 1024
 
@@ -83,6 +84,15 @@ class S3Store(Store):
             if self._missing(e):
                 return None
             raise self._error(f"stat {key}", e) from None
+
+    def blob_intact(self, digest: str, size: int) -> bool:
+        """Size and the sha256 recorded at upload (object metadata), from one HEAD: re-reading every blob
+        to verify a skipped build would cost its whole download. An object replaced by anything but
+        hive-aot's verified upload lacks the matching metadata and counts as damaged; pull re-verifies
+        the full sha256 of everything it downloads."""
+        head = self._head(blob_key(digest))
+        return (head is not None and int(head["ContentLength"]) == size
+                and head.get("Metadata", {}).get("sha256") == digest)
 
     def exists(self, key: str) -> bool:
         return self._head(key) is not None

@@ -2,7 +2,8 @@
 
 Peak memory is about one tensor in float32 (plus its encoded copy), never the model: shapes come
 from the safetensors headers, so the GGUF header is written before any tensor data is read, and
-each tensor is read through mmap, transformed, encoded and written before the next one.
+each tensor is read through mmap, transformed, encoded and written before the next one. A tensor with
+NaN/Inf values is refused as it streams by, and a refused conversion leaves no partial file behind.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ class ConvertReport:
     tensor_types: dict[str, int]
     parameters: int
     vocab: dict[str, Any]
-    nonfinite_tensors: list[str] = field(default_factory=list)
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -127,12 +127,28 @@ def _encode(data: np.ndarray, qtype: Q) -> np.ndarray:
     return gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype)
 
 
+def _nonfinite(data: np.ndarray) -> int:
+    """How many NaN/Inf values a tensor holds: numerical validation only sees the rows its prompts touch.
+
+    The boolean mask is a quarter of the float32 tensor already in hand and is freed before the encoded copy
+    is made, so the converter's peak memory does not grow; counting runs only on the failure path.
+    """
+    if np.isfinite(data).all():
+        return 0
+    return int(data.size - np.count_nonzero(np.isfinite(data)))
+
+
 def convert(model_dir: Path, cfg: dict[str, Any], safetensors: list[Path], out_path: Path, outtype: str,
             *, name: str, options: dict[str, Any] | None = None) -> ConvertReport:
     if outtype not in OUTTYPES:
         raise ModelFormatError(f"GGUF outtype {outtype!r} is not written directly (use one of {', '.join(OUTTYPES)})")
     options = options or {}
     tcfg = text_config(cfg)
+    if cfg.get("quantization_config") is not None or tcfg.get("quantization_config") is not None:
+        # Pre-quantized weights (GPTQ/AWQ/FP8 ... or a garbage entry) would be read here as if they were plain
+        # floats and published as an unquantized model; `check` keeps the GGUF recipes off such models too.
+        raise ModelFormatError(f"{name}: config.json has a quantization_config; the GGUF converter reads only "
+                               "unquantized float weights")
     arch = (tcfg.get("architectures") or [None])[0]
     family = family_for(arch)
     hp = HParams(tcfg)
@@ -140,42 +156,54 @@ def convert(model_dir: Path, cfg: dict[str, Any], safetensors: list[Path], out_p
     with TensorSource(safetensors) as tensors:
         plan = plan_tensors(family, hp, tensors, outtype)
         writer = gguf.GGUFWriter(str(out_path), family.gguf_arch)
-        writer.add_name(name)
-        writer.add_file_type(int(OUTTYPES[outtype][1]))
-        if OUTTYPES[outtype][0] not in (Q.F32, Q.F16, Q.BF16):
-            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        family.write_hparams(writer, hp)
-        write_vocab(writer, vocab, model_dir)
-        for p in plan:
-            byte_shape = gguf.quant_shape_to_byte_shape(p.shape, p.qtype) if p.qtype not in (Q.F32, Q.F16) else p.shape
-            item = {Q.F32: 4, Q.F16: 2}.get(p.qtype, 1)
-            nbytes = int(np.prod(byte_shape)) * item
-            np_dtype = {Q.F32: np.float32, Q.F16: np.float16}.get(p.qtype, np.uint8)
-            writer.add_tensor_info(p.gguf_name, byte_shape, np.dtype(np_dtype), nbytes,
-                                   raw_dtype=None if p.qtype in (Q.F32, Q.F16) else p.qtype)
-        writer.write_header_to_file(path=str(out_path))
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        nonfinite: list[str] = []
-        total = sum(tensors.info(p.hf_name).nbytes for p in plan if p.hf_name)
-        with bar(total, f"gguf {outtype}") as pb:
+        started = False
+        try:
+            writer.add_name(name)
+            writer.add_file_type(int(OUTTYPES[outtype][1]))
+            if OUTTYPES[outtype][0] not in (Q.F32, Q.F16, Q.BF16):
+                writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+            family.write_hparams(writer, hp)
+            write_vocab(writer, vocab, model_dir)
             for p in plan:
-                if p.hf_name is None:
-                    data = p.data
-                else:
-                    data = tensors.float32(p.hf_name)
-                    if p.rule is not None and p.rule.transform is not None:
-                        data = p.rule.transform(data, hp)
-                    pb.update(tensors.info(p.hf_name).nbytes)
-                if not np.isfinite(data).all():
-                    nonfinite.append(p.gguf_name)
-                writer.write_tensor_data(_encode(data, p.qtype))
-                del data
-                if p.hf_name is not None:
-                    tensors.release(p.hf_name)
+                byte_shape = gguf.quant_shape_to_byte_shape(p.shape, p.qtype) if p.qtype not in (Q.F32, Q.F16) else p.shape
+                item = {Q.F32: 4, Q.F16: 2}.get(p.qtype, 1)
+                nbytes = int(np.prod(byte_shape)) * item
+                np_dtype = {Q.F32: np.float32, Q.F16: np.float16}.get(p.qtype, np.uint8)
+                writer.add_tensor_info(p.gguf_name, byte_shape, np.dtype(np_dtype), nbytes,
+                                       raw_dtype=None if p.qtype in (Q.F32, Q.F16) else p.qtype)
+            started = True  # from here on out_path holds our partial output
+            writer.write_header_to_file(path=str(out_path))
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            total = sum(tensors.info(p.hf_name).nbytes for p in plan if p.hf_name)
+            with bar(total, f"gguf {outtype}") as pb:
+                for p in plan:
+                    if p.hf_name is None:
+                        data = p.data
+                    else:
+                        data = tensors.float32(p.hf_name)
+                        if p.rule is not None and p.rule.transform is not None:
+                            data = p.rule.transform(data, hp)
+                        pb.update(tensors.info(p.hf_name).nbytes)
+                    bad = _nonfinite(data)
+                    if bad:
+                        size = data.size
+                        del data  # may be a view of the mmap, which cannot close while a traceback holds it
+                        raise ModelFormatError(f"{name}: tensor {p.hf_name or p.gguf_name} has {bad} non-finite value(s) "
+                                               f"(NaN/Inf) out of {size}; refusing to convert corrupt weights")
+                    writer.write_tensor_data(_encode(data, p.qtype))
+                    del data
+                    if p.hf_name is not None:
+                        tensors.release(p.hf_name)
+        except BaseException:
+            # Never leave a half-written GGUF behind: a caller (or a later publish) could take it for a model.
+            writer.close()
+            if started:
+                out_path.unlink(missing_ok=True)
+            raise
         writer.close()
         return ConvertReport(
             architecture=arch, gguf_arch=family.gguf_arch, outtype=outtype, tensors=len(plan),
             tensor_types=dict(Counter(p.qtype.name for p in plan)), parameters=tensors.parameters,
-            vocab=vocab.info, nonfinite_tensors=nonfinite,
+            vocab=vocab.info,
         )

@@ -55,6 +55,10 @@ class HParams:
     @property
     def rope(self) -> dict[str, Any]:
         """rope_theta and scaling: transformers 5 nests them in rope_parameters."""
+        for key in ("rope_parameters", "rope_scaling"):
+            # `check` refuses these too; a direct convert() must still fail in one line, not on dict("linear").
+            if self.get(key) is not None and not isinstance(self.get(key), dict):
+                raise ModelFormatError(f"config.json {key} must be an object, not {type(self.get(key)).__name__}")
         params = dict(self.get("rope_parameters") or {})
         scaling = self.get("rope_scaling") or {}
         out = {**scaling, **params}

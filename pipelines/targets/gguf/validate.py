@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,15 +75,15 @@ def validate_gguf(snapshot: "Snapshot", gguf_path: Path, step: str | None = None
     """Metrics of a GGUF against the transformers fp32 reference. The reference and the comparison run
     here; llama.cpp runs in a child process (`step` names it in a crash message)."""
     from ...isolation import run_isolated
-    from ...paths import work_root
+    from ...paths import work_dir
 
     tok = reference.load_tokenizer(snapshot.dir)
     ids = reference.encode(tok, prompts.PARITY_TEXTS)
     gen_prompt = reference.encode(tok, [prompts.GENERATION_PROMPT])[0]
     ref = reference.compute(snapshot.dir, snapshot.content_digest, ids, gen_prompt, prompts.GENERATION_TOKENS)
 
-    with tempfile.TemporaryDirectory(prefix="llama-logits-", dir=work_root()) as tmp:
-        logits_path = Path(tmp) / "logits.npz"
+    with work_dir("llama-logits-") as tmp:
+        logits_path = tmp / "logits.npz"
         out = run_isolated("pipelines.targets.gguf.validate:run_llama_cpp", engine="llama.cpp",
                            step=step or f"GGUF validation of {snapshot.model_id}", gguf_path=str(gguf_path),
                            sequences=ids, texts=prompts.TOKENIZER_TEXTS, generation_prompt=gen_prompt,

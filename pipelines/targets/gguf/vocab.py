@@ -76,13 +76,13 @@ class _PlainTokenizer:
         cfg_path = model_dir / "tokenizer_config.json"
         try:
             cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
-        except (UnicodeDecodeError, json.JSONDecodeError):
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             return None  # let transformers report it
         if not isinstance(cfg, dict) or cfg.get("tokenizer_class") not in _PLAIN_CLASSES or _CLASS_SWITCHES & set(cfg):
             return None
         try:
             model_type = json.loads((model_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError, RecursionError):
             return None
         if model_type not in _PLAIN_MODEL_TYPES:
             return None

@@ -1,0 +1,331 @@
+"""Hostile arguments and a damaged store, through the CLI as a user or an attacker drives it.
+
+Every case asserts the exit code; exactly one `hive-aot: error:` line on stderr (or success), no
+traceback; nothing published for a refused case; and nothing written outside the store and the
+destination (each case runs in an empty working directory that must stay empty).
+The CLI runs in-process (`pipelines.cli.main`), so a case costs milliseconds, not an interpreter start.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from factories import write_test_config
+from pipelines.cli import main
+
+REPO = Path.cwd()
+MODEL = "test-org/hostile"
+SLUG = "test-org--hostile"
+
+
+@dataclass
+class Run:
+    rc: int
+    out: str
+    err: str
+
+    def error_line(self) -> str:
+        # exactly the one line: no traceback, and no library warnings around it
+        lines = self.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("hive-aot: error: "), self.err
+        return lines[0]
+
+
+@pytest.fixture(scope="module")
+def published(tiny_llama, tmp_path_factory) -> dict:
+    """One published f16 build of the tiny model, copied per case by `store`."""
+    root = tmp_path_factory.mktemp("hostile")
+    reg = write_test_config(root / "cfg", REPO)
+    store = root / "store"
+    rc = main(["build", str(tiny_llama), "--recipe", "gguf-f16", "--model-id", MODEL, "--store", str(store),
+               "--registry", str(reg), "--json"])
+    assert rc == 0
+    manifest = next((store / "manifests" / SLUG / "gguf-f16").glob("*.json"))
+    return {"store": store, "registry": reg, "model": tiny_llama, "manifest": json.loads(manifest.read_text())}
+
+
+@pytest.fixture
+def cli(tmp_path, monkeypatch, capfd):
+    """Run the CLI in an empty working directory; returns (Run, files created in that directory)."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("HIVE_AOT_CACHE", str(tmp_path / "cache"))
+
+    def run(*argv: str) -> Run:
+        capfd.readouterr()
+        rc = main(list(argv))
+        captured = capfd.readouterr()
+        assert sorted(p.name for p in cwd.iterdir()) == [], "wrote into the working directory"
+        return Run(rc, captured.out, captured.err)
+
+    return run
+
+
+# --- hostile arguments ---------------------------------------------------------------------------
+
+BAD_IDS = ["noslash", "a/b/c", "team--x/model", "team/x--model", "a/" + "x" * 300, "a/..b", "a/b.", "-a/b",
+           "a/b\n", "a b/c", "../etc"]
+
+
+@pytest.mark.parametrize("bad", BAD_IDS)
+def test_build_refuses_model_ids_pull_would_refuse(bad, published, cli, tmp_path):
+    store = tmp_path / "store"
+    r = cli("build", str(published["model"]), "--recipe", "gguf-f16", f"--model-id={bad}", "--store", str(store),
+            "--registry", str(published["registry"]))
+    assert r.rc == 1 and "is not a model id: org/name" in r.error_line()
+    assert not store.exists() or not any(store.rglob("*.json"))
+
+
+@pytest.mark.parametrize("bad", BAD_IDS)
+def test_pull_refuses_the_same_model_ids(bad, published, cli, tmp_path):
+    r = cli("pull", "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "d"), "--store", str(published["store"]),
+            "--", bad)
+    assert r.rc == 1 and "is not a model id: org/name" in r.error_line()
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("spec", [f"{MODEL}@c@d", f"{MODEL}@../../x", f"{MODEL}@" + "A" * 64, f"{MODEL}@"])
+def test_pull_refuses_malformed_build_ids(spec, published, cli, tmp_path):
+    r = cli("pull", spec, "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "d"), "--store",
+            str(published["store"]))
+    assert r.rc == 1 and "is not a build id" in r.error_line()
+    assert not (tmp_path / "d").exists()
+
+
+def test_colliding_ids_cannot_both_exist(published, cli, tmp_path):
+    """`team--x/model` and `team/x--model` once shared one store directory; '--' is refused in ids now,
+    so `org--name` names exactly one model."""
+    r = cli("pull", "test--org/hostile", "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "d"),
+            "--store", str(published["store"]))
+    assert r.rc == 1 and "no '--'" in r.error_line()
+
+
+@pytest.mark.parametrize("uri, says", [
+    ("ftp://host/x", "unknown store scheme 'ftp'"),
+    ("http://host/x", "unknown store scheme 'http'"),
+    ("gs://bucket/x", "unknown store scheme 'gs'"),
+    ("file://relative/x", "must be absolute"),
+    ("s3://", "is not s3://bucket[/prefix]"),
+])
+@pytest.mark.parametrize("command", ["build", "ls", "gc", "pull"])
+def test_unknown_store_uris_are_refused(uri, says, command, published, cli, tmp_path):
+    args = {"build": ["build", str(published["model"]), "--recipe", "gguf-f16", "--model-id", MODEL,
+                      "--registry", str(published["registry"])],
+            "ls": ["ls"], "gc": ["gc"],
+            "pull": ["pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "d")]}[command]
+    r = cli(*args, "--store", uri)
+    assert r.rc == 1 and says in r.error_line()
+
+
+# --- a damaged store -----------------------------------------------------------------------------
+
+def _copy(published: dict, tmp_path: Path) -> Path:
+    store = tmp_path / "store"
+    shutil.copytree(published["store"], store)
+    return store
+
+
+def _ref(store: Path) -> Path:
+    return store / "refs" / SLUG / "gguf-f16" / "latest"
+
+
+def _manifest(store: Path) -> Path:
+    return next((store / "manifests" / SLUG / "gguf-f16").glob("*.json"))
+
+
+DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
+    "ref-not-json": (lambda s: _ref(s).write_bytes(b"\x00garbage{"), "is not valid JSON"),
+    "ref-without-build-id": (lambda s: _ref(s).write_text('{"manifest": "x"}'), "has no valid build_id"),
+    "ref-is-a-list": (lambda s: _ref(s).write_text("[1, 2]"), "has no valid build_id"),
+    "ref-deeply-nested": (lambda s: _ref(s).write_text("[" * 100000 + "]" * 100000), "is not valid JSON"),
+    "manifest-schema-invalid": (lambda s: _manifest(s).write_text('{"build_id": 5}'), "is not a valid manifest"),
+    "manifest-not-json": (lambda s: _manifest(s).write_bytes(b"\xff\xfe"), "is not a valid manifest"),
+    "ref-stray-key": (lambda s: (s / "refs" / "stray").write_text("{}"), "is not refs/<model>/<recipe>/<tag>"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+@pytest.mark.parametrize("command", ["ls", "gc"])
+def test_damaged_store_is_one_line_in_ls_and_gc(damage, command, published, cli, tmp_path):
+    store = _copy(published, tmp_path)
+    breaker, says = DAMAGE[damage]
+    breaker(store)
+    before = sorted(p.relative_to(store) for p in store.rglob("*"))
+    r = cli(command, "--store", str(store), "--min-age", "0") if command == "gc" else cli(command, "--store", str(store))
+    if command == "gc" and damage.startswith("ref"):
+        assert r.rc == 0  # gc reads manifests, not refs: a broken ref keeps nothing from being collected
+    else:
+        assert r.rc == 1 and says in r.error_line()
+    # gc that cannot read every manifest deletes nothing (a blob may belong to the unreadable one)
+    assert sorted(p.relative_to(store) for p in store.rglob("*")) == before
+
+
+def test_corrupted_blob_is_repaired_by_the_next_build(published, cli, tmp_path):
+    """A skipped build verifies the blobs it relies on; a damaged one is rebuilt and uploaded again."""
+    store = _copy(published, tmp_path)
+    f = published["manifest"]["files"][0]
+    blob = store / "blobs" / "sha256" / f["sha256"][:2] / f["sha256"]
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one byte flipped
+    blob.write_bytes(bytes(data))
+    args = ("build", str(published["model"]), "--recipe", "gguf-f16", "--model-id", MODEL, "--store", str(store),
+            "--registry", str(published["registry"]), "--json")
+    r = cli(*args)
+    assert r.rc == 0, r.err
+    doc = json.loads(r.out)
+    assert doc["state"] == "repaired" and doc["skipped"] is False
+    assert doc["build_id"] == published["manifest"]["build_id"]
+    from pipelines.hashing import sha256_file
+
+    assert sha256_file(blob) == f["sha256"]
+    again = json.loads(cli(*args).out)
+    assert again["state"] == "skipped" and again["skipped"] is True
+
+
+def test_corrupted_blob_without_its_manifest_is_replaced_on_upload(published, cli, tmp_path):
+    """The manifest is gone and the blob damaged: the rebuild's upload must not trust the old bytes."""
+    store = _copy(published, tmp_path)
+    f = published["manifest"]["files"][0]
+    blob = store / "blobs" / "sha256" / f["sha256"][:2] / f["sha256"]
+    blob.write_bytes(b"\0" * f["size"])
+    _manifest(store).unlink()
+    r = cli("build", str(published["model"]), "--recipe", "gguf-f16", "--model-id", MODEL, "--store", str(store),
+            "--registry", str(published["registry"]), "--json")
+    assert r.rc == 0, r.err
+    assert json.loads(r.out)["state"] == "published"
+    from pipelines.hashing import sha256_file
+
+    assert sha256_file(blob) == f["sha256"]
+
+
+# --- hostile model directories: `check` and `build` ---------------------------------------------
+
+def _cfg(**changes):
+    def edit(d: Path) -> None:
+        from factories import edit_config
+
+        edit_config(d, **changes)
+    return edit
+
+
+def _raw_config(text: str):
+    def edit(d: Path) -> None:
+        (d / "config.json").write_text(text)
+    return edit
+
+
+def _poison(tensor: str, value: float):
+    def edit(d: Path) -> None:
+        from factories import poison_weights
+
+        poison_weights(d, tensor=tensor, value=value)
+    return edit
+
+
+def _truncate(d: Path) -> None:
+    w = d / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+
+
+def _nested_header(d: Path) -> None:
+    import struct
+
+    header = b"{" + b'"a":' * 0 + b'"x":' + b"[" * 100000 + b"]" * 100000 + b"}"
+    header += b" " * ((8 - len(header) % 8) % 8)
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+
+
+def _pickle_only(d: Path) -> None:
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(b"\x80\x04K\x01.")  # a pickle: never opened
+
+
+def _symlink_out(d: Path) -> None:
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors").symlink_to("/etc/passwd")
+
+
+def _tokenizer_garbage(d: Path) -> None:
+    (d / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": {}, "merges": []}}')
+
+
+def _remove(name: str):
+    def edit(d: Path) -> None:
+        (d / name).unlink()
+    return edit
+
+
+# name: (breaker, check exit code, build exit code, fragment both error lines share, or None when check passes)
+# Exit codes: 1 error, 4 requires_review, 5 incompatible (check); build refuses what check would not pass.
+MODEL_DIRS: dict[str, tuple[Callable[[Path], None], int, int, str]] = {
+    "eps-negative": (_cfg(rms_norm_eps=-1e-5), 5, 1, "rms_norm_eps=-1e-05 is not plausible"),
+    "eps-zero": (_cfg(rms_norm_eps=0.0), 5, 1, "rms_norm_eps=0.0 is not plausible"),
+    "eps-nan": (_cfg(rms_norm_eps=float("nan")), 5, 1, "rms_norm_eps=nan is not plausible"),
+    "eps-string": (_cfg(rms_norm_eps="small"), 5, 1, "rms_norm_eps='small' is not plausible"),
+    "rope-theta-negative": (_cfg(rope_parameters={"rope_theta": -1.0, "rope_type": "default"}), 5, 1,
+                            "rope_theta=-1.0 is not plausible"),
+    "rope-theta-inf": (_cfg(rope_parameters={"rope_theta": float("inf"), "rope_type": "default"}), 5, 1,
+                       "rope_theta=inf is not plausible"),
+    "rope-scaling-string": (_cfg(rope_scaling="linear"), 5, 1, "rope_scaling='linear' is not plausible"),
+    "rope-parameters-list": (_cfg(rope_parameters=[1, 2]), 5, 1, "rope_parameters=[1, 2] is not plausible"),
+    "sliding-window-negative": (_cfg(sliding_window=-5), 5, 1, "sliding_window=-5 is not plausible"),
+    "kv-heads-not-dividing": (_cfg(num_key_value_heads=3), 5, 1, "not divisible by num_key_value_heads=3"),
+    "hidden-size-zero": (_cfg(hidden_size=0), 5, 1, "hidden_size"),
+    "layers-absurd": (_cfg(num_hidden_layers=10**9), 5, 1, "num_hidden_layers"),
+    "vocab-negative": (_cfg(vocab_size=-1), 5, 1, "vocab_size"),
+    "model-type-contradicts": (_cfg(model_type="gpt2"), 5, 1, "model_type 'gpt2' contradicts architecture"),
+    "model-type-not-string": (_cfg(model_type=5), 5, 1, "model_type=5 is not a string"),
+    "quantization-garbage": (_cfg(quantization_config="yes"), 5, 1, "quantization_config='yes' is not an object"),
+    "quantization-unknown": (_cfg(quantization_config={"quant_method": "magic"}), 5, 1, "unknown quant_method 'magic'"),
+    "unknown-architecture": (_cfg(architectures=["NoSuchForCausalLM"]), 5, 1, "NoSuchForCausalLM"),
+    "config-nested": (_raw_config('{"a": ' + "[" * 100000 + "]" * 100000 + "}"), 5, 1, "nested too deeply"),
+    "config-not-json": (_raw_config("{architectures: llama"), 5, 1, "config.json is not valid JSON"),
+    "config-a-list": (_raw_config("[1, 2, 3]"), 5, 1, "config.json is not a JSON object"),
+    "config-missing": (_remove("config.json"), 1, 1, "config.json is missing"),
+    "remote-code": (_cfg(auto_map={"AutoModelForCausalLM": "modeling_x.XForCausalLM"}), 4, 1, "requires review"),
+    "nan-embedding-row": (_poison("model.embed_tokens.weight", float("nan")), 0, 1,
+                          "tensor model.embed_tokens.weight has 1 non-finite value(s)"),
+    "inf-mlp-weight": (_poison("model.layers.1.mlp.up_proj.weight", float("inf")), 0, 1,
+                       "tensor model.layers.1.mlp.up_proj.weight has 1 non-finite value(s)"),
+    "truncated-weights": (_truncate, 1, 1, "model.safetensors"),
+    "nested-safetensors-header": (_nested_header, 1, 1, "nested too deeply"),
+    "pickle-only": (_pickle_only, 1, 1, "only pickle weights (pytorch_model.bin)"),
+    "symlink-out-of-repo": (_symlink_out, 1, 1, "resolves outside"),
+    "tokenizer-garbage": (_tokenizer_garbage, 0, 1, "tokenizer"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MODEL_DIRS))
+@pytest.mark.parametrize("command", ["check", "build"])
+def test_hostile_model_directory(case, command, published, cli, tmp_path):
+    from factories import copy_model
+
+    breaker, check_rc, build_rc, fragment = MODEL_DIRS[case]
+    d = copy_model(published["model"], tmp_path / "model")
+    breaker(d)
+    store = tmp_path / "store"
+    if command == "check":
+        r = cli("check", str(d), "--model-id", "test-org/bad", "--hardware", "cpu", "--json")
+        assert r.rc == check_rc, r.err
+        if check_rc == 0:
+            assert json.loads(r.out)["status"] == "compatible"
+            return
+        if check_rc == 1:
+            assert fragment in r.error_line()
+            return
+        doc = json.loads(r.out)
+        assert doc["status"] == {4: "requires_review", 5: "incompatible"}[check_rc]
+        assert fragment in json.dumps(doc) and "Traceback" not in r.err
+        return
+    r = cli("build", str(d), "--recipe", "gguf-f16", "--model-id", "test-org/bad", "--store", str(store),
+            "--registry", str(published["registry"]))
+    assert r.rc == build_rc and fragment in r.error_line()
+    assert not (store / "manifests").exists() and not (store / "refs").exists()
+    assert not (store / "staging").exists() or not any((store / "staging").iterdir())
