@@ -429,6 +429,23 @@ def test_inf_in_an_mlp_weight_is_refused_and_no_partial_file_is_left(tiny_llama,
         assert not out.exists()  # the header and earlier tensors were already written: removed again
 
 
+def test_values_beyond_float16_range_are_refused_for_f16_only(tiny_llama, tmp_path):
+    """A finite bf16 weight of 1e5 would become +Inf in an f16 GGUF; bf16 and f32 hold it."""
+    d = copy_model(tiny_llama, tmp_path / "big")
+
+    def enlarge(tensors):
+        tensors["model.layers.0.mlp.down_proj.weight"][1, 2] = 1.0e5
+
+    rewrite_safetensors(d, enlarge)
+    out = tmp_path / "big-f16.gguf"
+    with pytest.raises(ModelFormatError, match=r"^test/big: tensor model\.layers\.0\.mlp\.down_proj\.weight holds "
+                                               r"values up to 1(\.\d+)?e\+05, beyond float16's range \(65504\)"):
+        run_convert(d, out, "f16")
+    assert not out.exists()
+    run_convert(d, tmp_path / "big-bf16.gguf", "bf16")  # representable: converted
+    assert (tmp_path / "big-bf16.gguf").stat().st_size > 0
+
+
 def test_nan_blocks_the_kquant_intermediate_too(tiny_llama, tmp_path):
     """The k-quant path converts to a lossless intermediate first: the refusal must stop it before libllama runs."""
     from pipelines.config import Config

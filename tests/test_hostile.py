@@ -294,6 +294,8 @@ MODEL_DIRS: dict[str, tuple[Callable[[Path], None], int, int, str]] = {
                           "tensor model.embed_tokens.weight has 1 non-finite value(s)"),
     "inf-mlp-weight": (_poison("model.layers.1.mlp.up_proj.weight", float("inf")), 0, 1,
                        "tensor model.layers.1.mlp.up_proj.weight has 1 non-finite value(s)"),
+    "beyond-float16-range": (_poison("model.layers.0.mlp.down_proj.weight", 1.0e5), 0, 1,
+                             "beyond float16's range (65504)"),
     "truncated-weights": (_truncate, 1, 1, "model.safetensors"),
     "nested-safetensors-header": (_nested_header, 1, 1, "nested too deeply"),
     "pickle-only": (_pickle_only, 1, 1, "only pickle weights (pytorch_model.bin)"),

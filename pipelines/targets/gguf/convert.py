@@ -123,7 +123,8 @@ def _encode(data: np.ndarray, qtype: Q) -> np.ndarray:
     if qtype == Q.F32:
         return np.ascontiguousarray(data, dtype=np.float32)
     if qtype == Q.F16:
-        return np.ascontiguousarray(data, dtype=np.float16)
+        with np.errstate(over="ignore"):  # overflow to Inf is detected (and refused) by the caller
+            return np.ascontiguousarray(data, dtype=np.float16)
     return gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype)
 
 
@@ -191,8 +192,15 @@ def convert(model_dir: Path, cfg: dict[str, Any], safetensors: list[Path], out_p
                         del data  # may be a view of the mmap, which cannot close while a traceback holds it
                         raise ModelFormatError(f"{name}: tensor {p.hf_name or p.gguf_name} has {bad} non-finite value(s) "
                                                f"(NaN/Inf) out of {size}; refusing to convert corrupt weights")
-                    writer.write_tensor_data(_encode(data, p.qtype))
-                    del data
+                    encoded = _encode(data, p.qtype)
+                    if p.qtype == Q.F16 and not np.isfinite(encoded).all():
+                        # finite bf16/f32 values beyond float16's range (65504) would be written as +-Inf
+                        peak = float(np.abs(data).max())
+                        del data, encoded
+                        raise ModelFormatError(f"{name}: tensor {p.hf_name or p.gguf_name} holds values up to {peak:.4g}, "
+                                               "beyond float16's range (65504): use a bf16 or f32 recipe for this model")
+                    writer.write_tensor_data(encoded)
+                    del data, encoded
                     if p.hf_name is not None:
                         tensors.release(p.hf_name)
         except BaseException:
