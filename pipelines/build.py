@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .compat import Compatibility, classify_snapshot
+from .compat.hardware import hardware_for_vendor
 from .config import Config, Recipe
 from .errors import IntegrityError, NotApplicableError, StoreError, ValidationFailed
 from .hashing import sha256_file
@@ -26,7 +27,7 @@ from .paths import reclaim_work, work_dir
 from .sources import Snapshot, fetch
 from .store import Store, blob_key, manifest_key, open_store, ref_key, staging_key
 from .store.layout import PROFILES_KEY
-from .targets import Target, ValidationReport, target_for
+from .targets import BuildContext, Target, ValidationReport, target_for
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Plan:
     compatibility: Compatibility
     target: Target
     build_id: str
+    context: BuildContext
 
     @property
     def model_id(self) -> str:
@@ -61,12 +63,33 @@ class BuildResult:
         }
 
 
+def recipe_hardware(recipe: Recipe, config: Config) -> str:
+    """The hardware a recipe is built for: that of the first active runtime profile it serves."""
+    for pid in recipe.runtime_profiles:
+        prof = config.registry.profile(pid)
+        if prof.active:
+            return hardware_for_vendor(prof.vendor)
+    raise NotApplicableError(f"recipe {recipe.id}: none of its runtime profiles ({', '.join(recipe.runtime_profiles)}) is active")
+
+
 def plan(source: str, recipe_id: str, config: Config, model_id: str | None = None) -> Plan:
-    """Resolve everything that decides the build id; refuses inapplicable recipes before any build work."""
+    """Resolve everything that decides the build id; refuses inapplicable recipes before any build work.
+
+    The model is classified for the recipe's own hardware (a GGUF recipe for the CPU tier, a vLLM recipe
+    for NVIDIA first), and the recipe must be one the routed runtime profile loads."""
     recipe = config.recipe(recipe_id)
+    hardware = recipe_hardware(recipe, config)
     snap = fetch(source, model_id)
     reviewed = config.reviewed(snap.model_id)
-    compat = classify_snapshot(snap, config.recipes.values(), registry=config.registry, reviewed=reviewed)
+    seen: dict[str, Compatibility] = {}
+
+    def classify_for(hw: str) -> Compatibility:
+        if hw not in seen:
+            seen[hw] = classify_snapshot(snap, config.recipes.values(), hardware=hw, registry=config.registry,
+                                         reviewed=reviewed)
+        return seen[hw]
+
+    compat = classify_for(hardware)
     if compat.status == "incompatible":
         raise NotApplicableError(f"{snap.model_id} is incompatible: {compat.reason()}")
     if compat.status == "requires_review":
@@ -76,13 +99,16 @@ def plan(source: str, recipe_id: str, config: Config, model_id: str | None = Non
             )
     if recipe.id not in compat.recipes:
         raise NotApplicableError(
-            f"recipe {recipe.id} does not apply to {snap.model_id} ({compat.architecture}); "
-            f"applicable: {', '.join(compat.recipes) or 'none'}"
+            f"recipe {recipe.id} does not apply to {snap.model_id} ({compat.architecture}) on {hardware}, "
+            f"which routes it to {compat.runtime_profile_id or 'no runtime profile'}; "
+            f"recipes that profile loads: {', '.join(compat.recipes) or 'none'}"
         )
     target = target_for(recipe.kind)
     build_id = compute_build_id(snap.model_id, snap.commit, [(f.path, f.sha256) for f in snap.files],
                                 recipe.canonical_json(), target.toolchain())
-    return Plan(snap, recipe, compat, target, build_id)
+    ctx = BuildContext(snapshot=snap, recipe=recipe, compatibility=compat, registry=config.registry,
+                       classify=classify_for, reviewed=reviewed)
+    return Plan(snap, recipe, compat, target, build_id, ctx)
 
 
 def published_manifest(p: Plan, store: Store) -> Manifest | None:
@@ -117,11 +143,12 @@ def stage(p: Plan, store: Store) -> BuildResult:
     store.check_writable()
     reclaim_work()  # what killed builds left behind
     with work_dir(f"build-{p.build_id[:12]}-") as work:
-        art = p.target.build(p.snapshot, p.recipe, work)
+        art = p.target.build(p.context, work)
         entries = []
         for rel in art.files:
             path = art.root / rel
-            digest = sha256_file(path)
+            # Files copied unchanged from the source come with the digest the snapshot recorded.
+            digest = art.known_digests.get(rel) or sha256_file(path)
             store.put_blob(path, digest)  # replaces a damaged copy
             entries.append(FileEntry(path=rel, sha256=digest, size=path.stat().st_size))
     if existing is not None:
@@ -131,13 +158,14 @@ def stage(p: Plan, store: Store) -> BuildResult:
         _ensure_refs(store, p, existing)
         return _result(p, store, "repaired", existing, skipped=False)
     s = p.snapshot
+    serving = p.target.serving(p.context, [e.path for e in entries])
     manifest = Manifest(
         build_id=p.build_id,
         model=ModelInfo(id=s.model_id, revision=s.revision, commit=s.commit, source=s.pinned_source if s.source.startswith("hf://") else "local",
                         license=s.license, gated=s.gated, content_digest=s.content_digest),
         recipe=RecipeInfo(id=p.recipe.id, kind=p.recipe.kind, digest=p.recipe.digest, options=p.recipe.options),
-        runtime_profiles=list(p.recipe.runtime_profiles), format=art.format, files=entries,
-        toolchain=p.target.toolchain(), build=art.info, serving=art.serving,
+        runtime_profiles=list(serving), format=p.target.artifact_format(p.recipe.options), files=entries,
+        toolchain=p.target.toolchain(), build=art.info, serving=serving,
     )
     store.write_bytes(staging_key(p.build_id), json.dumps({"state": "staged", "manifest": manifest.model_dump(mode="json")}).encode())
     return _result(p, store, "staged", manifest, skipped=False)
@@ -176,7 +204,7 @@ def validate_staged(p: Plan, store: Store) -> ValidationReport:
     try:
         with work_dir(f"validate-{p.build_id[:12]}-") as work:
             materialize_blobs(store, manifest.files, work)
-            report = p.target.validate(p.snapshot, p.recipe, work, [f.path for f in manifest.files])
+            report = p.target.validate(p.context, work, [f.path for f in manifest.files])
     except BaseException:
         # Validation itself failed (engine crash, interrupt): the candidate can never be published as
         # it is, so its record goes; its blobs are left for gc.

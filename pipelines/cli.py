@@ -122,7 +122,12 @@ def cmd_build(args) -> int:
     res = build_and_publish(args.source, args.recipe, config, args.store, args.model_id)
     v = res.validation or {}
     met = v.get("metrics", {})
-    score = f" top-1 {met['top1_agreement']:.4f}, KL {met['mean_kl']:.5f}" if met else ""
+    score = f" top-1 {met['top1_agreement']:.4f}, KL {met['mean_kl']:.5f}" if "top1_agreement" in met else ""
+    if met.get("vllm_loaded"):
+        score += (f"; in vLLM: top-1 {met['vllm_top1_agreement']:.4f} vs transformers, "
+                  f"greedy {met['vllm_greedy_tokens_matched']} tokens")
+    elif "vllm_loaded" in met:
+        score += f"; vLLM load not checked here: {v.get('vllm', {}).get('reason', '')}"
     size = sum(f["size"] for f in res.files)
     if res.state == "rejected":
         human = f"rejected {res.recipe} for {res.model_id}: {'; '.join(v.get('failures', []))} (nothing published)"
@@ -142,6 +147,10 @@ def cmd_pull(args) -> int:
                registry=args.registry)
     human = (f"{'already present' if res['already_present'] else 'pulled'} {res['model_id']} {res['recipe']} "
              f"(build {res['build_id'][:12]}, {_mb(res['size'])}) into {res['dest']}")
+    if res.get("image"):
+        human += f"\n  image: {res['image']}"
+    if res.get("env"):
+        human += "\n  env: " + " ".join(f"{k}={v}" for k, v in sorted(res["env"].items()))
     if res.get("serve"):
         human += f"\n  serve: {res['serve']}"
     _emit(args, res, human)

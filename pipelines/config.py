@@ -22,10 +22,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from .errors import ConfigError, HiveError
 from .paths import check_model_id
+from .targets import KINDS, Thresholds, target_class
 
 RECIPE_ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
@@ -127,22 +129,36 @@ class Registry(_Strict):
         return next((m for m in self.models if m.id == model_id), None)
 
 
-class ValidationThresholds(_Strict):
-    """What an artifact must reach against the transformers fp32 reference to be published."""
-
-    min_top1_agreement: float = Field(ge=0.0, le=1.0)
-    max_mean_kl: float = Field(ge=0.0)
-    max_abs_logit_delta: float | None = Field(default=None, ge=0.0)
-    require_token_parity: bool = True
-
-
 class Recipe(_Strict):
+    """A recipe: which target kind builds it, with which options, for which runtime profiles, gated by
+    which validation thresholds. `validation` follows the target's own schema (`Target.Thresholds`)."""
+
     id: str
-    kind: Literal["gguf"]
+    kind: str
     description: str = ""
     options: dict[str, Any] = Field(default_factory=dict)
     runtime_profiles: list[str] = Field(min_length=1)
-    validation: ValidationThresholds
+    validation: SerializeAsAny[Thresholds]
+
+    @field_validator("kind")
+    @classmethod
+    def _kind(cls, v: str) -> str:
+        if v not in KINDS:
+            raise ValueError(f"unknown kind {v!r} (known: {', '.join(KINDS)})")
+        return v
+
+    @field_validator("validation", mode="before")
+    @classmethod
+    def _thresholds(cls, v: Any, info: ValidationInfo) -> Any:
+        kind = info.data.get("kind")
+        if kind is None or isinstance(v, Thresholds):
+            return v
+        schema = target_class(kind).Thresholds
+        try:
+            return schema.model_validate(v)
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise _NestedError(first["loc"], f"{first['msg']} ({kind} thresholds: {', '.join(schema.model_fields)})") from None
 
     @field_validator("id")
     @classmethod
@@ -161,11 +177,24 @@ class Recipe(_Strict):
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()
 
 
+class _NestedError(ValueError):
+    """A validation error inside a field whose schema depends on another field (a recipe's thresholds
+    depend on its kind): keeps the inner location so messages read `validation.min_top1: ...`."""
+
+    def __init__(self, loc: tuple, msg: str):
+        super().__init__(f"{'.'.join(str(x) for x in loc)}: {msg}")
+        self.loc, self.msg = tuple(loc), msg
+
+
 def _format_validation_error(path: Path, err: ValidationError) -> str:
     parts = []
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "(top level)"
-        parts.append(f"{loc}: {e['msg']}")
+        inner = (e.get("ctx") or {}).get("error")
+        loc_parts, msg = tuple(e["loc"]), e["msg"]
+        if isinstance(inner, _NestedError):
+            loc_parts, msg = loc_parts + inner.loc, inner.msg
+        loc = ".".join(str(x) for x in loc_parts) or "(top level)"
+        parts.append(f"{loc}: {msg}")
     return f"{path}: " + "; ".join(parts)
 
 
@@ -283,13 +312,19 @@ class Config:
         from .targets import target_for
 
         profiles = {p.id for p in self.registry.runtime_profiles}
+        by_id = {p.id: p for p in self.registry.runtime_profiles}
         for r in self.recipes.values():
-            problems = target_for(r.kind).option_problems(r.options)
+            target = target_for(r.kind)
+            problems = target.option_problems(r.options)
             if problems:
                 raise ConfigError(f"recipe {r.id}: options: {'; '.join(problems)}")
+            fmt = target.artifact_format(r.options)
             for pid in r.runtime_profiles:
                 if pid not in profiles:
                     raise ConfigError(f"recipe {r.id}: runtime_profiles: unknown profile {pid!r}")
+                if fmt not in by_id[pid].loads:
+                    raise ConfigError(f"recipe {r.id}: runtime profile {pid} does not load {fmt} "
+                                      f"(it loads {', '.join(by_id[pid].loads) or 'nothing'})")
         for i, m in enumerate(self.registry.models):
             for rid in m.recipes:
                 if rid not in self.recipes:

@@ -1,4 +1,5 @@
-"""`make demo`: onboard the registry's models through Dagster, pull the q4_k_m artifact, generate.
+"""`make demo`: onboard the demo model through Dagster (GGUF and prepared vLLM weights, each validated in
+its engine), pull the q4_k_m artifact, generate.
 
 Runs fully offline on the embedded defaults: the local store ./artifacts and the SQLite Dagster
 instance in ./.dagster (the Makefile sets both explicitly, whatever the shell exports). A second run
@@ -27,6 +28,16 @@ def greedy_completion(model_path: str, prompt: str, max_tokens: int) -> str:
         llm.close()
 
 
+def _vllm_column(chk: dict) -> str:
+    """The vLLM validation of a prepared-weights recipe, in one cell ("-" for other kinds)."""
+    if "vllm_loaded" not in chk:
+        return "-"
+    if not chk["vllm_loaded"]:
+        return "not loaded here (needs a GPU host)"
+    return (f"top-1 {chk['vllm_top1_agreement']:.4f}, greedy {chk['vllm_greedy_agreement']:.0%}, "
+            f"dlogp {chk['vllm_max_logprob_delta']:.0e}")
+
+
 def main() -> int:
     from .errors import HiveError
     from .isolation import run_isolated
@@ -38,15 +49,16 @@ def main() -> int:
           file=sys.stderr)
     report = onboard(models=[DEMO_MODEL])
     rows = report["results"]
-    print(f"\n{'recipe':14} {'size':>10} {'top-1':>7} {'KL':>9} {'build id':14} {'skipped?':8} state")
+    print(f"\n{'recipe':14} {'size':>10} {'top-1':>7} {'KL':>9} {'in vLLM (fp32 vs transformers fp32)':38} "
+          f"{'build id':14} {'skipped?':8} state")
     for r in rows:
         chk = r.get("check", {})
         top1 = f"{chk['top1_agreement']:.4f}" if "top1_agreement" in chk else "-"
         kl = f"{chk['mean_kl']:.5f}" if "mean_kl" in chk else "-"
         size = f"{r['size'] / 1e6:.1f} MB" if "size" in r else "-"
         skipped = "yes" if r["state"] == "skipped" else "no"
-        print(f"{r['recipe']:14} {size:>10} {top1:>7} {kl:>9} {r.get('build_id', '')[:12]:14} {skipped:8} {r['state']}"
-              + (f" ({r['error']})" if r.get("error") else ""))
+        print(f"{r['recipe']:14} {size:>10} {top1:>7} {kl:>9} {_vllm_column(chk):38} {r.get('build_id', '')[:12]:14} "
+              f"{skipped:8} {r['state']}" + (f" ({r['error']})" if r.get("error") else ""))
     if not report["success"]:
         print("demo: onboarding failed (see above)", file=sys.stderr)
         return 1

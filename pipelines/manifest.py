@@ -53,7 +53,16 @@ class Manifest(BaseModel):
     toolchain: dict[str, str]
     build: dict[str, Any] = Field(default_factory=dict)
     validation: dict[str, Any] | None = None
+    # runtime profile id -> how that platform serves this artifact (target.serving): engine, image, engine
+    # args, env, `command` (argv with "{model_dir}" for the pulled directory). Manifests written before
+    # per-profile descriptions hold one flat description here; pull still reads them.
     serving: dict[str, Any] = Field(default_factory=dict)
+
+    def serving_for(self, profile_id: str) -> dict[str, Any]:
+        desc = self.serving.get(profile_id)
+        if isinstance(desc, dict):
+            return desc
+        return {} if any(isinstance(v, dict) for v in self.serving.values()) else dict(self.serving)
 
     @classmethod
     def parse(cls, raw: bytes | str | dict, where: str) -> "Manifest":

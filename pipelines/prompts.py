@@ -47,3 +47,11 @@ TOKENIZER_TEXTS = [
 
 GENERATION_PROMPT = "The capital of France is"
 GENERATION_TOKENS = 12
+
+# Greedy continuations compared token by token between vLLM and transformers (prepared vLLM weights).
+GREEDY_PROMPTS = [
+    "The capital of France is",
+    "def add(a, b):\n    return",
+    "Once upon a time, in a small village by the sea,",
+]
+GREEDY_TOKENS = 16

@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import stat
 import tempfile
@@ -27,6 +28,7 @@ from .paths import cache_root, check_model_id, lock_is_free, model_slug, safe_re
 from .progress import bar
 from .store import Store, blob_key, manifest_key, open_store, ref_key
 from .store.layout import PROFILES_KEY, is_digest
+from .targets import serve_command
 
 MARKER = "hive-aot.json"
 # Serving processes often run as another user than the puller: what a pull leaves is world-readable.
@@ -258,7 +260,8 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
     if dest == dest.parent:  # DIR is replaced as a whole, and its lock file lives beside it
         raise HiveError(f"cannot pull into {dest}: name a directory below it")
     marker_doc = {"model_id": model_id, "build_id": m.build_id, "recipe": chosen.recipe, "runtime_profile": profile,
-                  "serving": {**profile.get("serving", {}), **m.serving}, "manifest": m.model_dump(mode="json")}
+                  "serving": {**profile.get("serving", {}), **m.serving_for(profile_id)},
+                  "manifest": m.model_dump(mode="json")}
     # Held from the "already present" check to the swap: a second pull of DIR waits, then finds it complete.
     with _dest_lock(dest):
         if _present(dest, m):
@@ -375,10 +378,14 @@ def _present(dest: Path, m: Manifest) -> bool:
 
 
 def _summary(doc: dict[str, Any], dest: Path, m: Manifest) -> dict[str, Any]:
+    """What a serving container needs next: the files, and the serve command of the chosen runtime profile
+    exactly as the manifest describes it (with the pulled directory filled in)."""
     files = [str(dest / f.path) for f in m.files]
-    serve = None
-    if m.format == "gguf":
-        serve = f"llama-server -m {files[0]} -c {doc['serving'].get('n_ctx', 4096)}"
+    serving = doc["serving"]
+    argv = serve_command(serving, str(dest))
+    if argv is None and m.format == "gguf" and "command" not in serving:  # manifests from before serving profiles
+        argv = ["llama-server", "-m", files[0], "-c", str(serving.get("n_ctx", 4096))]
     return {"model_id": doc["model_id"], "build_id": m.build_id, "recipe": doc["recipe"],
             "runtime_profile": doc["runtime_profile"]["id"], "dest": str(dest), "files": files,
-            "size": m.total_size, "serve": serve}
+            "size": m.total_size, "serve": shlex.join(argv) if argv else None, "serve_argv": argv,
+            "env": serving.get("env") or {}, "image": serving.get("image") or doc["runtime_profile"].get("image")}

@@ -175,7 +175,12 @@ class SafetensorsFile:
 
     def close(self) -> None:
         if self._map is not None:
-            self._map.close()
+            try:
+                self._map.close()
+            except BufferError:
+                # A view is still alive (e.g. in the traceback of the error that is closing us): the map is
+                # unmapped when that view goes; closing must not replace the original error with this one.
+                pass
         self._file.close()
 
     def __enter__(self) -> "SafetensorsFile":

@@ -92,7 +92,10 @@ def test_publish_layout_matches_the_design(published, tiny_llama, tconfig):
     assert doc["runtime_profiles"] == ["llm-llamacpp-cpu"] and doc["format"] == "gguf"
     assert doc["files"] == res.files
     assert {"gguf", "llama_cpp_python", "transformers", "hive_aot_gguf_format"} <= set(doc["toolchain"])
-    assert doc["serving"]["engine"] == "llama.cpp" and doc["serving"]["model_file"] == entry["path"]
+    cpu = doc["serving"]["llm-llamacpp-cpu"]  # one description per runtime profile
+    assert cpu["engine"] == "llama.cpp" and cpu["model_file"] == entry["path"]
+    assert cpu["command"][:3] == ["llama-server", "-m", "{model_dir}/" + entry["path"]]
+    assert cpu["image"] == "registry.colabhive.com/inference-llamacpp-cpu"
     assert doc["validation"]["passed"] is True
     assert "created_at" not in raw.decode() and str(store) not in raw.decode()  # no timestamps, no local paths
 

@@ -145,10 +145,18 @@ def test_check_exit_codes(models):
     d = doc(ok)
     assert d["status"] == "compatible" and d["runtime_profile_id"] == "vllm-cu121" and d["model_id"] == MODEL
     assert d["revision"].startswith("local-") and d["estimated_requirements"]["parameters"] > 0
-    assert sorted(d["recipes"]) == ["gguf-f16", "gguf-q4_k_m", "gguf-q8_0"]
+    assert sorted(d["recipes"]) == ["vllm-bf16", "vllm-fp8"]  # what vllm-cu121 loads
 
     cpu = hive("check", str(models["good"]), "--model-id", MODEL, "--hardware", "cpu", "--json")
     assert cpu.returncode == 0 and doc(cpu)["runtime_profile_id"] == "llm-llamacpp-cpu"
+    assert sorted(doc(cpu)["recipes"]) == ["gguf-f16", "gguf-q4_k_m", "gguf-q8_0"]
+    # every hardware the README names lists only what its routed profile loads
+    for hw, profile, recipes in (("amd-mi300x", "vllm-rocm", ["vllm-bf16", "vllm-fp8"]),
+                                 ("intel-max-1550", "vllm-xpu", ["vllm-bf16", "vllm-fp8"]),
+                                 ("nvidia-t4", "vllm-cu121", ["vllm-bf16", "vllm-fp8"]),
+                                 ("qaic-ai100", "vllm-qaic", [])):
+        other = doc(hive("check", str(models["good"]), "--model-id", MODEL, "--hardware", hw, "--json"))
+        assert (other["runtime_profile_id"], sorted(other["recipes"])) == (profile, recipes), hw
 
     review = hive("check", str(models["remote"]), "--json")
     assert review.returncode == 4 and doc(review)["status"] == "requires_review"

@@ -13,6 +13,7 @@ from pipelines.compat import classify, classify_snapshot, database
 from pipelines.compat.hardware import parse_hardware
 from pipelines.errors import HiveError
 from pipelines.sources import fetch
+from pipelines.targets import target_for
 
 TESTED = {"GPT2LMHeadModel": 150, "MixtralForCausalLM": 120, "PhiForCausalLM": 110, "Phi3ForCausalLM": 105,
           "LlamaForCausalLM": 100, "MistralForCausalLM": 95, "GemmaForCausalLM": 90, "Qwen2ForCausalLM": 90,
@@ -58,6 +59,9 @@ EXPECTED = {
 }
 GGUF_RECIPES = ["gguf-f16", "gguf-q4_k_m", "gguf-q8_0"]
 GGUF_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}  # our converter's families
+VLLM_RECIPES = ["vllm-bf16", "vllm-fp8"]
+# Dense Llama-lineage families vLLM runs natively get the FP8 tier too; the rest the portable tier only.
+FP8_TESTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GemmaForCausalLM", "Phi3ForCausalLM"}
 SANE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 512}
 
@@ -109,7 +113,16 @@ def test_tested_rows_are_compatible_on_vllm_cu121(arch, tok_s, config, db):
     assert (c.status, c.runtime_profile_id) == ("compatible", "vllm-cu121"), c.checks
     assert f"tested on vllm-cu121 ({tok_s} tok/s)" in _check(c, "architecture_known").detail
     assert db.lookup(arch).tested == {"vllm-cu121": tok_s}
-    assert sorted(c.recipes) == (GGUF_RECIPES if arch in GGUF_ARCHS else [])
+    # The recipes listed are those vllm-cu121 loads; the GGUF ones belong to the CPU tier's answer.
+    # Qwen 1 has no transformers class (remote code only): no reference to validate a prepared directory against.
+    expected = [] if arch == "QWenLMHeadModel" else VLLM_RECIPES if arch in FP8_TESTED else ["vllm-bf16"]
+    assert sorted(c.recipes) == expected
+    cpu = check(config, arch, hardware="cpu")
+    if arch in GGUF_ARCHS:
+        assert (cpu.runtime_profile_id, sorted(cpu.recipes)) == ("llm-llamacpp-cpu", GGUF_RECIPES)
+    elif arch != "QWenLMHeadModel":  # remote code: requires review, no profile until reviewed
+        assert (cpu.runtime_profile_id, cpu.recipes) == ("transformers-cpu", [])
+    assert check(config, arch, hardware="qaic-ai100").recipes == []  # no QPC recipe yet
 
 
 def test_every_other_vllm_causal_lm_is_compatible_on_vllm(config, db):
@@ -187,7 +200,7 @@ def test_unknown_class_with_auto_map_requires_review(config):
 def test_known_class_with_auto_map_requires_review(config):
     c = check(config, {"architectures": ["LlamaForCausalLM"], "auto_map": {"AutoModelForCausalLM": "m.X"}, **SANE})
     assert (c.status, c.runtime_profile_id) == ("requires_review", "vllm-cu121")
-    assert sorted(c.recipes) == GGUF_RECIPES  # applicable, but build() refuses until the registry says reviewed
+    assert sorted(c.recipes) == VLLM_RECIPES  # applicable, but build() refuses until the registry says reviewed
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM", "CodeLlamaForCausalLM", "Qwen2ForCausalLM"])
@@ -306,7 +319,9 @@ def test_tiny_llama_snapshot(tiny_llama, config):
     c = classify_snapshot(snap, config.recipes.values(), registry=config.registry)
     assert c.status == "compatible" and c.runtime_profile_id == "vllm-cu121"
     assert all(ch.status == "pass" for ch in c.checks), c.checks
-    assert sorted(c.recipes) == GGUF_RECIPES
+    assert sorted(c.recipes) == VLLM_RECIPES
+    cpu = classify_snapshot(snap, config.recipes.values(), hardware="cpu", registry=config.registry)
+    assert (cpu.runtime_profile_id, sorted(cpu.recipes)) == ("llm-llamacpp-cpu", GGUF_RECIPES)
     numel, nbytes = 0, 0
     with safe_open(str(tiny_llama / "model.safetensors"), framework="pt") as f:
         for name in f.keys():
@@ -482,7 +497,7 @@ def test_prequantized_models_are_served_but_never_converted_as_floats(method, co
     cfg = {"architectures": ["LlamaForCausalLM"], **SANE, "quantization_config": {"quant_method": method, "bits": 4}}
     c = check(config, cfg)
     assert (c.status, c.runtime_profile_id, c.recipes) == ("compatible", "vllm-cu121", [])
-    assert "gguf recipes do not apply (they convert unquantized float weights only)" in _check(c, "quantization_config").detail
+    assert "gguf, vllm recipes do not apply (they convert unquantized float weights only)" in _check(c, "quantization_config").detail
     cpu = check(config, cfg, hardware="cpu")  # the CPU tier cannot be the GGUF one without a GGUF recipe
     assert (cpu.status, cpu.runtime_profile_id, cpu.recipes) == ("compatible", "transformers-cpu", [])
 
@@ -514,7 +529,7 @@ def test_prequantized_snapshot_is_not_built_as_unquantized(tiny_llama, tmp_path,
 
     d = copy_model(tiny_llama, tmp_path / "m")
     edit_config(d, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
-    with pytest.raises(NotApplicableError, match=r"recipe gguf-f16 does not apply to test-org/m .*applicable: none"):
+    with pytest.raises(NotApplicableError, match=r"recipe gguf-f16 does not apply to test-org/m .*recipes that profile loads: none"):
         build_and_publish(str(d), "gguf-f16", config, str(tmp_path / "store"), "test-org/m")
 
 
@@ -529,3 +544,26 @@ def test_deeply_nested_config_is_one_line(tiny_llama, tmp_path, config):
     assert c.status == "incompatible" and "config.json is nested too deeply" in c.reason()
     with pytest.raises(NotApplicableError, match="config.json is nested too deeply"):
         build_and_publish(str(d), "gguf-f16", config, str(tmp_path / "store"), "test-org/m")
+
+
+# Every hardware spec the README names: the recipes listed are exactly those the routed profile loads.
+README_HARDWARE = {
+    "nvidia": "vllm-cu121", "nvidia-a100-40gb": "vllm-cu121", "nvidia-h100": "vllm-cu121", "nvidia-h200": "vllm-cu121",
+    "nvidia-l4": "vllm-cu121", "nvidia-t4": "vllm-cu121", "amd": "vllm-rocm", "amd-mi300x-192gb": "vllm-rocm",
+    "amd-mi250": "vllm-rocm", "amd-mi325x": "vllm-rocm", "intel": "vllm-xpu", "intel-max-1550": "vllm-xpu",
+    "intel-max-1100": "vllm-xpu", "intel-arc-a770": "vllm-xpu", "cpu": "llm-llamacpp-cpu", "qaic-ai100": "vllm-qaic",
+    "qaic-ai100-ultra": "vllm-qaic",
+}
+
+
+@pytest.mark.parametrize("hardware,profile", sorted(README_HARDWARE.items()))
+def test_check_lists_only_recipes_the_routed_profile_loads(hardware, profile, tiny_llama, config):
+    snap = fetch(str(tiny_llama), "test-org/tiny-llama")
+    c = classify_snapshot(snap, config.recipes.values(), hardware=hardware, registry=config.registry)
+    assert c.runtime_profile_id == profile
+    loads = set(config.registry.profile(profile).loads)
+    for rid in c.recipes:
+        r = config.recipe(rid)
+        assert profile in r.runtime_profiles and target_for(r.kind).artifact_format(r.options) in loads
+    expected = {"llm-llamacpp-cpu": GGUF_RECIPES, "vllm-qaic": []}.get(profile, VLLM_RECIPES)
+    assert sorted(c.recipes) == expected

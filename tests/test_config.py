@@ -13,10 +13,11 @@ from pipelines.config import Config, load_recipe_file, load_registry
 from pipelines.errors import ConfigError, HiveError
 
 REPO = Path.cwd()
+ALL_RECIPES = {"gguf-f16", "gguf-q8_0", "gguf-q4_k_m", "vllm-bf16", "vllm-fp8"}
 
 
 def test_project_registry_and_recipes_load(config):
-    assert set(config.recipes) == {"gguf-f16", "gguf-q8_0", "gguf-q4_k_m"}
+    assert set(config.recipes) == ALL_RECIPES
     cpu = config.registry.profile("llm-llamacpp-cpu")
     assert cpu.loads == ["gguf"]
     assert cpu.recipe_preference == ["gguf-q4_k_m", "gguf-q8_0", "gguf-f16"]
@@ -26,12 +27,16 @@ def test_project_registry_and_recipes_load(config):
                 "ipex-xe", "transformers-cpu", "specialist-cpu-optimized", "llm-llamacpp-cpu", "vllm-qaic"):
         assert pid in ids
     for r in config.recipes.values():
-        assert r.kind == "gguf"
-        assert r.runtime_profiles == ["llm-llamacpp-cpu"]
+        assert r.kind == r.id.split("-")[0]
+        assert r.runtime_profiles == ["llm-llamacpp-cpu"] if r.kind == "gguf" else r.runtime_profiles[:3] == [
+            "vllm-cu121", "vllm-rocm", "vllm-xpu"]
         assert 0 < r.validation.min_top1_agreement <= 1
+    assert type(config.recipe("vllm-bf16").validation).__name__ == "VllmThresholds"
     assert config.recipe("gguf-q4_k_m").options == {"ftype": "Q4_K_M"}
+    for pid in ("vllm-cu121", "vllm-rocm", "vllm-xpu"):
+        assert config.registry.profile(pid).recipe_preference == ["vllm-bf16", "vllm-fp8"]
     m = config.registry.model("HuggingFaceTB/SmolLM2-135M-Instruct")
-    assert m is not None and m.recipes == ["gguf-f16", "gguf-q8_0", "gguf-q4_k_m"]
+    assert m is not None and m.recipes == ["gguf-f16", "gguf-q8_0", "gguf-q4_k_m", "vllm-bf16"]
     # a relative local source is relative to the registry file, not the working directory
     assert Path(config.model_source(m)) == (REPO / ".demo" / "SmolLM2-135M-Instruct").resolve()
     assert config.model_source(config.registry.model("HuggingFaceTB/SmolLM2-135M-Instruct").model_copy(
@@ -44,11 +49,11 @@ def test_registry_found_through_env(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no registry.yaml here: the env var decides
     cfg = Config.load()
     assert cfg.registry_file == reg.resolve()
-    assert set(cfg.recipes) == {"gguf-f16", "gguf-q8_0", "gguf-q4_k_m"}
+    assert set(cfg.recipes) == ALL_RECIPES
 
 
 def test_unknown_recipe_and_profile_lookups_are_one_line_errors(config):
-    with pytest.raises(ConfigError, match=r"unknown recipe 'gguf-nope' \(known: gguf-f16, gguf-q4_k_m, gguf-q8_0\)"):
+    with pytest.raises(ConfigError, match=r"unknown recipe 'gguf-nope' \(known: gguf-f16, gguf-q4_k_m, gguf-q8_0, vllm-bf16, vllm-fp8\)"):
         config.recipe("gguf-nope")
     with pytest.raises(ConfigError, match=r"unknown runtime profile 'tpu-v5'"):
         config.registry.profile("tpu-v5")
@@ -196,7 +201,7 @@ def test_recipe_unknown_key_and_wrong_type(tmp_path):
     data = yaml.safe_load((REPO / "recipes" / "gguf-q8_0.yaml").read_text())
     data["kind"] = "tensorrt"
     p.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match=r"kind: Input should be 'gguf'"):
+    with pytest.raises(ConfigError, match=r"kind: Value error, unknown kind 'tensorrt' \(known: gguf, vllm\)"):
         load_recipe_file(p)
 
 
@@ -226,7 +231,7 @@ def test_missing_recipes_dir(tmp_path):
         Config.load(reg)
 
 
-def test_recipe_canonical_json_and_digest(tmp_path):
+def test_recipe_canonical_json_and_digest(tmp_path, config):
     a = load_recipe_file(REPO / "recipes" / "gguf-q8_0.yaml")
     b = load_recipe_file(REPO / "recipes" / "gguf-q8_0.yaml")
     assert a.canonical_json() == b.canonical_json()
@@ -250,9 +255,9 @@ def test_recipe_canonical_json_and_digest(tmp_path):
         p.write_text(yaml.safe_dump({**data, **change}))
         assert load_recipe_file(p).digest != a.digest, change
 
-    # The three shipped recipes all differ.
+    # The shipped recipes all differ.
     digests = {load_recipe_file(f).digest for f in (REPO / "recipes").glob("*.yaml")}
-    assert len(digests) == 3
+    assert len(digests) == len(config.recipes)
 
 
 @pytest.mark.parametrize("options,problem", [
@@ -282,7 +287,7 @@ def test_packaged_defaults_outside_any_checkout(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = Config.load()
     assert cfg.registry_file is None and cfg.origin == "the packaged default registry"
-    assert set(cfg.recipes) == {"gguf-f16", "gguf-q8_0", "gguf-q4_k_m"}
+    assert set(cfg.recipes) == ALL_RECIPES
     assert cfg.registry.profile("llm-llamacpp-cpu").recipe_preference[0].startswith("gguf-")
     assert cfg.registry.architectures["LlamaForCausalLM"].qaic is True
     assert cfg.registry.models == []  # the packaged registry onboards nothing
@@ -307,7 +312,7 @@ def test_deployment_registry_extends_and_overrides(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # ./registry.yaml is picked up when nothing else is given
     cfg = Config.load()
     assert cfg.registry_file == reg
-    assert set(cfg.recipes) == {"gguf-f16", "gguf-q8_0", "gguf-q4_k_m", "gguf-q8-strict"}
+    assert set(cfg.recipes) == ALL_RECIPES | {"gguf-q8-strict"}
     assert cfg.recipe("gguf-q8_0").validation.max_mean_kl == 0.5  # own recipe wins by id
     assert cfg.registry.profile("llm-llamacpp-edge").image == "edge:1"
     assert cfg.registry.profile("vllm-cu121").active  # packaged profiles stay

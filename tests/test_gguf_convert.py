@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from factories import copy_model, edit_config, make_llama, make_spm_llama, rewrite_safetensors
+from pipelines.build import plan
 from pipelines.errors import ModelFormatError
 from pipelines.sources import fetch
 from pipelines.targets.gguf import convert as convert_mod
@@ -288,12 +289,12 @@ def test_q4_k_m_through_the_target(smollm2_dir, tmp_path, config):
 
     d = make_llama(tmp_path / "q4km-model", smollm2_dir, hidden_size=256, intermediate_size=512,
                    initializer_range=0.02)
-    snap = fetch(str(d), "test/q4km-model")
-    recipe = config.recipe("gguf-q4_k_m")  # Config.load("registry.yaml")
+    p = plan(str(d), "gguf-q4_k_m", config, "test/q4km-model")  # the context a target builds in
+    assert isinstance(p.target, GgufTarget) and p.compatibility.hardware == "cpu"
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    target = GgufTarget()
-    art = target.build(snap, recipe, out_dir)
+    target = p.target
+    art = target.build(p.context, out_dir)
     assert art.files == ["q4km-model-Q4_K_M.gguf"]
     assert sorted(p.name for p in out_dir.iterdir()) == art.files  # the intermediate is gone
     assert art.info["intermediate"] == "bf16" and art.info["outtype"] == "Q4_K_M"
@@ -302,7 +303,7 @@ def test_q4_k_m_through_the_target(smollm2_dir, tmp_path, config):
     counts = Counter(t.tensor_type for t in r.tensors)
     assert counts[Q.Q4_K] > 0 and counts[Q.Q6_K] > 0, counts
     assert all(t.tensor_type == Q.F32 for t in r.tensors if len(t.shape) == 1)
-    rep = target.validate(snap, recipe, out_dir, art.files)
+    rep = target.validate(p.context, out_dir, art.files)
     m = rep.metrics
     print(f"q4_k_m: {m} passed={rep.passed} {rep.failures}")
     assert m["finite"] is True and m["token_parity"] == 1.0
@@ -457,11 +458,11 @@ def test_nan_blocks_the_kquant_intermediate_too(tiny_llama, tmp_path):
         tensors["model.norm.weight"][0] = np.nan
 
     rewrite_safetensors(d, poison)
-    snap = fetch(str(d), "test/nan-q4")
+    p = plan(str(d), "gguf-q4_k_m", Config.load(Path.cwd() / "registry.yaml"), "test/nan-q4")
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     with pytest.raises(ModelFormatError, match=r"tensor model\.norm\.weight has 1 non-finite"):
-        GgufTarget().build(snap, Config.load(Path.cwd() / "registry.yaml").recipe("gguf-q4_k_m"), out_dir)
+        GgufTarget().build(p.context, out_dir)
     assert list(out_dir.iterdir()) == []  # no intermediate left behind
 
 

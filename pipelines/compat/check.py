@@ -11,7 +11,8 @@ Routing (the seed's rules; each target is the active profile of that role for th
 - SSM / hybrid -> requires_review (fine-tuning templates only), mamba-vllm-cu121 on NVIDIA
 - causal LMs and vision-language models vLLM runs (natively or through its Transformers backend)
   -> vLLM; other architectures transformers knows -> the transformers fallback
-- `--hardware cpu`: the GGUF tier (llm-llamacpp-cpu) when a GGUF recipe applies, else transformers-cpu
+- `--hardware cpu`: the GGUF tier (the gguf-role profile, llm-llamacpp-cpu) when a recipe it loads applies,
+  else transformers-cpu
 - `--hardware qaic-*`: vllm-qaic, compatible for the AI 100 validated matrix, requires_review otherwise
 - unknown class: incompatible, or requires_review with `auto_map` (remote code, never executed here)
 - any `auto_map`: requires_review until the registry marks the model reviewed
@@ -86,7 +87,7 @@ class Compatibility(BaseModel):
     hardware: str = "nvidia"
     checks: list[Check]
     estimated_requirements: dict[str, Any] = Field(default_factory=dict)
-    recipes: list[str] = Field(default_factory=list)
+    recipes: list[str] = Field(default_factory=list, description="recipes that apply and that the routed profile loads")
 
     def failed(self) -> list[Check]:
         return [c for c in self.checks if c.status == "fail"]
@@ -386,16 +387,21 @@ def classify(
     auto_map = "auto_map" in cfg or "auto_map" in _text_cfg(cfg)
     quant_method, quant_problem = _quantization(cfg)
 
-    def recipe_applies(r: "Recipe", name: str) -> bool:
-        return target_for(r.kind).supports(name, cfg) and (quant_method is None or r.kind in PREQUANTIZED_KINDS)
+    def recipe_applies(r: "Recipe") -> bool:
+        """The recipe's target converts this model (whatever hardware it is served on)."""
+        return (target_for(r.kind).supports(rec, arch, cfg, r.options)
+                and (quant_method is None or r.kind in PREQUANTIZED_KINDS))
 
     status: Status
     if arch is None:
         checks.append(Check(name="architecture_known", status="fail", detail="config.json has no architectures field"))
         status, profile = "incompatible", None
     else:
-        gguf_applies = any(recipe_applies(r, rec.name if rec else arch) and "llm-llamacpp-cpu" in r.runtime_profiles
-                           for r in recipes) and not auto_map
+        # The CPU tier serves the model when a recipe that the vendor's gguf-role profile loads applies to it.
+        cpu_tier = profiles.pick(hw, "gguf")
+        # Remote code (auto_map) is converted by our own family mapping only once a human reviewed the repo.
+        gguf_applies = cpu_tier is not None and (not auto_map or reviewed) and any(
+            cpu_tier in r.runtime_profiles and recipe_applies(r) for r in recipes)
         closest = None
         if rec is None and task != "diffusion":
             close = difflib.get_close_matches(arch, list(db.architectures), n=1, cutoff=0.6)
@@ -460,11 +466,10 @@ def classify(
         checks.append(Check(name="tokenizer_present", status="pass" if has_tok else "warn",
                             detail="tokenizer files present" if has_tok else "no tokenizer.json or tokenizer.model"))
 
+    # The recipes listed are those the routed profile loads: what this hardware would be served from.
     applicable = []
-    if status != "incompatible" and arch is not None and not pipeline:
-        for r in recipes:
-            if recipe_applies(r, rec.name if rec else arch):
-                applicable.append(r.id)
+    if status != "incompatible" and arch is not None and not pipeline and profile is not None:
+        applicable = [r.id for r in recipes if profile in r.runtime_profiles and recipe_applies(r)]
     return Compatibility(status=status, runtime_profile_id=profile if status != "incompatible" else None,
                          architecture=arch, family=(rec.family if rec else ("diffusion" if pipeline else None)),
                          task=task if arch else None, hardware=hw.spec, checks=checks, estimated_requirements=reqs,

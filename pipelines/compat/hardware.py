@@ -19,6 +19,11 @@ DEFAULT_DEVICE = {"nvidia": "a100", "amd": "mi300x", "intel": "max-1550", "qaic"
 PROFILE_VENDOR = {"nvidia": "nvidia", "amd": "amd", "intel": "intel", "cpu": "cpu", "qaic": "qualcomm"}
 
 
+def hardware_for_vendor(profile_vendor: str) -> str:
+    """The `--hardware` spec (the vendor's default device) that routes to a runtime profile vendor."""
+    return next(hw for hw, v in PROFILE_VENDOR.items() if v == profile_vendor)
+
+
 @dataclass(frozen=True)
 class Hardware:
     spec: str

@@ -120,7 +120,8 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
         )
 
     @dg.asset_check(asset=akey, name=PARITY_CHECK, blocking=True, partitions_def=models_partitions,
-                    description=f"llama.cpp/transformers parity on fixed token ids must meet {rid}'s thresholds.")
+                    description=f"Parity with the transformers fp32 reference on fixed token ids, measured in the "
+                                f"{recipe.kind} target's engine, must meet {rid}'s thresholds.")
     def parity_check(context: dg.AssetCheckExecutionContext, hive: HiveResource, artifact: dict) -> dg.AssetCheckResult:
         try:
             plan = engine.plan(artifact["source"], rid, hive.config(), artifact["model_id"])

@@ -72,7 +72,9 @@ def _summarize(result: dg.ExecuteInProcessResult, model_id: str, recipes: list[s
             row.update(state="failed", error=err)
         if chk is not None:
             row["check"] = {k: v.value for k, v in chk.metadata.items()
-                            if k in ("top1_agreement", "mean_kl", "max_abs_logit_delta", "token_parity")}
+                            if k in ("top1_agreement", "mean_kl", "max_abs_logit_delta", "token_parity",
+                                     "vllm_loaded", "vllm_top1_agreement", "vllm_greedy_agreement",
+                                     "vllm_max_logprob_delta")}
         rows.append(row)
     return rows
 

@@ -1,26 +1,88 @@
-"""Build targets. Each kind (gguf, later vllm and qaic) implements the same small interface."""
+"""Build targets: one module per artifact kind, each behind the same small interface.
+
+A target owns everything specific to its kind:
+- **applicability**: which architectures it converts (`supports`), which artifact format it writes
+  (`artifact_format`, matched against the `loads:` of the runtime profiles its recipes name);
+- **the build**: files written under a work directory (`build`), with the sha256 of files copied
+  unchanged from the source handed over instead of re-hashed;
+- **validation**: its own threshold schema (`Thresholds`, checked when recipes load) and its own
+  checks, possibly in another environment (a helper venv) whose engine version enters `toolchain()`
+  and so the build id;
+- **serving**: the runtime profile descriptions recorded in the manifest (`serving`: image, engine
+  arguments, command line, environment) from which `pull` prints the exact serve command.
+
+`KINDS` is the one registry of kinds: recipes name a kind from it, and nothing else lists them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from importlib import import_module
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
+
+from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
-    from ..config import Recipe
+    from ..compat import Compatibility
+    from ..compat.database import Architecture
+    from ..config import Recipe, Registry, RuntimeProfile
     from ..sources import Snapshot
+
+# kind -> "module:class". Importing a target module must stay cheap (engines load inside methods).
+KINDS = {
+    "gguf": "pipelines.targets.gguf:GgufTarget",
+    "vllm": "pipelines.targets.vllm:VllmTarget",
+}
+
+
+class Thresholds(BaseModel):
+    """Base of every target's validation schema. Each field gates one metric, declared in the field's
+    `json_schema_extra`: `metric` (key in the measured metrics), `label` (for messages), `fmt`. The bound
+    is the field name's prefix: `min_*` (metric >= value), `max_*` (metric <= value), `require_*`
+    (metric == 1.0 when true). None / false disables a gate."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def gate(metric: str, label: str, fmt: str = ".4f") -> dict[str, Any]:
+    return {"metric": metric, "label": label, "fmt": fmt}
+
+
+def check_thresholds(metrics: dict[str, Any], thresholds: Thresholds) -> list[str]:
+    """Which gates of a recipe the measured metrics miss (empty = pass). A gated metric that was not
+    measured is a failure, never a pass."""
+    if not metrics.get("finite", True):
+        return ["logits are not finite (NaN/Inf in weights or activations)"]
+    failures = []
+    for name, info in type(thresholds).model_fields.items():
+        limit = getattr(thresholds, name)
+        if limit is None or limit is False:
+            continue
+        spec = info.json_schema_extra or {}
+        metric, label, fmt = spec["metric"], spec.get("label", spec["metric"]), spec.get("fmt", ".4f")
+        value = metrics.get(metric)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            failures.append(f"{label} was not measured")
+        elif name.startswith("min_") and value < limit:
+            failures.append(f"{label} {value:{fmt}} < {limit}")
+        elif name.startswith("max_") and value > limit:
+            failures.append(f"{label} {value:{fmt}} > {limit}")
+        elif name.startswith("require_") and value < 1.0:
+            failures.append(f"{label} {value:{fmt}} < 1.0")
+    return failures
 
 
 @dataclass
 class BuiltArtifact:
-    """Files written by a build, relative to its output directory, plus what the manifest records."""
+    """Files written by a build, relative to `root`, and what the manifest records about the build.
+    `known_digests`: sha256 of files copied byte for byte from the source (the snapshot hashed them)."""
 
     root: Path
     files: list[str]
-    format: str
     info: dict[str, Any] = field(default_factory=dict)
-    serving: dict[str, Any] = field(default_factory=dict)
+    known_digests: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -31,46 +93,84 @@ class ValidationReport:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class BuildContext:
+    """What a target may know about the build it serves: the snapshot, the recipe, the compatibility
+    for the recipe's own hardware, the registry (profiles, allow-list) and the check for any other
+    hardware (a vLLM artifact is described for NVIDIA, AMD and Intel at once)."""
+
+    snapshot: "Snapshot"
+    recipe: "Recipe"
+    compatibility: "Compatibility"
+    registry: "Registry"
+    classify: Callable[[str], "Compatibility"]
+    reviewed: bool = False
+
+    @property
+    def model_id(self) -> str:
+        return self.snapshot.model_id
+
+    @cached_property
+    def config(self) -> dict[str, Any]:
+        return self.snapshot.config()
+
+    @property
+    def trust_remote_code(self) -> bool:
+        """Only repos a human allow-listed are ever served with trust_remote_code (hive-aot never runs it)."""
+        return self.model_id in self.registry.trust_remote_code_allowlist
+
+    def profiles(self) -> list["RuntimeProfile"]:
+        """The active runtime profiles the recipe names, in its order."""
+        active = {p.id: p for p in self.registry.runtime_profiles if p.active}
+        return [active[pid] for pid in self.recipe.runtime_profiles if pid in active]
+
+
 class Target(Protocol):
-    kind: str
-    format: str
-    format_version: int
+    kind: ClassVar[str]
+    format_version: ClassVar[int]
+    Thresholds: ClassVar[type[Thresholds]]
 
     @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]: ...
 
-    def supports(self, architecture: str, config: dict[str, Any]) -> bool: ...
+    @staticmethod
+    def artifact_format(options: dict[str, Any]) -> str: ...
+
+    def supports(self, arch: "Architecture | None", architecture: str, config: dict[str, Any],
+                 options: dict[str, Any]) -> bool: ...
 
     def toolchain(self) -> dict[str, str]: ...
 
-    def build(self, snapshot: "Snapshot", recipe: "Recipe", out_dir: Path) -> BuiltArtifact: ...
+    def build(self, ctx: BuildContext, out_dir: Path) -> BuiltArtifact: ...
 
-    def validate(self, snapshot: "Snapshot", recipe: "Recipe", artifact_dir: Path, files: list[str]) -> ValidationReport: ...
+    def validate(self, ctx: BuildContext, artifact_dir: Path, files: list[str]) -> ValidationReport: ...
+
+    def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]: ...
 
 
-_KINDS = {"gguf": "pipelines.targets.gguf:GgufTarget"}
+_TARGETS: dict[str, Any] = {}
+
+
+def target_class(kind: str) -> type:
+    try:
+        mod, cls = KINDS[kind].split(":")
+    except KeyError:
+        raise ValueError(f"unknown target kind {kind!r} (known: {', '.join(KINDS)})") from None
+    return getattr(import_module(mod), cls)
 
 
 def target_for(kind: str) -> Target:
-    try:
-        mod, cls = _KINDS[kind].split(":")
-    except KeyError:
-        raise ValueError(f"unknown target kind {kind!r}") from None
-    return getattr(import_module(mod), cls)()
+    if kind not in _TARGETS:
+        _TARGETS[kind] = target_class(kind)()
+    return _TARGETS[kind]
 
 
-def check_thresholds(metrics: dict[str, Any], thresholds) -> list[str]:
-    """Shared gate: which recipe thresholds the measured metrics miss (empty = pass)."""
-    failures = []
-    if not metrics.get("finite", True):
-        failures.append("logits are not finite (NaN/Inf in weights or activations)")
-        return failures
-    if metrics["top1_agreement"] < thresholds.min_top1_agreement:
-        failures.append(f"top-1 agreement {metrics['top1_agreement']:.4f} < {thresholds.min_top1_agreement}")
-    if metrics["mean_kl"] > thresholds.max_mean_kl:
-        failures.append(f"mean KL {metrics['mean_kl']:.5f} > {thresholds.max_mean_kl}")
-    if thresholds.max_abs_logit_delta is not None and metrics["max_abs_logit_delta"] > thresholds.max_abs_logit_delta:
-        failures.append(f"max |delta logit| {metrics['max_abs_logit_delta']:.4f} > {thresholds.max_abs_logit_delta}")
-    if thresholds.require_token_parity and metrics.get("token_parity", 1.0) < 1.0:
-        failures.append(f"tokenizer id parity {metrics['token_parity']:.3f} < 1.0")
-    return failures
+MODEL_DIR = "{model_dir}"  # placeholder in serving commands; pull substitutes the pulled directory
+
+
+def serve_command(description: dict[str, Any], model_dir: str) -> list[str] | None:
+    """A profile description's command line with the pulled directory filled in."""
+    cmd = description.get("command")
+    if not cmd:
+        return None
+    return [str(a).replace(MODEL_DIR, model_dir) for a in cmd]

@@ -9,12 +9,14 @@ from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import Field
+
 from ...hashing import sha256_file
-from .. import BuiltArtifact, ValidationReport, check_thresholds
+from .. import MODEL_DIR, BuildContext, BuiltArtifact, Thresholds, ValidationReport, check_thresholds, gate
 
 if TYPE_CHECKING:
+    from ...compat.database import Architecture
     from ...config import Recipe
-    from ...sources import Snapshot
 
 # Bump when the bytes this target writes change for the same inputs (part of every build id).
 # 2: explicit add_bos_token for BPE; SentencePiece add_dummy_prefix read from the model.
@@ -38,10 +40,24 @@ def artifact_name(model_id: str, recipe: "Recipe") -> str:
 DIRECT_OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # written by our converter (convert.OUTTYPES)
 
 
+class GgufThresholds(Thresholds):
+    """What a GGUF must reach against the transformers fp32 reference, run in llama.cpp."""
+
+    min_top1_agreement: float = Field(ge=0.0, le=1.0, json_schema_extra=gate("top1_agreement", "top-1 agreement"))
+    max_mean_kl: float = Field(ge=0.0, json_schema_extra=gate("mean_kl", "mean KL", ".5f"))
+    max_abs_logit_delta: float | None = Field(default=None, ge=0.0,
+                                              json_schema_extra=gate("max_abs_logit_delta", "max |delta logit|"))
+    require_token_parity: bool = Field(default=True, json_schema_extra=gate("token_parity", "tokenizer id parity", ".3f"))
+
+
 class GgufTarget:
     kind = "gguf"
-    format = "gguf"
     format_version = FORMAT_VERSION
+    Thresholds = GgufThresholds
+
+    @staticmethod
+    def artifact_format(options: dict[str, Any]) -> str:
+        return "gguf"
 
     @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]:
@@ -57,10 +73,11 @@ class GgufTarget:
             problems.append(f"ftype {options['ftype']!r} is not a llama.cpp file type hive-aot can make")
         return problems
 
-    def supports(self, architecture: str, config: dict[str, Any]) -> bool:
+    def supports(self, arch: "Architecture | None", architecture: str, config: dict[str, Any],
+                 options: dict[str, Any]) -> bool:
         from .families import BY_ARCHITECTURE
 
-        return architecture in BY_ARCHITECTURE
+        return (arch.name if arch else architecture) in BY_ARCHITECTURE
 
     def toolchain(self) -> dict[str, str]:
         return {
@@ -72,10 +89,11 @@ class GgufTarget:
             "tokenizers": _version("tokenizers"),
         }
 
-    def build(self, snapshot: "Snapshot", recipe: "Recipe", out_dir: Path) -> BuiltArtifact:
+    def build(self, ctx: BuildContext, out_dir: Path) -> BuiltArtifact:
         from .convert import convert
         from .quantize import quantize
 
+        snapshot, recipe = ctx.snapshot, ctx.recipe
         cfg = snapshot.config()
         opts = recipe.options
         name = artifact_name(snapshot.model_id, recipe)
@@ -99,18 +117,28 @@ class GgufTarget:
                              name=snapshot.model_id, options=opts)
             info = dict(report.__dict__)
         os.chmod(out, 0o644)
-        ctx = int(cfg.get("max_position_embeddings") or 4096)
-        serving = {"engine": "llama.cpp", "model_file": name, "n_ctx": min(ctx, 4096),
-                   "chat_template": "embedded in GGUF metadata"}
-        return BuiltArtifact(root=out_dir, files=[name], format="gguf", info=info, serving=serving)
+        return BuiltArtifact(root=out_dir, files=[name], info=info)
 
-    def validate(self, snapshot: "Snapshot", recipe: "Recipe", artifact_dir: Path, files: list[str]) -> ValidationReport:
+    def validate(self, ctx: BuildContext, artifact_dir: Path, files: list[str]) -> ValidationReport:
         from .validate import validate_gguf
 
-        metrics, details = validate_gguf(snapshot, artifact_dir / files[0],
-                                         step=f"GGUF validation of {snapshot.model_id} ({recipe.id})")
-        failures = check_thresholds(metrics, recipe.validation)
+        metrics, details = validate_gguf(ctx.snapshot, artifact_dir / files[0],
+                                         step=f"GGUF validation of {ctx.model_id} ({ctx.recipe.id})")
+        failures = check_thresholds(metrics, ctx.recipe.validation)
         return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details=details)
+
+    def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]:
+        """llama-server for every profile of the recipe (the CPU tier): context capped at 4096 tokens."""
+        n_ctx = min(int(ctx.config.get("max_position_embeddings") or 4096), 4096)
+        out = {}
+        for prof in ctx.profiles():
+            threads = prof.serving.get("n_threads")
+            cmd = ["llama-server", "-m", f"{MODEL_DIR}/{files[0]}", "-c", str(n_ctx)]
+            if isinstance(threads, int):
+                cmd += ["-t", str(threads)]
+            out[prof.id] = {"engine": "llama.cpp", "image": prof.image, "model_file": files[0], "n_ctx": n_ctx,
+                            "chat_template": "embedded in GGUF metadata", "command": cmd, "env": {}}
+        return out
 
 
 @lru_cache(maxsize=1)

@@ -1,0 +1,145 @@
+"""Prepared vLLM weights for CUDA, ROCm and XPU: one portable HF-format directory per tier.
+
+- `quantization: none` (recipe vllm-bf16): bf16 safetensors shards + index, normalized config, tokenizer
+  and chat template; unchanged bf16 source shards are carried byte for byte. Also the artifact of the
+  transformers fallback, for architectures vLLM does not run natively.
+- `quantization: fp8-dynamic` (recipe vllm-fp8): compressed-tensors FP8 W8A8 dynamic (fp8.py).
+
+Validated in transformers and in a real vLLM (validate.py, engine.py); described per runtime profile
+(serving.py) so `pull --target vllm-rocm` prints the exact `vllm serve` command.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field
+
+from .. import BuildContext, BuiltArtifact, Thresholds, ValidationReport, check_thresholds, gate
+
+if TYPE_CHECKING:
+    from ...compat.database import Architecture
+
+# Bump when the bytes this target writes change for the same inputs (part of every build id).
+FORMAT_VERSION = 1
+QUANTIZATIONS = ("none", "fp8-dynamic")
+DEFAULT_MAX_SHARD = "5GB"
+# Families whose every transformers nn.Linear is a vLLM linear layer under the same name (so the FP8
+# `ignore` list can be derived from the transformers class): dense decoders of the Llama lineage.
+FP8_ARCHITECTURES = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
+    "Gemma2ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM", "CohereForCausalLM",
+    "StableLmForCausalLM",
+})
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+class VllmThresholds(Thresholds):
+    """Gates for prepared vLLM weights. The first four compare the artifact (in transformers fp32) with
+    the source's fp32 reference; the vllm_* gates compare vLLM with transformers on the artifact."""
+
+    min_top1_agreement: float = Field(ge=0.0, le=1.0, json_schema_extra=gate("top1_agreement", "top-1 agreement"))
+    max_mean_kl: float = Field(ge=0.0, json_schema_extra=gate("mean_kl", "mean KL", ".5f"))
+    max_abs_logit_delta: float | None = Field(default=None, ge=0.0,
+                                              json_schema_extra=gate("max_abs_logit_delta", "max |delta logit|"))
+    require_token_parity: bool = Field(default=True, json_schema_extra=gate("token_parity", "tokenizer id parity", ".3f"))
+    require_engine_load: bool = Field(default=True, json_schema_extra=gate("vllm_loaded", "vLLM load", ".0f"))
+    min_vllm_top1_agreement: float | None = Field(
+        default=None, ge=0.0, le=1.0, json_schema_extra=gate("vllm_top1_agreement", "vLLM vs transformers top-1 agreement"))
+    max_vllm_logprob_delta: float | None = Field(
+        default=None, ge=0.0, json_schema_extra=gate("vllm_max_logprob_delta", "vLLM vs transformers max |delta logprob|"))
+    min_vllm_greedy_agreement: float | None = Field(
+        default=None, ge=0.0, le=1.0, json_schema_extra=gate("vllm_greedy_agreement", "vLLM greedy parity"))
+    min_vllm_reference_top1_agreement: float | None = Field(
+        default=None, ge=0.0, le=1.0,
+        json_schema_extra=gate("vllm_reference_top1_agreement", "vLLM vs fp32 reference top-1 agreement"))
+    max_weight_rel_error: float | None = Field(
+        default=None, ge=0.0, json_schema_extra=gate("max_weight_rel_error", "max weight relative error"))
+
+
+class VllmTarget:
+    kind = "vllm"
+    format_version = FORMAT_VERSION
+    Thresholds = VllmThresholds
+
+    @staticmethod
+    def option_problems(options: dict[str, Any]) -> list[str]:
+        from .prepare import parse_size
+
+        problems = [f"unknown option {k!r}" for k in options if k not in ("quantization", "max_shard_size")]
+        if options.get("quantization", "none") not in QUANTIZATIONS:
+            problems.append(f"quantization {options['quantization']!r} is not one of {', '.join(QUANTIZATIONS)}")
+        try:
+            if parse_size(options.get("max_shard_size", DEFAULT_MAX_SHARD)) < 1 << 20:
+                problems.append("max_shard_size must be at least 1MiB")
+        except ValueError:
+            problems.append(f"max_shard_size {options['max_shard_size']!r} is not a size (e.g. 5GB)")
+        return problems
+
+    @staticmethod
+    def artifact_format(options: dict[str, Any]) -> str:
+        return "compressed-tensors" if options.get("quantization", "none") != "none" else "hf-safetensors"
+
+    def supports(self, arch: "Architecture | None", architecture: str, config: dict[str, Any],
+                 options: dict[str, Any]) -> bool:
+        """Text causal LMs that transformers can load (the reference and the validation need its class),
+        served by vLLM (natively or through its Transformers backend) or the transformers fallback.
+        FP8 only for the dense families of FP8_ARCHITECTURES, natively in vLLM."""
+        if arch is None or not arch.active or arch.task != "causal-lm" or not arch.transformers_known:
+            return False
+        if options.get("quantization", "none") != "none":
+            return arch.name in FP8_ARCHITECTURES and arch.vllm_support == "native"
+        return True
+
+    def toolchain(self) -> dict[str, str]:
+        from . import engine
+
+        return {
+            "hive_aot_vllm_format": str(FORMAT_VERSION),
+            "torch": _version("torch"),
+            "transformers": _version("transformers"),
+            "numpy": _version("numpy"),
+            "vllm_validation": engine.version(),
+        }
+
+    def build(self, ctx: BuildContext, out_dir: Path) -> BuiltArtifact:
+        from .build import prepare_directory
+
+        return prepare_directory(ctx, out_dir)
+
+    def validate(self, ctx: BuildContext, artifact_dir: Path, files: list[str]) -> ValidationReport:
+        from ...hashing import sha256_file
+        from .validate import validate_prepared
+
+        thresholds = ctx.recipe.validation
+        digests = [(f, sha256_file(artifact_dir / f)) for f in files]
+        quantized = ctx.recipe.options.get("quantization", "none") != "none"
+        metrics, details = validate_prepared(ctx, artifact_dir, digests, quantized,
+                                             engine_required=bool(thresholds.require_engine_load))
+        if quantized:
+            from .build import weight_errors
+
+            errors = weight_errors(ctx, artifact_dir)
+            metrics["max_weight_rel_error"] = float(f"{max(errors.values(), default=0.0):.6g}")
+        if not metrics.get("vllm_loaded") and not thresholds.require_engine_load:
+            # The engine could not run this tier here (recorded in details.vllm): its gates wait for a host that can.
+            thresholds = thresholds.model_copy(update={f: None for f in type(thresholds).model_fields
+                                                       if f.startswith(("min_vllm_", "max_vllm_"))})
+        failures = check_thresholds(metrics, thresholds)
+        return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details=details)
+
+    def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]:
+        from .serving import describe
+
+        return describe(ctx)
+
+
+__all__ = ["VllmTarget", "FORMAT_VERSION"]

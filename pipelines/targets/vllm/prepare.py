@@ -1,0 +1,214 @@
+"""The portable vLLM directory: HF layout, bf16 (or FP8 W8A8) safetensors shards with an index, the
+config normalized, tokenizer and chat template carried, nothing vLLM does not read.
+
+Streaming: tensors are read one at a time through mmap and written into the output shard at offsets
+planned from the headers, so memory stays about one tensor whatever the model's size. A source whose
+shards are already bf16 (and small enough) keeps its shard files byte for byte: they are linked, not
+rewritten, and their digests come from the snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ...errors import ModelFormatError
+from ...safetensors_io import TensorSource, to_float32
+
+# Besides the weights, the files vLLM (and transformers) read from a model directory; licence and
+# model card travel with the weights. Pickles, original/, consolidated* and params.json never do
+# (consolidated*.safetensors silently switches vLLM to the Mistral load format).
+CARRIED_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
+    "chat_template.json", "README.md", "LICENSE", "LICENSE.txt",
+)
+INDEX = "model.safetensors.index.json"
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+KEPT_DTYPES = {"I64", "I32", "I16", "BOOL"}  # buffers (position ids, masks): carried as stored
+# Packed or 8-bit forms only make sense with a quantization_config, which the compatibility check
+# already refuses for this target: without one nobody can tell how to dequantize them.
+QUANTIZED_DTYPES = {"I8", "U8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "U16", "U32", "U64"}
+BF16_MAX = 3.3895313892515355e38
+ALIGN = 8  # safetensors pads its header so the data section starts 8-byte aligned
+
+
+def parse_size(v: int | str) -> int:
+    """5GB, 500MB, 1.5GiB or a byte count."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    s = str(v).strip().upper().replace(" ", "")
+    units = {"GIB": 1 << 30, "MIB": 1 << 20, "KIB": 1 << 10, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
+    for unit, mult in units.items():
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * mult)
+    return int(s)
+
+
+@dataclass
+class OutTensor:
+    """One tensor of the output: its dtype/shape and how to produce its bytes from the source."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    produce: Callable[[], bytes | np.ndarray]
+    source: str | None = None  # source tensor name (for release after writing)
+
+
+@dataclass
+class PrepareReport:
+    shards: list[str] = field(default_factory=list)
+    reused_shards: list[str] = field(default_factory=list)
+    tensors: int = 0
+    converted_dtypes: dict[str, int] = field(default_factory=dict)
+    quantized: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    max_weight_rel_error: float | None = None
+
+
+def to_bf16(data: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits (uint16), rounding to nearest even, as torch does."""
+    bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32)
+    rounded = bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return (rounded >> np.uint32(16)).astype(np.uint16)
+
+
+def check_finite(name: str, data: np.ndarray, limit: float | None = None) -> None:
+    if not np.isfinite(data).all():
+        bad = int(data.size - np.count_nonzero(np.isfinite(data)))
+        raise ModelFormatError(f"tensor {name} holds {bad} NaN/Inf value(s): refusing to publish a broken model")
+    if limit is not None and data.size and float(np.abs(data).max()) > limit:
+        raise ModelFormatError(f"tensor {name} holds values beyond bfloat16's range")
+
+
+def tensor_order(src: TensorSource) -> list[str]:
+    """Source order: file by file, tensors by data offset (keeps reads sequential)."""
+    out = []
+    for f in src.files:
+        out += [t.name for t in sorted(f.header.tensors.values(), key=lambda t: t.start)]
+    return out
+
+
+def check_dtypes(src: TensorSource) -> None:
+    for name in src.names():
+        dt = src.info(name).dtype
+        if dt in QUANTIZED_DTYPES:
+            raise ModelFormatError(f"tensor {name} is stored as {dt} but config.json declares no quantization: "
+                                   "cannot tell how to dequantize it (mixed-precision checkpoint)")
+
+
+def bf16_tensor(src: TensorSource, name: str) -> OutTensor:
+    info = src.info(name)
+    if info.dtype == "BF16":
+        return OutTensor(name, "BF16", info.shape, info.nbytes, lambda: _checked_raw(src, name), source=name)
+    if info.dtype in FLOAT_DTYPES:
+        def produce() -> np.ndarray:
+            data = to_float32(src.where[name].raw(name), info.dtype)
+            check_finite(name, data, BF16_MAX)
+            return to_bf16(data)
+        return OutTensor(name, "BF16", info.shape, info.numel * 2, produce, source=name)
+    return OutTensor(name, info.dtype, info.shape, info.nbytes, lambda: src.where[name].raw(name), source=name)
+
+
+def _checked_raw(src: TensorSource, name: str) -> np.ndarray:
+    raw = src.where[name].raw(name)
+    check_finite(name, to_float32(raw, "BF16"))
+    return raw
+
+
+def plan_shards(tensors: list[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
+    shards: list[list[OutTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def write_shard(path: Path, tensors: list[OutTensor], src: TensorSource, metadata: dict[str, str]) -> None:
+    """Header from the planned sizes, then each tensor's bytes in order (one tensor in memory at a time)."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for t in tensors:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % ALIGN)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in tensors:
+            data = t.produce()
+            buf = data if isinstance(data, bytes) else np.ascontiguousarray(data).view(np.uint8).tobytes()
+            if len(buf) != t.nbytes:
+                raise AssertionError(f"{t.name}: produced {len(buf)} bytes, planned {t.nbytes}")
+            f.write(buf)
+            del data, buf
+            if t.source is not None and t.source in src:
+                src.release(t.source)
+
+
+def shard_names(n: int) -> list[str]:
+    return ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+
+def write_index(out_dir: Path, weight_map: dict[str, str], total_size: int) -> None:
+    doc = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / INDEX).write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def reusable_source_shards(src: TensorSource, max_bytes: int) -> bool:
+    """The source's shards are already what we would write: bf16 (or kept buffers) only, each within
+    the shard limit, with standard names. Then they are carried unchanged."""
+    for f in src.files:
+        if f.path.stat().st_size > max_bytes or not f.path.name.startswith("model"):
+            return False
+        if any(t.dtype not in {"BF16"} | KEPT_DTYPES for t in f.header.tensors.values()):
+            return False
+    return True
+
+
+def link_or_copy(src: Path, dest: Path) -> None:
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copyfile(src, dest)
+
+
+def normalize_config(cfg: dict[str, Any], dtype: str, quantization_config: dict[str, Any] | None) -> dict[str, Any]:
+    """dtype recorded under both spellings (transformers 5 reads `dtype`, 4.x and older vLLM `torch_dtype`);
+    a stale quantization_config never survives; ours is added for quantized tiers."""
+    out = {k: v for k, v in cfg.items() if k not in ("quantization_config", "torch_dtype", "dtype")}
+    out["torch_dtype"] = dtype
+    out["dtype"] = dtype
+    text = out.get("text_config")
+    if isinstance(text, dict):
+        out["text_config"] = {k: v for k, v in text.items() if k not in ("torch_dtype", "dtype", "quantization_config")}
+        out["text_config"]["dtype"] = dtype
+    if quantization_config is not None:
+        out["quantization_config"] = quantization_config
+    return out
+
+
+def carry_files(snapshot_dir: Path, files: list[str], out_dir: Path, cfg: dict[str, Any]) -> list[str]:
+    """Config (normalized) and the tokenizer / chat template / licence files, all 0644."""
+    written = []
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    written.append("config.json")
+    for name in CARRIED_FILES:
+        if name == "config.json" or name not in files:
+            continue
+        shutil.copyfile(snapshot_dir / name, out_dir / name)
+        written.append(name)
+    return written
