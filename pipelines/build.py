@@ -204,7 +204,7 @@ def validate_staged(p: Plan, store: Store) -> ValidationReport:
     try:
         with work_dir(f"validate-{p.build_id[:12]}-") as work:
             materialize_blobs(store, manifest.files, work)
-            report = p.target.validate(p.context, work, [f.path for f in manifest.files])
+            report = p.target.validate(p.context, work, {f.path: f.sha256 for f in manifest.files})
     except BaseException:
         # Validation itself failed (engine crash, interrupt): the candidate can never be published as
         # it is, so its record goes; its blobs are left for gc.

@@ -143,7 +143,8 @@ class Target(Protocol):
 
     def build(self, ctx: BuildContext, out_dir: Path) -> BuiltArtifact: ...
 
-    def validate(self, ctx: BuildContext, artifact_dir: Path, files: list[str]) -> ValidationReport: ...
+    def validate(self, ctx: BuildContext, artifact_dir: Path, files: dict[str, str]) -> ValidationReport:
+        """`files`: path -> sha256 of the staged files under artifact_dir (verified when they were placed there)."""
 
     def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]: ...
 

@@ -119,10 +119,10 @@ class GgufTarget:
         os.chmod(out, 0o644)
         return BuiltArtifact(root=out_dir, files=[name], info=info)
 
-    def validate(self, ctx: BuildContext, artifact_dir: Path, files: list[str]) -> ValidationReport:
+    def validate(self, ctx: BuildContext, artifact_dir: Path, files: dict[str, str]) -> ValidationReport:
         from .validate import validate_gguf
 
-        metrics, details = validate_gguf(ctx.snapshot, artifact_dir / files[0],
+        metrics, details = validate_gguf(ctx.snapshot, artifact_dir / next(iter(files)),
                                          step=f"GGUF validation of {ctx.model_id} ({ctx.recipe.id})")
         failures = check_thresholds(metrics, ctx.recipe.validation)
         return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details=details)

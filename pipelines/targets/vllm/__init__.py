@@ -115,12 +115,11 @@ class VllmTarget:
 
         return prepare_directory(ctx, out_dir)
 
-    def validate(self, ctx: BuildContext, artifact_dir: Path, files: list[str]) -> ValidationReport:
-        from ...hashing import sha256_file
+    def validate(self, ctx: BuildContext, artifact_dir: Path, files: dict[str, str]) -> ValidationReport:
         from .validate import validate_prepared
 
         thresholds = ctx.recipe.validation
-        digests = [(f, sha256_file(artifact_dir / f)) for f in files]
+        digests = sorted(files.items())  # verified when staged: no second read of the artifact
         quantized = ctx.recipe.options.get("quantization", "none") != "none"
         metrics, details = validate_prepared(ctx, artifact_dir, digests, quantized,
                                              engine_required=bool(thresholds.require_engine_load))

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ... import parity, prompts, reference
-from ...errors import ModelFormatError
+from ...errors import HiveError, ModelFormatError
 from . import engine
 
 if TYPE_CHECKING:
@@ -209,7 +209,7 @@ def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tup
         result = engine.run(job, digests, step)
     except engine.NoEngine:
         raise
-    except Exception as e:  # EngineFailed / EngineCrashed: one line already
+    except HiveError as e:  # EngineFailed / EngineCrashed: one line already
         if engine_required:
             raise
         metrics["vllm_loaded"] = 0.0
