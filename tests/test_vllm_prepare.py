@@ -234,3 +234,12 @@ def test_bf16_rounding_matches_torch():
     theirs = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     assert np.array_equal(ours, theirs)
     assert struct.pack("<H", ours[2]) == struct.pack("<H", 0x3F80)  # 1 + 2^-8 is a tie: rounds down to 1.0
+
+
+def test_a_reused_shard_never_changes_the_source_files_mode(tiny_llama, tmp_path, config):
+    d = copy_model(tiny_llama, tmp_path / "private")
+    os.chmod(d / "model.safetensors", 0o600)
+    _p, m, out = staged(d, "vllm-bf16", config, tmp_path)
+    assert m["build"]["reused_source_shards"] == ["model.safetensors"]
+    assert stat.S_IMODE((d / "model.safetensors").stat().st_mode) == 0o600  # the user's file is left alone
+    assert (out / "model.safetensors").read_bytes() == (d / "model.safetensors").read_bytes()

@@ -89,16 +89,15 @@ def prepare_directory(ctx: "BuildContext", out_dir: Path) -> BuiltArtifact:
         if quantize:
             quantized, kept = fp8_mod.linear_layers(str(snap.dir))
             qset = {f"{m}.weight" for m in quantized}
-            outs, errors = [], {}
+            outs = []
             for name in order:
                 if name in qset and len(src.info(name).shape) == 2:
-                    outs += _fp8_pair(src, name, errors)
+                    outs += _fp8_pair(src, name, report.weight_errors)
                     report.quantized.append(name)
                 else:
                     outs.append(bf16_tensor(src, name))
             report.ignored = sorted(set(kept) | {"lm_head"})
             qcfg = fp8_mod.quantization_config(report.ignored)
-            report.max_weight_rel_error = errors  # filled while writing; summarized below
         else:
             outs = [bf16_tensor(src, n) for n in order]
         weight_map: dict[str, str] = {}
@@ -135,12 +134,13 @@ def prepare_directory(ctx: "BuildContext", out_dir: Path) -> BuiltArtifact:
     files = carry_files(snap.dir, names, out_dir, normalize_config(cfg, "bfloat16", qcfg))
     files += report.shards + [INDEX]
     for f in files:
-        os.chmod(out_dir / f, 0o644)
+        if (out_dir / f).stat().st_mode & 0o777 != 0o644:  # never on a link to the source (already 0644)
+            os.chmod(out_dir / f, 0o644)
     info = {"shards": report.shards, "reused_source_shards": report.reused_shards, "tensors": report.tensors,
             "source_dtypes": report.converted_dtypes, "dtype": "bfloat16", "max_shard_bytes": max_bytes,
             "unknown_tensors": unknown[:20]}
     if quantize:
-        errs = report.max_weight_rel_error or {}
+        errs = report.weight_errors
         info.update(quantization="fp8-dynamic (compressed-tensors W8A8, per-channel weight scales, per-token activations)",
                     quantized_tensors=len(report.quantized), ignored_layers=report.ignored,
                     max_weight_rel_error=float(f"{max(errs.values(), default=0.0):.6g}"))

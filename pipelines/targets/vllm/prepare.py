@@ -71,7 +71,7 @@ class PrepareReport:
     converted_dtypes: dict[str, int] = field(default_factory=dict)
     quantized: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
-    max_weight_rel_error: float | None = None
+    weight_errors: dict[str, float] = field(default_factory=dict)  # FP8: relative error per quantized weight
 
 
 def to_bf16(data: np.ndarray) -> np.ndarray:
@@ -180,10 +180,15 @@ def reusable_source_shards(src: TensorSource, max_bytes: int) -> bool:
 
 
 def link_or_copy(src: Path, dest: Path) -> None:
-    try:
-        os.link(src, dest)
-    except OSError:
-        shutil.copyfile(src, dest)
+    """A hard link when the source already has the served mode (0644), else a copy: a link shares the
+    inode, and setting the mode on it would change the user's source file."""
+    if (src.stat().st_mode & 0o777) == 0o644:
+        try:
+            os.link(src, dest)
+            return
+        except OSError:
+            pass
+    shutil.copyfile(src, dest)
 
 
 def normalize_config(cfg: dict[str, Any], dtype: str, quantization_config: dict[str, Any] | None) -> dict[str, Any]:
