@@ -107,7 +107,7 @@ def plan(source: str, recipe_id: str, config: Config, model_id: str | None = Non
     build_id = compute_build_id(snap.model_id, snap.commit, [(f.path, f.sha256) for f in snap.files],
                                 recipe.canonical_json(), target.toolchain())
     ctx = BuildContext(snapshot=snap, recipe=recipe, compatibility=compat, registry=config.registry,
-                       classify=classify_for, reviewed=reviewed)
+                       classify=classify_for)
     return Plan(snap, recipe, compat, target, build_id, ctx)
 
 

@@ -12,7 +12,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
+def round6(x: float) -> float:
+    """6 significant digits: manifests must be byte-stable for a build id."""
+    return float(f"{x:.6g}")
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax in float64."""
     x = x.astype(np.float64)
     m = x.max(axis=-1, keepdims=True)
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
@@ -30,6 +36,9 @@ class Parity:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def rounded(self) -> dict:
+        return {k: round6(v) if isinstance(v, float) else v for k, v in asdict(self).items()}
+
 
 def compare(reference: np.ndarray, artifact: np.ndarray) -> Parity:
     if reference.shape != artifact.shape:
@@ -37,7 +46,7 @@ def compare(reference: np.ndarray, artifact: np.ndarray) -> Parity:
     finite = bool(np.isfinite(artifact).all() and np.isfinite(reference).all())
     if not finite:
         return Parity(reference.shape[0], 0.0, float("inf"), float("inf"), float("inf"), False)
-    lp, lq = _log_softmax(reference), _log_softmax(artifact)
+    lp, lq = log_softmax(reference), log_softmax(artifact)
     kl = (np.exp(lp) * (lp - lq)).sum(axis=-1)
     centered = (reference - reference.mean(-1, keepdims=True)) - (artifact - artifact.mean(-1, keepdims=True))
     return Parity(

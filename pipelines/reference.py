@@ -56,6 +56,21 @@ def encode(tokenizer, texts: list[str]) -> list[list[int]]:
     return [list(tokenizer(t).input_ids) for t in texts]
 
 
+def load_model(model_dir: Path, what: str = "the model"):
+    """A causal LM in fp32 from safetensors only, never running remote code; a failure is one line."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _quiet_transformers()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch.float32, trust_remote_code=False, use_safetensors=True, local_files_only=True
+        )
+    except Exception as e:  # noqa: BLE001 - a model transformers cannot load is malformed input for us
+        raise ModelFormatError(f"transformers cannot load {what}: {type(e).__name__}: {e}") from None
+    return model.eval()
+
+
 def _key(content_digest: str, ids: list[list[int]], gen_ids: list[int], n_gen: int) -> str:
     import torch
     import transformers
@@ -71,17 +86,8 @@ def compute(model_dir: Path, content_digest: str, ids: list[list[int]], gen_ids:
             logits = [z[f"l{i}"] for i in range(len(ids))]
             return Reference(ids, logits, gen_ids, z["gen"].tolist())
     import torch
-    from transformers import AutoModelForCausalLM
 
-    _quiet_transformers()
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=torch.float32, trust_remote_code=False, use_safetensors=True, local_files_only=True
-        )
-    except Exception as e:  # noqa: BLE001
-        raise ModelFormatError(f"transformers cannot load the reference model: {type(e).__name__}: {e}") from None
-    model.eval()
+    model = load_model(model_dir, "the reference model")
     logits = []
     with torch.inference_mode():
         for seq in ids:

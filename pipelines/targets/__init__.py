@@ -104,7 +104,6 @@ class BuildContext:
     compatibility: "Compatibility"
     registry: "Registry"
     classify: Callable[[str], "Compatibility"]
-    reviewed: bool = False
 
     @property
     def model_id(self) -> str:

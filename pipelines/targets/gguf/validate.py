@@ -14,11 +14,6 @@ if TYPE_CHECKING:
     from ...sources import Snapshot
 
 
-def _round(x: float) -> float:
-    # Manifests must be byte-stable for a build id: keep 6 significant digits.
-    return float(f"{x:.6g}")
-
-
 def _reference_tokenizer(snapshot: "Snapshot", tok):
     """The tokenizer llama.cpp's ids must equal: the model's own SentencePiece model when it has one.
 
@@ -109,18 +104,18 @@ def validate_gguf(snapshot: "Snapshot", gguf_path: Path, step: str | None = None
 
     metrics = {
         "positions": total.positions,
-        "top1_agreement": _round(total.top1_agreement),
-        "mean_kl": _round(total.mean_kl),
-        "max_kl": _round(total.max_kl),
-        "max_abs_logit_delta": _round(total.max_abs_logit_delta),
+        "top1_agreement": parity.round6(total.top1_agreement),
+        "mean_kl": parity.round6(total.mean_kl),
+        "max_kl": parity.round6(total.max_kl),
+        "max_abs_logit_delta": parity.round6(total.max_abs_logit_delta),
         "finite": total.finite,
-        "token_parity": _round(token_parity),
+        "token_parity": parity.round6(token_parity),
         "greedy_prefix_match": agree,
     }
     details = {
         "reference": "transformers fp32",
         "prompt_set_version": prompts.VERSION,
-        "per_prompt": [{k: _round(v) if isinstance(v, float) else v for k, v in p.as_dict().items()} for p in per_prompt],
+        "per_prompt": [p.rounded() for p in per_prompt],
         "tokenizer_reference": reference_name,
         "tokenizer_mismatches": mismatches,
         "generation": {

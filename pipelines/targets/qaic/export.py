@@ -119,14 +119,11 @@ def _decoder(model, kv_transform=None):
 def export(model_dir: Path, out_path: Path, *, ctx_len: int = 128) -> ExportReport:
     """Export a Llama-family checkpoint (fp32) to `out_path` (external data beside it when over 2 GB)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from ... import reference
     from ...errors import NotApplicableError
 
-    reference._quiet_transformers()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, trust_remote_code=False,
-                                                 use_safetensors=True, local_files_only=True).eval()
+    model = reference.load_model(model_dir)
     arch = (model.config.architectures or [type(model).__name__])[0]
     if arch not in FAMILIES:
         raise NotApplicableError(f"no AI 100 ONNX export for {arch} yet (exported: {', '.join(sorted(FAMILIES))})")
@@ -197,11 +194,11 @@ def ort_parity(model_dir: Path, onnx_path: Path, prompt: list[int], decode_steps
     transformers scores the prompt followed by ORT's own greedy tokens, teacher-forced in one pass."""
     import numpy as np
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from ... import reference
 
     ort_out = run_ort(onnx_path, prompt, decode_steps, ctx_len)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, trust_remote_code=False,
-                                                 use_safetensors=True, local_files_only=True).eval()
+    model = reference.load_model(model_dir)
     seq = prompt + ort_out["tokens"][:-1]
     with torch.inference_mode():
         ref = model(torch.tensor([seq])).logits[0, len(prompt) - 1:].float().numpy()

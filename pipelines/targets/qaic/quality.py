@@ -15,15 +15,12 @@ from typing import Any
 def predict(model_dir: Path, sequences: list[list[int]], *, mxfp6: bool = True, mxint8: bool = True) -> dict[str, Any]:
     import numpy as np
     import torch
-    from transformers import AutoModelForCausalLM
 
     from ... import parity, reference
     from .export import _decoder
     from .mx import fake_mxfp6, fake_mxint8
 
-    reference._quiet_transformers()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, trust_remote_code=False,
-                                                 use_safetensors=True, local_files_only=True).eval()
+    model = reference.load_model(model_dir)
     with torch.inference_mode():
         ref = [model(torch.tensor([s])).logits[0].float().numpy() for s in sequences]
         if mxfp6:
@@ -41,9 +38,7 @@ def predict(model_dir: Path, sequences: list[list[int]], *, mxfp6: bool = True, 
     def ppl(all_logits: list[np.ndarray]) -> float:
         nll, n = 0.0, 0
         for s, lg in zip(sequences, all_logits):
-            lp = lg[:-1].astype(np.float64)
-            lp = lp - lp.max(-1, keepdims=True)
-            lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+            lp = parity.log_softmax(lg[:-1])
             nll -= float(lp[np.arange(len(s) - 1), s[1:]].sum())
             n += len(s) - 1
         return math.exp(nll / n)

@@ -123,11 +123,6 @@ class VllmTarget:
         quantized = ctx.recipe.options.get("quantization", "none") != "none"
         metrics, details = validate_prepared(ctx, artifact_dir, digests, quantized,
                                              engine_required=bool(thresholds.require_engine_load))
-        if quantized:
-            from .build import weight_errors
-
-            errors = weight_errors(ctx, artifact_dir)
-            metrics["max_weight_rel_error"] = float(f"{max(errors.values(), default=0.0):.6g}")
         if not metrics.get("vllm_loaded") and not thresholds.require_engine_load:
             # The engine could not run this tier here (recorded in details.vllm): its gates wait for a host that can.
             thresholds = thresholds.model_copy(update={f: None for f in type(thresholds).model_fields

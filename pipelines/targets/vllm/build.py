@@ -11,9 +11,9 @@ from ...progress import bar
 from ...safetensors_io import TensorSource
 from .. import BuiltArtifact
 from . import fp8 as fp8_mod
-from .prepare import (INDEX, OutTensor, PrepareReport, bf16_tensor, carry_files, check_dtypes, link_or_copy,
-                      normalize_config, parse_size, plan_shards, reusable_source_shards, shard_names, tensor_order,
-                      write_index, write_shard)
+from .prepare import (INDEX, OutTensor, PrepareReport, bf16_tensor, carry_files, check_dtypes, check_finite,
+                      link_or_copy, normalize_config, parse_size, plan_shards, reusable_source_shards, shard_names,
+                      tensor_order, write_index, write_shard)
 
 if TYPE_CHECKING:
     from .. import BuildContext
@@ -21,9 +21,9 @@ if TYPE_CHECKING:
 SHARD_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
 
 
-def expected_shapes(config_dir: Path) -> tuple[dict[str, tuple[int, ...]], list[set[str]], str]:
-    """Parameter shapes the transformers class builds from config.json (on the meta device: nothing is
-    allocated), groups of tied names (one stored copy suffices), and the class's base-model prefix."""
+def meta_model(config_dir: Path):
+    """The transformers class built from config.json on the meta device: shapes and module types, nothing
+    allocated whatever the model's size."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -33,9 +33,14 @@ def expected_shapes(config_dir: Path) -> tuple[dict[str, tuple[int, ...]], list[
     try:
         cfg = AutoConfig.from_pretrained(str(config_dir), trust_remote_code=False, local_files_only=True)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
+            return AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - a config transformers cannot build is malformed input
         raise ModelFormatError(f"transformers cannot build the model from config.json: {type(e).__name__}: {e}") from None
+
+
+def expected_shapes(model) -> tuple[dict[str, tuple[int, ...]], list[set[str]], str]:
+    """Parameter shapes of a (meta) model, groups of tied names (one stored copy suffices), and the class's
+    base-model prefix."""
     groups: dict[int, set[str]] = {}
     shapes = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -44,11 +49,11 @@ def expected_shapes(config_dir: Path) -> tuple[dict[str, tuple[int, ...]], list[
     return shapes, [g for g in groups.values() if len(g) > 1], getattr(model, "base_model_prefix", "")
 
 
-def check_weights_match_config(src: TensorSource, config_dir: Path) -> list[str]:
+def check_weights_match_config(src: TensorSource, model) -> list[str]:
     """Refuse weights whose shapes do not match config.json, or that lack parameters the model needs
     (vLLM would fail at load time on the serving host, or worse, load garbage). Returns checkpoint
     tensors the model class does not know (reported, not refused: e.g. rotary caches)."""
-    shapes, tied, prefix = expected_shapes(config_dir)
+    shapes, tied, prefix = expected_shapes(model)
     have = {n: src.info(n).shape for n in src.names()}
     # Checkpoints saved from the base model (no "model." prefix) name the same parameters.
     if prefix and not any(n in shapes for n in have):
@@ -82,12 +87,13 @@ def prepare_directory(ctx: "BuildContext", out_dir: Path) -> BuiltArtifact:
     report = PrepareReport()
     with TensorSource(snap.safetensors_files()) as src:
         check_dtypes(src)
-        unknown = check_weights_match_config(src, snap.dir)
+        model = meta_model(snap.dir)
+        unknown = check_weights_match_config(src, model)
         known_digests: dict[str, str] = {}
         order = tensor_order(src)
         qcfg = None
         if quantize:
-            quantized, kept = fp8_mod.linear_layers(str(snap.dir))
+            quantized, kept = fp8_mod.linear_layers(model)
             qset = {f"{m}.weight" for m in quantized}
             outs = []
             for name in order:
@@ -154,8 +160,6 @@ def _fp8_pair(src: TensorSource, name: str, errors: dict[str, float]) -> list[Ou
     cache: dict[str, object] = {}
 
     def weight():
-        from .prepare import check_finite
-
         data = src.float32(name)
         check_finite(name, data)
         q, scale, rel = fp8_mod.quantize_rows(data)
@@ -169,22 +173,3 @@ def _fp8_pair(src: TensorSource, name: str, errors: dict[str, float]) -> list[Ou
     prefix = name[: -len(".weight")]
     return [OutTensor(name, "F8_E4M3", (rows, cols), rows * cols, weight, source=name),
             OutTensor(f"{prefix}.weight_scale", "F32", (rows, 1), rows * 4, scale)]
-
-
-def weight_errors(ctx: "BuildContext", artifact_dir: Path) -> dict[str, float]:
-    """Relative Frobenius error of every dequantized FP8 weight against the source weight."""
-    import numpy as np
-
-    out = {}
-    with TensorSource(ctx.snapshot.safetensors_files()) as src, \
-            TensorSource(sorted(artifact_dir.glob("*.safetensors"))) as art:
-        for name in art.names():
-            if art.info(name).dtype != "F8_E4M3":
-                continue
-            w = np.array(src.float32(name))  # copies: no view may outlive the mmaps
-            deq = fp8_mod.dequantize(np.array(art.where[name].raw(name)).reshape(art.info(name).shape),
-                                     np.array(art.float32(name[: -len(".weight")] + ".weight_scale")))
-            norm = float(np.linalg.norm(w))
-            out[name] = float(np.linalg.norm(w - deq)) / norm if norm else 0.0
-            src.release(name)
-    return out

@@ -25,14 +25,10 @@ KEEP_HIGH_PRECISION = re.compile(
 COMPRESSED_TENSORS_VERSION = "0.17.0"  # the format version vLLM 0.33 pins; recorded in the config
 
 
-def linear_layers(config_dir: str) -> tuple[list[str], list[str]]:
-    """(quantized, kept) module names of the transformers class's nn.Linear layers, from the meta device."""
+def linear_layers(model) -> tuple[list[str], list[str]]:
+    """(quantized, kept) module names of a (meta-device) transformers model's nn.Linear layers."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.from_pretrained(config_dir, trust_remote_code=False, local_files_only=True)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
     quantized, kept = [], []
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):

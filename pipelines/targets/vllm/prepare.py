@@ -59,7 +59,7 @@ class OutTensor:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
-    produce: Callable[[], bytes | np.ndarray]
+    produce: Callable[[], np.ndarray]
     source: str | None = None  # source tensor name (for release after writing)
 
 
@@ -150,7 +150,7 @@ def write_shard(path: Path, tensors: list[OutTensor], src: TensorSource, metadat
         f.write(raw)
         for t in tensors:
             data = t.produce()
-            buf = data if isinstance(data, bytes) else np.ascontiguousarray(data).view(np.uint8).tobytes()
+            buf = np.ascontiguousarray(data).view(np.uint8).tobytes()
             if len(buf) != t.nbytes:
                 raise AssertionError(f"{t.name}: produced {len(buf)} bytes, planned {t.nbytes}")
             f.write(buf)

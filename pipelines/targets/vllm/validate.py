@@ -31,35 +31,26 @@ if TYPE_CHECKING:
 TIE_MARGIN = 1e-3
 
 
-def _round(x: float) -> float:
-    return float(f"{x:.6g}")
-
-
-def _log_softmax(x):
-    import torch
-
-    return torch.log_softmax(x.float(), dim=-1)
-
-
-def load_fp32(artifact_dir: Path, quantized: bool):
-    """The artifact as a transformers fp32 model. FP8: dequantized weights plus per-token activation
-    quantization hooks (what vLLM's W8A8 kernels compute, up to accumulation order)."""
+def load_fp32(artifact_dir: Path, quantized: bool, source_files: list[Path]) -> tuple[Any, dict[str, float]]:
+    """The artifact as a transformers fp32 model, and (FP8) each quantized weight's relative error against
+    the source weight. FP8: dequantized weights plus per-token activation quantization hooks (what vLLM's
+    W8A8 kernels compute, up to accumulation order)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    reference._quiet_transformers()
     if not quantized:
-        return AutoModelForCausalLM.from_pretrained(str(artifact_dir), dtype=torch.float32, trust_remote_code=False,
-                                                    use_safetensors=True, local_files_only=True).eval()
+        return reference.load_model(artifact_dir, "the prepared directory"), {}
     from ...safetensors_io import TensorSource
     from .fp8 import E4M3_MAX, dequantize
+
+    reference._quiet_transformers()
 
     cfg = AutoConfig.from_pretrained(str(artifact_dir), trust_remote_code=False, local_files_only=True)
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
     model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False, dtype=torch.float32).eval()
-    state, quantized_modules = {}, set()
-    with TensorSource(sorted(artifact_dir.glob("*.safetensors"))) as src:
+    state, quantized_modules, errors = {}, set(), {}
+    with TensorSource(sorted(artifact_dir.glob("*.safetensors"))) as src, TensorSource(source_files) as original:
         for name in src.names():
             info = src.info(name)
             if name.endswith(".weight_scale"):
@@ -68,7 +59,12 @@ def load_fp32(artifact_dir: Path, quantized: bool):
                 prefix = name[: -len(".weight")]
                 scale = np.array(src.float32(prefix + ".weight_scale"))  # copies: the mmap closes after
                 raw = np.array(src.where[name].raw(name)).reshape(info.shape)
-                state[name] = torch.from_numpy(dequantize(raw, scale))
+                deq = dequantize(raw, scale)
+                w = np.array(original.float32(name))
+                norm = float(np.linalg.norm(w))
+                errors[name] = float(np.linalg.norm(w - deq)) / norm if norm else 0.0
+                original.release(name)
+                state[name] = torch.from_numpy(deq)
                 quantized_modules.add(prefix)
             else:
                 state[name] = torch.from_numpy(np.array(src.float32(name)))
@@ -92,7 +88,7 @@ def load_fp32(artifact_dir: Path, quantized: bool):
         if name in quantized_modules:
             module.register_forward_pre_hook(fake_quant)
     model.quantize_activations = True  # W8A8; False computes W8A16 (weights only), as vLLM does without FP8 kernels
-    return model
+    return model, errors
 
 
 def teacher_forced(model, ids: list[list[int]]) -> list[np.ndarray]:
@@ -111,7 +107,7 @@ def greedy(model, prompt: list[int], n: int) -> dict[str, Any]:
     with torch.inference_mode():
         out = model(torch.tensor([prompt]), use_cache=True)
         for _ in range(n):
-            lp = _log_softmax(out.logits[0, -1])
+            lp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
             top2 = torch.topk(lp, 2)
             tok = int(top2.indices[0])
             ids.append(tok)
@@ -128,9 +124,7 @@ def compare_engine(tf_logits: list[np.ndarray], ids: list[list[int]], tf_greedy:
     agree = total = ref_agree = 0
     max_delta = 0.0
     for seq, logits, ref, rows in zip(ids, tf_logits, ref_logits, result["sequences"]):
-        lp = logits.astype(np.float64)
-        lp = lp - lp.max(-1, keepdims=True)
-        lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+        lp = parity.log_softmax(logits)
         # vLLM's row p scores the token at p+1 (the first prompt position has no prediction)
         for p, (top_id, _top_lp, actual_lp) in enumerate(rows):
             total += 1
@@ -147,11 +141,11 @@ def compare_engine(tf_logits: list[np.ndarray], ids: list[list[int]], tf_greedy:
         tokens += len(ref["ids"])
         deltas = [abs(a - b) for a, b in zip(ref["logprobs"][:n], got["logprobs"][:n])]
         per_prompt.append({"prompt": text, "identical": identical, "diverged_at": None if identical else n,
-                           "near_tie": tie, "max_logprob_delta": _round(max(deltas, default=0.0))})
+                           "near_tie": tie, "max_logprob_delta": parity.round6(max(deltas, default=0.0))})
         max_delta = max(max_delta, max(deltas, default=0.0))
-    metrics = {"vllm_loaded": 1.0, "vllm_positions": total, "vllm_top1_agreement": _round(agree / max(total, 1)),
-               "vllm_max_logprob_delta": _round(max_delta), "vllm_greedy_agreement": _round(prompts_ok / len(tf_greedy)),
-               "vllm_reference_top1_agreement": _round(ref_agree / max(total, 1)),
+    metrics = {"vllm_loaded": 1.0, "vllm_positions": total, "vllm_top1_agreement": parity.round6(agree / max(total, 1)),
+               "vllm_max_logprob_delta": parity.round6(max_delta), "vllm_greedy_agreement": parity.round6(prompts_ok / len(tf_greedy)),
+               "vllm_reference_top1_agreement": parity.round6(ref_agree / max(total, 1)),
                "vllm_greedy_tokens_matched": f"{matched}/{tokens}"}
     details = {"greedy": per_prompt, "engine": result.get("vllm"), "load_seconds": result.get("load_seconds"),
                "cached": result.get("cached", False)}
@@ -168,7 +162,7 @@ def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tup
     greedy_prompts = reference.encode(src_tok, prompts.GREEDY_PROMPTS)
     ref = reference.compute(snapshot.dir, snapshot.content_digest, ids, gen_prompt, prompts.GENERATION_TOKENS)
 
-    model = load_fp32(artifact_dir, quantized)
+    model, weight_errors = load_fp32(artifact_dir, quantized, snapshot.safetensors_files())
     tf_logits = teacher_forced(model, ids)
     per_prompt = [parity.compare(r, a) for r, a in zip(ref.logits, tf_logits)]
     total = parity.merge(per_prompt)
@@ -187,16 +181,17 @@ def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tup
                   for t, a, b in zip(prompts.TOKENIZER_TEXTS, src_ids, art_ids) if a != b]
 
     metrics: dict[str, Any] = {
-        "positions": total.positions, "top1_agreement": _round(total.top1_agreement), "mean_kl": _round(total.mean_kl),
-        "max_kl": _round(total.max_kl), "max_abs_logit_delta": _round(total.max_abs_logit_delta), "finite": total.finite,
+        "positions": total.positions, "top1_agreement": parity.round6(total.top1_agreement), "mean_kl": parity.round6(total.mean_kl),
+        "max_kl": parity.round6(total.max_kl), "max_abs_logit_delta": parity.round6(total.max_abs_logit_delta), "finite": total.finite,
     }
     details: dict[str, Any] = {
         "reference": "transformers fp32 of the source", "prompt_set_version": prompts.VERSION,
         "artifact_in_transformers": "fp32" + (", FP8 weights dequantized, activations quantized per token" if quantized else ""),
-        "per_prompt": [{k: _round(v) if isinstance(v, float) else v for k, v in p.as_dict().items()} for p in per_prompt],
+        "per_prompt": [p.rounded() for p in per_prompt],
     }
     if weight_only is not None:
-        details["w8a16"] = {k: _round(v) if isinstance(v, float) else v for k, v in weight_only.as_dict().items()}
+        details["w8a16"] = weight_only.rounded()
+        metrics["max_weight_rel_error"] = parity.round6(max(weight_errors.values(), default=0.0))
     step = f"vLLM validation of {ctx.model_id} ({ctx.recipe.id})"
     cfg = ctx.config
     max_len = max(len(s) for s in ids + greedy_prompts) + prompts.GREEDY_TOKENS + 8
@@ -225,6 +220,6 @@ def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tup
         mismatches += [{"text": t, "transformers": a[:24], "vllm": b[:24]}
                        for t, a, b in zip(prompts.TOKENIZER_TEXTS, art_ids, vllm_ids) if a != b]
     compared = len(prompts.TOKENIZER_TEXTS) * (2 if vllm_ids is not None else 1)
-    metrics["token_parity"] = _round(1 - len(mismatches) / compared)
+    metrics["token_parity"] = parity.round6(1 - len(mismatches) / compared)
     details["tokenizer_mismatches"] = mismatches
     return metrics, details
