@@ -26,8 +26,8 @@ from .manifest import FileEntry, Manifest, ModelInfo, RecipeInfo, compute_build_
 from .paths import reclaim_work, work_dir
 from .sources import Snapshot, fetch
 from .store import Store, blob_key, manifest_key, open_store, ref_key, staging_key
-from .store.layout import PROFILES_KEY
-from .targets import BuildContext, Target, ValidationReport, target_for
+from .store.layout import PROFILES_KEY, publish_tags
+from .targets import BuildContext, InputArtifact, Target, ValidationReport, target_for
 
 
 @dataclass
@@ -38,10 +38,15 @@ class Plan:
     target: Target
     build_id: str
     context: BuildContext
+    parent: "Plan | None" = None  # the plan of the recipe's input (a derived build)
 
     @property
     def model_id(self) -> str:
         return self.snapshot.model_id
+
+    def pending(self, manifest: Manifest) -> bool:
+        """The artifact stops short of the recipe's format (an AI 100 export bundle awaiting its compile)."""
+        return manifest.format != self.target.artifact_format(self.recipe.options)
 
 
 @dataclass
@@ -51,16 +56,29 @@ class BuildResult:
     recipe: str
     manifest: str
     skipped: bool
-    state: str  # published | skipped | repaired | staged | rejected
+    state: str  # published | skipped | repaired | staged | rejected | compile_pending
     validation: dict[str, Any] | None = None
     files: list[dict[str, Any]] = field(default_factory=list)
     compatibility: dict[str, Any] | None = None
+    format: str | None = None
+    reason: str | None = None  # why a build stopped where it did (compile_pending)
+    input: "BuildResult | None" = None  # the build of the recipe's input, for derived recipes
+    bundle: "BuildResult | None" = None  # the export bundle a QPC was compiled from
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc = {
             "build_id": self.build_id, "model_id": self.model_id, "recipe": self.recipe, "manifest": self.manifest,
-            "skipped": self.skipped, "state": self.state, "validation": self.validation, "files": self.files,
+            "skipped": self.skipped, "state": self.state, "format": self.format, "validation": self.validation,
+            "files": self.files,
         }
+        if self.reason:
+            doc["reason"] = self.reason
+        for name in ("input", "bundle"):
+            sub = getattr(self, name)
+            if sub is not None:
+                doc[name] = {"recipe": sub.recipe, "build_id": sub.build_id, "state": sub.state, "format": sub.format,
+                             "manifest": sub.manifest}
+        return doc
 
 
 def recipe_hardware(recipe: Recipe, config: Config) -> str:
@@ -76,10 +94,19 @@ def plan(source: str, recipe_id: str, config: Config, model_id: str | None = Non
     """Resolve everything that decides the build id; refuses inapplicable recipes before any build work.
 
     The model is classified for the recipe's own hardware (a GGUF recipe for the CPU tier, a vLLM recipe
-    for NVIDIA first), and the recipe must be one the routed runtime profile loads."""
-    recipe = config.recipe(recipe_id)
-    hardware = recipe_hardware(recipe, config)
+    for NVIDIA first, an AI 100 compile for qaic), and the recipe must be one the routed runtime profile
+    loads. A derived recipe's plan holds its input's plan, whose build id enters its own."""
+    config.recipe(recipe_id)  # unknown recipe: one line before fetching anything
     snap = fetch(source, model_id)
+    parent = None
+    for recipe in config.lineage(recipe_id):  # inputs first
+        parent = _plan_recipe(snap, recipe, config, parent)
+    assert parent is not None
+    return parent
+
+
+def _plan_recipe(snap: Snapshot, recipe: Recipe, config: Config, parent: Plan | None) -> Plan:
+    hardware = recipe_hardware(recipe, config)
     reviewed = config.reviewed(snap.model_id)
     seen: dict[str, Compatibility] = {}
 
@@ -104,11 +131,15 @@ def plan(source: str, recipe_id: str, config: Config, model_id: str | None = Non
             f"recipes that profile loads: {', '.join(compat.recipes) or 'none'}"
         )
     target = target_for(recipe.kind)
-    build_id = compute_build_id(snap.model_id, snap.commit, [(f.path, f.sha256) for f in snap.files],
-                                recipe.canonical_json(), target.toolchain())
     ctx = BuildContext(snapshot=snap, recipe=recipe, compatibility=compat, registry=config.registry,
                        classify=classify_for)
-    return Plan(snap, recipe, compat, target, build_id, ctx)
+    problems = target.plan_problems(ctx) if hasattr(target, "plan_problems") else []
+    if problems:
+        raise NotApplicableError(f"recipe {recipe.id} does not apply to {snap.model_id}: {'; '.join(problems)}")
+    build_id = compute_build_id(snap.model_id, snap.commit, [(f.path, f.sha256) for f in snap.files],
+                                recipe.canonical_json(), target.toolchain(),
+                                input_build_id=parent.build_id if parent is not None else None)
+    return Plan(snap, recipe, compat, target, build_id, ctx, parent)
 
 
 def published_manifest(p: Plan, store: Store) -> Manifest | None:
@@ -125,7 +156,19 @@ def _result(p: Plan, store: Store, state: str, manifest: Manifest, skipped: bool
         build_id=p.build_id, model_id=p.model_id, recipe=p.recipe.id, manifest=f"{store.uri.rstrip('/')}/{key}",
         skipped=skipped, state=state, validation=manifest.validation,
         files=[f.model_dump() for f in manifest.files], compatibility=p.compatibility.model_dump(),
+        format=manifest.format,
     )
+
+
+def input_artifact(p: Plan, store: Store, work: Path) -> InputArtifact:
+    """The published artifact of a derived build's input, placed under `work` (verified)."""
+    assert p.parent is not None
+    m = published_manifest(p.parent, store)
+    if m is None:
+        raise StoreError(f"{p.recipe.id} is built from {p.parent.recipe.id} build {p.parent.build_id[:12]}, which is "
+                         f"not published in {store.uri}: build it first (hive-aot build SOURCE --recipe {p.parent.recipe.id})")
+    materialize_blobs(store, m.files, work)
+    return InputArtifact(recipe=p.parent.recipe.id, build_id=p.parent.build_id, manifest=m, root=work)
 
 
 def stage(p: Plan, store: Store) -> BuildResult:
@@ -143,6 +186,10 @@ def stage(p: Plan, store: Store) -> BuildResult:
     store.check_writable()
     reclaim_work()  # what killed builds left behind
     with work_dir(f"build-{p.build_id[:12]}-") as work:
+        if p.parent is not None:
+            p.context.input = input_artifact(p, store, work / "input")
+            (work / "out").mkdir()
+            work = work / "out"
         art = p.target.build(p.context, work)
         entries = []
         for rel in art.files:
@@ -164,7 +211,7 @@ def stage(p: Plan, store: Store) -> BuildResult:
         model=ModelInfo(id=s.model_id, revision=s.revision, commit=s.commit, source=s.pinned_source if s.source.startswith("hf://") else "local",
                         license=s.license, gated=s.gated, content_digest=s.content_digest),
         recipe=RecipeInfo(id=p.recipe.id, kind=p.recipe.kind, digest=p.recipe.digest, options=p.recipe.options),
-        runtime_profiles=list(serving), format=p.target.artifact_format(p.recipe.options), files=entries,
+        runtime_profiles=list(serving), format=art.format or p.target.artifact_format(p.recipe.options), files=entries,
         toolchain=p.target.toolchain(), build=art.info, serving=serving,
     )
     store.write_bytes(staging_key(p.build_id), json.dumps({"state": "staged", "manifest": manifest.model_dump(mode="json")}).encode())
@@ -220,9 +267,13 @@ def validate_staged(p: Plan, store: Store) -> ValidationReport:
 
 
 def _ref_doc(p: Plan, manifest: Manifest) -> bytes:
+    return ref_document(p.model_id, p.recipe.id, manifest)
+
+
+def ref_document(model_id: str, recipe_id: str, manifest: Manifest) -> bytes:
     return json.dumps({
         "build_id": manifest.build_id,
-        "manifest": manifest_key(p.model_id, p.recipe.id, manifest.build_id),
+        "manifest": manifest_key(model_id, recipe_id, manifest.build_id),
         "manifest_sha256": hashlib.sha256(manifest.to_bytes()).hexdigest(),
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }, indent=1).encode()
@@ -235,7 +286,7 @@ def validation_record(p: Plan, report: ValidationReport) -> dict[str, Any]:
 
 def _ensure_refs(store: Store, p: Plan, manifest: Manifest) -> None:
     """Repair refs after an interrupted publish (manifest written, refs not); never moves an existing tag."""
-    for tag in (manifest.model.commit, "latest"):
+    for tag in publish_tags(manifest.model.commit, p.pending(manifest)):
         key = ref_key(p.model_id, p.recipe.id, tag)
         if not store.exists(key):
             store.write_bytes(key, _ref_doc(p, manifest))
@@ -253,8 +304,9 @@ def publish_staged(p: Plan, store: Store, config: Config | None = None) -> Build
         raise ValidationFailed(f"build {p.build_id[:12]} is {state}, not validated: refusing to publish")
     store.write_bytes(manifest_key(p.model_id, p.recipe.id, p.build_id), manifest.to_bytes())
     ref = _ref_doc(p, manifest)
-    store.write_bytes(ref_key(p.model_id, p.recipe.id, manifest.model.commit), ref)
-    store.write_bytes(ref_key(p.model_id, p.recipe.id, "latest"), ref)
+    commit_tag, latest_tag = publish_tags(manifest.model.commit, p.pending(manifest))
+    store.write_bytes(ref_key(p.model_id, p.recipe.id, commit_tag), ref)
+    store.write_bytes(ref_key(p.model_id, p.recipe.id, latest_tag), ref)
     store.delete(staging_key(p.build_id))
     if config is not None:
         publish_profiles(store, config)
@@ -271,9 +323,32 @@ def publish_profiles(store: Store, config: Config) -> None:
 
 def build_and_publish(source: str, recipe_id: str, config: Config, store_uri: str | None = None,
                       model_id: str | None = None) -> BuildResult:
+    """One recipe from a source to the furthest state this host can reach: its inputs first (built, or
+    reused by build id), then the recipe; an AI 100 compile recipe then compiles where the SDK is."""
     store = open_store(store_uri)
     store.check_writable()  # fail before spending build time
-    p = plan(source, recipe_id, config, model_id)
+    return _build_chain(plan(source, recipe_id, config, model_id), store, config)
+
+
+def _build_chain(p: Plan, store: Store, config: Config) -> BuildResult:
+    upstream = None
+    if p.parent is not None:
+        upstream = _build_chain(p.parent, store, config)
+        if upstream.state == "rejected":
+            return BuildResult(build_id=p.build_id, model_id=p.model_id, recipe=p.recipe.id, manifest="", skipped=False,
+                               state="rejected", validation=upstream.validation, input=upstream,
+                               reason=f"its input {upstream.recipe} was rejected")
+    res = _build_one(p, store, config)
+    res.input = upstream
+    if res.state != "rejected" and res.format != p.target.artifact_format(p.recipe.options):
+        # An export bundle: compiled here when this host has the SDK, else recorded as pending.
+        from .targets.qaic.qpc import compile_or_pending
+
+        return compile_or_pending(res, store, config)
+    return res
+
+
+def _build_one(p: Plan, store: Store, config: Config) -> BuildResult:
     staged = stage(p, store)
     if staged.state in ("skipped", "repaired"):  # published before: nothing to validate or publish
         return staged

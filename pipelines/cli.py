@@ -128,15 +128,46 @@ def cmd_build(args) -> int:
                   f"greedy {met['vllm_greedy_tokens_matched']} tokens")
     elif "vllm_loaded" in met:
         score += f"; vLLM load not checked here: {v.get('vllm', {}).get('reason', '')}"
+    if "predicted_top1" in met:
+        q = v.get("mxfp6") or v.get("fp16") or {}
+        score += (f" predicted on the device ({', '.join(q.get('emulated', []))}): top-1 {met['predicted_top1']:.4f}, "
+                  f"KL {met['predicted_kl']:.5f}, perplexity {met['predicted_ppl_delta']:+.2%}")
+    if "ort_top1_agreement" in met:
+        score += f" onnxruntime: top-1 {met['ort_top1_agreement']:.4f}, max |delta logit| {met['ort_max_abs_logit_delta']:.2e}"
     size = sum(f["size"] for f in res.files)
     if res.state == "rejected":
-        human = f"rejected {res.recipe} for {res.model_id}: {'; '.join(v.get('failures', []))} (nothing published)"
+        why = "; ".join(v.get("failures", [])) or res.reason or ""
+        human = f"rejected {res.recipe} for {res.model_id}: {why} (nothing published)"
     else:
         human = f"{res.state} {res.recipe} for {res.model_id}: build {res.build_id[:12]}, {_mb(size)},{score}\n  {res.manifest}"
+        if res.reason:
+            human += f"\n  {res.reason}; compile it there with: hive-aot qaic-compile {res.model_id} --recipe {res.recipe}"
+        for name, sub in (("input", res.input), ("compiled from", res.bundle)):
+            if sub is not None:
+                human += f"\n  {name}: {sub.recipe} build {sub.build_id[:12]} ({sub.state})"
     _emit(args, res.to_json(), human)
     if res.state == "rejected":
         print(f"hive-aot: validation failed: {'; '.join(v.get('failures', []))}", file=sys.stderr)
         return EXIT_REJECTED
+    return EXIT_OK
+
+
+def cmd_qaic_compile(args) -> int:
+    from .config import Config
+    from .pull import parse_model
+    from .store import open_store
+    from .targets.qaic.qpc import compile_published
+
+    config = Config.load(args.registry, args.recipes)
+    model_id, bundle = parse_model(args.model)
+    store = open_store(args.store)
+    results = compile_published(model_id, config, store, args.recipe, bundle)
+    lines = []
+    for r in results:
+        q = (r.validation or {}).get("qpc", {})
+        lines.append(f"{r.state} {r.recipe} for {r.model_id}: QPC build {r.build_id[:12]}, {_mb(sum(f['size'] for f in r.files))}"
+                     + (f", compiled in {q['compile_seconds']} s" if r.state == "published" and q else "") + f"\n  {r.manifest}")
+    _emit(args, [r.to_json() for r in results], "\n".join(lines))
     return EXIT_OK
 
 
@@ -222,6 +253,12 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--model-id", help="model id (org/name) for a local directory source")
     common(sp)
     sp.set_defaults(func=cmd_build)
+
+    sp = sub.add_parser("qaic-compile", help="compile published AI 100 export bundles into QPCs (needs the Cloud AI SDK)")
+    sp.add_argument("model", metavar="MODEL_ID[@BUNDLE_BUILD_ID]")
+    sp.add_argument("--recipe", help="the compile recipe (default: every qaic recipe with a published bundle)")
+    common(sp)
+    sp.set_defaults(func=cmd_qaic_compile)
 
     sp = sub.add_parser("pull", help="fetch a published artifact into a directory")
     sp.add_argument("model", help="org/name[@build_id]")

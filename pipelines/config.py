@@ -136,6 +136,9 @@ class Recipe(_Strict):
     id: str
     kind: str
     description: str = ""
+    input: str | None = Field(default=None, description=(
+        "the recipe whose published artifact this one is built from (a derived build: an AI 100 compile "
+        "reads the ONNX export); its build id enters this recipe's build ids"))
     options: dict[str, Any] = Field(default_factory=dict)
     runtime_profiles: list[str] = Field(min_length=1)
     validation: SerializeAsAny[Thresholds]
@@ -169,7 +172,8 @@ class Recipe(_Strict):
 
     def canonical_json(self) -> str:
         """The recipe as the build id sees it: sorted keys, no whitespace, description excluded."""
-        data = self.model_dump(mode="json", exclude={"description"})
+        # `input` only where set: recipes without one keep the build ids they had before derived builds.
+        data = self.model_dump(mode="json", exclude={"description"} | ({"input"} if self.input is None else set()))
         return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @property
@@ -319,10 +323,13 @@ class Config:
             if problems:
                 raise ConfigError(f"recipe {r.id}: options: {'; '.join(problems)}")
             fmt = target.artifact_format(r.options)
+            self._check_input(r)
             for pid in r.runtime_profiles:
                 if pid not in profiles:
                     raise ConfigError(f"recipe {r.id}: runtime_profiles: unknown profile {pid!r}")
-                if fmt not in by_id[pid].loads:
+                # An intermediate artifact (an ONNX export) is only ever read by the recipes built from it;
+                # its runtime profiles say which hardware it is built for.
+                if fmt not in by_id[pid].loads and not getattr(target, "intermediate", False):
                     raise ConfigError(f"recipe {r.id}: runtime profile {pid} does not load {fmt} "
                                       f"(it loads {', '.join(by_id[pid].loads) or 'nothing'})")
         for i, m in enumerate(self.registry.models):
@@ -333,6 +340,44 @@ class Config:
             for rid in p.recipe_preference:
                 if rid not in self.recipes:
                     raise ConfigError(f"{self.origin}: runtime profile {p.id}: unknown recipe {rid!r}")
+
+    def _check_input(self, r: Recipe) -> None:
+        """A derived recipe names an existing recipe of a kind its target reads, without cycles."""
+        from .targets import target_for
+
+        seen = [r.id]
+        cur = r
+        while cur.input is not None:
+            if cur.input not in self.recipes:
+                raise ConfigError(f"recipe {cur.id}: input: unknown recipe {cur.input!r}")
+            parent = self.recipes[cur.input]
+            accepted = getattr(target_for(cur.kind), "input_kinds", ())
+            if parent.kind not in accepted:
+                raise ConfigError(f"recipe {cur.id}: input: {parent.id} is a {parent.kind} recipe; a {cur.kind} recipe "
+                                  f"reads {', '.join(accepted) or 'no input'}")
+            if parent.id in seen:
+                raise ConfigError(f"recipe {r.id}: input: cycle {' -> '.join(seen + [parent.id])}")
+            seen.append(parent.id)
+            cur = parent
+        problems = getattr(target_for(r.kind), "input_problems", None)
+        if r.input is not None and problems is not None:
+            found = problems(r.options, self.recipes[r.input].options)
+            if found:
+                raise ConfigError(f"recipe {r.id}: {'; '.join(found)}")
+        if r.input is None and getattr(target_for(r.kind), "input_kinds", ()):
+            raise ConfigError(f"recipe {r.id}: input: a {r.kind} recipe is built from a "
+                              f"{' or '.join(target_for(r.kind).input_kinds)} recipe; name it")
+
+    def lineage(self, recipe_id: str) -> list[Recipe]:
+        """The recipe and its inputs, the first input first (what one build runs, in order)."""
+        chain = [self.recipe(recipe_id)]
+        while chain[0].input is not None:
+            chain.insert(0, self.recipes[chain[0].input])
+        return chain
+
+    def requested_recipes(self, entry: ModelEntry) -> set[str]:
+        """What onboarding a model builds: the recipes it lists and the inputs they are built from."""
+        return {r.id for rid in entry.recipes if rid in self.recipes for r in self.lineage(rid)}
 
     def recipe(self, recipe_id: str) -> Recipe:
         try:

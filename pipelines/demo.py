@@ -28,8 +28,12 @@ def greedy_completion(model_path: str, prompt: str, max_tokens: int) -> str:
         llm.close()
 
 
-def _vllm_column(chk: dict) -> str:
-    """The vLLM validation of a prepared-weights recipe, in one cell ("-" for other kinds)."""
+def _engine_column(chk: dict) -> str:
+    """The engine-side validation in one cell: vLLM for prepared weights, the predicted device quality
+    (MXFP6 / MXINT8 emulated) for AI 100 compiles, "-" for the others."""
+    if "predicted_top1" in chk:
+        return (f"AI 100 predicted: top-1 {chk['predicted_top1']:.3f}, KL {chk['predicted_kl']:.3f}, "
+                f"ppl {chk['predicted_ppl_delta']:+.1%}")
     if "vllm_loaded" not in chk:
         return "-"
     if not chk["vllm_loaded"]:
@@ -49,7 +53,7 @@ def main() -> int:
           file=sys.stderr)
     report = onboard(models=[DEMO_MODEL])
     rows = report["results"]
-    print(f"\n{'recipe':14} {'size':>10} {'top-1':>7} {'KL':>9} {'in vLLM (fp32 vs transformers fp32)':38} "
+    print(f"\n{'recipe':14} {'size':>10} {'top-1':>7} {'KL':>9} {'engine (vLLM fp32 / AI 100 emulated)':38} "
           f"{'build id':14} {'skipped?':8} state")
     for r in rows:
         chk = r.get("check", {})
@@ -57,7 +61,7 @@ def main() -> int:
         kl = f"{chk['mean_kl']:.5f}" if "mean_kl" in chk else "-"
         size = f"{r['size'] / 1e6:.1f} MB" if "size" in r else "-"
         skipped = "yes" if r["state"] == "skipped" else "no"
-        print(f"{r['recipe']:14} {size:>10} {top1:>7} {kl:>9} {_vllm_column(chk):38} {r.get('build_id', '')[:12]:14} "
+        print(f"{r['recipe']:14} {size:>10} {top1:>7} {kl:>9} {_engine_column(chk):38} {r.get('build_id', '')[:12]:14} "
               f"{skipped:8} {r['state']}" + (f" ({r['error']})" if r.get("error") else ""))
     if not report["success"]:
         print("demo: onboarding failed (see above)", file=sys.stderr)

@@ -84,11 +84,16 @@ class Manifest(BaseModel):
 
 
 def compute_build_id(model_id: str, commit: str, files: list[tuple[str, str]], recipe_canonical: str,
-                     toolchain: dict[str, str]) -> str:
-    return sha256_json({
+                     toolchain: dict[str, str], input_build_id: str | None = None) -> str:
+    """`input_build_id`: the build a derived recipe is made from (absent for the others, so their ids
+    are unchanged)."""
+    doc = {
         "model_id": model_id,
         "commit": commit,
         "files": sorted(files),
         "recipe": recipe_canonical,
         "toolchain": toolchain,
-    })
+    }
+    if input_build_id is not None:
+        doc["input"] = input_build_id
+    return sha256_json(doc)

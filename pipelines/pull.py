@@ -27,8 +27,8 @@ from .manifest import Manifest
 from .paths import cache_root, check_model_id, lock_is_free, model_slug, safe_relpath
 from .progress import bar
 from .store import Store, blob_key, manifest_key, open_store, ref_key
-from .store.layout import PROFILES_KEY, is_digest
-from .targets import serve_command
+from .store.layout import BUNDLE_TAG_PREFIX, PROFILES_KEY, is_digest
+from .targets import MODEL_DIR, serve_command
 
 MARKER = "hive-aot.json"
 # Serving processes often run as another user than the puller: what a pull leaves is world-readable.
@@ -51,7 +51,7 @@ def parse_model(spec: str) -> tuple[str, str | None]:
     return model, build or None
 
 
-def _load_manifest(store: Store, key: str, expected_sha: str | None, model_id: str) -> Manifest:
+def load_manifest(store: Store, key: str, expected_sha: str | None, model_id: str) -> Manifest:
     raw = store.read_bytes(key)
     if raw is None:
         raise StoreError(f"{store.uri}: manifest {key} is missing")
@@ -71,14 +71,14 @@ def candidates(store: Store, model_id: str, tag: str, build_id: str | None) -> l
         for key in store.list(f"manifests/{slug}/"):
             if key.endswith(f"/{build_id}.json"):
                 recipe = key.split("/")[2]
-                out.append(Candidate(recipe, _load_manifest(store, key, None, model_id), None))
+                out.append(Candidate(recipe, load_manifest(store, key, None, model_id), None))
         return out
     recipes = sorted({k.split("/")[2] for k in store.list(f"refs/{slug}/")})
     for recipe in recipes:
         ref = store.read_ref(ref_key(model_id, recipe, tag))
         if ref is None:
             continue
-        out.append(Candidate(recipe, _load_manifest(store, manifest_key(model_id, recipe, ref["build_id"]),
+        out.append(Candidate(recipe, load_manifest(store, manifest_key(model_id, recipe, ref["build_id"]),
                                                     ref.get("manifest_sha256"), model_id), ref))
     return out
 
@@ -124,6 +124,21 @@ def choose(cands: list[Candidate], profile: str, recipe: str | None, preference:
         raise HiveError(f"no published artifact serves {profile} (published: {have})")
     rank = {r: i for i, r in enumerate(preference)}
     return sorted(serving, key=lambda c: (rank.get(c.recipe, len(rank)), c.recipe))[0]
+
+
+def _refuse_bundle_only(store: Store, model_id: str, profile_id: str, recipe: str | None, tag: str,
+                        build_id: str | None, cands: list[Candidate]) -> None:
+    """Where only an export bundle (a compile still pending) is published for what was asked, say so in one
+    line naming it: a bundle is never handed to a server."""
+    bundles = [c for c in cands if c.manifest.build.get("state") == "compile_pending"] if build_id else \
+        candidates(store, model_id, BUNDLE_TAG_PREFIX + tag, None)
+    bundles = [c for c in bundles if recipe is None or c.recipe == recipe]
+    if not bundles:
+        return
+    b = bundles[0]
+    raise HiveError(f"{model_id}: {b.recipe} is only an export bundle so far (build {b.manifest.build_id[:12]}, "
+                    f"{b.manifest.format}): nothing {profile_id} can load is published; compile it on a host with the "
+                    f"Cloud AI SDK: hive-aot qaic-compile {model_id} --recipe {b.recipe}")
 
 
 def fetch_blob(store: Store, digest: str, size: int, progress=None) -> Path:
@@ -247,10 +262,14 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
     if profiles and profile_id not in profiles:
         raise HiveError(f"unknown runtime profile {profile_id!r} (known: {', '.join(sorted(profiles))})")
     cands = candidates(store, model_id, tag, build_id)
+    if not cands and not build_id:
+        _refuse_bundle_only(store, model_id, profile_id, recipe, tag, build_id, cands)
     if not cands:
         what = f"build {build_id}" if build_id else f"tag {tag!r}"
         raise HiveError(f"{model_id}: nothing published with {what} in {store.uri}")
     profile = profiles.get(profile_id, {"id": profile_id})
+    if not any(profile_id in c.manifest.runtime_profiles and (recipe is None or c.recipe == recipe) for c in cands):
+        _refuse_bundle_only(store, model_id, profile_id, recipe, tag, build_id, cands)
     chosen = choose(cands, profile_id, recipe, profile.get("recipe_preference", []))
     m = chosen.manifest
     for f in m.files:
@@ -388,4 +407,4 @@ def _summary(doc: dict[str, Any], dest: Path, m: Manifest) -> dict[str, Any]:
     return {"model_id": doc["model_id"], "build_id": m.build_id, "recipe": doc["recipe"],
             "runtime_profile": doc["runtime_profile"]["id"], "dest": str(dest), "files": files,
             "size": m.total_size, "serve": shlex.join(argv) if argv else None, "serve_argv": argv,
-            "env": serving.get("env") or {}, "image": serving.get("image") or doc["runtime_profile"].get("image")}
+            "env": {k: str(v).replace(MODEL_DIR, str(dest)) for k, v in (serving.get("env") or {}).items()}, "image": serving.get("image") or doc["runtime_profile"].get("image")}

@@ -328,3 +328,66 @@ def make_qwen2(dest: Path, tokenizer_dir: Path, *, seed: int = 0, **overrides: A
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, dest / name)
     return dest
+
+
+# --- tiny random causal LMs of every AI 100 text family (qaic export tests) ----------------------------
+
+_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_GPT = dict(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256, initializer_range=0.2, bos_token_id=0,
+            eos_token_id=1)
+TINY_CAUSAL_LMS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # name: (config class, model class, config) -- every name is a transformers 5 class
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_TINY, head_dim=16)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(_TINY, head_dim=16, hidden_act="gelu_pytorch_tanh",
+                                                      tie_word_embeddings=True)),
+    # sliding_window (4096 by default) stays longer than any test sequence: full attention equals it there
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_TINY, head_dim=16, query_pre_attn_scalar=24,
+                                                         attn_logit_softcapping=4.0, final_logit_softcapping=8.0)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_TINY, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(_GPT, activation_function="gelu_new")),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(_GPT, rotary_dim=8, tie_word_embeddings=False)),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(_GPT, multi_query=True)),
+    "gpt_bigcode_mha": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(_GPT, multi_query=False)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(_TINY, embedding_multiplier=4.0, residual_multiplier=0.5,
+                                                            attention_multiplier=0.1, logits_scaling=2.0)),
+    "falcon": ("FalconConfig", "FalconForCausalLM", dict(
+        vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+        new_decoder_architecture=True, alibi=False, bias=True, max_position_embeddings=256, initializer_range=0.2)),
+    "falcon_mqa": ("FalconConfig", "FalconForCausalLM", dict(
+        vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+        parallel_attn=True, new_decoder_architecture=False, alibi=False, max_position_embeddings=256,
+        initializer_range=0.2)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(_TINY)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_TINY, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        _TINY, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=False,
+        mlp_only_layers=[1])),
+    # sliding layers (every other one) with a window of 16: the parity test runs 12 + 8 positions, past it
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(_TINY, head_dim=16, num_local_experts=4,
+                                                         num_experts_per_tok=2, intermediate_size=64,
+                                                         sliding_window=16)),
+}
+
+
+def make_tiny_causal_lm(name: str, dest: Path, *, seed: int = 0, **overrides: Any) -> Path:
+    """A 2-layer random model of one TINY_CAUSAL_LMS entry (vocab 512, hidden 64, fp32, no tokenizer);
+    biases are randomized too (transformers initializes most to zero)."""
+    import torch
+    import transformers
+
+    cfg_name, model_name, params = TINY_CAUSAL_LMS[name]
+    cfg = getattr(transformers, cfg_name)(**{**params, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(cfg).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias") or pname.endswith("_bias") or pname.endswith("sinks"):
+                p.normal_(0.0, 0.2)
+            elif "norm" in pname or "ln_" in pname:  # norm weights around 1 (Gemma's around 0: scale 1 + w)
+                p.add_(torch.randn_like(p) * 0.1)
+    dest.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(dest), safe_serialization=True)
+    return dest

@@ -154,7 +154,7 @@ def test_check_exit_codes(models):
     for hw, profile, recipes in (("amd-mi300x", "vllm-rocm", ["vllm-bf16", "vllm-fp8"]),
                                  ("intel-max-1550", "vllm-xpu", ["vllm-bf16", "vllm-fp8"]),
                                  ("nvidia-t4", "vllm-cu121", ["vllm-bf16", "vllm-fp8"]),
-                                 ("qaic-ai100", "vllm-qaic", [])):
+                                 ("qaic-ai100", "vllm-qaic", ["qaic-export", "qaic-fp16", "qaic-mxfp6"])):
         other = doc(hive("check", str(models["good"]), "--model-id", MODEL, "--hardware", hw, "--json"))
         assert (other["runtime_profile_id"], sorted(other["recipes"])) == (profile, recipes), hw
 

@@ -14,6 +14,7 @@ from pipelines.compat.hardware import parse_hardware
 from pipelines.errors import HiveError
 from pipelines.sources import fetch
 from pipelines.targets import target_for
+from pipelines.targets.qaic.export import FAMILIES as QAIC_FAMILIES
 
 TESTED = {"GPT2LMHeadModel": 150, "MixtralForCausalLM": 120, "PhiForCausalLM": 110, "Phi3ForCausalLM": 105,
           "LlamaForCausalLM": 100, "MistralForCausalLM": 95, "GemmaForCausalLM": 90, "Qwen2ForCausalLM": 90,
@@ -60,6 +61,7 @@ EXPECTED = {
 GGUF_RECIPES = ["gguf-f16", "gguf-q4_k_m", "gguf-q8_0"]
 GGUF_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}  # our converter's families
 VLLM_RECIPES = ["vllm-bf16", "vllm-fp8"]
+QAIC_RECIPES = ["qaic-export", "qaic-fp16", "qaic-mxfp6"]
 # Dense Llama-lineage families vLLM runs natively get the FP8 tier too; the rest the portable tier only.
 FP8_TESTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GemmaForCausalLM", "Phi3ForCausalLM"}
 SANE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -122,7 +124,9 @@ def test_tested_rows_are_compatible_on_vllm_cu121(arch, tok_s, config, db):
         assert (cpu.runtime_profile_id, sorted(cpu.recipes)) == ("llm-llamacpp-cpu", GGUF_RECIPES)
     elif arch != "QWenLMHeadModel":  # remote code: requires review, no profile until reviewed
         assert (cpu.runtime_profile_id, cpu.recipes) == ("transformers-cpu", [])
-    assert check(config, arch, hardware="qaic-ai100").recipes == []  # no QPC recipe yet
+    # AI 100: the export and its compiles, for the matrix's architectures our decoder exports
+    qaic_expected = QAIC_RECIPES if arch in QAIC_FAMILIES and db.lookup(arch).qaic else []
+    assert sorted(check(config, arch, hardware="qaic-ai100").recipes) == qaic_expected
 
 
 def test_every_other_vllm_causal_lm_is_compatible_on_vllm(config, db):
@@ -497,7 +501,7 @@ def test_prequantized_models_are_served_but_never_converted_as_floats(method, co
     cfg = {"architectures": ["LlamaForCausalLM"], **SANE, "quantization_config": {"quant_method": method, "bits": 4}}
     c = check(config, cfg)
     assert (c.status, c.runtime_profile_id, c.recipes) == ("compatible", "vllm-cu121", [])
-    assert "gguf, vllm recipes do not apply (they convert unquantized float weights only)" in _check(c, "quantization_config").detail
+    assert "gguf, qaic, qaic-export, vllm recipes do not apply (they convert unquantized float weights only)" in _check(c, "quantization_config").detail
     cpu = check(config, cfg, hardware="cpu")  # the CPU tier cannot be the GGUF one without a GGUF recipe
     assert (cpu.status, cpu.runtime_profile_id, cpu.recipes) == ("compatible", "transformers-cpu", [])
 
@@ -564,6 +568,8 @@ def test_check_lists_only_recipes_the_routed_profile_loads(hardware, profile, ti
     loads = set(config.registry.profile(profile).loads)
     for rid in c.recipes:
         r = config.recipe(rid)
-        assert profile in r.runtime_profiles and target_for(r.kind).artifact_format(r.options) in loads
-    expected = {"llm-llamacpp-cpu": GGUF_RECIPES, "vllm-qaic": []}.get(profile, VLLM_RECIPES)
+        target = target_for(r.kind)
+        # an intermediate artifact (the AI 100 ONNX export) is read by the compile recipes, not loaded
+        assert profile in r.runtime_profiles and (target.artifact_format(r.options) in loads or target.intermediate)
+    expected = {"llm-llamacpp-cpu": GGUF_RECIPES, "vllm-qaic": QAIC_RECIPES}.get(profile, VLLM_RECIPES)
     assert sorted(c.recipes) == expected

@@ -13,7 +13,7 @@ from pipelines.config import Config, load_recipe_file, load_registry
 from pipelines.errors import ConfigError, HiveError
 
 REPO = Path.cwd()
-ALL_RECIPES = {"gguf-f16", "gguf-q8_0", "gguf-q4_k_m", "vllm-bf16", "vllm-fp8"}
+ALL_RECIPES = {"gguf-f16", "gguf-q8_0", "gguf-q4_k_m", "vllm-bf16", "vllm-fp8", "qaic-export", "qaic-mxfp6", "qaic-fp16"}
 
 
 def test_project_registry_and_recipes_load(config):
@@ -27,10 +27,15 @@ def test_project_registry_and_recipes_load(config):
                 "ipex-xe", "transformers-cpu", "specialist-cpu-optimized", "llm-llamacpp-cpu", "vllm-qaic"):
         assert pid in ids
     for r in config.recipes.values():
-        assert r.kind == r.id.split("-")[0]
-        assert r.runtime_profiles == ["llm-llamacpp-cpu"] if r.kind == "gguf" else r.runtime_profiles[:3] == [
-            "vllm-cu121", "vllm-rocm", "vllm-xpu"]
-        assert 0 < r.validation.min_top1_agreement <= 1
+        assert r.kind == ("qaic-export" if r.id == "qaic-export" else r.id.split("-")[0])
+        if r.kind == "gguf":
+            assert r.runtime_profiles == ["llm-llamacpp-cpu"] and 0 < r.validation.min_top1_agreement <= 1
+        elif r.kind == "vllm":
+            assert r.runtime_profiles[:3] == ["vllm-cu121", "vllm-rocm", "vllm-xpu"]
+            assert 0 < r.validation.min_top1_agreement <= 1
+        else:  # AI 100: the export and the compiles built from it
+            assert r.runtime_profiles == ["vllm-qaic"] and (r.input == "qaic-export") == (r.kind == "qaic")
+    assert [r.id for r in config.lineage("qaic-mxfp6")] == ["qaic-export", "qaic-mxfp6"]
     assert type(config.recipe("vllm-bf16").validation).__name__ == "VllmThresholds"
     assert config.recipe("gguf-q4_k_m").options == {"ftype": "Q4_K_M"}
     for pid in ("vllm-cu121", "vllm-rocm", "vllm-xpu"):
@@ -53,7 +58,7 @@ def test_registry_found_through_env(tmp_path, monkeypatch):
 
 
 def test_unknown_recipe_and_profile_lookups_are_one_line_errors(config):
-    with pytest.raises(ConfigError, match=r"unknown recipe 'gguf-nope' \(known: gguf-f16, gguf-q4_k_m, gguf-q8_0, vllm-bf16, vllm-fp8\)"):
+    with pytest.raises(ConfigError, match=r"unknown recipe 'gguf-nope' \(known: gguf-f16, gguf-q4_k_m, gguf-q8_0, qaic-export, qaic-fp16, qaic-mxfp6, vllm-bf16, vllm-fp8\)"):
         config.recipe("gguf-nope")
     with pytest.raises(ConfigError, match=r"unknown runtime profile 'tpu-v5'"):
         config.registry.profile("tpu-v5")
@@ -201,7 +206,7 @@ def test_recipe_unknown_key_and_wrong_type(tmp_path):
     data = yaml.safe_load((REPO / "recipes" / "gguf-q8_0.yaml").read_text())
     data["kind"] = "tensorrt"
     p.write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match=r"kind: Value error, unknown kind 'tensorrt' \(known: gguf, vllm\)"):
+    with pytest.raises(ConfigError, match=r"kind: Value error, unknown kind 'tensorrt' \(known: gguf, vllm, qaic-export, qaic\)"):
         load_recipe_file(p)
 
 

@@ -53,8 +53,16 @@ def test_graph_snapshot():
     graph = defs.resolve_asset_graph()
     keys = sorted(k.to_user_string() for k in graph.get_all_asset_keys())
     recipes = sorted(Config.load(REPO / "registry.yaml").recipes)
+    config = Config.load(REPO / "registry.yaml")
+    compiles = [r for r in recipes if config.recipe(r).kind == "qaic"]
+    assert compiles == ["qaic-fp16", "qaic-mxfp6"]
     assert keys == sorted(["snapshot", "compatibility"] + [f"artifact/{r}" for r in recipes]
-                          + [f"published/{r}" for r in recipes])
+                          + [f"published/{r}" for r in recipes] + [f"qpc/{r}" for r in compiles])
+    for r in compiles:  # derived builds: the compile reads the published export; the QPC step needs an SDK host
+        assert graph.get(artifact_key(r)).parent_keys == {dg.AssetKey("snapshot"), dg.AssetKey("compatibility"),
+                                                          published_key("qaic-export")}
+        assert graph.get(dg.AssetKey(["qpc", r])).parent_keys == {published_key(r)}
+        assert graph.get(dg.AssetKey(["qpc", r])).pools == {"ai100_compile"}
     checks = sorted(f"{c.asset_key.to_user_string()}:{c.name}" for c in graph.asset_check_keys)
     assert checks == [f"artifact/{r}:{PARITY_CHECK}" for r in recipes]
     for r in recipes:

@@ -45,8 +45,68 @@ def test_demo_model_quality_prediction(smollm2_dir):
 
     ids = reference.encode(reference.load_tokenizer(smollm2_dir), prompts.PARITY_TEXTS[:2])
     both = predict(smollm2_dir, ids)
-    off = predict(smollm2_dir, ids[:1], mxfp6=False, mxint8=False)
+    off = predict(smollm2_dir, ids[:1], mxfp6=False, mxint8=False, fp16=False)
     print("mxfp6+mxint8", both)
     assert off["top1"] == 1.0 and off["max_abs_logit_delta"] < 1e-3  # the decoder itself equals transformers
     assert 0.8 < both["top1"] < 1.0 and 0 < both["kl"] < 0.2 and both["ppl_delta"] > 0
+    assert both["emulated"] == ["mxfp6 weights", "mxint8 kv cache"]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gpt_bigcode", "falcon", "mixtral", "gpt_oss"])
+def test_mxfp6_emulation_covers_every_constant_matmul_weight(name, tmp_path):
+    """After quality.fake_mxfp6_weights, every constant MatMul/Gemm weight of the exported graph (what
+    `-mxfp6-matmul` compresses: linear layers, GPT-2's Conv1D, MoE routers and experts, lm_head) is already
+    on the MXFP6 grid in blocks along its reduction axis; only attention's two MatMuls per layer and the
+    last-position pick read no constant."""
+    import numpy as np
+    import onnx
+    from factories import make_tiny_causal_lm
+    from onnx import numpy_helper
+
+    from pipelines import reference
+    from pipelines.targets.qaic.export import build_decoder, export_decoder
+    from pipelines.targets.qaic.quality import fake_mxfp6_weights
+
+    def on_grid(w: np.ndarray) -> bool:  # w [..., K]: blocks along the last axis
+        t = torch.from_numpy(np.ascontiguousarray(w))
+        return torch.equal(fake_mxfp6(t), t)
+
+    model = reference.load_model(make_tiny_causal_lm(name, tmp_path / name))
+    assert not on_grid(model.lm_head.weight.detach().numpy())  # random weights are not: the check can fail
+    assert fake_mxfp6_weights(model) >= 2 * 4 + 1
+    out = tmp_path / "model.onnx"
+    export_decoder(build_decoder(model), out, ctx_len=16)
+    m = onnx.load(str(out))
+    weights = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+    checked, dynamic = 0, 0
+    for node in m.graph.node:
+        if node.op_type not in ("MatMul", "Gemm"):
+            continue
+        b = weights.get(node.input[1])
+        if b is None:
+            dynamic += 1
+            continue
+        trans_b = any(a.name == "transB" and a.i for a in node.attribute)
+        assert on_grid(b if trans_b else b.T), (name, node.name, b.shape)  # MatMul's B is [K, N]
+        checked += 1
+    assert dynamic == 2 * 2 + 1 and checked >= 2 * 4 + 1
+    print(name, "constant MatMul weights on the MXFP6 grid:", checked)
+
+
+def test_quality_prediction_of_a_moe_family(tmp_path):
+    """quality.predict on a non-Llama family: the decoder alone equals transformers; MXFP6 + MXINT8 move it."""
+    import random
+
+    from factories import make_tiny_causal_lm
+
+    from pipelines.targets.qaic.quality import predict
+
+    model_dir = make_tiny_causal_lm("gpt_oss", tmp_path / "gpt_oss")
+    rng = random.Random(0)
+    ids = [rng.sample(range(512), 24), rng.sample(range(512), 20)]
+    off = predict(model_dir, ids, mxfp6=False, mxint8=False, fp16=False)
+    both = predict(model_dir, ids)
+    print("gpt_oss fp32", off, "mxfp6+mxint8", both)
+    assert off["positions"] == 44 and off["top1"] == 1.0 and off["max_abs_logit_delta"] < 1e-3
+    assert both["max_abs_logit_delta"] > 1e-3 and both["kl"] > 0
     assert both["emulated"] == ["mxfp6 weights", "mxint8 kv cache"]

@@ -17,7 +17,7 @@ def test_every_kind_implements_the_interface():
             assert callable(getattr(t, method)), (kind, method)
         for name, field in t.Thresholds.model_fields.items():  # every gate names its metric
             assert name.startswith(("min_", "max_", "require_")) and field.json_schema_extra["metric"], (kind, name)
-    with pytest.raises(ValueError, match=r"unknown target kind 'qpc' \(known: gguf, vllm\)"):
+    with pytest.raises(ValueError, match=r"unknown target kind 'qpc' \(known: gguf, vllm, qaic-export, qaic\)"):
         target_class("qpc")
 
 

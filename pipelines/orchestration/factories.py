@@ -95,14 +95,16 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
     rid = recipe.id
     akey = artifact_key(rid)
 
+    # A derived recipe (an AI 100 compile) is built from its input's published artifact.
     @dg.asset(key=akey, ins={"snapshot": dg.AssetIn(SNAPSHOT_KEY), "compatibility": dg.AssetIn(COMPAT_KEY)},
+              deps=[published_key(recipe.input)] if recipe.input else None,
               partitions_def=models_partitions, group_name="artifacts", code_version=recipe.digest[:16],
-              pool=f"build_{recipe.kind}", kinds={recipe.kind}, output_required=False,
+              pool=f"build_{recipe.kind}", kinds={recipe.kind.split("-")[0]}, output_required=False,
               description=f"{recipe.description or rid}: built and staged (not yet visible to pull).")
     def artifact(context: dg.AssetExecutionContext, hive: HiveResource, snapshot: dict, compatibility: dict):
         model_id = context.partition_key
-        if rid not in hive.model(model_id).recipes:
-            context.log.info(f"{model_id} does not request {rid}; nothing to build")
+        if rid not in hive.config().requested_recipes(hive.model(model_id)):
+            context.log.info(f"{model_id} does not request {rid} (nor a recipe built from it); nothing to build")
             return
         try:
             plan = engine.plan(snapshot["source"], rid, hive.config(), model_id)
@@ -135,11 +137,13 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
         except HiveError as e:
             return dg.AssetCheckResult(passed=False, description=str(e))
         metrics = validation.get("metrics", {})
+        # Per-target detail sections: the AI 100 quality prediction (mxfp6 / fp16), onnxruntime parity runs.
+        sections = {k: dg.MetadataValue.json(validation[k]) for k in ("mxfp6", "fp16", "ort") if k in validation}
         return dg.AssetCheckResult(
             passed=passed, description="; ".join(failures) or "within thresholds",
             metadata={**{k: v for k, v in metrics.items() if isinstance(v, (int, float, bool))},
                       "parity": _parity_table(validation), "thresholds": dg.MetadataValue.json(validation.get("thresholds", {})),
-                      "generation": dg.MetadataValue.json(validation.get("generation", {}))},
+                      "generation": dg.MetadataValue.json(validation.get("generation", {})), **sections},
         )
 
     @dg.asset(key=published_key(rid), ins={"artifact": dg.AssetIn(akey)},
@@ -151,12 +155,55 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
             res = engine.publish_staged(plan, hive.open_store(), hive.config())
         except HiveError as e:
             raise _failure(e) from None
+        pending = res.format != plan.target.artifact_format(plan.recipe.options)
         return dg.MaterializeResult(metadata={
-            "state": res.state, "skipped": res.skipped, "build_id": res.build_id, "manifest": res.manifest,
-            "store_uri": hive.store_uri(), "size_bytes": sum(f["size"] for f in res.files),
+            "state": "compile_pending" if pending else res.state, "published": res.state, "skipped": res.skipped,
+            "build_id": res.build_id, "manifest": res.manifest, "format": str(res.format),
+            "store_uri": hive.store_uri(), "size_bytes": dg.MetadataValue.int(sum(f["size"] for f in res.files)),
         }, data_version=dg.DataVersion(res.build_id[:16]))
 
-    return [artifact, published], [parity_check]
+    assets = [artifact, published]
+    if recipe.kind == "qaic":
+        assets.append(_compile_asset(recipe))
+    return assets, [parity_check]
+
+
+def qpc_key(recipe_id: str) -> dg.AssetKey:
+    return dg.AssetKey(["qpc", recipe_id])
+
+
+def _compile_asset(recipe: Recipe) -> dg.AssetsDefinition:
+    """qpc/<recipe>: the published export bundle compiled on a host with the Cloud AI SDK (pool ai100_compile,
+    so compile hosts are never oversubscribed). Elsewhere the step records that the compile is pending and
+    materializes nothing: the bundle waits in the store for `hive-aot qaic-compile` or an SDK worker."""
+    rid = recipe.id
+
+    @dg.asset(key=qpc_key(rid), deps=[published_key(rid)], partitions_def=models_partitions, group_name="publish",
+              pool="ai100_compile", kinds={"qaic"}, output_required=False,
+              description=f"{rid}: the export bundle compiled to a QPC and published with its vllm-qaic serving binding.")
+    def qpc(context: dg.AssetExecutionContext, hive: HiveResource):
+        from ..targets.qaic.compile import find_sdk, no_sdk_reason
+        from ..targets.qaic.qpc import compile_published
+
+        model_id = context.partition_key
+        if rid not in hive.model(model_id).recipes:
+            context.log.info(f"{model_id} does not request {rid}; nothing to compile")
+            return
+        if find_sdk() is None:
+            context.log.warning(f"{model_id} {rid}: exported, compile pending: {no_sdk_reason()}")
+            return
+        try:
+            (res,) = compile_published(model_id, hive.config(), hive.open_store(), rid)
+        except HiveError as e:
+            raise _failure(e) from None
+        q = (res.validation or {}).get("qpc", {})
+        yield dg.Output(None, data_version=dg.DataVersion(res.build_id[:16]), metadata={
+            "state": res.state, "build_id": res.build_id, "manifest": res.manifest, "format": "qpc",
+            "size_bytes": dg.MetadataValue.int(sum(f["size"] for f in res.files)),
+            "program_bytes": dg.MetadataValue.int(int(q.get("program_bytes", 0))),
+            "compile_seconds": float(q.get("compile_seconds", 0.0))})
+
+    return qpc
 
 
 def all_recipe_assets(recipes: Iterable[Recipe]) -> tuple[list[dg.AssetsDefinition], list[dg.AssetChecksDefinition]]:

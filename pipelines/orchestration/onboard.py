@@ -15,7 +15,7 @@ import dagster as dg
 
 from ..config import Config
 from ..errors import ConfigError
-from .factories import artifact_key, published_key
+from .factories import artifact_key, published_key, qpc_key
 from .partitions import models_partitions, partition_key
 from .resources import HiveResource
 
@@ -60,10 +60,13 @@ def _summarize(result: dg.ExecuteInProcessResult, model_id: str, recipes: list[s
         pub = mats.get(published_key(rid))
         art = mats.get(artifact_key(rid))
         chk = checks.get(artifact_key(rid))
+        compiled = mats.get(qpc_key(rid))
         if pub is not None:
-            md = pub.metadata
+            md = (compiled or pub).metadata
             row.update(state=md["state"].value, build_id=md["build_id"].value, manifest=md["manifest"].value,
                        size=md["size_bytes"].value)
+            if compiled is not None:
+                row["bundle_build_id"] = pub.metadata["build_id"].value
         elif chk is not None and not chk.passed:
             row.update(state="rejected", build_id=art.metadata["build_id"].value if art else "",
                        error=chk.description)
@@ -74,7 +77,8 @@ def _summarize(result: dg.ExecuteInProcessResult, model_id: str, recipes: list[s
             row["check"] = {k: v.value for k, v in chk.metadata.items()
                             if k in ("top1_agreement", "mean_kl", "max_abs_logit_delta", "token_parity",
                                      "vllm_loaded", "vllm_top1_agreement", "vllm_greedy_agreement",
-                                     "vllm_max_logprob_delta")}
+                                     "vllm_max_logprob_delta", "ort_top1_agreement", "ort_max_abs_logit_delta",
+                                     "predicted_top1", "predicted_kl", "predicted_ppl_delta")}
         rows.append(row)
     return rows
 
@@ -100,6 +104,7 @@ def onboard(registry: str | None = None, store: str | None = None, models: list[
         res = job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False,
                                      tags={"hive-aot/trigger": "cli-onboard"}, run_config=QUIET)
         rows = _summarize(res, entry.id, entry.recipes)
-        success &= res.success and all(r["state"] in ("published", "skipped") for r in rows)
+        # compile_pending: the AI 100 export bundle is published and waits for a host with the SDK.
+        success &= res.success and all(r["state"] in ("published", "skipped", "compile_pending") for r in rows)
         results += [{**r, "run_id": res.run_id} for r in rows]
     return {"success": success, "dagster_home": os.environ["DAGSTER_HOME"], "results": results}

@@ -36,6 +36,16 @@ def ref_key(model_id: str, recipe: str, tag: str) -> str:
     return f"refs/{model_slug(model_id)}/{recipe}/{tag}"
 
 
+BUNDLE_TAG_PREFIX = "bundle-"  # tags of artifacts that stop short of their recipe's format (export bundles)
+
+
+def publish_tags(commit: str, pending: bool) -> tuple[str, str]:
+    """The tags a publish writes: `<commit>` and `latest`, or `bundle-<commit>` and `bundle-latest` for an
+    export bundle, so `latest` only ever names what a server can load."""
+    prefix = BUNDLE_TAG_PREFIX if pending else ""
+    return f"{prefix}{commit}", f"{prefix}latest"
+
+
 def staging_key(build_id: str) -> str:
     return f"staging/{check_digest(build_id)}.json"
 

@@ -12,6 +12,12 @@ A target owns everything specific to its kind:
   arguments, command line, environment) from which `pull` prints the exact serve command.
 
 `KINDS` is the one registry of kinds: recipes name a kind from it, and nothing else lists them.
+
+Derived builds: a target with `input_kinds` is built from the published artifact of its recipe's
+`input:` recipe (an AI 100 compile from the ONNX export); the engine materializes that artifact and hands
+it over as `BuildContext.input`. A target with `intermediate = True` writes an artifact that only other
+recipes read (no runtime profile loads it). Optional hooks: `plan_problems(ctx)` refuses a build before
+any work; `input_problems(options, input_options)` checks a recipe against its input's at config load.
 """
 
 from __future__ import annotations
@@ -28,12 +34,15 @@ if TYPE_CHECKING:
     from ..compat import Compatibility
     from ..compat.database import Architecture
     from ..config import Recipe, Registry, RuntimeProfile
+    from ..manifest import Manifest
     from ..sources import Snapshot
 
 # kind -> "module:class". Importing a target module must stay cheap (engines load inside methods).
 KINDS = {
     "gguf": "pipelines.targets.gguf:GgufTarget",
     "vllm": "pipelines.targets.vllm:VllmTarget",
+    "qaic-export": "pipelines.targets.qaic:QaicExportTarget",
+    "qaic": "pipelines.targets.qaic:QaicTarget",
 }
 
 
@@ -77,12 +86,26 @@ def check_thresholds(metrics: dict[str, Any], thresholds: Thresholds) -> list[st
 @dataclass
 class BuiltArtifact:
     """Files written by a build, relative to `root`, and what the manifest records about the build.
-    `known_digests`: sha256 of files copied byte for byte from the source (the snapshot hashed them)."""
+    `known_digests`: sha256 of files copied byte for byte from the source (the snapshot hashed them).
+    `format`: set when the build stops short of the target's `artifact_format` (an AI 100 compile on a host
+    without the SDK publishes its export bundle); such an artifact is published under `bundle-*` tags."""
 
     root: Path
     files: list[str]
     info: dict[str, Any] = field(default_factory=dict)
     known_digests: dict[str, str] = field(default_factory=dict)
+    format: str | None = None
+
+
+@dataclass
+class InputArtifact:
+    """The published artifact a derived build reads: its recipe, build id, manifest and where its files
+    were placed (hard links into the store's blobs where possible)."""
+
+    recipe: str
+    build_id: str
+    manifest: "Manifest"
+    root: Path
 
 
 @dataclass
@@ -104,6 +127,7 @@ class BuildContext:
     compatibility: "Compatibility"
     registry: "Registry"
     classify: Callable[[str], "Compatibility"]
+    input: InputArtifact | None = None
 
     @property
     def model_id(self) -> str:

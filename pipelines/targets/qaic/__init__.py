@@ -1,2 +1,215 @@
-"""Cloud AI 100: ONNX export with retained-state KV (export.py). The compile stage and the QPC target are
-not built yet (issue 9); nothing registers this package as a kind until then."""
+"""Qualcomm Cloud AI 100: two kinds, one derived from the other.
+
+- `qaic-export` (recipe qaic-export, any host): our own PyTorch -> ONNX export with retained-state KV
+  (export.py), validated in onnxruntime against transformers fp32 (prefill + decode steps, state fed
+  back). An intermediate artifact: no runtime profile loads ONNX; compile recipes read it.
+- `qaic` (recipes qaic-mxfp6, qaic-fp16; `input: qaic-export`): the compile of that ONNX for one serving
+  shape. Its build writes the compile inputs beside the export's ONNX (specializations.json,
+  custom_io.yaml, the partition file, the exact command: compile.py) and its validation predicts the
+  device's quality by emulating MXFP6 / MXINT8 (or fp16) in the reference (quality.py). That export
+  bundle is published on every host (format `qaic-export-bundle`, tags `bundle-latest` /
+  `bundle-<commit>`, so pull never hands it out); a host with the Apps SDK then compiles it into the
+  QPC (qpc.py), published under the usual tags with the serving binding of vllm-qaic (serving.py).
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field
+
+from ...errors import NotApplicableError
+from .. import BuildContext, BuiltArtifact, Thresholds, ValidationReport, check_thresholds, gate
+from .compile import COMPILE_DIR, CompileOptions
+
+if TYPE_CHECKING:
+    from ...compat.database import Architecture
+
+EXPORT_FORMAT_VERSION = 1
+BUNDLE_FORMAT_VERSION = 1
+ONNX_DIR = "onnx"
+EXPORT_REPORT = "export.json"
+BUNDLE_FORMAT = "qaic-export-bundle"  # what a qaic build publishes until a host with the SDK compiles it
+PARITY_DECODE_STEPS = 8
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def _families() -> frozenset[str]:
+    from .export import FAMILIES
+
+    return frozenset(FAMILIES)
+
+
+def _supports(arch: "Architecture | None", architecture: str) -> bool:
+    """In the AI 100 validated matrix and exported by our decoder (text causal LMs so far)."""
+    return (arch is not None and arch.active and arch.qaic and arch.transformers_known
+            and (architecture in _families() or arch.name in _families()))
+
+
+class ExportThresholds(Thresholds):
+    """onnxruntime (prefill + decode steps, retained state fed back) against transformers fp32 on the same ids."""
+
+    min_ort_top1_agreement: float = Field(1.0, ge=0.0, le=1.0,
+                                          json_schema_extra=gate("ort_top1_agreement", "onnxruntime top-1 agreement"))
+    max_ort_logit_delta: float = Field(0.01, ge=0.0,
+                                       json_schema_extra=gate("ort_max_abs_logit_delta", "onnxruntime max |delta logit|", ".3g"))
+
+
+class QaicThresholds(Thresholds):
+    """The device's predicted quality (weights and KV cache emulated at the compile's precisions) against
+    transformers fp32 on the parity texts."""
+
+    min_predicted_top1: float | None = Field(None, ge=0.0, le=1.0,
+                                             json_schema_extra=gate("predicted_top1", "predicted top-1 agreement"))
+    max_predicted_kl: float | None = Field(None, ge=0.0, json_schema_extra=gate("predicted_kl", "predicted mean KL", ".5f"))
+    max_predicted_ppl_delta: float | None = Field(
+        None, json_schema_extra=gate("predicted_ppl_delta", "predicted perplexity change", ".4f"))
+
+
+class QaicExportTarget:
+    kind = "qaic-export"
+    format_version = EXPORT_FORMAT_VERSION
+    Thresholds = ExportThresholds
+    intermediate = True  # read by qaic recipes, served by nobody
+
+    @staticmethod
+    def option_problems(options: dict[str, Any]) -> list[str]:
+        problems = [f"unknown option {k!r}" for k in options if k not in ("batch_index",)]
+        if not isinstance(options.get("batch_index", True), bool):
+            problems.append("batch_index must be true or false")
+        return problems
+
+    @staticmethod
+    def artifact_format(options: dict[str, Any]) -> str:
+        return "onnx"
+
+    def supports(self, arch, architecture: str, config: dict[str, Any], options: dict[str, Any]) -> bool:
+        return _supports(arch, architecture)
+
+    def toolchain(self) -> dict[str, str]:
+        return {"hive_aot_qaic_export_format": str(EXPORT_FORMAT_VERSION), "torch": _version("torch"),
+                "transformers": _version("transformers"), "onnx": _version("onnx"),
+                "onnxruntime_validation": _version("onnxruntime")}
+
+    def build(self, ctx: BuildContext, out_dir: Path) -> BuiltArtifact:
+        from ..vllm.prepare import CARRIED_FILES, link_or_copy
+        from .export import export
+
+        snap = ctx.snapshot
+        batch_index = bool(ctx.recipe.options.get("batch_index", True))
+        report = export(snap.dir, out_dir / ONNX_DIR / "model.onnx", batch_index=batch_index)
+        files = [f"{ONNX_DIR}/{name}" for name in report.files]
+        known = {}
+        digests = {f.path: f.sha256 for f in snap.files}
+        for name in CARRIED_FILES:
+            if name in digests:
+                link_or_copy(snap.dir / name, out_dir / name)
+                files.append(name)
+                known[name] = digests[name]
+        info = {k: v for k, v in vars(report).items() if k not in ("path",)}
+        (out_dir / EXPORT_REPORT).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
+        files.append(EXPORT_REPORT)
+        return BuiltArtifact(root=out_dir, files=files, info={"export": info}, known_digests=known)
+
+    def validate(self, ctx: BuildContext, artifact_dir: Path, files: dict[str, str]) -> ValidationReport:
+        from ... import parity, prompts, reference
+        from .export import ort_parity
+
+        tok = reference.load_tokenizer(ctx.snapshot.dir)
+        runs = []
+        for text in prompts.PARITY_TEXTS[:2]:
+            ids = list(tok(text).input_ids)[:48]
+            ctx_len = len(ids) + PARITY_DECODE_STEPS + 8
+            runs.append(ort_parity(ctx.snapshot.dir, artifact_dir / ONNX_DIR / "model.onnx", ids,
+                                   decode_steps=PARITY_DECODE_STEPS, ctx_len=ctx_len))
+        metrics = {
+            "ort_top1_agreement": min(r["top1_agreement"] for r in runs),
+            "ort_max_abs_logit_delta": parity.round6(max(r["max_abs_logit_delta"] for r in runs)),
+            "ort_steps": sum(r["steps"] for r in runs),
+        }
+        failures = check_thresholds(metrics, ctx.recipe.validation)
+        return ValidationReport(passed=not failures, failures=failures, metrics=metrics,
+                                details={"ort": [{k: v for k, v in r.items() if k != "tokens"} for r in runs]})
+
+    def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]:
+        return {}
+
+
+class QaicTarget:
+    """A compile recipe. Its build is the export bundle; the QPC is compiled from that bundle (qpc.py)."""
+
+    kind = "qaic"
+    format_version = BUNDLE_FORMAT_VERSION
+    Thresholds = QaicThresholds
+    input_kinds = ("qaic-export",)
+
+    @staticmethod
+    def option_problems(options: dict[str, Any]) -> list[str]:
+        return CompileOptions.problems(options)
+
+    @staticmethod
+    def input_problems(options: dict[str, Any], input_options: dict[str, Any]) -> list[str]:
+        if options.get("full_batch_size", 8) and input_options.get("batch_index", True) is False:
+            return ["options.full_batch_size: continuous batching needs an input export with batch_index: true"]
+        return []
+
+    @staticmethod
+    def artifact_format(options: dict[str, Any]) -> str:
+        return "qpc"
+
+    def supports(self, arch, architecture: str, config: dict[str, Any], options: dict[str, Any]) -> bool:
+        return _supports(arch, architecture)
+
+    def plan_problems(self, ctx: BuildContext) -> list[str]:
+        """What makes this serving shape impossible for the model, before any work."""
+        opts = CompileOptions.parse(ctx.recipe.options)
+        cfg = ctx.config.get("text_config") if isinstance(ctx.config.get("text_config"), dict) else ctx.config
+        positions = cfg.get("max_position_embeddings") or cfg.get("n_positions") or cfg.get("seq_length")
+        if isinstance(positions, int) and opts.ctx_len > positions:
+            return [f"ctx_len {opts.ctx_len} is beyond the model's {positions} positions (max_position_embeddings)"]
+        return []
+
+    def toolchain(self) -> dict[str, str]:
+        # The SDK is not here: the bundle is the same on every host; the QPC's id adds the SDK (qpc.py).
+        return {"hive_aot_qaic_bundle_format": str(BUNDLE_FORMAT_VERSION), "torch": _version("torch"),
+                "transformers": _version("transformers")}
+
+    def build(self, ctx: BuildContext, out_dir: Path) -> BuiltArtifact:
+        from .bundle import write_bundle
+
+        if ctx.input is None:
+            raise NotApplicableError(f"recipe {ctx.recipe.id} is built from its input {ctx.recipe.input}, which was not given")
+        return write_bundle(ctx, out_dir)
+
+    def validate(self, ctx: BuildContext, artifact_dir: Path, files: dict[str, str]) -> ValidationReport:
+        from .bundle import check_bundle
+        from .quality import predict
+
+        opts = CompileOptions.parse(ctx.recipe.options)
+        problems = check_bundle(artifact_dir, files, opts)
+        if problems:
+            return ValidationReport(passed=False, failures=problems, metrics={})
+        from ... import prompts, reference
+
+        tok = reference.load_tokenizer(ctx.snapshot.dir)
+        sequences = [list(ids)[:128] for ids in reference.encode(tok, prompts.PARITY_TEXTS)]
+        q = predict(ctx.snapshot.dir, sequences, mxfp6=opts.mxfp6, mxint8=opts.mxint8)
+        metrics = {"predicted_top1": q["top1"], "predicted_kl": q["kl"], "predicted_ppl_delta": q["ppl_delta"],
+                   "predicted_max_abs_logit_delta": q["max_abs_logit_delta"]}
+        failures = check_thresholds(metrics, ctx.recipe.validation)
+        return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details={opts.precision: q})
+
+    def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]:
+        return {}  # a bundle serves nothing; the QPC's manifest carries the vllm-qaic binding
+
+
+__all__ = ["QaicExportTarget", "QaicTarget", "BUNDLE_FORMAT", "COMPILE_DIR"]

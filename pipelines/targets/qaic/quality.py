@@ -1,8 +1,10 @@
 """Predicted quality of an AI 100 compile before compiling: the retained-state decoder (export.py) run in
-torch with MXFP6 E2M3 on every constant MatMul weight (the linear layers and lm_head; the embedding is a
-Gather and stays as it is) and MXINT8 on the K/V written to the cache, against transformers fp32 on the
-same ids: top-1 agreement, KL, and perplexity on the parity texts. Compute stays fp32 here; the device
-computes in fp16 (`-convert-to-fp16`), which this does not model.
+torch with MXFP6 E2M3 on every constant MatMul weight (families.matmul_weights: the linear layers and
+lm_head, GPT-2's Conv1D, MoE routers and experts, each in blocks along its reduction axis; the embedding is
+a Gather and stays as it is) and MXINT8 on the K/V written to the cache, against transformers fp32 on the
+same ids: top-1 agreement, KL, and perplexity on the parity texts. The fp16 variant rounds the same weights
+and the KV cache to float16 instead. Compute stays fp32 here; the device computes in fp16
+(`-convert-to-fp16`), which this does not model.
 """
 
 from __future__ import annotations
@@ -12,26 +14,54 @@ from pathlib import Path
 from typing import Any
 
 
-def predict(model_dir: Path, sequences: list[list[int]], *, mxfp6: bool = True, mxint8: bool = True) -> dict[str, Any]:
+def fake_fp16(x):
+    """Round to float16 and back (what `-convert-to-fp16` does to a weight or a float16 KV cache)."""
+    return x.half().to(x.dtype)
+
+
+def fake_mxfp6_weights(model, quantize=None) -> int:
+    """Replace every constant MatMul weight of a supported causal LM with its MXFP6 E2M3 quantize-dequantize
+    (or `quantize`, e.g. fake_fp16), in blocks of 32 along its reduction axis (nn.Linear [out, in], Conv1D
+    [in, out], stacked MoE experts); tied weights get a copy, so the embedding (a Gather) stays fp32.
+    Returns how many tensors changed."""
+    import torch
+
+    from .families import matmul_weights
+    from .mx import fake_mxfp6
+
+    quantize = quantize or fake_mxfp6
+    found = matmul_weights(model)
+    with torch.no_grad():
+        for module, name, axis in found:
+            w = getattr(module, name).detach()
+            q = quantize(w.movedim(axis, -1).clone()).movedim(-1, axis).contiguous()
+            setattr(module, name, torch.nn.Parameter(q, requires_grad=False))
+    return len(found)
+
+
+def predict(model_dir: Path, sequences: list[list[int]], *, mxfp6: bool = True, mxint8: bool = True,
+            fp16: bool = True) -> dict[str, Any]:
+    """`fp16`: what is not MX is rounded to float16 as the device stores it (False: left fp32, so the
+    decoder itself can be compared with transformers)."""
     import numpy as np
     import torch
 
     from ... import parity, reference
-    from .export import _decoder
-    from .mx import fake_mxfp6, fake_mxint8
+    from .export import build_decoder
+    from .mx import fake_mxint8
 
     model = reference.load_model(model_dir)
     with torch.inference_mode():
         ref = [model(torch.tensor([s])).logits[0].float().numpy() for s in sequences]
-        if mxfp6:
-            for module in model.modules():
-                if isinstance(module, torch.nn.Linear):  # lm_head included; tied weights get a copy
-                    module.weight = torch.nn.Parameter(fake_mxfp6(module.weight.detach().clone()), requires_grad=False)
-        decoder, n_kv, head_dim, _ = _decoder(model, kv_transform=fake_mxint8 if mxint8 else None)
+        # Without MXFP6 the compiler still converts every weight to fp16, and the KV cache is float16.
+        if mxfp6 or fp16:
+            fake_mxfp6_weights(model, None if mxfp6 else fake_fp16)
+        decoder = build_decoder(model, kv_transform=fake_mxint8 if mxint8 else (fake_fp16 if fp16 else None),
+                                ctx_len=max(len(s) for s in sequences))
         decoder.all_positions = True
         got = []
         for s in sequences:
-            past = [torch.zeros(1, n_kv, len(s), head_dim) for _ in range(2 * len(decoder.layers))]
+            past = [torch.zeros(1, decoder.n_kv, len(s), decoder.head_dim) for _ in range(2 * len(decoder.layers))]
             got.append(decoder(torch.tensor([s]), torch.arange(len(s)).unsqueeze(0), *past)[0][0].float().numpy())
     total = parity.merge([parity.compare(r, g) for r, g in zip(ref, got)])
 
@@ -47,4 +77,5 @@ def predict(model_dir: Path, sequences: list[list[int]], *, mxfp6: bool = True, 
     return {"positions": total.positions, "top1": round(total.top1_agreement, 6), "kl": float(f"{total.mean_kl:.6g}"),
             "max_abs_logit_delta": float(f"{total.max_abs_logit_delta:.6g}"), "ppl_fp32": round(p_ref, 4),
             "ppl": round(p_got, 4), "ppl_delta": float(f"{(p_got - p_ref) / p_ref:.6g}"),
-            "emulated": [n for n, on in (("mxfp6 weights", mxfp6), ("mxint8 kv cache", mxint8)) if on]}
+            "emulated": [name for name in ("mxfp6 weights" if mxfp6 else "fp16 weights" if fp16 else None,
+                                           "mxint8 kv cache" if mxint8 else "float16 kv cache" if fp16 else None) if name]}

@@ -1,0 +1,89 @@
+"""The export bundle of a compile recipe: the input export's files (ONNX with external data, config,
+tokenizer: linked, digests carried over) plus the compile inputs for this serving shape and the exact
+command (compile.py). Everything a host with the Apps SDK needs to produce the QPC, and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from .. import BuildContext, BuiltArtifact
+from . import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
+from .compile import COMPILE_DIR, CompileOptions, command, compile_files
+
+COMMAND_FILE = f"{COMPILE_DIR}/command.json"
+
+
+def _link(src: Path, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copyfile(src, dest)
+
+
+def command_doc(opts: CompileOptions, onnx_rel: str, sdk_version: str, compiler: str | None = None) -> dict[str, Any]:
+    argv = command(opts, onnx_rel, sdk_version, compiler)
+    return {"argv": argv, "sdk_version": sdk_version,
+            "placeholders": {"{bundle}": "the bundle (or artifact) directory", "{qpc}": "the QPC output directory"}}
+
+
+def write_bundle(ctx: BuildContext, out_dir: Path) -> BuiltArtifact:
+    opts = CompileOptions.parse(ctx.recipe.options)
+    inp = ctx.input
+    assert inp is not None
+    known = {f.path: f.sha256 for f in inp.manifest.files}
+    files = []
+    for rel in known:
+        _link(inp.root / rel, out_dir / rel)
+        files.append(rel)
+    export_info = json.loads((inp.root / EXPORT_REPORT).read_text())
+    onnx_rel = f"{ONNX_DIR}/model.onnx"
+    for rel, body in compile_files(int(export_info["layers"]), opts).items():
+        (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out_dir / rel).write_bytes(body)
+        files.append(rel)
+    doc = command_doc(opts, onnx_rel, opts.sdk_version)
+    (out_dir / COMMAND_FILE).write_text(json.dumps(doc, indent=1) + "\n")
+    files.append(COMMAND_FILE)
+    info = {"state": "compile_pending", "format": BUNDLE_FORMAT,
+            "input": {"recipe": inp.recipe, "build_id": inp.build_id},
+            "compile": {"command": doc["argv"], "sdk_version": opts.sdk_version, "options": opts.model_dump()}}
+    return BuiltArtifact(root=out_dir, files=files, info=info, known_digests=known, format=BUNDLE_FORMAT)
+
+
+def check_bundle(root: Path, files: dict[str, str], opts: CompileOptions) -> list[str]:
+    """The compile inputs agree with the ONNX they are for: every past input and retained output is in
+    custom_io.yaml at the KV precision, and the ONNX's dynamic axes are the specialization symbols."""
+    import onnx
+
+    onnx_rel = f"{ONNX_DIR}/model.onnx"
+    if onnx_rel not in files:
+        return [f"the bundle has no {onnx_rel}"]
+    graph = onnx.load(str(root / onnx_rel), load_external_data=False).graph
+    io_names = [v.name for v in list(graph.input) + list(graph.output) if v.name.startswith("past_")]
+    text = (root / COMPILE_DIR / "custom_io.yaml").read_text()
+    listed = {line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("- IOName:")}
+    problems = []
+    missing = sorted(set(io_names) - listed)
+    if missing:
+        problems.append(f"custom_io.yaml misses {len(missing)} KV tensors of the ONNX (first: {missing[0]})")
+    extra = sorted(listed - set(io_names))
+    if extra:
+        problems.append(f"custom_io.yaml names tensors the ONNX does not have (first: {extra[0]})")
+    symbols = {d.dim_param for v in list(graph.input) + list(graph.output)
+               for d in v.type.tensor_type.shape.dim if d.dim_param}
+    specs = json.loads((root / COMPILE_DIR / "specializations.json").read_text())["specializations"]
+    for spec in specs:
+        used = set(spec.get("symbols", spec))
+        if used - {"name"} - symbols:
+            problems.append(f"specializations.json sets {', '.join(sorted(used - {'name'} - symbols))}, "
+                            f"which the ONNX does not have as dynamic axes ({', '.join(sorted(symbols))})")
+            break
+    if opts.full_batch_size and "batch_index" not in [i.name for i in graph.input]:
+        problems.append("full_batch_size is set but the ONNX has no batch_index input (export with batch_index: true)")
+    return problems

@@ -1,0 +1,241 @@
+"""The AI 100 compile contract as data: recipe options -> the files and the command `qaic-compile` needs,
+the Apps SDK found on this host (or not), and the run itself (reference/ai100-qpc.md).
+
+Everything here is plain Python (no torch, no onnx) so the compile host needs only the SDK and hive-aot.
+- `CompileOptions`: the recipe's options (serving shape, precisions, SDK the bundle is prepared for);
+- `specializations()`: `specializations.json` in the named (SDK >= 1.22) or legacy flat form;
+- `custom_io()`: `custom_io.yaml`, the precision of every `past_*` input and its `_RetainedState` output
+  (mxint8 KV cache is not a flag, it is this file);
+- `partition()`: the tensor-slicing partition file listing devices 0..N-1 (multi-device);
+- `command()`: the argv of `qaic-compile` (SDK >= 1.21) or `qaic-exec ... -compile-only` (older), with
+  `{bundle}` / `{qpc}` placeholders so the same command is recorded in the bundle and run anywhere;
+- `find_sdk()`: `$HIVE_AOT_QAIC_SDK`, else /opt/qti-aic; its apps/platform versions from `versions/*.xml`;
+- `run()`: the compiler in a child process, its stderr tail in the error when it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ...errors import EngineFailed
+
+DEFAULT_SDK_ROOT = "/opt/qti-aic"
+NAMED_SPECIALIZATIONS_FROM = (1, 22)  # SDKs before this reject the named form
+QAIC_COMPILE_FROM = (1, 21)  # older SDKs compile with `qaic-exec ... -compile-only`
+BUNDLE, QPC = "{bundle}", "{qpc}"  # placeholders in a recorded command: the bundle directory, the QPC output
+COMPILE_DIR = "compile"  # the compile inputs inside a bundle and a QPC artifact
+QPC_DIR = "qpc"  # the compiler's output directory (VLLM_QAIC_QPC_PATH)
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
+
+
+class CompileOptions(BaseModel):
+    """Options of a `kind: qaic` recipe. The serving shape is what vLLM must be started with: a QPC is
+    bound to it (ctx_len = --max-model-len, full_batch_size = --max-num-seqs, prefill_seq_len, devices)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_cores: int = Field(16, ge=1, le=16, description="NSP cores per device the program uses")
+    ctx_len: int = Field(2048, ge=16, description="KV cache length: --max-model-len")
+    prefill_seq_len: int = Field(128, ge=1, description="tokens per prefill step")
+    batch_size: int = Field(1, ge=1, description="prefill batch (and decode batch without continuous batching)")
+    full_batch_size: int | None = Field(8, ge=1, description="continuous batching slots: --max-num-seqs (null: off)")
+    num_devices: int = Field(1, ge=1, le=64)
+    mxfp6: bool = Field(True, description="MXFP6 E2M3 constant MatMul weights (-mxfp6-matmul)")
+    mxint8: bool = Field(True, description="MXINT8 KV cache (custom_io.yaml), else float16")
+    mos: int | None = Field(None, ge=1, description="-mos: maximum output splits (compiler tuning)")
+    ols: int | None = Field(None, ge=1, description="-ols: overlap split factor (compiler tuning)")
+    depth_first: bool = Field(False, description="-aic-enable-depth-first")
+    sdk_version: str = Field("1.22", pattern=r"^\d+\.\d+(\.\d+)*$",
+                             description="the Apps SDK the bundle's files are written for; a compile host re-derives them for its own")
+
+    @model_validator(mode="after")
+    def _shape(self) -> "CompileOptions":
+        if self.prefill_seq_len > self.ctx_len:
+            raise ValueError(f"prefill_seq_len {self.prefill_seq_len} is larger than ctx_len {self.ctx_len}")
+        return self
+
+    @classmethod
+    def parse(cls, options: dict[str, Any]) -> "CompileOptions":
+        return cls.model_validate(options)
+
+    @staticmethod
+    def problems(options: dict[str, Any]) -> list[str]:
+        try:
+            CompileOptions.model_validate(options)
+        except ValidationError as e:
+            return [f"{'.'.join(str(x) for x in err['loc']) or 'options'}: {err['msg']}".replace("Value error, ", "")
+                    for err in e.errors()]
+        return []
+
+    @property
+    def decode_batch(self) -> int:
+        return self.full_batch_size or self.batch_size
+
+    @property
+    def precision(self) -> str:
+        """The label of the quality prediction: what the weights become on the device."""
+        return "mxfp6" if self.mxfp6 else "fp16"
+
+    @property
+    def kv_precision(self) -> str:
+        return "mxint8" if self.mxint8 else "float16"
+
+
+def named_specializations(sdk_version: str) -> bool:
+    return _version_tuple(sdk_version) >= NAMED_SPECIALIZATIONS_FROM
+
+
+def specializations(opts: CompileOptions, sdk_version: str | None = None) -> dict[str, Any]:
+    """Prefill then decode; every value a string. With continuous batching the prefill runs one
+    sequence at a time into a `full_batch_size` cache and decode runs all slots."""
+    prefill = {"batch_size": str(opts.batch_size), "seq_len": str(opts.prefill_seq_len), "ctx_len": str(opts.ctx_len)}
+    decode = {"batch_size": str(opts.decode_batch), "seq_len": "1", "ctx_len": str(opts.ctx_len)}
+    if opts.full_batch_size:
+        prefill["full_batch_size"] = decode["full_batch_size"] = str(opts.full_batch_size)
+        prefill["batch_size"] = "1"
+    if named_specializations(sdk_version or opts.sdk_version):
+        return {"specializations": [{"name": "Prefill", "symbols": prefill}, {"name": "Decode", "symbols": decode}]}
+    return {"specializations": [prefill, decode]}
+
+
+def custom_io(layers: int, opts: CompileOptions) -> str:
+    """custom_io.yaml: every past input and its retained output at the KV precision."""
+    lines = []
+    for i in range(layers):
+        for kv in ("key", "value"):
+            for suffix in ("", "_RetainedState"):
+                lines += [f"- IOName: past_{kv}.{i}{suffix}", f"  Precision: {opts.kv_precision}", ""]
+    return "\n".join(lines)
+
+
+def partition_name(num_devices: int) -> str:
+    return f"mdp_ts_{num_devices}.json"
+
+
+def partition(num_devices: int, num_cores: int) -> dict[str, Any]:
+    """Tensor slicing over devices 0..N-1 of one card group, each with the program's cores."""
+    return {"connections": [{"devices": list(range(num_devices)), "type": "p2p"}],
+            "partitions": [{"name": "Partition0",
+                            "devices": [{"deviceId": d, "numCores": num_cores} for d in range(num_devices)]}]}
+
+
+def compile_files(layers: int, opts: CompileOptions, sdk_version: str | None = None) -> dict[str, bytes]:
+    """The compile inputs beside the ONNX, by path relative to the bundle (or QPC artifact) root."""
+    files = {
+        f"{COMPILE_DIR}/specializations.json": (json.dumps(specializations(opts, sdk_version), indent=1) + "\n").encode(),
+        f"{COMPILE_DIR}/custom_io.yaml": custom_io(layers, opts).encode(),
+    }
+    if opts.num_devices > 1:
+        files[f"{COMPILE_DIR}/{partition_name(opts.num_devices)}"] = (json.dumps(partition(opts.num_devices, opts.num_cores), indent=1) + "\n").encode()
+    return files
+
+
+def command(opts: CompileOptions, onnx_rel: str, sdk_version: str | None = None, compiler: str | None = None) -> list[str]:
+    """The compiler argv; paths use the {bundle} and {qpc} placeholders (see `fill`)."""
+    version = sdk_version or opts.sdk_version
+    modern = _version_tuple(version) >= QAIC_COMPILE_FROM
+    exe = compiler or ("qaic-compile" if modern else "qaic-exec")
+    argv = [exe, "-aic-hw", "-aic-hw-version=ai100", f"-m={BUNDLE}/{onnx_rel}", "-retained-state", "-convert-to-fp16"]
+    if not modern:
+        argv.append("-compile-only")
+    if opts.mxfp6:
+        argv.append("-mxfp6-matmul")
+    argv.append(f"-aic-num-cores={opts.num_cores}")
+    if opts.mos is not None:
+        argv.append(f"-mos={opts.mos}")
+    if opts.ols is not None:
+        argv.append(f"-ols={opts.ols}")
+    if opts.depth_first:
+        argv.append("-aic-enable-depth-first")
+    argv += [f"-network-specialization-config={BUNDLE}/{COMPILE_DIR}/specializations.json",
+             f"-custom-IO-list-file={BUNDLE}/{COMPILE_DIR}/custom_io.yaml"]
+    if opts.num_devices > 1:
+        argv.append(f"-mdp-load-partition-config={BUNDLE}/{COMPILE_DIR}/{partition_name(opts.num_devices)}")
+    argv.append(f"-aic-binary-dir={QPC}")
+    return argv
+
+
+def fill(argv: list[str], bundle: Path, qpc: Path) -> list[str]:
+    return [a.replace(BUNDLE, str(bundle)).replace(QPC, str(qpc)) for a in argv]
+
+
+@dataclass(frozen=True)
+class Sdk:
+    """The Cloud AI Apps SDK on this host: where its compiler is and which versions it is."""
+
+    root: Path
+    compiler: Path
+    apps_version: str
+    platform_version: str
+
+    @property
+    def version(self) -> str:
+        return self.apps_version
+
+    def toolchain(self) -> dict[str, str]:
+        return {"qaic_apps_sdk": self.apps_version, "qaic_platform_sdk": self.platform_version,
+                "qaic_compiler": self.compiler.name}
+
+
+def _xml_version(path: Path) -> str | None:
+    """`<base_version>1.20.2</base_version><build_id>0</build_id>` -> "1.20.2.0" (the SDK's versions/*.xml)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return None
+    base = re.search(r"<base_version>\s*([^<\s]+)\s*</base_version>", text)
+    if base is None:
+        return None
+    build = re.search(r"<build_id>\s*([^<\s]+)\s*</build_id>", text)
+    return base.group(1) + (f".{build.group(1)}" if build else "")
+
+
+def sdk_root() -> Path:
+    return Path(os.environ.get("HIVE_AOT_QAIC_SDK") or DEFAULT_SDK_ROOT)
+
+
+def find_sdk() -> Sdk | None:
+    """The SDK if this host has a usable one (its compiler executable and its apps version), else None."""
+    root = sdk_root()
+    apps = _xml_version(root / "versions" / "apps.xml")
+    if apps is None:
+        return None
+    exe = root / "exec" / ("qaic-compile" if _version_tuple(apps) >= QAIC_COMPILE_FROM else "qaic-exec")
+    if not (exe.is_file() and os.access(exe, os.X_OK)):
+        return None
+    return Sdk(root=root, compiler=exe, apps_version=apps,
+               platform_version=_xml_version(root / "versions" / "platform.xml") or "absent")
+
+
+def no_sdk_reason() -> str:
+    root = sdk_root()
+    how = "$HIVE_AOT_QAIC_SDK" if os.environ.get("HIVE_AOT_QAIC_SDK") else "the default location"
+    return f"no Cloud AI SDK on this host ({root}, {how}, has no versions/apps.xml and compiler)"
+
+
+def run(argv: list[str], log: Path, what: str, timeout_s: float | None = None) -> float:
+    """Run the compiler with its output in `log`; one line with the tail of stderr when it fails."""
+    started = time.monotonic()
+    with open(log, "wb") as out:
+        try:
+            proc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+        except FileNotFoundError:
+            raise EngineFailed(f"{what}: compiler {argv[0]} not found") from None
+        except subprocess.TimeoutExpired:
+            raise EngineFailed(f"{what}: the compiler ran longer than {timeout_s:.0f} s and was stopped") from None
+    if proc.returncode != 0:
+        tail = " | ".join(line.strip() for line in log.read_text(errors="replace").splitlines()[-5:] if line.strip())
+        raise EngineFailed(f"{what}: {Path(argv[0]).name} exited with status {proc.returncode}: {tail or 'no output'}")
+    return time.monotonic() - started

@@ -1,0 +1,197 @@
+"""From a published export bundle to a published QPC, on a host with the Cloud AI Apps SDK.
+
+The QPC's build id is the bundle's build id plus the SDK's versions: the same bundle compiled by
+another SDK is another QPC, and a compile host needs nothing but the store (not the source model). The
+compile inputs are re-derived for the host's SDK (the specialization file format changed in 1.22); the
+command actually run is recorded with placeholders. Nothing is published unless the compiler exits 0
+and wrote a non-empty `programqpc.bin`; the manifest then carries the vllm-qaic serving binding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ...errors import EngineFailed, HiveError, NotApplicableError, StoreError
+from ...hashing import sha256_file, sha256_json
+from ...manifest import FileEntry, Manifest
+from ...paths import work_dir
+from ...store import Store, manifest_key, ref_key
+from ...store.layout import publish_tags
+from . import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
+from .bundle import COMMAND_FILE
+from .compile import COMPILE_DIR, QPC_DIR, CompileOptions, Sdk, command, compile_files, fill, find_sdk, no_sdk_reason, run
+from .serving import describe
+
+if TYPE_CHECKING:
+    from ...build import BuildResult
+    from ...config import Config
+
+QPC_FORMAT_VERSION = 1
+PROGRAM = "programqpc.bin"
+SDK_FILE = f"{COMPILE_DIR}/sdk.json"
+COMPILE_TIMEOUT_S = float(os.environ.get("HIVE_AOT_QAIC_COMPILE_TIMEOUT", 6 * 3600))
+
+
+def qpc_build_id(bundle_build_id: str, sdk: Sdk) -> str:
+    return sha256_json({"bundle": bundle_build_id, "toolchain": qpc_toolchain(sdk)})
+
+
+def qpc_toolchain(sdk: Sdk) -> dict[str, str]:
+    return {"hive_aot_qpc_format": str(QPC_FORMAT_VERSION), **sdk.toolchain()}
+
+
+def bundle_manifest(store: Store, model_id: str, recipe_id: str, build_id: str | None = None) -> Manifest:
+    """The published export bundle of a compile recipe: by build id, else its `bundle-latest` ref."""
+    from ...pull import load_manifest
+
+    if build_id is None:
+        ref = store.read_ref(ref_key(model_id, recipe_id, publish_tags("x", pending=True)[1]))
+        if ref is None:
+            raise StoreError(f"{model_id}: no export bundle of {recipe_id} is published in {store.uri} "
+                             f"(build it first: hive-aot build SOURCE --recipe {recipe_id})")
+        build_id = ref["build_id"]
+    m = load_manifest(store, manifest_key(model_id, recipe_id, build_id), None, model_id)
+    if m.format != BUNDLE_FORMAT:
+        raise StoreError(f"{model_id}: build {build_id[:12]} of {recipe_id} is a {m.format}, not an export bundle")
+    return m
+
+
+def _profiles(config: "Config | None", recipe_id: str) -> list[dict[str, Any]]:
+    """The active runtime profiles of the compile recipe that load QPCs."""
+    if config is None or recipe_id not in config.recipes:
+        return []
+    out = []
+    for pid in config.recipes[recipe_id].runtime_profiles:
+        prof = config.registry.profile(pid)
+        if prof.active and "qpc" in prof.loads:
+            out.append(prof.model_dump(mode="json"))
+    return out
+
+
+def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | None" = None) -> "BuildResult":
+    """Compile a published bundle with this host's SDK and publish the QPC (or find it published)."""
+    from ...build import BuildResult, materialize_blobs, publish_profiles
+
+    model_id, recipe_id = bundle.model.id, bundle.recipe.id
+    opts = CompileOptions.parse(bundle.recipe.options)
+    build_id = qpc_build_id(bundle.build_id, sdk)
+    key = manifest_key(model_id, recipe_id, build_id)
+    where = f"{store.uri.rstrip('/')}/{key}"
+    existing = store.read_bytes(key)
+    if existing is not None:
+        m = Manifest.parse(existing, f"{store.uri}: {key}")
+        if all(store.blob_intact(f.sha256, f.size) for f in m.files):
+            _write_refs(store, m, move=False)
+            return BuildResult(build_id=build_id, model_id=model_id, recipe=recipe_id, manifest=where, skipped=True,
+                               state="skipped", validation=m.validation, files=[f.model_dump() for f in m.files], format="qpc")
+    store.check_writable()
+    what = f"AI 100 compile of {model_id} ({recipe_id}, bundle {bundle.build_id[:12]})"
+    with work_dir(f"qpc-{build_id[:12]}-") as work:
+        src, art = work / "bundle", work / "artifact"
+        materialize_blobs(store, bundle.files, src)
+        layers = int(json.loads((src / EXPORT_REPORT).read_text())["layers"])
+        art.mkdir()
+        # Compile inputs for this host's SDK, written into the artifact (never into the linked blobs).
+        inputs = compile_files(layers, opts, sdk.version)
+        for rel, body in inputs.items():
+            (art / rel).parent.mkdir(parents=True, exist_ok=True)
+            (art / rel).write_bytes(body)
+            # The command reads its inputs beside the ONNX: replace the bundle's links, not their blobs.
+            (src / rel).unlink(missing_ok=True)
+            (src / rel).parent.mkdir(parents=True, exist_ok=True)
+            (src / rel).write_bytes(body)
+        argv = command(opts, f"{ONNX_DIR}/model.onnx", sdk.version, compiler=str(sdk.compiler))
+        seconds = run(fill(argv, src, art / QPC_DIR), work / "compile.log", what, COMPILE_TIMEOUT_S)
+        program = art / QPC_DIR / PROGRAM
+        if not program.is_file() or program.stat().st_size == 0:
+            raise EngineFailed(f"{what}: the compiler exited 0 but wrote no {QPC_DIR}/{PROGRAM}; nothing was published")
+        recorded = [str(sdk.compiler.name)] + argv[1:]
+        (art / COMMAND_FILE).write_text(json.dumps({"argv": recorded, "sdk_version": sdk.version}, indent=1) + "\n")
+        (art / SDK_FILE).write_text(json.dumps(qpc_toolchain(sdk), indent=1, sort_keys=True) + "\n")
+        known = {}
+        for f in bundle.files:  # config and tokenizer travel with the QPC; the ONNX and bundle inputs do not
+            if f.path.startswith((f"{ONNX_DIR}/", f"{COMPILE_DIR}/")) or f.path == EXPORT_REPORT:
+                continue
+            (art / f.path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / f.path, art / f.path)
+            known[f.path] = f.sha256
+        entries = []
+        for path in sorted(p for p in art.rglob("*") if p.is_file()):
+            rel = path.relative_to(art).as_posix()
+            digest = known.get(rel) or sha256_file(path)
+            store.put_blob(path, digest)
+            entries.append(FileEntry(path=rel, sha256=digest, size=path.stat().st_size))
+    qpc_files = [e for e in entries if e.path.startswith(f"{QPC_DIR}/")]
+    trust = config is not None and model_id in config.registry.trust_remote_code_allowlist
+    serving = {p["id"]: describe(opts, p, model_id, trust, sdk.toolchain()) for p in _profiles(config, recipe_id)}
+    validation = dict(bundle.validation or {})
+    validation["qpc"] = {"program_bytes": program_size(qpc_files), "files": len(qpc_files), "compile_seconds": round(seconds, 1)}
+    m = Manifest(
+        build_id=build_id, model=bundle.model, recipe=bundle.recipe, runtime_profiles=list(serving), format="qpc",
+        files=entries, toolchain={**bundle.toolchain, **qpc_toolchain(sdk)},
+        build={"input": {"recipe": recipe_id, "build_id": bundle.build_id, "format": BUNDLE_FORMAT},
+               "export": bundle.build.get("input"), "compile": {"command": recorded, "sdk": qpc_toolchain(sdk)},
+               "state": "compiled"},
+        validation=validation, serving=serving,
+    )
+    store.write_bytes(key, m.to_bytes())
+    _write_refs(store, m, move=True)
+    if config is not None:
+        publish_profiles(store, config)
+    return BuildResult(build_id=build_id, model_id=model_id, recipe=recipe_id, manifest=where, skipped=False,
+                       state="published", validation=validation, files=[e.model_dump() for e in entries], format="qpc")
+
+
+def program_size(entries: list[FileEntry]) -> int:
+    return next((e.size for e in entries if e.path == f"{QPC_DIR}/{PROGRAM}"), 0)
+
+
+def _write_refs(store: Store, m: Manifest, move: bool) -> None:
+    """`<commit>` and `latest` name the QPC; a skipped compile only repairs missing refs."""
+    from ...build import ref_document
+
+    doc = ref_document(m.model.id, m.recipe.id, m)
+    for tag in publish_tags(m.model.commit, pending=False):
+        k = ref_key(m.model.id, m.recipe.id, tag)
+        if move or not store.exists(k):
+            store.write_bytes(k, doc)
+
+
+def compile_or_pending(bundle_result: "BuildResult", store: Store, config: "Config") -> "BuildResult":
+    """After a bundle is published: compile it here if this host has the SDK, else say it is pending."""
+    sdk = find_sdk()
+    if sdk is None:
+        bundle_result.state = "compile_pending"
+        bundle_result.reason = f"exported, compile pending: {no_sdk_reason()}"
+        return bundle_result
+    res = compile_bundle(store, bundle_manifest(store, bundle_result.model_id, bundle_result.recipe,
+                                                bundle_result.build_id), sdk, config)
+    res.bundle, res.input = bundle_result, bundle_result.input
+    return res
+
+
+def compile_published(model_id: str, config: "Config", store: Store, recipe: str | None = None,
+                      bundle_build_id: str | None = None) -> list["BuildResult"]:
+    """`hive-aot qaic-compile`: the published bundles of the model (one recipe, or every qaic recipe that
+    has one), compiled with this host's SDK and published as QPCs."""
+    sdk = find_sdk()
+    if sdk is None:
+        raise NotApplicableError(f"cannot compile for AI 100 here: {no_sdk_reason()}; set HIVE_AOT_QAIC_SDK "
+                                 "or run this on a host with the Apps SDK")
+    if recipe is not None:
+        rec = config.recipe(recipe)
+        if rec.kind != "qaic":
+            raise HiveError(f"recipe {recipe} is a {rec.kind} recipe, not an AI 100 compile (kind qaic)")
+        recipes = [recipe]
+    else:
+        recipes = sorted(r.id for r in config.recipes.values() if r.kind == "qaic")
+        pending_tag = publish_tags("x", pending=True)[1]
+        recipes = [r for r in recipes if store.read_ref(ref_key(model_id, r, pending_tag)) is not None]
+        if not recipes:
+            raise StoreError(f"{model_id}: no export bundle is published in {store.uri} "
+                             "(hive-aot build SOURCE --recipe qaic-mxfp6 publishes one)")
+    return [compile_bundle(store, bundle_manifest(store, model_id, r, bundle_build_id), sdk, config) for r in recipes]

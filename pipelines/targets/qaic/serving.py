@@ -1,0 +1,48 @@
+"""How vllm-qaic serves a compiled QPC: the serving arguments are the compile's, never a guess.
+
+vLLM on AI 100 loads a prebuilt QPC from `VLLM_QAIC_QPC_PATH` and checks nothing up front: ctx_len must
+equal --max-model-len, the decode batch (full_batch_size) --max-num-seqs, the prefill length the
+sequence length the server captures, the device count its device group (reference/ai100-qpc.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import MODEL_DIR
+from .compile import QPC_DIR, CompileOptions
+
+
+def engine_args(opts: CompileOptions, model_id: str, trust_remote_code: bool) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "served_model_name": model_id,
+        "max_model_len": opts.ctx_len,
+        "max_num_seqs": opts.decode_batch,
+        "max_seq_len_to_capture": opts.prefill_seq_len,  # the prefill specialization's seq_len
+        "device_group": ",".join(str(d) for d in range(opts.num_devices)),
+        "quantization": "mxfp6" if opts.mxfp6 else None,
+        "kv_cache_dtype": "mxint8" if opts.mxint8 else None,
+        "trust_remote_code": trust_remote_code,
+    }
+    return {k: v for k, v in args.items() if v is not None and v is not False}
+
+
+def describe(opts: CompileOptions, profile: dict[str, Any], model_id: str, trust_remote_code: bool,
+             sdk: dict[str, str]) -> dict[str, Any]:
+    """The vllm-qaic description recorded in a QPC's manifest (pull prints image, env and command)."""
+    args = engine_args(opts, model_id, trust_remote_code)
+    argv = ["vllm", "serve", MODEL_DIR]
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    return {
+        "engine": "vllm-qaic", "image": profile.get("image"),
+        "engine_args": args,
+        "env": {"HF_HUB_OFFLINE": "1", **((profile.get("serving") or {}).get("env") or {}),
+                "VLLM_QAIC_QPC_PATH": f"{MODEL_DIR}/{QPC_DIR}"},
+        "command": argv,
+        "compiled_for": {"ctx_len": opts.ctx_len, "prefill_seq_len": opts.prefill_seq_len,
+                         "batch_size": opts.batch_size, "full_batch_size": opts.full_batch_size,
+                         "num_devices": opts.num_devices, "num_cores": opts.num_cores,
+                         "weights": opts.precision, "kv_cache": opts.kv_precision, **sdk},
+    }

@@ -1,0 +1,348 @@
+"""The AI 100 compile stage (pipelines/targets/qaic/compile.py, bundle.py, qpc.py, serving.py) and derived
+builds: qaic-export -> export bundle (compile pending without the SDK) -> QPC with the vllm-qaic binding.
+
+The Apps SDK cannot exist on these machines. Where a compiler must run, `tests/qaic_standin.py` is a
+labelled STAND-IN: it accepts only the contract's flags, checks every input against the ONNX and writes
+a placeholder marked "NOT A QPC". `test_real_sdk_compiles_the_bundle` runs the real compiler and skips,
+saying why, where /opt/qti-aic is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from factories import write_test_config
+from qaic_standin import LABEL, make_sdk
+from test_cli import doc, hive, one_error_line
+
+from pipelines.targets.qaic.compile import CompileOptions, command, compile_files, custom_io, specializations
+
+MODEL = "test-org/tiny-llama"
+SLUG = "test-org--tiny-llama"
+SHAPE = {"num_cores": 4, "ctx_len": 128, "prefill_seq_len": 32, "batch_size": 1, "full_batch_size": 4,
+         "num_devices": 1, "mxfp6": True, "mxint8": True, "sdk_version": "1.22"}
+
+
+# --- the contract as data --------------------------------------------------------------------------
+
+
+def test_specializations_named_legacy_and_continuous_batching():
+    opts = CompileOptions.parse(SHAPE)
+    named = specializations(opts)["specializations"]
+    assert [s["name"] for s in named] == ["Prefill", "Decode"]
+    # continuous batching: prefill one sequence into the full_batch_size cache, decode all slots
+    assert named[0]["symbols"] == {"batch_size": "1", "seq_len": "32", "ctx_len": "128", "full_batch_size": "4"}
+    assert named[1]["symbols"] == {"batch_size": "4", "seq_len": "1", "ctx_len": "128", "full_batch_size": "4"}
+    legacy = specializations(opts, "1.20")["specializations"]
+    assert legacy == [named[0]["symbols"], named[1]["symbols"]]  # SDKs before 1.22: the flat list form
+    plain = specializations(CompileOptions.parse({**SHAPE, "full_batch_size": None, "batch_size": 2}))["specializations"]
+    assert plain[0]["symbols"] == {"batch_size": "2", "seq_len": "32", "ctx_len": "128"}
+    assert plain[1]["symbols"] == {"batch_size": "2", "seq_len": "1", "ctx_len": "128"}
+    assert all(isinstance(v, str) for s in named + legacy + plain for v in s.get("symbols", s).values())
+
+
+def test_custom_io_partition_and_command_per_option():
+    opts = CompileOptions.parse({**SHAPE, "num_devices": 4, "mos": 2, "ols": 3, "depth_first": True})
+    io = yaml.safe_load(custom_io(3, opts))
+    assert len(io) == 3 * 2 * 2 and {e["Precision"] for e in io} == {"mxint8"}
+    assert {e["IOName"] for e in io} >= {"past_key.2", "past_value.0_RetainedState"}
+    fp16 = yaml.safe_load(custom_io(1, CompileOptions.parse({**SHAPE, "mxint8": False})))
+    assert {e["Precision"] for e in fp16} == {"float16"}
+    files = compile_files(3, opts)
+    mdp = json.loads(files["compile/mdp_ts_4.json"])
+    assert [d["deviceId"] for d in mdp["partitions"][0]["devices"]] == [0, 1, 2, 3]
+    assert all(d["numCores"] == 4 for d in mdp["partitions"][0]["devices"])
+    argv = command(opts, "onnx/model.onnx")
+    assert argv == [
+        "qaic-compile", "-aic-hw", "-aic-hw-version=ai100", "-m={bundle}/onnx/model.onnx", "-retained-state",
+        "-convert-to-fp16", "-mxfp6-matmul", "-aic-num-cores=4", "-mos=2", "-ols=3", "-aic-enable-depth-first",
+        "-network-specialization-config={bundle}/compile/specializations.json",
+        "-custom-IO-list-file={bundle}/compile/custom_io.yaml",
+        "-mdp-load-partition-config={bundle}/compile/mdp_ts_4.json", "-aic-binary-dir={qpc}"]
+    one = command(CompileOptions.parse({**SHAPE, "mxfp6": False}), "onnx/model.onnx", "1.20")
+    assert one[0] == "qaic-exec" and "-compile-only" in one and "-mxfp6-matmul" not in one
+    assert not any(a.startswith("-mdp") for a in one) and "compile/mdp_ts_1.json" not in compile_files(1, CompileOptions.parse(SHAPE))
+
+
+@pytest.mark.parametrize("options, message", [
+    ({**SHAPE, "prefill_seq_len": 256}, "prefill_seq_len 256 is larger than ctx_len 128"),
+    ({**SHAPE, "num_cores": 17}, "num_cores: Input should be less than or equal to 16"),
+    ({**SHAPE, "ctx_len": "long"}, "ctx_len: Input should be a valid integer"),
+    ({**SHAPE, "turbo": True}, "turbo: Extra inputs are not permitted"),
+    ({**SHAPE, "sdk_version": "latest"}, "sdk_version: String should match pattern"),
+])
+def test_bad_options_are_one_line_each(options, message):
+    problems = CompileOptions.problems(options)
+    assert len(problems) == 1 and message in problems[0], problems
+
+
+# --- derived builds, end to end through the CLI ---------------------------------------------------
+
+
+def _config(tmp_path: Path, model_dir: Path, repo: Path, **shape) -> Path:
+    """The project's registry and recipes plus `qaic-tiny`: the mxfp6 recipe at a shape a 512-position model has."""
+    reg = write_test_config(tmp_path / "cfg", repo, models=[{"id": MODEL, "source": str(model_dir), "recipes": ["qaic-tiny"]}],
+                            gates={})
+    recipe = yaml.safe_load((repo / "recipes" / "qaic-mxfp6.yaml").read_text())
+    recipe.update(id="qaic-tiny", options={**SHAPE, **shape},
+                  validation={"min_predicted_top1": 0.5, "max_predicted_kl": 1.0})
+    (tmp_path / "cfg" / "recipes" / "qaic-tiny.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return reg
+
+
+@pytest.fixture(scope="module")
+def pending(tiny_llama, tmp_path_factory):
+    """tiny-llama built with qaic-tiny on a host without the SDK: export and bundle published, compile pending."""
+    tmp = tmp_path_factory.mktemp("qaic")
+    repo = Path.cwd()
+    reg = _config(tmp, tiny_llama, repo)
+    store = tmp / "store"
+    env = {"HIVE_AOT_QAIC_SDK": str(tmp / "no-sdk")}
+    proc = hive("build", str(tiny_llama), "--model-id", MODEL, "--recipe", "qaic-tiny", "--registry", str(reg),
+                "--store", str(store), "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    return {"tmp": tmp, "reg": reg, "store": store, "env": env, "doc": doc(proc), "model": tiny_llama}
+
+
+def _manifest(store: Path, recipe: str, build_id: str) -> dict:
+    return json.loads((store / "manifests" / SLUG / recipe / f"{build_id}.json").read_text())
+
+
+def test_without_sdk_the_build_publishes_the_export_and_its_bundle_compile_pending(pending):
+    d, store = pending["doc"], pending["store"]
+    assert d["state"] == "compile_pending" and d["format"] == "qaic-export-bundle"
+    assert "exported, compile pending: no Cloud AI SDK on this host" in d["reason"]
+    assert d["input"]["recipe"] == "qaic-export" and d["input"]["state"] == "published"
+    export = _manifest(store, "qaic-export", d["input"]["build_id"])
+    assert export["format"] == "onnx" and export["runtime_profiles"] == []
+    v = export["validation"]
+    assert v["passed"] and v["metrics"]["ort_top1_agreement"] == 1.0 and v["metrics"]["ort_steps"] >= 18
+    assert 0 <= v["metrics"]["ort_max_abs_logit_delta"] < 1e-3
+    bundle = _manifest(store, "qaic-tiny", d["build_id"])
+    paths = {f["path"] for f in bundle["files"]}
+    assert {"onnx/model.onnx", "compile/specializations.json", "compile/custom_io.yaml", "compile/command.json",
+            "config.json", "tokenizer.json", "export.json"} <= paths
+    # The bundle's ONNX is the export's, blob for blob (content addressed: stored once).
+    digests = {f["path"]: f["sha256"] for f in export["files"]}
+    assert all(f["sha256"] == digests[f["path"]] for f in bundle["files"] if f["path"] in digests)
+    assert bundle["build"]["state"] == "compile_pending" and bundle["build"]["input"]["build_id"] == d["input"]["build_id"]
+    assert bundle["build"]["compile"]["command"][0] == "qaic-compile" and bundle["serving"] == {}
+    # The quality estimate travels with the bundle: MXFP6 weights + MXINT8 KV emulated against fp32.
+    q = bundle["validation"]["mxfp6"]
+    assert q["emulated"] == ["mxfp6 weights", "mxint8 kv cache"] and 0 < q["top1"] <= 1 and q["kl"] >= 0
+    assert bundle["validation"]["metrics"]["predicted_top1"] == q["top1"]
+    # Tags: only bundle-* refs; `latest` of the compile recipe never names a bundle.
+    refs = {p.name for p in (store / "refs" / SLUG / "qaic-tiny").iterdir()}
+    assert refs == {"bundle-latest", f"bundle-{bundle['model']['commit']}"}
+    # The derived build id includes its input's: the same recipe on another export is another build.
+    assert d["build_id"] != d["input"]["build_id"]
+
+
+def test_pull_refuses_a_bundle_naming_its_build(pending, tmp_path):
+    proc = hive("pull", MODEL, "--target", "vllm-qaic", "--dest", str(tmp_path / "m"), "--store", str(pending["store"]),
+                "--registry", str(pending["reg"]))
+    line = one_error_line(proc)
+    assert proc.returncode == 1 and not (tmp_path / "m").exists()
+    assert f"qaic-tiny is only an export bundle so far (build {pending['doc']['build_id'][:12]}" in line
+    assert "hive-aot qaic-compile test-org/tiny-llama --recipe qaic-tiny" in line
+    by_id = hive("pull", f"{MODEL}@{pending['doc']['build_id']}", "--target", "vllm-qaic", "--dest", str(tmp_path / "m"),
+                 "--store", str(pending["store"]), "--registry", str(pending["reg"]))
+    assert "only an export bundle" in one_error_line(by_id)
+
+
+def test_rebuilding_reuses_every_step_by_build_id(pending):
+    proc = hive("build", str(pending["model"]), "--model-id", MODEL, "--recipe", "qaic-tiny", "--registry",
+                str(pending["reg"]), "--store", str(pending["store"]), "--json", env=pending["env"])
+    d = doc(proc)
+    assert proc.returncode == 0 and d["state"] == "compile_pending" and d["skipped"] and d["input"]["state"] == "skipped"
+    assert d["build_id"] == pending["doc"]["build_id"]
+
+
+def test_qaic_compile_without_sdk_says_so(pending):
+    proc = hive("qaic-compile", MODEL, "--registry", str(pending["reg"]), "--store", str(pending["store"]), env=pending["env"])
+    assert proc.returncode == 1 and "no Cloud AI SDK on this host" in one_error_line(proc)
+
+
+def _qpc_store(pending, tmp_path: Path) -> Path:
+    store = tmp_path / "store"
+    shutil.copytree(pending["store"], store)
+    return store
+
+
+def test_standin_compile_publishes_a_qpc_bound_to_its_serving_arguments(pending, tmp_path):
+    """STAND-IN compiler: checks every flag and file it is given; its output is labelled NOT A QPC."""
+    store = _qpc_store(pending, tmp_path)
+    sdk = make_sdk(tmp_path / "sdk", "1.22.0")
+    env = {"HIVE_AOT_QAIC_SDK": str(sdk)}
+    proc = hive("qaic-compile", MODEL, "--registry", str(pending["reg"]), "--store", str(store), "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    (res,) = doc(proc)
+    assert res["state"] == "published" and res["format"] == "qpc" and res["recipe"] == "qaic-tiny"
+    m = _manifest(store, "qaic-tiny", res["build_id"])
+    assert m["build"]["input"]["build_id"] == pending["doc"]["build_id"]
+    assert m["toolchain"]["qaic_apps_sdk"] == "1.22.0" and m["runtime_profiles"] == ["vllm-qaic"]
+    paths = {f["path"] for f in m["files"]}
+    assert {"qpc/programqpc.bin", "compile/specializations.json", "compile/custom_io.yaml", "compile/command.json",
+            "compile/sdk.json", "config.json", "tokenizer.json"} <= paths
+    assert not any(p.startswith("onnx/") for p in paths)  # the server loads the QPC, not the ONNX
+    assert m["validation"]["mxfp6"] == _manifest(store, "qaic-tiny", pending["doc"]["build_id"])["validation"]["mxfp6"]
+    serving = m["serving"]["vllm-qaic"]
+    assert serving["env"]["VLLM_QAIC_QPC_PATH"] == "{model_dir}/qpc"
+    assert serving["engine_args"] == {"served_model_name": MODEL, "max_model_len": 128, "max_num_seqs": 4,
+                                      "max_seq_len_to_capture": 32, "device_group": "0", "quantization": "mxfp6",
+                                      "kv_cache_dtype": "mxint8"}
+    # pull hands out the QPC and prints exactly the serving arguments it was compiled for
+    dest = tmp_path / "served"
+    pulled = hive("pull", MODEL, "--target", "vllm-qaic", "--dest", str(dest), "--store", str(store),
+                  "--registry", str(pending["reg"]), "--json")
+    p = doc(pulled)
+    assert pulled.returncode == 0 and p["recipe"] == "qaic-tiny" and p["build_id"] == res["build_id"]
+    assert p["env"]["VLLM_QAIC_QPC_PATH"] == f"{dest}/qpc"
+    assert p["serve_argv"] == ["vllm", "serve", str(dest), "--served-model-name", MODEL, "--max-model-len", "128",
+                               "--max-num-seqs", "4", "--max-seq-len-to-capture", "32", "--device-group", "0",
+                               "--quantization", "mxfp6", "--kv-cache-dtype", "mxint8"]
+    blob = (dest / "qpc" / "programqpc.bin").read_bytes()
+    assert blob.startswith(LABEL)  # the stand-in's placeholder, labelled as such
+    checked = json.loads(blob[len(LABEL):])
+    assert checked["compiler"] == "qaic-compile" and checked["sdk"] == "1.22"  # base_version of apps.xml
+    assert checked["flags"] == ["-aic-hw", "-convert-to-fp16", "-mxfp6-matmul", "-retained-state"]
+    assert checked["values"]["-aic-num-cores"] == "4" and checked["devices"] == 1
+    assert set(checked["custom_io"].values()) == {"mxint8"} and len(checked["custom_io"]) == 2 * 2 * 2
+    assert checked["specializations"][1] == {"name": "Decode", "symbols": {"batch_size": "4", "seq_len": "1",
+                                                                           "ctx_len": "128", "full_batch_size": "4"}}
+    assert "batch_index" in checked["inputs"]
+    # again: the same bundle and SDK is the same QPC build
+    again = hive("qaic-compile", MODEL, "--registry", str(pending["reg"]), "--store", str(store), "--json", env=env)
+    assert doc(again)[0]["state"] == "skipped" and doc(again)[0]["build_id"] == res["build_id"]
+
+
+def test_an_older_sdk_gets_the_legacy_specializations_and_qaic_exec(pending, tmp_path):
+    store = _qpc_store(pending, tmp_path)
+    env = {"HIVE_AOT_QAIC_SDK": str(make_sdk(tmp_path / "sdk", "1.20.2.0"))}
+    proc = hive("qaic-compile", f"{MODEL}@{pending['doc']['build_id']}", "--recipe", "qaic-tiny", "--registry",
+                str(pending["reg"]), "--store", str(store), "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    (res,) = doc(proc)
+    m = _manifest(store, "qaic-tiny", res["build_id"])
+    cmd = m["build"]["compile"]["command"]
+    assert cmd[0] == "qaic-exec" and "-compile-only" in cmd and m["toolchain"]["qaic_apps_sdk"] == "1.20.2.0"
+    blob = store / "blobs" / "sha256"
+    spec = next(f for f in m["files"] if f["path"] == "compile/specializations.json")
+    assert "name" not in json.loads((blob / spec["sha256"][:2] / spec["sha256"]).read_text())["specializations"][0]
+
+
+def test_a_failing_compiler_publishes_nothing_and_shows_its_stderr(pending, tmp_path):
+    store = _qpc_store(pending, tmp_path)
+    env = {"HIVE_AOT_QAIC_SDK": str(make_sdk(tmp_path / "sdk")), "STANDIN_FAIL": "out of memory partitioning layer 1"}
+    proc = hive("qaic-compile", MODEL, "--registry", str(pending["reg"]), "--store", str(store), env=env)
+    line = one_error_line(proc)
+    assert proc.returncode == 1
+    assert "qaic-compile exited with status 1" in line and "out of memory partitioning layer 1" in line
+    assert not (store / "refs" / SLUG / "qaic-tiny" / "latest").exists()
+    assert len(list((store / "manifests" / SLUG / "qaic-tiny").iterdir())) == 1  # the bundle only
+
+
+def test_on_an_sdk_host_one_build_goes_from_the_repo_to_the_qpc(pending, tmp_path):
+    store = _qpc_store(pending, tmp_path)
+    env = {"HIVE_AOT_QAIC_SDK": str(make_sdk(tmp_path / "sdk"))}
+    proc = hive("build", str(pending["model"]), "--model-id", MODEL, "--recipe", "qaic-tiny", "--registry",
+                str(pending["reg"]), "--store", str(store), "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    d = doc(proc)
+    assert d["state"] == "published" and d["format"] == "qpc"
+    assert d["bundle"]["build_id"] == pending["doc"]["build_id"] and d["bundle"]["state"] == "skipped"
+    ref = json.loads((store / "refs" / SLUG / "qaic-tiny" / "latest").read_text())
+    assert ref["build_id"] == d["build_id"]
+
+
+@pytest.mark.parametrize("shape, message", [
+    ({"ctx_len": 1024}, "ctx_len 1024 is beyond the model's 512 positions"),
+])
+def test_serving_shapes_the_model_cannot_have_are_refused_before_work(tiny_llama, tmp_path, shape, message):
+    reg = _config(tmp_path, tiny_llama, Path.cwd(), **shape)
+    proc = hive("build", str(tiny_llama), "--model-id", MODEL, "--recipe", "qaic-tiny", "--registry", str(reg),
+                "--store", str(tmp_path / "store"))
+    assert proc.returncode == 1 and message in one_error_line(proc)
+    assert not (tmp_path / "store" / "manifests").exists()
+
+
+def test_config_refuses_bad_derivations(tmp_path):
+    reg = write_test_config(tmp_path, Path.cwd(), gates={})
+    path = tmp_path / "recipes" / "qaic-mxfp6.yaml"
+    original = yaml.safe_load(path.read_text())
+    for change, message in [
+        ({"input": "gguf-f16"}, "input: gguf-f16 is a gguf recipe; a qaic recipe reads qaic-export"),
+        ({"input": "nope"}, "input: unknown recipe 'nope'"),
+        ({"input": None}, "a qaic recipe is built from a qaic-export recipe; name it"),
+        ({"options": {**original["options"], "prefill_seq_len": 4096}}, "prefill_seq_len 4096 is larger than ctx_len 2048"),
+    ]:
+        path.write_text(yaml.safe_dump({**original, **change}))
+        proc = hive("registry", "backends", "--registry", str(reg))
+        assert proc.returncode != 0 and message in one_error_line(proc), (change, proc.stderr)
+    export = tmp_path / "recipes" / "qaic-export.yaml"
+    path.write_text(yaml.safe_dump(original))
+    export.write_text(yaml.safe_dump({**yaml.safe_load(export.read_text()), "options": {"batch_index": False}}))
+    proc = hive("registry", "backends", "--registry", str(reg))
+    assert "continuous batching needs an input export with batch_index: true" in one_error_line(proc)
+
+
+@pytest.mark.skipif(not Path("/opt/qti-aic/exec/qaic-compile").exists() and not Path("/opt/qti-aic/exec/qaic-exec").exists(),
+                    reason="the Cloud AI Apps SDK (/opt/qti-aic/exec/qaic-compile) is not installed on this host: "
+                           "the real compile runs on AI 100 build hosts only")
+def test_real_sdk_compiles_the_bundle(pending, tmp_path):
+    """The real compiler on the real bundle (no stand-in): a non-empty programqpc.bin, published as a QPC."""
+    store = _qpc_store(pending, tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "HIVE_AOT_QAIC_SDK"}
+    proc = hive("qaic-compile", MODEL, "--registry", str(pending["reg"]), "--store", str(store), "--json",
+                env={**env, "HIVE_AOT_QAIC_SDK": "/opt/qti-aic"})
+    assert proc.returncode == 0, proc.stderr
+    (res,) = doc(proc)
+    m = _manifest(store, "qaic-tiny", res["build_id"])
+    program = next(f for f in m["files"] if f["path"] == "qpc/programqpc.bin")
+    assert program["size"] > 1024
+    blob = store / "blobs" / "sha256" / program["sha256"][:2] / program["sha256"]
+    assert not blob.read_bytes().startswith(LABEL)
+
+
+def test_dagster_wires_the_export_into_the_compile_and_shows_the_prediction(pending, tmp_path):
+    """One onboarding run for a model listing only qaic-tiny: the export is built because the compile reads
+    it, the check carries the MXFP6/MXINT8 prediction as metadata, and without an SDK the qpc step is
+    pending (nothing materialized), the run a success."""
+    import dagster as dg
+
+    from pipelines.config import Config
+    from pipelines.orchestration.automation import onboard_job
+    from pipelines.orchestration.factories import all_recipe_assets, source_assets
+    from pipelines.orchestration.resources import HiveResource
+
+    store = _qpc_store(pending, tmp_path)  # export and bundle published: the run reuses both by build id
+    reg = pending["reg"]
+    assets, checks = all_recipe_assets(Config.load(reg).recipes.values())
+    defs = dg.Definitions(assets=source_assets() + assets, asset_checks=checks, jobs=[onboard_job],
+                          resources={"hive": HiveResource(registry=str(reg), store=str(store))})
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions("models", [MODEL])
+    old = os.environ.get("HIVE_AOT_QAIC_SDK")
+    os.environ["HIVE_AOT_QAIC_SDK"] = pending["env"]["HIVE_AOT_QAIC_SDK"]
+    try:
+        result = defs.resolve_job_def("onboard").execute_in_process(partition_key=MODEL, instance=instance,
+                                                                    raise_on_error=False)
+    finally:
+        os.environ.pop("HIVE_AOT_QAIC_SDK") if old is None else os.environ.update(HIVE_AOT_QAIC_SDK=old)
+    assert result.success
+    mats = {e.asset_key.to_user_string(): e.materialization.metadata for e in result.get_asset_materialization_events()}
+    assert mats["published/qaic-export"]["state"].value == "skipped"
+    assert mats["published/qaic-tiny"]["state"].value == "compile_pending"
+    assert mats["published/qaic-tiny"]["build_id"].value == pending["doc"]["build_id"]
+    assert "qpc/qaic-tiny" not in mats and "artifact/gguf-f16" not in mats  # not requested: nothing built
+    evals = {e.asset_key.to_user_string(): e for e in result.get_asset_check_evaluations()}
+    md = evals["artifact/qaic-tiny"].metadata
+    recorded = _manifest(store, "qaic-tiny", pending["doc"]["build_id"])["validation"]["mxfp6"]
+    assert md["predicted_top1"].value == recorded["top1"] and md["predicted_kl"].value == recorded["kl"]
+    assert md["mxfp6"].value["ppl_delta"] == recorded["ppl_delta"]
+    assert evals["artifact/qaic-export"].metadata["ort_top1_agreement"].value == 1.0
