@@ -41,7 +41,7 @@ def test_project_registry_and_recipes_load(config):
     for pid in ("vllm-cu121", "vllm-rocm", "vllm-xpu"):
         assert config.registry.profile(pid).recipe_preference == ["vllm-bf16", "vllm-fp8"]
     m = config.registry.model("HuggingFaceTB/SmolLM2-135M-Instruct")
-    assert m is not None and m.recipes == ["gguf-f16", "gguf-q8_0", "gguf-q4_k_m", "vllm-bf16"]
+    assert m is not None and m.recipes == ["gguf-f16", "gguf-q8_0", "gguf-q4_k_m", "vllm-bf16", "qaic-mxfp6"]
     # a relative local source is relative to the registry file, not the working directory
     assert Path(config.model_source(m)) == (REPO / ".demo" / "SmolLM2-135M-Instruct").resolve()
     assert config.model_source(config.registry.model("HuggingFaceTB/SmolLM2-135M-Instruct").model_copy(

@@ -346,3 +346,15 @@ def test_dagster_wires_the_export_into_the_compile_and_shows_the_prediction(pend
     assert md["predicted_top1"].value == recorded["top1"] and md["predicted_kl"].value == recorded["kl"]
     assert md["mxfp6"].value["ppl_delta"] == recorded["ppl_delta"]
     assert evals["artifact/qaic-export"].metadata["ort_top1_agreement"].value == 1.0
+
+
+def test_an_architecture_outside_the_ai100_matrix_is_refused_in_one_line(tiny_llama, tmp_path):
+    reg = _config(tmp_path, tiny_llama, Path.cwd())
+    data = yaml.safe_load(reg.read_text())
+    data["architectures"] = {"LlamaForCausalLM": {"qaic": False}}
+    reg.write_text(yaml.safe_dump(data))
+    proc = hive("build", str(tiny_llama), "--model-id", MODEL, "--recipe", "qaic-tiny", "--registry", str(reg),
+                "--store", str(tmp_path / "store"))
+    line = one_error_line(proc)
+    assert proc.returncode == 1 and "not in the AI 100 validated matrix" in line
+    assert not (tmp_path / "store" / "manifests").exists()
