@@ -341,10 +341,9 @@ def _build_chain(p: Plan, store: Store, config: Config) -> BuildResult:
     res = _build_one(p, store, config)
     res.input = upstream
     if res.state != "rejected" and res.format != p.target.artifact_format(p.recipe.options):
-        # An export bundle: compiled here when this host has the SDK, else recorded as pending.
-        from .targets.qaic.qpc import compile_or_pending
-
-        return compile_or_pending(res, store, config)
+        # Published short of the recipe's format (an AI 100 export bundle): the target finishes it where
+        # this host can (the compile, given the SDK) or says why it is pending.
+        return p.target.complete(res, store, config)
     return res
 
 

@@ -140,8 +140,9 @@ def cmd_build(args) -> int:
         human = f"rejected {res.recipe} for {res.model_id}: {why} (nothing published)"
     else:
         human = f"{res.state} {res.recipe} for {res.model_id}: build {res.build_id[:12]}, {_mb(size)},{score}\n  {res.manifest}"
-        if res.reason:
-            human += f"\n  {res.reason}; compile it there with: hive-aot qaic-compile {res.model_id} --recipe {res.recipe}"
+        if res.state == "compile_pending":
+            human += (f"\n  {res.reason}; on a host with the SDK: hive-aot qaic-compile {res.model_id} "
+                      f"--recipe {res.recipe}")
         for name, sub in (("input", res.input), ("compiled from", res.bundle)):
             if sub is not None:
                 human += f"\n  {name}: {sub.recipe} build {sub.build_id[:12]} ({sub.state})"

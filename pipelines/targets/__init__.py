@@ -17,7 +17,9 @@ Derived builds: a target with `input_kinds` is built from the published artifact
 `input:` recipe (an AI 100 compile from the ONNX export); the engine materializes that artifact and hands
 it over as `BuildContext.input`. A target with `intermediate = True` writes an artifact that only other
 recipes read (no runtime profile loads it). Optional hooks: `plan_problems(ctx)` refuses a build before
-any work; `input_problems(options, input_options)` checks a recipe against its input's at config load.
+any work; `input_problems(options, input_options)` checks a recipe against its input's at config load;
+`complete(result, store, config)` finishes an artifact published short of the target's format (an AI 100
+export bundle: compiled where the SDK is, else reported `compile_pending`).
 """
 
 from __future__ import annotations

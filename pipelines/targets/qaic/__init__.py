@@ -211,5 +211,11 @@ class QaicTarget:
     def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]:
         return {}  # a bundle serves nothing; the QPC's manifest carries the vllm-qaic binding
 
+    def complete(self, bundle_result, store, config):
+        """After the bundle is published: the QPC where this host has the SDK, else `compile_pending`."""
+        from .qpc import compile_or_pending
+
+        return compile_or_pending(bundle_result, store, config)
+
 
 __all__ = ["QaicExportTarget", "QaicTarget", "BUNDLE_FORMAT", "COMPILE_DIR"]

@@ -20,7 +20,7 @@ from ...hashing import sha256_file, sha256_json
 from ...manifest import FileEntry, Manifest
 from ...paths import work_dir
 from ...store import Store, manifest_key, ref_key
-from ...store.layout import publish_tags
+from ...store.layout import BUNDLE_TAG_PREFIX, publish_tags
 from . import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
 from .bundle import COMMAND_FILE
 from .compile import COMPILE_DIR, QPC_DIR, CompileOptions, Sdk, command, compile_files, fill, find_sdk, no_sdk_reason, run
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from ...config import Config
 
 QPC_FORMAT_VERSION = 1
+BUNDLE_LATEST = BUNDLE_TAG_PREFIX + "latest"
 PROGRAM = "programqpc.bin"
 SDK_FILE = f"{COMPILE_DIR}/sdk.json"
 COMPILE_TIMEOUT_S = float(os.environ.get("HIVE_AOT_QAIC_COMPILE_TIMEOUT", 6 * 3600))
@@ -49,7 +50,7 @@ def bundle_manifest(store: Store, model_id: str, recipe_id: str, build_id: str |
     from ...pull import load_manifest
 
     if build_id is None:
-        ref = store.read_ref(ref_key(model_id, recipe_id, publish_tags("x", pending=True)[1]))
+        ref = store.read_ref(ref_key(model_id, recipe_id, BUNDLE_LATEST))
         if ref is None:
             raise StoreError(f"{model_id}: no export bundle of {recipe_id} is published in {store.uri} "
                              f"(build it first: hive-aot build SOURCE --recipe {recipe_id})")
@@ -189,8 +190,7 @@ def compile_published(model_id: str, config: "Config", store: Store, recipe: str
         recipes = [recipe]
     else:
         recipes = sorted(r.id for r in config.recipes.values() if r.kind == "qaic")
-        pending_tag = publish_tags("x", pending=True)[1]
-        recipes = [r for r in recipes if store.read_ref(ref_key(model_id, r, pending_tag)) is not None]
+        recipes = [r for r in recipes if store.read_ref(ref_key(model_id, r, BUNDLE_LATEST)) is not None]
         if not recipes:
             raise StoreError(f"{model_id}: no export bundle is published in {store.uri} "
                              "(hive-aot build SOURCE --recipe qaic-mxfp6 publishes one)")
