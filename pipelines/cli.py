@@ -128,12 +128,16 @@ def cmd_build(args) -> int:
                   f"greedy {met['vllm_greedy_tokens_matched']} tokens")
     elif "vllm_loaded" in met:
         score += f"; vLLM load not checked here: {v.get('vllm', {}).get('reason', '')}"
-    if "predicted_top1" in met:
+    if "predicted_kl" in met:
         q = v.get("mxfp6") or v.get("fp16") or {}
         score += (f" predicted on the device ({', '.join(q.get('emulated', []))}): top-1 {met['predicted_top1']:.4f}, "
                   f"KL {met['predicted_kl']:.5f}, perplexity {met['predicted_ppl_delta']:+.2%}")
-    if "ort_top1_agreement" in met:
-        score += f" onnxruntime: top-1 {met['ort_top1_agreement']:.4f}, max |delta logit| {met['ort_max_abs_logit_delta']:.2e}"
+    if "ort_max_abs_delta" in met:
+        score += (f" onnxruntime: max |delta| {met['ort_max_abs_delta']:.2e}"
+                  + (f", top-1 {met['ort_top1_agreement']:.4f}" if "ort_top1_agreement" in met else "")
+                  + (f", cosine {met['ort_min_cosine']:.6f}" if "ort_min_cosine" in met else ""))
+    if "predicted_cosine" in met:
+        score += f" predicted on the device: embedding cosine {met['predicted_cosine']:.5f}"
     size = sum(f["size"] for f in res.files)
     if res.state == "rejected":
         why = "; ".join(v.get("failures", [])) or res.reason or ""

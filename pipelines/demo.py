@@ -31,7 +31,7 @@ def greedy_completion(model_path: str, prompt: str, max_tokens: int) -> str:
 def _engine_column(chk: dict) -> str:
     """The engine-side validation in one cell: vLLM for prepared weights, the predicted device quality
     (MXFP6 / MXINT8 emulated) for AI 100 compiles, "-" for the others."""
-    if "predicted_top1" in chk:
+    if "predicted_kl" in chk:
         return (f"AI 100 predicted: top-1 {chk['predicted_top1']:.3f}, KL {chk['predicted_kl']:.3f}, "
                 f"ppl {chk['predicted_ppl_delta']:+.1%}")
     if "vllm_loaded" not in chk:

@@ -22,8 +22,9 @@ LABEL = b"HIVE-AOT STAND-IN COMPILER OUTPUT: NOT A QPC\n"
 FLAGS = {"-aic-hw", "-retained-state", "-convert-to-fp16", "-mxfp6-matmul", "-aic-enable-depth-first", "-compile-only"}
 VALUED = {"-aic-hw-version", "-m", "-aic-num-cores", "-mos", "-ols", "-network-specialization-config",
           "-custom-IO-list-file", "-mdp-load-partition-config", "-aic-binary-dir"}
-REQUIRED = {"-aic-hw", "-aic-hw-version", "-m", "-retained-state", "-convert-to-fp16", "-aic-num-cores",
-            "-network-specialization-config", "-custom-IO-list-file", "-aic-binary-dir"}
+REQUIRED = {"-aic-hw", "-aic-hw-version", "-m", "-convert-to-fp16", "-aic-num-cores",
+            "-network-specialization-config", "-aic-binary-dir"}
+RETAINED = {"-retained-state", "-custom-IO-list-file"}  # required for a graph with KV state, refused without
 
 
 def fail(msg: str) -> None:
@@ -76,8 +77,13 @@ def main(argv: list[str], exe: Path) -> None:
     inputs = [i.name for i in model.graph.input]
     outputs = [o.name for o in model.graph.output]
     past = [n for n in inputs if n.startswith("past_")]
-    if not past or any(f"{n}_RetainedState" not in outputs for n in past):
+    if any(f"{n}_RetainedState" not in outputs for n in past):
         fail("retained state: every past_* input needs a *_RetainedState output")
+    given = RETAINED & (flags | set(values))
+    if past and given != RETAINED:
+        fail(f"a graph with retained state needs {', '.join(sorted(RETAINED - given))}")
+    if not past and given:
+        fail(f"{', '.join(sorted(given))} given for a graph without retained state")
     symbols = {d.dim_param for v in list(model.graph.input) + list(model.graph.output)
                for d in v.type.tensor_type.shape.dim if d.dim_param}
 
@@ -97,7 +103,7 @@ def main(argv: list[str], exe: Path) -> None:
         if "full_batch_size" in sym and "batch_index" not in inputs:
             fail("full_batch_size needs a batch_index input")
 
-    io = Path(values["-custom-IO-list-file"]).read_text()
+    io = Path(values["-custom-IO-list-file"]).read_text() if past else ""
     pairs = re.findall(r"- IOName: (\S+)\n\s+Precision: (\S+)", io)
     precisions = {p for _, p in pairs}
     if precisions - {"mxint8", "float16"}:

@@ -13,7 +13,7 @@ from pipelines.config import Config, load_recipe_file, load_registry
 from pipelines.errors import ConfigError, HiveError
 
 REPO = Path.cwd()
-ALL_RECIPES = {"gguf-f16", "gguf-q8_0", "gguf-q4_k_m", "vllm-bf16", "vllm-fp8", "qaic-export", "qaic-mxfp6", "qaic-fp16"}
+ALL_RECIPES = {"gguf-f16", "gguf-q8_0", "gguf-q4_k_m", "vllm-bf16", "vllm-fp8", "qaic-export", "qaic-mxfp6", "qaic-fp16", "qaic-embed-mxfp6"}
 
 
 def test_project_registry_and_recipes_load(config):
@@ -58,7 +58,7 @@ def test_registry_found_through_env(tmp_path, monkeypatch):
 
 
 def test_unknown_recipe_and_profile_lookups_are_one_line_errors(config):
-    with pytest.raises(ConfigError, match=r"unknown recipe 'gguf-nope' \(known: gguf-f16, gguf-q4_k_m, gguf-q8_0, qaic-export, qaic-fp16, qaic-mxfp6, vllm-bf16, vllm-fp8\)"):
+    with pytest.raises(ConfigError, match=r"unknown recipe 'gguf-nope' \(known: gguf-f16, gguf-q4_k_m, gguf-q8_0, qaic-embed-mxfp6, qaic-export, qaic-fp16, qaic-mxfp6, vllm-bf16, vllm-fp8\)"):
         config.recipe("gguf-nope")
     with pytest.raises(ConfigError, match=r"unknown runtime profile 'tpu-v5'"):
         config.registry.profile("tpu-v5")

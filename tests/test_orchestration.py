@@ -55,7 +55,7 @@ def test_graph_snapshot():
     recipes = sorted(Config.load(REPO / "registry.yaml").recipes)
     config = Config.load(REPO / "registry.yaml")
     compiles = [r for r in recipes if config.recipe(r).kind == "qaic"]
-    assert compiles == ["qaic-fp16", "qaic-mxfp6"]
+    assert compiles == ["qaic-embed-mxfp6", "qaic-fp16", "qaic-mxfp6"]
     assert keys == sorted(["snapshot", "compatibility"] + [f"artifact/{r}" for r in recipes]
                           + [f"published/{r}" for r in recipes] + [f"qpc/{r}" for r in compiles])
     for r in compiles:  # derived builds: the compile reads the published export; the QPC step needs an SDK host

@@ -77,8 +77,8 @@ def _summarize(result: dg.ExecuteInProcessResult, model_id: str, recipes: list[s
             row["check"] = {k: v.value for k, v in chk.metadata.items()
                             if k in ("top1_agreement", "mean_kl", "max_abs_logit_delta", "token_parity",
                                      "vllm_loaded", "vllm_top1_agreement", "vllm_greedy_agreement",
-                                     "vllm_max_logprob_delta", "ort_top1_agreement", "ort_max_abs_logit_delta",
-                                     "predicted_top1", "predicted_kl", "predicted_ppl_delta")}
+                                     "vllm_max_logprob_delta", "ort_top1_agreement", "ort_max_abs_delta", "ort_min_cosine",
+                                     "predicted_top1", "predicted_kl", "predicted_ppl_delta", "predicted_cosine")}
         rows.append(row)
     return rows
 

@@ -49,19 +49,46 @@ def _families() -> frozenset[str]:
     return frozenset(FAMILIES)
 
 
-def _supports(arch: "Architecture | None", architecture: str) -> bool:
-    """In the AI 100 validated matrix and exported by our decoder (text causal LMs so far)."""
+def _encoders() -> frozenset[str]:
+    from .encoders import ENCODERS
+
+    return ENCODERS
+
+
+def _supports(arch: "Architecture | None", architecture: str, exported: frozenset[str]) -> bool:
+    """In the AI 100 validated matrix and exported by us: `exported` names the decoder families or encoders."""
     return (arch is not None and arch.active and arch.qaic and arch.transformers_known
-            and (architecture in _families() or arch.name in _families()))
+            and (architecture in exported or arch.name in exported))
+
+
+def is_encoder(config: dict[str, Any]) -> bool:
+    archs = config.get("architectures") or []
+    return bool(archs) and archs[0] in _encoders()
+
+
+def _max_positions(config: dict[str, Any]) -> int | None:
+    """The longest sequence the model's positions allow (RoBERTa-style tables start at pad_token_id + 1)."""
+    cfg = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    n = cfg.get("max_position_embeddings") or cfg.get("n_positions") or cfg.get("seq_length")
+    if not isinstance(n, int):
+        return None
+    if cfg.get("model_type") in ("roberta", "xlm-roberta", "mpnet") and isinstance(cfg.get("pad_token_id"), int):
+        return n - cfg["pad_token_id"] - 1
+    return n
 
 
 class ExportThresholds(Thresholds):
-    """onnxruntime (prefill + decode steps, retained state fed back) against transformers fp32 on the same ids."""
+    """onnxruntime against transformers fp32 on the same ids: decoders over prefill + decode steps with the
+    retained state fed back (top-1, |delta logit|); encoders over padded batches (|delta| of the hidden
+    states and embeddings, cosine of the embeddings; top-1 of a classifier's logits). A gate whose metric
+    an architecture does not have (top-1 of an embedding model, cosine of a decoder) does not apply to it."""
 
-    min_ort_top1_agreement: float = Field(1.0, ge=0.0, le=1.0,
-                                          json_schema_extra=gate("ort_top1_agreement", "onnxruntime top-1 agreement"))
-    max_ort_logit_delta: float = Field(0.01, ge=0.0,
-                                       json_schema_extra=gate("ort_max_abs_logit_delta", "onnxruntime max |delta logit|", ".3g"))
+    min_ort_top1_agreement: float | None = Field(
+        1.0, ge=0.0, le=1.0, json_schema_extra=gate("ort_top1_agreement", "onnxruntime top-1 agreement"))
+    max_ort_abs_delta: float = Field(0.01, ge=0.0, json_schema_extra=gate(
+        "ort_max_abs_delta", "onnxruntime max |delta| (logits, hidden states, embeddings)", ".3g"))
+    min_ort_cosine: float | None = Field(None, ge=-1.0, le=1.0,
+                                         json_schema_extra=gate("ort_min_cosine", "onnxruntime embedding cosine", ".6f"))
 
 
 class QaicThresholds(Thresholds):
@@ -70,9 +97,20 @@ class QaicThresholds(Thresholds):
 
     min_predicted_top1: float | None = Field(None, ge=0.0, le=1.0,
                                              json_schema_extra=gate("predicted_top1", "predicted top-1 agreement"))
+    min_predicted_cosine: float | None = Field(
+        None, ge=-1.0, le=1.0, json_schema_extra=gate("predicted_cosine", "predicted embedding cosine", ".6f"))
     max_predicted_kl: float | None = Field(None, ge=0.0, json_schema_extra=gate("predicted_kl", "predicted mean KL", ".5f"))
     max_predicted_ppl_delta: float | None = Field(
         None, json_schema_extra=gate("predicted_ppl_delta", "predicted perplexity change", ".4f"))
+
+
+def encoder_batches(tok, config: dict[str, Any]) -> list[list[list[int]]]:
+    """The parity texts for an encoder: one sequence alone, then three of different lengths (padded)."""
+    from ... import prompts, reference
+
+    limit = min(64, _max_positions(config) or 64)
+    ids = [list(s)[:limit] for s in reference.encode(tok, prompts.PARITY_TEXTS[:4])]
+    return [ids[:1], ids[1:4]]
 
 
 class QaicExportTarget:
@@ -93,7 +131,7 @@ class QaicExportTarget:
         return "onnx"
 
     def supports(self, arch, architecture: str, config: dict[str, Any], options: dict[str, Any]) -> bool:
-        return _supports(arch, architecture)
+        return _supports(arch, architecture, _families() | _encoders())
 
     def toolchain(self) -> dict[str, str]:
         return {"hive_aot_qaic_export_format": str(EXPORT_FORMAT_VERSION), "torch": _version("torch"),
@@ -105,8 +143,13 @@ class QaicExportTarget:
         from .export import export
 
         snap = ctx.snapshot
-        batch_index = bool(ctx.recipe.options.get("batch_index", True))
-        report = export(snap.dir, out_dir / ONNX_DIR / "model.onnx", batch_index=batch_index)
+        if is_encoder(ctx.config):
+            from .encoders import export_encoder
+
+            report = export_encoder(snap.dir, out_dir / ONNX_DIR / "model.onnx")
+        else:
+            batch_index = bool(ctx.recipe.options.get("batch_index", True))
+            report = export(snap.dir, out_dir / ONNX_DIR / "model.onnx", batch_index=batch_index)
         files = [f"{ONNX_DIR}/{name}" for name in report.files]
         known = {}
         digests = {f.path: f.sha256 for f in snap.files}
@@ -115,7 +158,7 @@ class QaicExportTarget:
                 link_or_copy(snap.dir / name, out_dir / name)
                 files.append(name)
                 known[name] = digests[name]
-        info = {k: v for k, v in vars(report).items() if k not in ("path",)}
+        info = {"encoder": is_encoder(ctx.config), **{k: v for k, v in vars(report).items() if k not in ("path",)}}
         (out_dir / EXPORT_REPORT).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
         files.append(EXPORT_REPORT)
         return BuiltArtifact(root=out_dir, files=files, info={"export": info}, known_digests=known)
@@ -125,20 +168,36 @@ class QaicExportTarget:
         from .export import ort_parity
 
         tok = reference.load_tokenizer(ctx.snapshot.dir)
-        runs = []
-        for text in prompts.PARITY_TEXTS[:2]:
-            ids = list(tok(text).input_ids)[:48]
-            ctx_len = len(ids) + PARITY_DECODE_STEPS + 8
-            runs.append(ort_parity(ctx.snapshot.dir, artifact_dir / ONNX_DIR / "model.onnx", ids,
-                                   decode_steps=PARITY_DECODE_STEPS, ctx_len=ctx_len))
-        metrics = {
-            "ort_top1_agreement": min(r["top1_agreement"] for r in runs),
-            "ort_max_abs_logit_delta": parity.round6(max(r["max_abs_logit_delta"] for r in runs)),
-            "ort_steps": sum(r["steps"] for r in runs),
-        }
-        failures = check_thresholds(metrics, ctx.recipe.validation)
-        return ValidationReport(passed=not failures, failures=failures, metrics=metrics,
-                                details={"ort": [{k: v for k, v in r.items() if k != "tokens"} for r in runs]})
+        onnx_path = artifact_dir / ONNX_DIR / "model.onnx"
+        thresholds = ctx.recipe.validation
+        if is_encoder(ctx.config):
+            from .encoders import encoder_parity
+
+            r = encoder_parity(ctx.snapshot.dir, onnx_path, encoder_batches(tok, ctx.config))
+            metrics = {"ort_max_abs_delta": parity.round6(max(r["max_abs_delta"].values())),
+                       "ort_sequences": r["sequences"]}
+            if r["min_cosine"] is not None:
+                metrics["ort_min_cosine"] = float(f"{r['min_cosine']:.12f}")
+            if r["top1_agreement"] is not None:
+                metrics["ort_top1_agreement"] = r["top1_agreement"]
+            details = {"ort": r}
+        else:
+            runs = []
+            for text in prompts.PARITY_TEXTS[:2]:
+                ids = list(tok(text).input_ids)[:48]
+                ctx_len = len(ids) + PARITY_DECODE_STEPS + 8
+                runs.append(ort_parity(ctx.snapshot.dir, onnx_path, ids, decode_steps=PARITY_DECODE_STEPS, ctx_len=ctx_len))
+            metrics = {
+                "ort_top1_agreement": min(r["top1_agreement"] for r in runs),
+                "ort_max_abs_delta": parity.round6(max(r["max_abs_logit_delta"] for r in runs)),
+                "ort_steps": sum(r["steps"] for r in runs),
+            }
+            details = {"ort": [{k: v for k, v in r.items() if k != "tokens"} for r in runs]}
+        # Gates on metrics this architecture does not have do not apply (cosine of a decoder, top-1 of an embedder).
+        thresholds = thresholds.model_copy(update={f: None for f, info in type(thresholds).model_fields.items()
+                                                   if info.json_schema_extra["metric"] not in metrics})
+        failures = check_thresholds(metrics, thresholds)
+        return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details=details)
 
     def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]:
         return {}
@@ -167,14 +226,15 @@ class QaicTarget:
         return "qpc"
 
     def supports(self, arch, architecture: str, config: dict[str, Any], options: dict[str, Any]) -> bool:
-        return _supports(arch, architecture)
+        """Decoder compiles for the exported decoder families, embedding compiles for the encoders."""
+        embedding = options.get("task", "generate") == "embedding"
+        return _supports(arch, architecture, _encoders() if embedding else _families())
 
     def plan_problems(self, ctx: BuildContext) -> list[str]:
         """What makes this serving shape impossible for the model, before any work."""
         opts = CompileOptions.parse(ctx.recipe.options)
-        cfg = ctx.config.get("text_config") if isinstance(ctx.config.get("text_config"), dict) else ctx.config
-        positions = cfg.get("max_position_embeddings") or cfg.get("n_positions") or cfg.get("seq_length")
-        if isinstance(positions, int) and opts.ctx_len > positions:
+        positions = _max_positions(ctx.config)
+        if positions is not None and opts.ctx_len > positions:
             return [f"ctx_len {opts.ctx_len} is beyond the model's {positions} positions (max_position_embeddings)"]
         return []
 
@@ -201,6 +261,14 @@ class QaicTarget:
         from ... import prompts, reference
 
         tok = reference.load_tokenizer(ctx.snapshot.dir)
+        if not opts.retained_state:
+            from .quality import predict_encoder
+
+            q = predict_encoder(ctx.snapshot.dir, encoder_batches(tok, ctx.config), mxfp6=opts.mxfp6)
+            metrics = {k: q[src] for k, src in (("predicted_cosine", "cosine_min"), ("predicted_top1", "top1"),
+                                                ("predicted_max_abs_delta", "max_abs_delta")) if q.get(src) is not None}
+            failures = check_thresholds(metrics, ctx.recipe.validation)
+            return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details={opts.precision: q})
         sequences = [list(ids)[:128] for ids in reference.encode(tok, prompts.PARITY_TEXTS)]
         q = predict(ctx.snapshot.dir, sequences, mxfp6=opts.mxfp6, mxint8=opts.mxint8)
         metrics = {"predicted_top1": q["top1"], "predicted_kl": q["kl"], "predicted_ppl_delta": q["ppl_delta"],

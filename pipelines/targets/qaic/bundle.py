@@ -66,6 +66,12 @@ def check_bundle(root: Path, files: dict[str, str], opts: CompileOptions) -> lis
         return [f"the bundle has no {onnx_rel}"]
     graph = onnx.load(str(root / onnx_rel), load_external_data=False).graph
     io_names = [v.name for v in list(graph.input) + list(graph.output) if v.name.startswith("past_")]
+    if opts.retained_state and not io_names:
+        return ["the ONNX has no retained-state KV cache (an encoder): compile it with task: embedding"]
+    if not opts.retained_state:
+        if io_names:
+            return ["task: embedding, but the ONNX has a retained-state KV cache (a decoder): use task: generate"]
+        return _check_symbols(root, graph)  # an encoder: no KV tensors, no custom_io.yaml
     text = (root / COMPILE_DIR / "custom_io.yaml").read_text()
     listed = {line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("- IOName:")}
     problems = []
@@ -75,15 +81,20 @@ def check_bundle(root: Path, files: dict[str, str], opts: CompileOptions) -> lis
     extra = sorted(listed - set(io_names))
     if extra:
         problems.append(f"custom_io.yaml names tensors the ONNX does not have (first: {extra[0]})")
+    problems += _check_symbols(root, graph)
+    if opts.full_batch_size and "batch_index" not in [i.name for i in graph.input]:
+        problems.append("full_batch_size is set but the ONNX has no batch_index input (export with batch_index: true)")
+    return problems
+
+
+def _check_symbols(root: Path, graph) -> list[str]:
+    """Every symbol a specialization sets is a dynamic axis of the ONNX."""
     symbols = {d.dim_param for v in list(graph.input) + list(graph.output)
                for d in v.type.tensor_type.shape.dim if d.dim_param}
     specs = json.loads((root / COMPILE_DIR / "specializations.json").read_text())["specializations"]
     for spec in specs:
-        used = set(spec.get("symbols", spec))
-        if used - {"name"} - symbols:
-            problems.append(f"specializations.json sets {', '.join(sorted(used - {'name'} - symbols))}, "
-                            f"which the ONNX does not have as dynamic axes ({', '.join(sorted(symbols))})")
-            break
-    if opts.full_batch_size and "batch_index" not in [i.name for i in graph.input]:
-        problems.append("full_batch_size is set but the ONNX has no batch_index input (export with batch_index: true)")
-    return problems
+        unknown = set(spec.get("symbols", spec)) - {"name"} - symbols
+        if unknown:
+            return [f"specializations.json sets {', '.join(sorted(unknown))}, which the ONNX does not have as "
+                    f"dynamic axes ({', '.join(sorted(symbols))})"]
+    return []

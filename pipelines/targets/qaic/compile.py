@@ -22,7 +22,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -46,6 +46,8 @@ class CompileOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    task: Literal["generate", "embedding"] = Field(
+        "generate", description="generate: a decoder with retained-state KV; embedding: an encoder (no KV cache)")
     num_cores: int = Field(16, ge=1, le=16, description="NSP cores per device the program uses")
     ctx_len: int = Field(2048, ge=16, description="KV cache length: --max-model-len")
     prefill_seq_len: int = Field(128, ge=1, description="tokens per prefill step")
@@ -64,7 +66,13 @@ class CompileOptions(BaseModel):
     def _shape(self) -> "CompileOptions":
         if self.prefill_seq_len > self.ctx_len:
             raise ValueError(f"prefill_seq_len {self.prefill_seq_len} is larger than ctx_len {self.ctx_len}")
+        if self.task == "embedding" and self.full_batch_size is not None:
+            raise ValueError("an embedding model has no KV cache to batch continuously: full_batch_size must be null")
         return self
+
+    @property
+    def retained_state(self) -> bool:
+        return self.task == "generate"
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> "CompileOptions":
@@ -99,13 +107,18 @@ def named_specializations(sdk_version: str) -> bool:
 
 def specializations(opts: CompileOptions, sdk_version: str | None = None) -> dict[str, Any]:
     """Prefill then decode; every value a string. With continuous batching the prefill runs one
-    sequence at a time into a `full_batch_size` cache and decode runs all slots."""
+    sequence at a time into a `full_batch_size` cache and decode runs all slots. An encoder has one
+    specialization: the batch at the full sequence length."""
+    named = named_specializations(sdk_version or opts.sdk_version)
+    if not opts.retained_state:
+        encode = {"batch_size": str(opts.batch_size), "seq_len": str(opts.ctx_len)}
+        return {"specializations": [{"name": "Encode", "symbols": encode} if named else encode]}
     prefill = {"batch_size": str(opts.batch_size), "seq_len": str(opts.prefill_seq_len), "ctx_len": str(opts.ctx_len)}
     decode = {"batch_size": str(opts.decode_batch), "seq_len": "1", "ctx_len": str(opts.ctx_len)}
     if opts.full_batch_size:
         prefill["full_batch_size"] = decode["full_batch_size"] = str(opts.full_batch_size)
         prefill["batch_size"] = "1"
-    if named_specializations(sdk_version or opts.sdk_version):
+    if named:
         return {"specializations": [{"name": "Prefill", "symbols": prefill}, {"name": "Decode", "symbols": decode}]}
     return {"specializations": [prefill, decode]}
 
@@ -133,10 +146,9 @@ def partition(num_devices: int, num_cores: int) -> dict[str, Any]:
 
 def compile_files(layers: int, opts: CompileOptions, sdk_version: str | None = None) -> dict[str, bytes]:
     """The compile inputs beside the ONNX, by path relative to the bundle (or QPC artifact) root."""
-    files = {
-        f"{COMPILE_DIR}/specializations.json": (json.dumps(specializations(opts, sdk_version), indent=1) + "\n").encode(),
-        f"{COMPILE_DIR}/custom_io.yaml": custom_io(layers, opts).encode(),
-    }
+    files = {f"{COMPILE_DIR}/specializations.json": (json.dumps(specializations(opts, sdk_version), indent=1) + "\n").encode()}
+    if opts.retained_state:  # an encoder has no KV tensors whose precision to set
+        files[f"{COMPILE_DIR}/custom_io.yaml"] = custom_io(layers, opts).encode()
     if opts.num_devices > 1:
         files[f"{COMPILE_DIR}/{partition_name(opts.num_devices)}"] = (json.dumps(partition(opts.num_devices, opts.num_cores), indent=1) + "\n").encode()
     return files
@@ -147,7 +159,10 @@ def command(opts: CompileOptions, onnx_rel: str, sdk_version: str | None = None,
     version = sdk_version or opts.sdk_version
     modern = _version_tuple(version) >= QAIC_COMPILE_FROM
     exe = compiler or ("qaic-compile" if modern else "qaic-exec")
-    argv = [exe, "-aic-hw", "-aic-hw-version=ai100", f"-m={BUNDLE}/{onnx_rel}", "-retained-state", "-convert-to-fp16"]
+    argv = [exe, "-aic-hw", "-aic-hw-version=ai100", f"-m={BUNDLE}/{onnx_rel}"]
+    if opts.retained_state:
+        argv.append("-retained-state")
+    argv.append("-convert-to-fp16")
     if not modern:
         argv.append("-compile-only")
     if opts.mxfp6:
@@ -159,8 +174,9 @@ def command(opts: CompileOptions, onnx_rel: str, sdk_version: str | None = None,
         argv.append(f"-ols={opts.ols}")
     if opts.depth_first:
         argv.append("-aic-enable-depth-first")
-    argv += [f"-network-specialization-config={BUNDLE}/{COMPILE_DIR}/specializations.json",
-             f"-custom-IO-list-file={BUNDLE}/{COMPILE_DIR}/custom_io.yaml"]
+    argv.append(f"-network-specialization-config={BUNDLE}/{COMPILE_DIR}/specializations.json")
+    if opts.retained_state:
+        argv.append(f"-custom-IO-list-file={BUNDLE}/{COMPILE_DIR}/custom_io.yaml")
     if opts.num_devices > 1:
         argv.append(f"-mdp-load-partition-config={BUNDLE}/{COMPILE_DIR}/{partition_name(opts.num_devices)}")
     argv.append(f"-aic-binary-dir={QPC}")

@@ -79,3 +79,45 @@ def predict(model_dir: Path, sequences: list[list[int]], *, mxfp6: bool = True, 
             "ppl": round(p_got, 4), "ppl_delta": float(f"{(p_got - p_ref) / p_ref:.6g}"),
             "emulated": [name for name in ("mxfp6 weights" if mxfp6 else "fp16 weights" if fp16 else None,
                                            "mxint8 kv cache" if mxint8 else "float16 kv cache" if fp16 else None) if name]}
+
+
+def predict_encoder(model_dir: Path, batches: list[list[list[int]]], *, mxfp6: bool = True) -> dict[str, Any]:
+    """The same prediction for an embedding model or reranker: every nn.Linear weight (the encoder's constant
+    MatMul weights) in MXFP6 (else float16), the exported graph's outputs against fp32 on padded batches:
+    min / mean cosine of the sentence embeddings, max |delta|, and a classifier's top-1 over its labels."""
+    import numpy as np
+    import torch
+
+    from .encoders import CLASSIFIERS, _graph_module, _pad, load_encoder, pooling_mode
+    from .mx import fake_mxfp6
+
+    arch, model = load_encoder(model_dir)
+    classifier = arch in CLASSIFIERS
+    graph = _graph_module(model, classifier, None if classifier else pooling_mode(model_dir))
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+    def outputs() -> list[np.ndarray]:
+        out = []
+        with torch.inference_mode():
+            for batch in batches:
+                ids, mask = _pad(batch, pad_id)
+                res = graph(torch.from_numpy(ids), torch.from_numpy(mask))
+                out.append((res if classifier else res[1]).float().numpy().astype(np.float64))
+        return out
+
+    ref = outputs()
+    quantize = fake_mxfp6 if mxfp6 else fake_fp16
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight = torch.nn.Parameter(quantize(module.weight.detach().clone()), requires_grad=False)
+    got = outputs()
+    cos = np.concatenate([(a * b).sum(-1) / np.maximum(np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1), 1e-30)
+                          for a, b in zip(ref, got)])
+    top1 = None
+    if classifier and ref[0].shape[-1] > 1:
+        top1 = float(np.mean(np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(ref, got)])))
+    return {"sequences": int(sum(len(b) for b in batches)), "cosine_min": float(f"{cos.min():.8f}"),
+            "cosine_mean": float(f"{cos.mean():.8f}"),
+            "max_abs_delta": float(f"{max(float(np.abs(a - b).max()) for a, b in zip(ref, got)):.6g}"),
+            "top1": top1, "emulated": ["mxfp6 weights" if mxfp6 else "fp16 weights"]}

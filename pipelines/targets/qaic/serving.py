@@ -16,9 +16,11 @@ from .compile import QPC_DIR, CompileOptions
 def engine_args(opts: CompileOptions, model_id: str, trust_remote_code: bool) -> dict[str, Any]:
     args: dict[str, Any] = {
         "served_model_name": model_id,
+        "task": "embedding" if opts.task == "embedding" else None,
         "max_model_len": opts.ctx_len,
         "max_num_seqs": opts.decode_batch,
-        "max_seq_len_to_capture": opts.prefill_seq_len,  # the prefill specialization's seq_len
+        # the prefill specialization's seq_len (an encoder's one specialization is max_model_len long)
+        "max_seq_len_to_capture": opts.prefill_seq_len if opts.retained_state else None,
         "device_group": ",".join(str(d) for d in range(opts.num_devices)),
         "quantization": "mxfp6" if opts.mxfp6 else None,
         "kv_cache_dtype": "mxint8" if opts.mxint8 else None,
@@ -41,7 +43,7 @@ def describe(opts: CompileOptions, profile: dict[str, Any], model_id: str, trust
         "env": {"HF_HUB_OFFLINE": "1", **((profile.get("serving") or {}).get("env") or {}),
                 "VLLM_QAIC_QPC_PATH": f"{MODEL_DIR}/{QPC_DIR}"},
         "command": argv,
-        "compiled_for": {"ctx_len": opts.ctx_len, "prefill_seq_len": opts.prefill_seq_len,
+        "compiled_for": {"task": opts.task, "ctx_len": opts.ctx_len, "prefill_seq_len": opts.prefill_seq_len,
                          "batch_size": opts.batch_size, "full_batch_size": opts.full_batch_size,
                          "num_devices": opts.num_devices, "num_cores": opts.num_cores,
                          "weights": opts.precision, "kv_cache": opts.kv_precision, **sdk},
