@@ -186,6 +186,9 @@ def test_standin_compile_publishes_a_qpc_bound_to_its_serving_arguments(pending,
     m = _manifest(store, "qaic-tiny", res["build_id"])
     assert m["build"]["input"]["build_id"] == pending["doc"]["build_id"]
     assert m["toolchain"]["qaic_apps_sdk"] == "1.22.0" and m["runtime_profiles"] == ["vllm-qaic"]
+    # the compile time is reported, never stored: a build id's manifest bytes do not depend on the host
+    assert res["validation"]["qpc"]["compile_seconds"] >= 0 and "compile_seconds" not in m["validation"]["qpc"]
+    assert m["validation"]["qpc"]["program_bytes"] > len(LABEL)
     paths = {f["path"] for f in m["files"]}
     assert {"qpc/programqpc.bin", "compile/specializations.json", "compile/custom_io.yaml", "compile/command.json",
             "compile/sdk.json", "config.json", "tokenizer.json"} <= paths

@@ -62,15 +62,15 @@ def bundle_manifest(store: Store, model_id: str, recipe_id: str, build_id: str |
 
 
 def _profiles(config: "Config | None", recipe_id: str) -> list[dict[str, Any]]:
-    """The active runtime profiles of the compile recipe that load QPCs."""
-    if config is None or recipe_id not in config.recipes:
+    """The active runtime profiles of the compile recipe that load QPCs; every active QPC-loading profile
+    when this host's configuration does not have the recipe (a compile host with only the store)."""
+    if config is None:
         return []
-    out = []
-    for pid in config.recipes[recipe_id].runtime_profiles:
-        prof = config.registry.profile(pid)
-        if prof.active and "qpc" in prof.loads:
-            out.append(prof.model_dump(mode="json"))
-    return out
+    profiles = config.registry.runtime_profiles
+    if recipe_id in config.recipes:
+        named = config.recipes[recipe_id].runtime_profiles
+        profiles = sorted((p for p in profiles if p.id in named), key=lambda p: named.index(p.id))
+    return [p.model_dump(mode="json") for p in profiles if p.active and "qpc" in p.loads]
 
 
 def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | None" = None) -> "BuildResult":
@@ -130,7 +130,8 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
     trust = config is not None and model_id in config.registry.trust_remote_code_allowlist
     serving = {p["id"]: describe(opts, p, model_id, trust, sdk.toolchain()) for p in _profiles(config, recipe_id)}
     validation = dict(bundle.validation or {})
-    validation["qpc"] = {"program_bytes": program_size(qpc_files), "files": len(qpc_files), "compile_seconds": round(seconds, 1)}
+    # No timings in the manifest: its bytes are the same for a build id whichever host compiled it.
+    validation["qpc"] = {"program_bytes": program_size(qpc_files), "files": len(qpc_files)}
     m = Manifest(
         build_id=build_id, model=bundle.model, recipe=bundle.recipe, runtime_profiles=list(serving), format="qpc",
         files=entries, toolchain={**bundle.toolchain, **qpc_toolchain(sdk)},
@@ -144,7 +145,8 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
     if config is not None:
         publish_profiles(store, config)
     return BuildResult(build_id=build_id, model_id=model_id, recipe=recipe_id, manifest=where, skipped=False,
-                       state="published", validation=validation, files=[e.model_dump() for e in entries], format="qpc")
+                       state="published", files=[e.model_dump() for e in entries], format="qpc",
+                       validation={**validation, "qpc": {**validation["qpc"], "compile_seconds": round(seconds, 1)}})
 
 
 def program_size(entries: list[FileEntry]) -> int:
