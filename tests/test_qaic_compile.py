@@ -422,3 +422,22 @@ def test_an_embedding_model_goes_through_export_bundle_and_standin_compile(smoll
     assert argv[argv.index("--max-model-len") + 1] == "128" and "--max-seq-len-to-capture" not in argv
     checked = json.loads((tmp_path / "served" / "qpc" / "programqpc.bin").read_bytes()[len(LABEL):])
     assert checked["specializations"] == [{"name": "Encode", "symbols": {"batch_size": "4", "seq_len": "128"}}]
+
+
+@pytest.mark.parametrize("config, problem", [
+    ({"max_position_embeddings": 512}, "ctx_len 1024 is beyond the model's 512 positions"),
+    ({"max_position_embeddings": 514, "model_type": "xlm-roberta", "pad_token_id": 1},
+     "ctx_len 1024 is beyond the model's 512 positions"),  # RoBERTa-style positions start at pad + 1
+    ({"max_position_embeddings": 131072, "original_max_position_embeddings": 512,
+      "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
+     "beyond the 512 positions longrope serves with its short factors"),
+    ({"max_position_embeddings": 4096}, None),
+])
+def test_serving_shapes_the_exported_graph_cannot_serve(config, problem):
+    from types import SimpleNamespace
+
+    from pipelines.targets.qaic import QaicTarget
+
+    ctx = SimpleNamespace(recipe=SimpleNamespace(options={**SHAPE, "ctx_len": 1024}), config=config)
+    found = QaicTarget().plan_problems(ctx)
+    assert (found == []) if problem is None else (len(found) == 1 and problem in found[0]), found

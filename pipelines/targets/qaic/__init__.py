@@ -236,6 +236,14 @@ class QaicTarget:
         positions = _max_positions(ctx.config)
         if positions is not None and opts.ctx_len > positions:
             return [f"ctx_len {opts.ctx_len} is beyond the model's {positions} positions (max_position_embeddings)"]
+        rope = ctx.config.get("rope_scaling") or {}
+        original = ctx.config.get("original_max_position_embeddings")
+        if (isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) == "longrope"
+                and isinstance(original, int) and opts.ctx_len > original):
+            # transformers switches longrope's factors by sequence length; the exported RoPE table is static
+            # (the short factors), so positions beyond the original window would be wrong.
+            return [f"ctx_len {opts.ctx_len} is beyond the {original} positions longrope serves with its short "
+                    "factors; the exported RoPE table is static (use ctx_len <= original_max_position_embeddings)"]
         return []
 
     def toolchain(self) -> dict[str, str]:
