@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import EngineFailed, HiveError, NotApplicableError, StoreError
