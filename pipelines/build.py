@@ -98,17 +98,18 @@ def plan(source: str, recipe_id: str, config: Config, model_id: str | None = Non
     loads. A derived recipe's plan holds its input's plan, whose build id enters its own."""
     config.recipe(recipe_id)  # unknown recipe: one line before fetching anything
     snap = fetch(source, model_id)
+    seen: dict[str, Compatibility] = {}  # one classification per hardware for the whole chain
     parent = None
     for recipe in config.lineage(recipe_id):  # inputs first
-        parent = _plan_recipe(snap, recipe, config, parent)
+        parent = _plan_recipe(snap, recipe, config, parent, seen)
     assert parent is not None
     return parent
 
 
-def _plan_recipe(snap: Snapshot, recipe: Recipe, config: Config, parent: Plan | None) -> Plan:
+def _plan_recipe(snap: Snapshot, recipe: Recipe, config: Config, parent: Plan | None,
+                 seen: dict[str, Compatibility]) -> Plan:
     hardware = recipe_hardware(recipe, config)
     reviewed = config.reviewed(snap.model_id)
-    seen: dict[str, Compatibility] = {}
 
     def classify_for(hw: str) -> Compatibility:
         if hw not in seen:

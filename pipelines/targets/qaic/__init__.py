@@ -183,10 +183,12 @@ class QaicExportTarget:
             details = {"ort": r}
         else:
             runs = []
+            model = reference.load_model(ctx.snapshot.dir, "the reference model")
             for text in prompts.PARITY_TEXTS[:2]:
                 ids = list(tok(text).input_ids)[:48]
                 ctx_len = len(ids) + PARITY_DECODE_STEPS + 8
-                runs.append(ort_parity(ctx.snapshot.dir, onnx_path, ids, decode_steps=PARITY_DECODE_STEPS, ctx_len=ctx_len))
+                runs.append(ort_parity(ctx.snapshot.dir, onnx_path, ids, decode_steps=PARITY_DECODE_STEPS,
+                                       ctx_len=ctx_len, model=model))
             metrics = {
                 "ort_top1_agreement": min(r["top1_agreement"] for r in runs),
                 "ort_max_abs_delta": parity.round6(max(r["max_abs_logit_delta"] for r in runs)),
@@ -277,8 +279,12 @@ class QaicTarget:
                                                 ("predicted_max_abs_delta", "max_abs_delta")) if q.get(src) is not None}
             failures = check_thresholds(metrics, ctx.recipe.validation)
             return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details={opts.precision: q})
-        sequences = [list(ids)[:128] for ids in reference.encode(tok, prompts.PARITY_TEXTS)]
-        q = predict(ctx.snapshot.dir, sequences, mxfp6=opts.mxfp6, mxint8=opts.mxint8)
+        # The same ids and the same cached fp32 reference as every other artifact kind of this snapshot.
+        snap = ctx.snapshot
+        ids = reference.encode(tok, prompts.PARITY_TEXTS)
+        ref = reference.compute(snap.dir, snap.content_digest, ids, reference.encode(tok, [prompts.GENERATION_PROMPT])[0],
+                                prompts.GENERATION_TOKENS)
+        q = predict(snap.dir, ids, mxfp6=opts.mxfp6, mxint8=opts.mxint8, reference_logits=ref.logits)
         metrics = {"predicted_top1": q["top1"], "predicted_kl": q["kl"], "predicted_ppl_delta": q["ppl_delta"],
                    "predicted_max_abs_logit_delta": q["max_abs_logit_delta"]}
         failures = check_thresholds(metrics, ctx.recipe.validation)

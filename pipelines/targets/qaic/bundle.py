@@ -6,24 +6,15 @@ command (compile.py). Everything a host with the Apps SDK needs to produce the Q
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from .. import BuildContext, BuiltArtifact
+from ..vllm.prepare import link_or_copy
 from . import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
 from .compile import COMPILE_DIR, CompileOptions, command, compile_files
 
 COMMAND_FILE = f"{COMPILE_DIR}/command.json"
-
-
-def _link(src: Path, dest: Path) -> None:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dest)
-    except OSError:
-        shutil.copyfile(src, dest)
 
 
 def command_doc(opts: CompileOptions, onnx_rel: str, sdk_version: str, compiler: str | None = None) -> dict[str, Any]:
@@ -38,8 +29,9 @@ def write_bundle(ctx: BuildContext, out_dir: Path) -> BuiltArtifact:
     assert inp is not None
     known = {f.path: f.sha256 for f in inp.manifest.files}
     files = []
-    for rel in known:
-        _link(inp.root / rel, out_dir / rel)
+    for rel in known:  # the input's files as placed from the store's blobs (0644): linked, not copied
+        (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        link_or_copy(inp.root / rel, out_dir / rel)
         files.append(rel)
     export_info = json.loads((inp.root / EXPORT_REPORT).read_text())
     onnx_rel = f"{ONNX_DIR}/model.onnx"

@@ -513,11 +513,12 @@ def compare(ref, got) -> dict[str, Any]:
 
 
 def ort_parity(model_dir: Path, onnx_path: Path, prompt: list[int], decode_steps: int = 8,
-               ctx_len: int = 128) -> dict[str, Any]:
+               ctx_len: int = 128, model=None) -> dict[str, Any]:
     """ORT (prefill + decode_steps, retained state fed back) against transformers fp32 on the same ids:
-    transformers scores the prompt followed by ORT's own greedy tokens, teacher-forced in one pass."""
+    transformers scores the prompt followed by ORT's own greedy tokens, teacher-forced in one pass.
+    `model`: the fp32 transformers model when the caller checks several prompts (loaded once)."""
     from ... import reference
 
     ort_out = run_ort(onnx_path, prompt, decode_steps, ctx_len)
-    ref = reference_logits(reference.load_model(model_dir), prompt, ort_out["tokens"])
+    ref = reference_logits(model or reference.load_model(model_dir), prompt, ort_out["tokens"])
     return {**compare(ref, ort_out["logits"]), "tokens": ort_out["tokens"]}

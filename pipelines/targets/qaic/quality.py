@@ -40,9 +40,10 @@ def fake_mxfp6_weights(model, quantize=None) -> int:
 
 
 def predict(model_dir: Path, sequences: list[list[int]], *, mxfp6: bool = True, mxint8: bool = True,
-            fp16: bool = True) -> dict[str, Any]:
+            fp16: bool = True, reference_logits: list[Any] | None = None) -> dict[str, Any]:
     """`fp16`: what is not MX is rounded to float16 as the device stores it (False: left fp32, so the
-    decoder itself can be compared with transformers)."""
+    decoder itself can be compared with transformers). `reference_logits`: the fp32 logits of `sequences`
+    when the caller has them (reference.compute caches them for every artifact kind of a snapshot)."""
     import numpy as np
     import torch
 
@@ -52,7 +53,7 @@ def predict(model_dir: Path, sequences: list[list[int]], *, mxfp6: bool = True, 
 
     model = reference.load_model(model_dir)
     with torch.inference_mode():
-        ref = [model(torch.tensor([s])).logits[0].float().numpy() for s in sequences]
+        ref = reference_logits or [model(torch.tensor([s])).logits[0].float().numpy() for s in sequences]
         # Without MXFP6 the compiler still converts every weight to fp16, and the KV cache is float16.
         if mxfp6 or fp16:
             fake_mxfp6_weights(model, None if mxfp6 else fake_fp16)
