@@ -5,6 +5,10 @@ The same three steps run from the CLI (`build_and_publish`) and as separate Dags
 Nothing unvalidated becomes visible: a build stages its candidate manifest under
 `staging/<build-id>.json`; only a validated candidate is written to `manifests/` and then the
 refs (the commit point). A rejected candidate's staging record is removed; its blobs are left for gc.
+
+Before any work, the memory plan (memory.py) of every recipe to build is checked: a model that cannot fit
+this host's memory or disk is refused in one line, with nothing built or published. A disk that fills up
+anyway is the same kind of line (`DiskFull`), naming the step; the work dir goes with its partial files.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from typing import Any
 from .compat import Compatibility, classify_snapshot
 from .compat.hardware import hardware_for_vendor
 from .config import Config, Recipe
-from .errors import IntegrityError, NotApplicableError, StoreError, ValidationFailed
+from .errors import DiskFull, HiveError, IntegrityError, NotApplicableError, StoreError, ValidationFailed
 from .hashing import sha256_file
 from .manifest import FileEntry, Manifest, ModelInfo, RecipeInfo, compute_build_id
+from .memory import BUILD_STEP, MemoryPlan, disk_full_cause, disk_full_error, plan_build
 from .paths import reclaim_work, work_dir
 from .sources import Snapshot, fetch
 from .store import Store, blob_key, manifest_key, open_store, ref_key, staging_key
@@ -64,12 +69,13 @@ class BuildResult:
     reason: str | None = None  # why a build stopped where it did (compile_pending)
     input: "BuildResult | None" = None  # the build of the recipe's input, for derived recipes
     bundle: "BuildResult | None" = None  # the export bundle a QPC was compiled from
+    memory_plan: dict[str, Any] | None = None  # each step's estimated memory and disk (memory.MemoryPlan)
 
     def to_json(self) -> dict[str, Any]:
         doc = {
             "build_id": self.build_id, "model_id": self.model_id, "recipe": self.recipe, "manifest": self.manifest,
             "skipped": self.skipped, "state": self.state, "format": self.format, "validation": self.validation,
-            "files": self.files,
+            "files": self.files, "memory_plan": self.memory_plan,
         }
         if self.reason:
             doc["reason"] = self.reason
@@ -172,8 +178,37 @@ def input_artifact(p: Plan, store: Store, work: Path) -> InputArtifact:
     return InputArtifact(recipe=p.parent.recipe.id, build_id=p.parent.build_id, manifest=m, root=work)
 
 
+def resource_plan(p: Plan, store: Store) -> MemoryPlan:
+    """Each step's estimated peak memory and disk for this build, against this host (memory.py)."""
+    return plan_build(p, store)
+
+
+def _reported_plan(p: Plan, store: Store) -> dict[str, Any] | None:
+    """The plan for a result that does not depend on it (a skipped build): never a reason to fail."""
+    try:
+        return resource_plan(p, store).to_json()
+    except HiveError:
+        return None
+
+
+def check_resources(p: Plan, store: Store) -> None:
+    """Refuse, before any work, a build chain whose steps cannot fit this host: every recipe of it that is
+    not published yet (published ones are skipped, whatever their size)."""
+    chain = []
+    while p is not None:
+        chain.insert(0, p)
+        p = p.parent
+    for q in chain:
+        if published_manifest(q, store) is None:
+            resource_plan(q, store).check()
+
+
+def _label(p: Plan) -> str:
+    return f"{p.recipe.id} of {p.model_id}"
+
+
 def stage(p: Plan, store: Store) -> BuildResult:
-    """Build the artifact, upload its blobs and write the staging record.
+    """Check the memory plan, build the artifact, upload its blobs and write the staging record.
 
     An already published build is skipped only if the blobs its manifest names are intact (the store's
     `blob_intact` policy: full sha256 locally, remembered per file stamp; size + recorded sha256 on S3).
@@ -183,28 +218,47 @@ def stage(p: Plan, store: Store) -> BuildResult:
     existing = published_manifest(p, store)
     if existing is not None and all(store.blob_intact(f.sha256, f.size) for f in existing.files):
         _ensure_refs(store, p, existing)
-        return _result(p, store, "skipped", existing, skipped=True)
+        res = _result(p, store, "skipped", existing, skipped=True)
+        res.memory_plan = _reported_plan(p, store)
+        return res
+    resources = resource_plan(p, store)
+    resources.check()  # nothing is built for a model this host cannot hold
     store.check_writable()
     reclaim_work()  # what killed builds left behind
+    step = "input"
     with work_dir(f"build-{p.build_id[:12]}-") as work:
-        if p.parent is not None:
-            p.context.input = input_artifact(p, store, work / "input")
-            (work / "out").mkdir()
-            work = work / "out"
-        art = p.target.build(p.context, work)
-        entries = []
-        for rel in art.files:
-            path = art.root / rel
-            # Files copied unchanged from the source come with the digest the snapshot recorded.
-            digest = art.known_digests.get(rel) or sha256_file(path)
-            store.put_blob(path, digest)  # replaces a damaged copy
-            entries.append(FileEntry(path=rel, sha256=digest, size=path.stat().st_size))
+        try:
+            if p.parent is not None:
+                p.context.input = input_artifact(p, store, work / "input")
+                (work / "out").mkdir()
+                work = work / "out"
+            step = BUILD_STEP.get(p.recipe.kind, "build")
+            art = p.target.build(p.context, work)
+            step = "publish"
+            entries = []
+            for rel in art.files:
+                path = art.root / rel
+                # Files copied unchanged from the source come with the digest the snapshot recorded.
+                digest = art.known_digests.get(rel) or sha256_file(path)
+                # Replaces a damaged copy. The work dir goes right after: a local store may take the file itself.
+                store.put_blob(path, digest, handover=True)
+                entries.append(FileEntry(path=rel, sha256=digest, size=path.stat().st_size))
+        except OSError as e:  # DiskFull (a HiveError) from the store or a child process, or the OS's ENOSPC
+            cause = disk_full_cause(e, work)
+            if cause is None:
+                raise
+            # Made here, before the work dir and its partial files go: the free space at the failure.
+            raise _disk_full(e, p, step, work, store, cause) from None
+        except DiskFull as e:
+            raise _disk_full(e, p, step, work, store) from None
     if existing is not None:
         if entries != existing.files:
             raise IntegrityError(f"{store.uri}: build {p.build_id[:12]} has damaged blobs and rebuilding it gave other "
                                  "bytes than its manifest records: cannot repair (was the build not deterministic?)")
         _ensure_refs(store, p, existing)
-        return _result(p, store, "repaired", existing, skipped=False)
+        res = _result(p, store, "repaired", existing, skipped=False)
+        res.memory_plan = resources.to_json()
+        return res
     s = p.snapshot
     serving = p.target.serving(p.context, [e.path for e in entries])
     manifest = Manifest(
@@ -215,8 +269,26 @@ def stage(p: Plan, store: Store) -> BuildResult:
         runtime_profiles=list(serving), format=art.format or p.target.artifact_format(p.recipe.options), files=entries,
         toolchain=p.target.toolchain(), build=art.info, serving=serving,
     )
-    store.write_bytes(staging_key(p.build_id), json.dumps({"state": "staged", "manifest": manifest.model_dump(mode="json")}).encode())
-    return _result(p, store, "staged", manifest, skipped=False)
+    try:
+        store.write_bytes(staging_key(p.build_id), json.dumps({"state": "staged", "manifest": manifest.model_dump(mode="json")}).encode())
+    except DiskFull as e:
+        raise _disk_full(e, p, "publish", None, store) from None
+    res = _result(p, store, "staged", manifest, skipped=False)
+    res.memory_plan = resources.to_json()
+    return res
+
+
+def _disk_full(e: OSError | DiskFull, p: Plan, step: str, work: Path | None, store: Store,
+               cause: int | None = None) -> DiskFull:
+    """A full disk during a build step as one DiskFull line naming the build, the step and the file system."""
+    if isinstance(e, DiskFull):
+        if e.path is None:  # from a child process (the quantizer): its line names the step; add the build
+            return e if str(e).startswith(_label(p)) else DiskFull(f"{_label(p)}: {e}")
+        return disk_full_error(e.errno_code, e.path, subject=_label(p), step=step)
+    where = e.filename if isinstance(e.filename, str) else work
+    if where is None:
+        where = getattr(store, "root", None) or "."
+    return disk_full_error(cause or e.errno, where, subject=_label(p), step=step)
 
 
 def _staged(store: Store, p: Plan) -> tuple[str, Manifest]:
@@ -247,12 +319,24 @@ def materialize_blobs(store: Store, files: list[FileEntry], dest: Path) -> None:
 
 
 def validate_staged(p: Plan, store: Store) -> ValidationReport:
-    """Validate the staged candidate numerically; the result is recorded in the staging record."""
+    """Validate the staged candidate numerically; the result is recorded in the staging record.
+
+    The reference and validation steps of the memory plan are checked again first: Dagster may run this on
+    another host than the build. A refusal leaves the candidate staged (a larger host can validate it)."""
     _state, manifest = _staged(store, p)
+    resource_plan(p, store).check(steps=("reference", "validate"), outcome="nothing was published")
     try:
         with work_dir(f"validate-{p.build_id[:12]}-") as work:
-            materialize_blobs(store, manifest.files, work)
-            report = p.target.validate(p.context, work, {f.path: f.sha256 for f in manifest.files})
+            try:
+                materialize_blobs(store, manifest.files, work)
+                report = p.target.validate(p.context, work, {f.path: f.sha256 for f in manifest.files})
+            except OSError as e:
+                cause = disk_full_cause(e, work)
+                if cause is None:
+                    raise
+                raise _disk_full(e, p, "validate", work, store, cause) from None
+            except DiskFull as e:
+                raise _disk_full(e, p, "validate", work, store) from None
     except BaseException:
         # Validation itself failed (engine crash, interrupt): the candidate can never be published as
         # it is, so its record goes; its blobs are left for gc.
@@ -328,7 +412,9 @@ def build_and_publish(source: str, recipe_id: str, config: Config, store_uri: st
     reused by build id), then the recipe; an AI 100 compile recipe then compiles where the SDK is."""
     store = open_store(store_uri)
     store.check_writable()  # fail before spending build time
-    return _build_chain(plan(source, recipe_id, config, model_id), store, config)
+    p = plan(source, recipe_id, config, model_id)
+    check_resources(p, store)  # the whole chain, before its first step builds anything
+    return _build_chain(p, store, config)
 
 
 def _build_chain(p: Plan, store: Store, config: Config) -> BuildResult:
@@ -355,7 +441,10 @@ def _build_one(p: Plan, store: Store, config: Config) -> BuildResult:
     report = validate_staged(p, store)
     if not report.passed:
         return BuildResult(build_id=p.build_id, model_id=p.model_id, recipe=p.recipe.id, manifest="", skipped=False,
-                           state="rejected", validation=validation_record(p, report), files=staged.files)
-    return publish_staged(p, store, config)
+                           state="rejected", validation=validation_record(p, report), files=staged.files,
+                           memory_plan=staged.memory_plan)
+    res = publish_staged(p, store, config)
+    res.memory_plan = staged.memory_plan
+    return res
 
 

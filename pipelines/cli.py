@@ -3,7 +3,9 @@
 Conventions: `--json` prints exactly one JSON document on stdout (progress and logs go to stderr);
 errors are one line on stderr. Exit codes: 0 done, 1 error (bad input, refused source, store
 problem), 2 usage, 3 validation failed (nothing published), 4 check: requires_review,
-5 check: incompatible, 6 a native engine crashed (its step named; nothing published).
+5 check: incompatible, 6 a native engine crashed (its step named; nothing published), 7 not enough memory
+or disk (refused before work by the memory plan, or the disk filled up: nothing published; `plan` exits 7
+when the build would be refused).
 
 The base install is the pull client; `check`, `build` and `onboard` need extras, and without them
 say which one in one line instead of a ModuleNotFoundError traceback.
@@ -21,6 +23,7 @@ from typing import Any
 from .errors import HiveError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_REJECTED, EXIT_REVIEW, EXIT_INCOMPATIBLE = 0, 1, 2, 3, 4, 5
+EXIT_RESOURCES = 7  # = errors.ResourceError.exit_code
 
 # Import names that differ from the distribution that provides them.
 _DIST_OF_MODULE = {"llama_cpp": "llama_cpp_python", "google": "protobuf"}
@@ -157,6 +160,47 @@ def cmd_build(args) -> int:
     return EXIT_OK
 
 
+def cmd_plan(args) -> int:
+    """Each step's estimated memory and disk for a build (its input recipes first), without building."""
+    from .build import plan, resource_plan
+    from .config import Config
+    from .errors import ResourceError
+    from .memory import plan_text
+    from .store import open_store
+
+    config = Config.load(args.registry, args.recipes)
+    store = open_store(args.store)
+    chain, p = [], plan(args.source, args.recipe, config, args.model_id)
+    while p is not None:
+        chain.insert(0, p)
+        p = p.parent
+    docs, texts, refusals = [], [], []
+    for q in chain:
+        mp = resource_plan(q, store)
+        published = _published(store, q)
+        doc = {**mp.to_json(), "build_id": q.build_id, "published": published}
+        docs.append(doc)
+        texts.append(plan_text(mp) + ("\n  (already published in the store: a build skips it)" if published else ""))
+        if not published and not mp.fits():
+            refusals.append(f"{mp.recipe} of {mp.model_id}: {'; '.join(mp.problems())}")
+    _emit(args, {"plans": docs, "fits": not refusals}, "\n".join(texts))
+    if refusals:
+        print(f"hive-aot: error: {ResourceError('; '.join(refusals) + '; a build would be refused')}", file=sys.stderr)
+        return EXIT_RESOURCES
+    return EXIT_OK
+
+
+def _published(store, p) -> bool:
+    """Whether the build is published in the store (False when the store cannot be read: a plan needs none)."""
+    from .build import published_manifest
+    from .errors import StoreError
+
+    try:
+        return published_manifest(p, store) is not None
+    except StoreError:
+        return False
+
+
 def cmd_qaic_compile(args) -> int:
     from .config import Config
     from .pull import parse_model
@@ -258,6 +302,13 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--model-id", help="model id (org/name) for a local directory source")
     common(sp)
     sp.set_defaults(func=cmd_build)
+
+    sp = sub.add_parser("plan", help="each step's estimated memory and disk for a build, against this host")
+    sp.add_argument("source")
+    sp.add_argument("--recipe", required=True)
+    sp.add_argument("--model-id", help="model id (org/name) for a local directory source")
+    common(sp)
+    sp.set_defaults(func=cmd_plan)
 
     sp = sub.add_parser("qaic-compile", help="compile published AI 100 export bundles into QPCs (needs the Cloud AI SDK)")
     sp.add_argument("model", metavar="MODEL_ID[@BUNDLE_BUILD_ID]")

@@ -55,3 +55,25 @@ class EngineCrashed(HiveError):
 
 class EngineFailed(HiveError):
     """A native engine's child process raised an unexpected exception."""
+
+
+class ResourceError(HiveError):
+    """A step needs more memory or disk than this host has (refused before work starts), or the disk filled
+    up during a build (partial files removed). `plan`: the memory plan's JSON, when one was made."""
+
+    exit_code = 7
+
+    def __init__(self, message: str, plan: dict | None = None):
+        super().__init__(message)
+        self.plan = plan
+
+
+class DiskFull(ResourceError):
+    """A write failed for lack of space (ENOSPC, EDQUOT, or EFBIG from a file size limit). `path` and
+    `errno_code` let a caller that knows the step re-word the message; both are None for an error that
+    crossed a process boundary (its message is already complete)."""
+
+    def __init__(self, message: str, path: str | None = None, errno_code: int | None = None):
+        super().__init__(message)
+        self.path = path
+        self.errno_code = errno_code

@@ -39,11 +39,13 @@ _SIGNAL_MEANING = {
 }
 
 
-def run_isolated(function: str, *, engine: str, step: str, **kwargs: Any) -> Any:
+def run_isolated(function: str, *, engine: str, step: str, usage: dict[str, int] | None = None, **kwargs: Any) -> Any:
     """Call `package.module:function(**kwargs)` in a child Python and return its JSON result.
 
     `engine` and `step` only name things in the error line, e.g. engine "llama.cpp", step
-    "GGUF validation of org/name (gguf-q4_k_m)".
+    "GGUF validation of org/name (gguf-q4_k_m)". `usage`, when given, receives the child's peak
+    resident memory (`peak_rss`, which counts mapped file pages) and its anonymous memory at the end
+    (`anon_rss`), in bytes.
     """
     with work_dir("isolated-") as work:
         request_path, result_path = work / "request.json", work / "result.json"
@@ -62,6 +64,8 @@ def run_isolated(function: str, *, engine: str, step: str, **kwargs: Any) -> Any
     if outcome is None:
         raise EngineCrashed(f"{engine} exited with status {proc.returncode} during {step} without a result; "
                             "nothing was published")
+    if usage is not None:
+        usage.update(outcome.get("usage") or {})
     if "error" in outcome:
         err = outcome["error"]
         cls = getattr(errors, err["type"], None)
@@ -69,6 +73,20 @@ def run_isolated(function: str, *, engine: str, step: str, **kwargs: Any) -> Any
             raise cls(err["message"])
         raise EngineFailed(f"{engine} failed during {step}: {err['type']}: {err['message']}")
     return outcome["value"]
+
+
+def peak_memory() -> dict[str, int]:
+    """This process's peak resident set (VmHWM, which counts mapped file pages) and current anonymous
+    resident memory, in bytes; empty where /proc is not there."""
+    out: dict[str, int] = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "RssAnon"):
+                out["peak_rss" if key == "VmHWM" else "anon_rss"] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
 
 
 def _inject_fault(step: str) -> None:
@@ -94,6 +112,7 @@ def _child(request_path: str) -> int:
         text, rc = json.dumps({"error": {"type": type(e).__name__, "message": str(e)}}), 1
     except Exception as e:  # noqa: BLE001 - reported to the parent as one line
         text, rc = json.dumps({"error": {"type": type(e).__name__, "message": " ".join(str(e).split())}}), 1
+    text = text[:-1] + f', "usage": {json.dumps(peak_memory())}}}'
     # Written whole and renamed: the parent never reads half a result.
     tmp = request["result"] + ".tmp"
     Path(tmp).write_text(text)

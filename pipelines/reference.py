@@ -1,9 +1,10 @@
 """The transformers fp32 reference: logits and a greedy continuation on fixed token ids.
 
-Every artifact kind is compared with this on the same ids. Results are cached on disk keyed by the
-snapshot content, the ids and the transformers/torch versions, so several recipes of one model pay
-for the reference once. Remote code is never executed (`trust_remote_code=False`), and only
-safetensors weights are read.
+Every artifact kind is compared with this on the same ids. It is computed by `streamed_model` (the
+model's own transformers modules, one block resident at a time), so a model larger than the host's
+memory still gets a reference. Results are cached on disk keyed by the snapshot content, the ids and
+the transformers/torch versions, so several recipes of one model pay for the reference once. Remote
+code is never executed (`trust_remote_code=False`), and only safetensors weights are read.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -24,9 +28,10 @@ from .paths import cache_root
 @dataclass
 class Reference:
     ids: list[list[int]]
-    logits: list[np.ndarray]  # float32 [len(ids[i]), vocab]
+    logits: Sequence[np.ndarray]  # float32 [len(ids[i]), vocab], read one at a time
     generation_prompt_ids: list[int]
     generation_ids: list[int]
+    usage: dict[str, Any] = field(default_factory=dict)  # the computing child's peak memory (not cached results)
 
 
 def _quiet_transformers() -> None:
@@ -71,33 +76,100 @@ def load_model(model_dir: Path, what: str = "the model"):
     return model.eval()
 
 
+# Part of the cache key: bump when what `compute` produces changes for the same inputs.
+# 2: streamed weights; greedy is pure argmax (a repository's generation_config is not applied).
+REFERENCE_VERSION = 2
+
+
 def _key(content_digest: str, ids: list[list[int]], gen_ids: list[int], n_gen: int) -> str:
     import torch
     import transformers
 
-    payload = json.dumps([content_digest, ids, gen_ids, n_gen, transformers.__version__, torch.__version__])
+    payload = json.dumps([REFERENCE_VERSION, content_digest, ids, gen_ids, n_gen, transformers.__version__,
+                          torch.__version__])
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-def compute(model_dir: Path, content_digest: str, ids: list[list[int]], gen_ids: list[int], n_gen: int) -> Reference:
-    cache = cache_root() / "reference" / f"{_key(content_digest, ids, gen_ids, n_gen)}.npz"
-    if cache.is_file():
-        with np.load(cache) as z:
-            logits = [z[f"l{i}"] for i in range(len(ids))]
-            return Reference(ids, logits, gen_ids, z["gen"].tolist())
-    import torch
+class LazyLogits(Sequence):
+    """Per-prompt logits read from the cache when asked for (memory-mapped), so a 128k-vocab model's
+    [tokens x vocab] arrays are never all in memory at once."""
 
-    model = load_model(model_dir, "the reference model")
-    logits = []
-    with torch.inference_mode():
-        for seq in ids:
-            out = model(torch.tensor([seq], dtype=torch.long)).logits[0]
-            logits.append(out.float().numpy())
-        gen = model.generate(torch.tensor([gen_ids]), max_new_tokens=n_gen, do_sample=False,
-                             attention_mask=torch.ones(1, len(gen_ids), dtype=torch.long))[0, len(gen_ids):].tolist()
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache.parent, suffix=".npz")
-    os.close(fd)
-    np.savez(tmp, gen=np.asarray(gen, dtype=np.int64), **{f"l{i}": lg for i, lg in enumerate(logits)})
-    os.replace(tmp, cache)
-    return Reference(ids, logits, gen_ids, gen)
+    def __init__(self, root: Path, n: int):
+        self.root, self.n = root, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.n))]
+        if not -self.n <= i < self.n:
+            raise IndexError(i)
+        return np.load(self.root / f"l{i % self.n}.npy", mmap_mode="r")
+
+
+def compute(model_dir: Path, content_digest: str, ids: list[list[int]], gen_ids: list[int], n_gen: int,
+            files: list[Path] | None = None, step: str | None = None) -> Reference:
+    """The reference's logits on `ids` and its greedy continuation of `gen_ids`, cached per content.
+
+    Computed by the streamed model: one block resident at a time, in a child process (its memory goes
+    back when it ends, an out-of-memory kill is one error line); or, when the fp32 model fits the memory
+    budget with margin, with every block kept after its first use, in this process (same code, same
+    numbers)."""
+    root = cache_root() / "reference" / _key(content_digest, ids, gen_ids, n_gen)
+    if not (root / "done.json").is_file():
+        from .isolation import run_isolated
+
+        files = files if files is not None else sorted(model_dir.glob("*.safetensors"))
+        root.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=".tmp-"))
+        resident = reference_resident(files)
+        args = dict(model_dir=str(model_dir), files=[str(f) for f in files], ids=ids, gen_ids=gen_ids, n_gen=n_gen,
+                    out_dir=str(tmp), resident=resident)
+        try:
+            if resident:  # fits with margin: in this process, which has torch loaded already
+                from .streamed_model import trim_heap
+
+                compute_into(**args)
+                trim_heap()
+            else:  # streamed: in a child, whose memory goes back when it ends and whose OOM kill is one line
+                run_isolated("pipelines.reference:compute_into", engine="transformers",
+                             step=step or f"the transformers reference of {model_dir.name}", **args)
+            # Whole or not at all: a concurrent builder may have finished first; both wrote the same numbers.
+            try:
+                os.rename(tmp, root)
+            except OSError:
+                if not (root / "done.json").is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    done = json.loads((root / "done.json").read_text())
+    return Reference(ids, LazyLogits(root, len(ids)), gen_ids, done["generation_ids"], done.get("usage", {}))
+
+
+def reference_resident(files: list[Path]) -> bool:
+    """Keep every block loaded after first use (fewer reads, same numbers) only when the fp32 model fits
+    the memory budget with a wide margin; otherwise stream block by block."""
+    from .memory import memory_budget
+    from .safetensors_io import read_header
+
+    fp32 = sum(read_header(f).parameters for f in files) * 4
+    return fp32 * 3 // 2 + (1 << 30) < memory_budget()[0]
+
+
+def compute_into(model_dir: str, files: list[str], ids: list[list[int]], gen_ids: list[int], n_gen: int,
+                 out_dir: str, resident: bool) -> dict[str, Any]:
+    """The child's side of `compute`: one .npy of logits per sequence, then done.json (written last)."""
+    from .isolation import peak_memory
+    from .streamed_model import StreamedCausalLM
+
+    out = Path(out_dir)
+    with StreamedCausalLM(Path(model_dir), [Path(f) for f in files], resident=resident) as lm:
+        for i, seq in enumerate(ids):
+            np.save(out / f"l{i}.npy", lm.logits(seq))
+        eos = lm.model.config.eos_token_id
+        gen = lm.greedy(gen_ids, n_gen, eos=set(eos) if isinstance(eos, list) else {eos} if eos is not None else None)
+        loads = lm.loads
+    usage = {**(peak_memory() if not resident else {}), "unit_loads": loads, "resident": resident}
+    (out / "done.json").write_text(json.dumps({"generation_ids": gen, "usage": usage}))
+    return usage

@@ -158,8 +158,9 @@ class SafetensorsFile:
         t = self.header.tensors[name]
         return to_float32(self.raw(name), t.dtype).reshape(t.shape)
 
-    def release(self, name: str) -> None:
-        """Drop a finished tensor's pages from this process's resident set (the page cache keeps them).
+    def release(self, name: str, lo: int = 0, hi: int | None = None) -> None:
+        """Drop a finished tensor's pages (or those of its bytes [lo, hi)) from this process's resident set
+        (the page cache keeps them; a page read again is mapped again, so dropping is always safe).
 
         Pages read through the mmap stay resident until the file is closed: without this, a
         streaming conversion's peak RSS grows to the size of the whole model.
@@ -167,7 +168,8 @@ class SafetensorsFile:
         if self._map is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
         t = self.header.tensors[name]
-        start, end = self.header.data_offset + t.start, self.header.data_offset + t.end
+        start = self.header.data_offset + t.start + lo
+        end = self.header.data_offset + (t.end if hi is None else min(t.end, t.start + hi))
         lo = start - start % mmap.PAGESIZE
         hi = min(len(self._map), end + (-end) % mmap.PAGESIZE)
         if hi > lo:
@@ -211,8 +213,8 @@ class TensorSource:
     def float32(self, name: str) -> np.ndarray:
         return self.where[name].float32(name)
 
-    def release(self, name: str) -> None:
-        self.where[name].release(name)
+    def release(self, name: str, lo: int = 0, hi: int | None = None) -> None:
+        self.where[name].release(name, lo, hi)
 
     def __contains__(self, name: str) -> bool:
         return name in self.where

@@ -65,6 +65,11 @@ def test_graph_snapshot():
         assert graph.get(dg.AssetKey(["qpc", r])).pools == {"ai100_compile"}
     checks = sorted(f"{c.asset_key.to_user_string()}:{c.name}" for c in graph.asset_check_keys)
     assert checks == [f"artifact/{r}:{PARITY_CHECK}" for r in recipes]
+    # Every validation and the whole-model ONNX export share the large-memory pool (limit 1, pools.py).
+    assert {graph.assets_def_for_key(c).node_def.pool for c in graph.asset_check_keys} == {"validate_large"}
+    for r in recipes:
+        kind = config.recipe(r).kind
+        assert graph.get(artifact_key(r)).pools == {"validate_large" if kind == "qaic-export" else f"build_{kind}"}
     for r in recipes:
         node = graph.get(artifact_key(r))
         assert node.partitions_def == models_partitions
@@ -173,3 +178,58 @@ def test_engine_crash_fails_the_check_with_one_line_and_publishes_nothing(tmp_pa
                               "test/crash (gguf-f16); nothing was published")
     assert [e for e in result.get_asset_materialization_events() if e.asset_key == published_key("gguf-f16")] == []
     assert not (store / "refs").exists()
+
+
+def test_memory_plan_refusal_fails_the_artifact_step_with_its_line_and_metadata(tmp_path, tiny_llama, monkeypatch):
+    """A model the budget cannot hold: the artifact step fails before building, with the one-line refusal as its
+    description and the memory plan in its failure metadata; nothing is published."""
+    monkeypatch.setenv("HIVE_AOT_MEMORY_BUDGET", "1M")
+    reg = _registry(tmp_path, [{"id": "test/toolarge", "source": str(tiny_llama), "recipes": ["gguf-f16"]}])
+    store = tmp_path / "store"
+    result = _run(reg, store, "test/toolarge")
+    assert not result.success
+    (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    data = failure.event_specific_data
+    assert data.error.message.strip().endswith(
+        "budget 1.0 MiB (HIVE_AOT_MEMORY_BUDGET); nothing was built"), data.error.message
+    assert data.error.message.strip().startswith("dagster._core.definitions.events.Failure: gguf-f16 of test/toolarge: "
+                                                 "step 'validate' needs ")
+    md = data.user_failure_data.metadata
+    plan = md["memory_plan"].value
+    assert plan["fits"] is False and plan["budget"] == 1 << 20 and plan["model_id"] == "test/toolarge"
+    assert [s["step"] for s in plan["steps"]] == ["convert", "publish", "reference", "validate"]
+    assert md["peak_memory_estimate"].value == plan["peak_memory"] > 1 << 20
+    assert not (store / "blobs").exists() or not any((store / "blobs").rglob("*.*"))
+    assert not (store / "refs").exists() and not (store / "manifests").exists()
+    assert not any((store / "staging").glob("*")) if (store / "staging").exists() else True
+
+
+def test_pool_limits_are_applied_once_and_dead_claims_released(tmp_path):
+    """validate_large gets limit 1 on a fresh instance, an operator's own limit is kept, and a slot held by a
+    run whose onboarding process died (it would block every later validation) is freed; a live one's is not."""
+    import socket
+
+    from pipelines.orchestration.pools import HOST_TAG, PID_TAG, apply_pool_limits, release_dead_claims
+
+    @dg.op
+    def noop():
+        pass
+
+    @dg.job
+    def tiny():
+        noop()
+
+    instance = dg.DagsterInstance.local_temp(str(tmp_path))
+    assert apply_pool_limits(instance) == {"validate_large": 1}
+    instance.event_log_storage.set_concurrency_slots("validate_large", 2)
+    assert apply_pool_limits(instance) == {"validate_large": 2}
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    storage = instance.event_log_storage
+    gone = instance.create_run_for_job(tiny, tags={HOST_TAG: socket.gethostname(), PID_TAG: str(dead.pid)})
+    alive = instance.create_run_for_job(tiny, tags={HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())})
+    for run in (gone, alive):
+        storage.claim_concurrency_slot("validate_large", run.run_id, "noop")
+    assert storage.get_concurrency_info("validate_large").active_run_ids == {gone.run_id, alive.run_id}
+    assert release_dead_claims(instance) == [gone.run_id]
+    assert storage.get_concurrency_info("validate_large").active_run_ids == {alive.run_id}

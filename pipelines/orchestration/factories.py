@@ -14,9 +14,11 @@ import dagster as dg
 from .. import build as engine
 from ..compat import classify_snapshot
 from ..config import Recipe
-from ..errors import HiveError
+from ..errors import HiveError, ResourceError
+from ..memory import WHOLE_MODEL_BUILD_KINDS
 from ..sources import fetch
 from .partitions import models_partitions
+from .pools import LARGE_MEMORY_POOL
 from .resources import HiveResource
 
 # Partition-aware asset checks are what gate publishing per model; Dagster 1.13 labels them
@@ -39,8 +41,24 @@ def published_key(recipe_id: str) -> dg.AssetKey:
 
 
 def _failure(e: HiveError) -> dg.Failure:
-    # The engine's one-line message is what the UI shows; no stack trace noise for bad input.
-    return dg.Failure(description=str(e), allow_retries=False)
+    # The engine's one-line message is what the UI shows; no stack trace noise for bad input. A refusal by the
+    # memory plan carries the plan, so the failure shows each step's estimate beside the line.
+    metadata = {}
+    if isinstance(e, ResourceError):
+        metadata["error"] = dg.MetadataValue.text(str(e))
+        if e.plan:
+            metadata.update(_memory_metadata(e.plan))
+    return dg.Failure(description=str(e), allow_retries=False, metadata=metadata)
+
+
+def _memory_metadata(plan: dict[str, Any] | None) -> dict[str, Any]:
+    """The memory plan as asset metadata: the whole plan (JSON) and the peak as a number of bytes."""
+    if not plan:
+        return {}
+    return {"memory_plan": dg.MetadataValue.json(plan),
+            "peak_memory_estimate": dg.MetadataValue.int(int(plan["peak_memory"])),
+            "peak_memory": dg.MetadataValue.text(f"{plan['peak_memory_human']} (step {plan['peak_step']}, budget "
+                                                 f"{plan['budget_human']}: {plan['budget_source']})")}
 
 
 def _parity_table(validation: dict[str, Any]) -> dg.TableMetadataValue:
@@ -95,11 +113,14 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
     rid = recipe.id
     akey = artifact_key(rid)
 
-    # A derived recipe (an AI 100 compile) is built from its input's published artifact.
+    # A derived recipe (an AI 100 compile) is built from its input's published artifact. A build that loads the
+    # whole model (the ONNX export) shares the large-memory pool with the validations.
+    build_pool = LARGE_MEMORY_POOL if recipe.kind in WHOLE_MODEL_BUILD_KINDS else f"build_{recipe.kind}"
+
     @dg.asset(key=akey, ins={"snapshot": dg.AssetIn(SNAPSHOT_KEY), "compatibility": dg.AssetIn(COMPAT_KEY)},
               deps=[published_key(recipe.input)] if recipe.input else None,
               partitions_def=models_partitions, group_name="artifacts", code_version=recipe.digest[:16],
-              pool=f"build_{recipe.kind}", kinds={recipe.kind.split("-")[0]}, output_required=False,
+              pool=build_pool, kinds={recipe.kind.split("-")[0]}, output_required=False,
               description=f"{recipe.description or rid}: built and staged (not yet visible to pull).")
     def artifact(context: dg.AssetExecutionContext, hive: HiveResource, snapshot: dict, compatibility: dict):
         model_id = context.partition_key
@@ -118,10 +139,13 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
             data_version=dg.DataVersion(res.build_id[:16]),
             metadata={"build_id": res.build_id, "state": res.state, "skipped": res.skipped, "store_uri": hive.store_uri(),
                       "candidate": res.manifest, "size_bytes": size,
-                      "files": dg.MetadataValue.json(res.files)},
+                      "files": dg.MetadataValue.json(res.files), **_memory_metadata(res.memory_plan)},
         )
 
+    # Every validation holds a reference and an engine with the model: the large-memory pool (limit 1, see
+    # pools.py), so two never run at once on a host.
     @dg.asset_check(asset=akey, name=PARITY_CHECK, blocking=True, partitions_def=models_partitions,
+                    pool=LARGE_MEMORY_POOL,
                     description=f"Parity with the transformers fp32 reference on fixed token ids, measured in the "
                                 f"{recipe.kind} target's engine, must meet {rid}'s thresholds.")
     def parity_check(context: dg.AssetCheckExecutionContext, hive: HiveResource, artifact: dict) -> dg.AssetCheckResult:
@@ -135,7 +159,8 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
                 validation = engine.validation_record(plan, report)
                 passed, failures = report.passed, report.failures
         except HiveError as e:
-            return dg.AssetCheckResult(passed=False, description=str(e))
+            return dg.AssetCheckResult(passed=False, description=str(e),
+                                       metadata=_memory_metadata(e.plan) if isinstance(e, ResourceError) else {})
         metrics = validation.get("metrics", {})
         # Per-target detail sections: the AI 100 quality prediction (mxfp6 / fp16), onnxruntime parity runs.
         sections = {k: dg.MetadataValue.json(validation[k]) for k in ("mxfp6", "fp16", "ort") if k in validation}

@@ -17,6 +17,7 @@ from ..config import Config
 from ..errors import ConfigError
 from .factories import artifact_key, published_key, qpc_key
 from .partitions import models_partitions, partition_key
+from .pools import apply_pool_limits, process_tags, release_dead_claims
 from .resources import HiveResource
 
 
@@ -31,7 +32,10 @@ def _instance() -> dg.DagsterInstance:
     if not settings.exists():
         # Offline by design: no telemetry; SQLite storage is Dagster's default for a local home.
         settings.write_text("telemetry:\n  enabled: false\n")
-    return dg.DagsterInstance.get()
+    instance = dg.DagsterInstance.get()
+    apply_pool_limits(instance)  # validate_large: one at a time (pools.py)
+    release_dead_claims(instance)  # slots a killed onboard left would block every later validation
+    return instance
 
 
 def _definitions(config: Config, store: str | None, recipes: str | None = None) -> dg.Definitions:
@@ -102,7 +106,7 @@ def onboard(registry: str | None = None, store: str | None = None, models: list[
     for entry, key in zip(entries, keys):
         print(f"onboarding {entry.id}: {', '.join(entry.recipes)}", file=sys.stderr, flush=True)
         res = job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False,
-                                     tags={"hive-aot/trigger": "cli-onboard"}, run_config=QUIET)
+                                     tags={"hive-aot/trigger": "cli-onboard", **process_tags()}, run_config=QUIET)
         rows = _summarize(res, entry.id, entry.recipes)
         # compile_pending: the AI 100 export bundle is published and waits for a host with the SDK.
         success &= res.success and all(r["state"] in ("published", "skipped", "compile_pending") for r in rows)

@@ -48,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     dg = shutil.which("dg", path=str(Path(sys.executable).parent)) or shutil.which("dg")
     if dg is None:
         raise SystemExit("hive-aot ui: the `dg` command is missing: install hive-aot[orchestrate]")
+    if os.environ.get("DAGSTER_HOME"):
+        # The same instance settings as `hive-aot onboard`: pool limits (validate_large: 1), dead runs' slots freed.
+        from .onboard import _instance
+
+        _instance()
     print(f"Dagster UI: http://{args.host}:{port} (DAGSTER_HOME={os.environ.get('DAGSTER_HOME', '')})", file=sys.stderr,
           flush=True)
     os.execv(dg, [dg, "dev", "-w", args.workspace, "--host", args.host, "--port", str(port)])

@@ -44,6 +44,11 @@ class Store(ABC):
     def upload_file(self, key: str, path: Path, sha256: str) -> None:
         """Copy a local file to key, verifying its sha256 on the way; atomic."""
 
+    def adopt_file(self, key: str, path: Path, sha256: str) -> None:
+        """upload_file for a file the caller deletes right after (a build's output in its work dir): a local
+        store may take the file itself (a hard link) instead of a second copy."""
+        self.upload_file(key, path, sha256)
+
     @abstractmethod
     def download_file(self, key: str, dest: Path, progress=None) -> None:
         """Copy key to a local path (the caller verifies and renames)."""
@@ -92,12 +97,13 @@ class Store(ABC):
         (size here; LocalStore and S3Store check content too, see theirs)."""
         return self.size(blob_key(digest)) == size
 
-    def put_blob(self, path: Path, sha256: str | None = None) -> str:
-        """Upload a blob unless an intact copy is there; a damaged copy is replaced (repaired)."""
+    def put_blob(self, path: Path, sha256: str | None = None, *, handover: bool = False) -> str:
+        """Upload a blob unless an intact copy is there; a damaged copy is replaced (repaired). `handover`: the
+        caller deletes `path` right after, so the store may take the file itself (adopt_file)."""
         digest = sha256 or sha256_file(path)
         if self.size(blob_key(digest)) is not None and self.blob_intact(digest, path.stat().st_size):
             return digest  # content-addressed: already there
-        self.upload_file(blob_key(digest), path, digest)
+        (self.adopt_file if handover else self.upload_file)(blob_key(digest), path, digest)
         return digest
 
     def __str__(self) -> str:

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
+import secrets
 import tempfile
 import time
 from pathlib import Path
 
 from ..errors import HiveError, IntegrityError, StoreError
 from ..hashing import CHUNK, DigestCache, sha256_file
+from ..memory import disk_full_error, is_disk_full
 from ..paths import safe_relpath
 from .base import Store
 from .layout import blob_key
@@ -27,9 +28,11 @@ class LocalStore(Store):
         except HiveError as e:
             raise StoreError(str(e)) from None
 
-    def _io_error(self, what: str, e: OSError) -> StoreError:
-        reason = "disk full" if e.errno == errno.ENOSPC else (e.strerror or type(e).__name__)
-        return StoreError(f"{self.root}: cannot {what} ({reason})")
+    def _io_error(self, what: str, e: OSError, where: Path | None = None) -> HiveError:
+        if is_disk_full(e):  # a DiskFull (ResourceError) line: the build names its step around it
+            return disk_full_error(e.errno, where or self.root, subject=f"store {self.root}: cannot {what}",
+                                   outcome="the partial file was removed")
+        return StoreError(f"{self.root}: cannot {what} ({e.strerror or type(e).__name__})")
 
     def check_writable(self) -> None:
         try:
@@ -58,7 +61,7 @@ class LocalStore(Store):
             dest.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
         except OSError as e:
-            raise self._io_error(f"write {dest.name}", e) from None
+            raise self._io_error(f"write {dest.name}", e, dest.parent) from None
         try:
             with os.fdopen(fd, "wb") as f:
                 writer(f)
@@ -67,8 +70,9 @@ class LocalStore(Store):
             os.chmod(tmp, 0o644)
             os.replace(tmp, dest)
         except OSError as e:
-            raise self._io_error(f"write {dest.name}", e) from None
+            raise self._io_error(f"write {dest.name}", e, dest.parent) from None
         finally:
+            # Whatever failed (a full disk included), the temporary goes: never a partial blob or record.
             if os.path.exists(tmp):
                 os.unlink(tmp)
 
@@ -108,7 +112,13 @@ class LocalStore(Store):
         except FileNotFoundError:
             pass
 
+    def adopt_file(self, key: str, path: Path, sha256: str) -> None:
+        if not self._link_into_place(path, self._path(key), sha256):
+            self.upload_file(key, path, sha256)
+
     def upload_file(self, key: str, path: Path, sha256: str) -> None:
+        dest = self._path(key)
+
         def copy(f):
             h = hashlib.sha256()
             with open(path, "rb") as src:
@@ -118,7 +128,44 @@ class LocalStore(Store):
             if h.hexdigest() != sha256:
                 raise IntegrityError(f"{path.name}: content changed while uploading (sha256 mismatch)")
 
-        self._atomic_write(self._path(key), copy)
+        self._atomic_write(dest, copy)
+
+    def _link_into_place(self, path: Path, dest: Path, sha256: str) -> bool:
+        """Hard-link a build's file into the store when both are on one file system: a 16 GB artifact then
+        needs 16 GB of disk, not 32. The caller deletes its name right after (adopt_file), so the blob is then
+        the file's only name. Only a file that is the build's own (one link): a file linked from a source
+        snapshot or another artifact shares its inode with them, and the store's blob must not change when
+        they do. The link goes to a temporary name (reclaimed by gc like any temporary), is verified
+        against `sha256` and made 0644, then renamed into place. False (the caller copies) on any OSError:
+        another file system (EXDEV), a file system without hard links, protected_hardlinks (EPERM)."""
+        try:
+            st = path.stat()
+            if st.st_nlink != 1:
+                return False
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if dest.parent.stat().st_dev != st.st_dev:
+                return False
+            tmp = dest.parent / f".{dest.name}.{secrets.token_hex(6)}.tmp"
+            os.link(path, tmp)
+        except OSError:
+            return False
+        try:
+            h = hashlib.sha256()
+            with open(tmp, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    h.update(chunk)
+                os.fsync(f.fileno())  # the build wrote it without fsync: durable before it becomes a blob
+            if h.hexdigest() != sha256:
+                raise IntegrityError(f"{path.name}: content changed while uploading (sha256 mismatch)")
+            if st.st_mode & 0o777 != 0o644:
+                os.chmod(tmp, 0o644)
+            os.replace(tmp, dest)
+        except OSError as e:
+            raise self._io_error(f"write {dest.name}", e, dest.parent) from None
+        finally:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+        return True
 
     def download_file(self, key: str, dest: Path, progress=None) -> None:
         src = self._path(key)

@@ -81,6 +81,13 @@ def quantize_here(src: str, dst: str, name: str, threads: int) -> dict[str, Any]
     if errors:
         sys.stderr.write("".join(errors))
     if rc != 0 or not Path(dst).is_file():
+        from ...memory import disk_full_error, out_of_space
+
+        full = out_of_space(Path(dst).parent)  # llama.cpp says only "iostream error"
+        if full is not None:
+            error = disk_full_error(full, Path(dst).parent, subject=f"llama.cpp quantization to {name}", step="quantize")
+            Path(dst).unlink(missing_ok=True)  # now: the child still has its result to write on this disk
+            raise error
         last = " ".join("".join(errors).split())[-300:]
         raise HiveError(f"llama.cpp quantization to {name} failed (return code {rc}){': ' + last if last else ''}")
     log = "".join(pieces)

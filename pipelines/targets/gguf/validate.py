@@ -34,23 +34,22 @@ def _reference_tokenizer(snapshot: "Snapshot", tok):
 
 
 def run_llama_cpp(gguf_path: str, sequences: list[list[int]], texts: list[str], generation_prompt: list[int],
-                  generation_tokens: int, logits_path: str) -> dict[str, Any]:
+                  generation_tokens: int, logits_dir: str) -> dict[str, Any]:
     """llama.cpp's side of validation; runs in a child process (pipelines.isolation), so a native crash
-    is an error line, not a dead build. Logits go to an .npz file (too large for JSON): `l<i>` holds
-    [len(sequences[i]), vocab] float32. Returns llama.cpp's token ids of `texts` and its greedy ids."""
+    is an error line, not a dead build. The GGUF is memory-mapped (its pages are page cache, not a copy
+    in this process). Logits go to `l<i>.npy` files in `logits_dir` ([len(sequences[i]), vocab] float32),
+    one sequence at a time: with a 128k vocabulary they are ~0.5 MB per token. Returns llama.cpp's
+    token ids of `texts` and its greedy ids."""
     from llama_cpp import Llama
 
     n_ctx = max(len(s) for s in sequences + [generation_prompt]) + generation_tokens + 8
-    llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
+    llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True, use_mmap=True,
                 verbose=False, seed=0, n_threads=os.cpu_count() or 1)
     try:
-        logits = {}
         for i, seq in enumerate(sequences):
             llm.reset()
             llm.eval(seq)
-            logits[f"l{i}"] = np.array(llm.scores[: len(seq)], dtype=np.float32)
-        with open(logits_path, "wb") as f:
-            np.savez(f, **logits)
+            np.save(Path(logits_dir) / f"l{i}.npy", np.asarray(llm.scores[: len(seq)], dtype=np.float32))
         tokenized = [llm.tokenize(text.encode("utf-8"), add_bos=True, special=True) for text in texts]
         llm.reset()
         llm.eval(generation_prompt)
@@ -75,16 +74,16 @@ def validate_gguf(snapshot: "Snapshot", gguf_path: Path, step: str | None = None
     tok = reference.load_tokenizer(snapshot.dir)
     ids = reference.encode(tok, prompts.PARITY_TEXTS)
     gen_prompt = reference.encode(tok, [prompts.GENERATION_PROMPT])[0]
-    ref = reference.compute(snapshot.dir, snapshot.content_digest, ids, gen_prompt, prompts.GENERATION_TOKENS)
+    ref = reference.compute(snapshot.dir, snapshot.content_digest, ids, gen_prompt, prompts.GENERATION_TOKENS,
+                            files=snapshot.safetensors_files(), step=f"the transformers reference of {snapshot.model_id}")
 
     with work_dir("llama-logits-") as tmp:
-        logits_path = tmp / "logits.npz"
         out = run_isolated("pipelines.targets.gguf.validate:run_llama_cpp", engine="llama.cpp",
                            step=step or f"GGUF validation of {snapshot.model_id}", gguf_path=str(gguf_path),
                            sequences=ids, texts=prompts.TOKENIZER_TEXTS, generation_prompt=gen_prompt,
-                           generation_tokens=prompts.GENERATION_TOKENS, logits_path=str(logits_path))
-        with np.load(logits_path) as z:
-            per_prompt = [parity.compare(ref_logits, z[f"l{i}"]) for i, ref_logits in enumerate(ref.logits)]
+                           generation_tokens=prompts.GENERATION_TOKENS, logits_dir=str(tmp))
+        # One prompt's pair of [tokens x vocab] arrays in memory at a time.
+        per_prompt = [parity.compare(np.asarray(ref.logits[i]), np.load(tmp / f"l{i}.npy")) for i in range(len(ids))]
     total = parity.merge(per_prompt)
 
     reference_ids, reference_name = _reference_tokenizer(snapshot, tok)

@@ -283,7 +283,8 @@ class QaicTarget:
         snap = ctx.snapshot
         ids = reference.encode(tok, prompts.PARITY_TEXTS)
         ref = reference.compute(snap.dir, snap.content_digest, ids, reference.encode(tok, [prompts.GENERATION_PROMPT])[0],
-                                prompts.GENERATION_TOKENS)
+                                prompts.GENERATION_TOKENS, files=snap.safetensors_files(),
+                                step=f"the transformers reference of {snap.model_id}")
         q = predict(snap.dir, ids, mxfp6=opts.mxfp6, mxint8=opts.mxint8, reference_logits=ref.logits)
         metrics = {"predicted_top1": q["top1"], "predicted_kl": q["kl"], "predicted_ppl_delta": q["ppl_delta"],
                    "predicted_max_abs_logit_delta": q["max_abs_logit_delta"]}

@@ -160,7 +160,8 @@ def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tup
     ids = reference.encode(src_tok, prompts.PARITY_TEXTS)
     gen_prompt = reference.encode(src_tok, [prompts.GENERATION_PROMPT])[0]
     greedy_prompts = reference.encode(src_tok, prompts.GREEDY_PROMPTS)
-    ref = reference.compute(snapshot.dir, snapshot.content_digest, ids, gen_prompt, prompts.GENERATION_TOKENS)
+    ref = reference.compute(snapshot.dir, snapshot.content_digest, ids, gen_prompt, prompts.GENERATION_TOKENS,
+                            files=snapshot.safetensors_files(), step=f"the transformers reference of {snapshot.model_id}")
 
     model, weight_errors = load_fp32(artifact_dir, quantized, snapshot.safetensors_files())
     tf_logits = teacher_forced(model, ids)

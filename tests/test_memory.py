@@ -1,0 +1,547 @@
+"""The memory plan (pipelines/memory.py): estimates from headers, the budget, refusals before work, and a disk
+that fills up mid-build (a real size-limited tmpfs where this host lets us mount one, else RLIMIT_FSIZE)."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from contextlib import contextmanager
+from math import prod
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from factories import copy_model, edit_config, write_test_config
+from pipelines import memory
+from pipelines.build import build_and_publish
+from pipelines.config import Config
+from pipelines.errors import ConfigError, DiskFull, ResourceError
+from pipelines.memory import (BASE_TORCH, FP32, GIB, MIB, REFERENCE_TOKENS, facts_from_tensors, gguf_bytes, human_bytes,
+                              parse_size, plan_build, reference_memory, reference_need)
+from pipelines.safetensors_io import DTYPE_BITS, TensorInfo
+from pipelines.sources import FileRecord, Snapshot
+from pipelines.store.local import LocalStore
+
+REPO = Path.cwd()
+MODEL = "test-org/tiny-llama"
+
+# Llama-3-8B: hidden 4096, 32 layers, FFN 14336, GQA 32/8 (head_dim 128), vocab 128256, untied lm_head.
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+             "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+def llama_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    h, f, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    out = [("model.embed_tokens.weight", (v, h))]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += [(p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.o_proj.weight", (h, h)),
+                (p + "mlp.gate_proj.weight", (f, h)), (p + "mlp.up_proj.weight", (f, h)),
+                (p + "mlp.down_proj.weight", (h, f)), (p + "input_layernorm.weight", (h,)),
+                (p + "post_attention_layernorm.weight", (h,))]
+    out += [("model.norm.weight", (h,))] + ([] if cfg.get("tie_word_embeddings") else [("lm_head.weight", (v, h))])
+    return out
+
+
+def header_of(shapes: list[tuple[str, tuple[int, ...]]], dtype: str = "BF16") -> dict[str, TensorInfo]:
+    tensors, offset = {}, 0
+    for name, shape in shapes:
+        n = prod(shape) * DTYPE_BITS[dtype] // 8
+        tensors[name] = TensorInfo(name, dtype, shape, offset, offset + n)
+        offset += n
+    return tensors
+
+
+def sparse_model(dest: Path, cfg: dict, dtype: str = "BF16") -> Snapshot:
+    """A model directory whose safetensors file has a real header and a sparse data section (no disk used),
+    so the whole snapshot path (read_header, config.json) runs on real shapes."""
+    dest.mkdir(parents=True, exist_ok=True)
+    tensors = header_of(llama_shapes(cfg), dtype)
+    header = {t.name: {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.start, t.end]} for t in tensors.values()}
+    raw = json.dumps({"__metadata__": {"format": "pt"}, **header}).encode()
+    raw += b" " * (-len(raw) % 8)
+    path = dest / "model.safetensors"
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + max(t.end for t in tensors.values()))
+    (dest / "config.json").write_text(json.dumps(cfg))
+    files = [FileRecord(p.name, p.stat().st_size, "0" * 64) for p in sorted(dest.iterdir())]
+    return Snapshot(model_id="test-org/sparse", source=str(dest), revision="local", commit="local", local_dir=str(dest),
+                    files=files)
+
+
+def fake_plan(snapshot: Snapshot, recipe) -> SimpleNamespace:
+    return SimpleNamespace(snapshot=snapshot, recipe=recipe, model_id=snapshot.model_id, parent=None)
+
+
+@pytest.fixture(scope="module")
+def project_config() -> Config:
+    return Config.load(REPO / "registry.yaml")
+
+
+@pytest.fixture(scope="module")
+def llama3_8b(tmp_path_factory) -> Snapshot:
+    return sparse_model(tmp_path_factory.mktemp("sparse") / "llama3-8b", LLAMA3_8B)
+
+
+@pytest.fixture
+def plenty_of_disk(monkeypatch):
+    """Disk checks see 1 TiB free wherever they look (the host's real free space is not what these test)."""
+    monkeypatch.setattr(memory, "free_bytes", lambda path: 1 << 40)
+
+
+# --- estimates -------------------------------------------------------------------------------------------------
+
+def test_facts_of_llama3_8b_shapes():
+    f = facts_from_tensors(header_of(llama_shapes(LLAMA3_8B)).values(), LLAMA3_8B)
+    assert f.parameters == 8_030_261_248 and f.source_bytes == 2 * f.parameters and f.fp32_bytes == 4 * f.parameters
+    assert f.largest_tensor == 128256 * 4096 and f.largest_tensor_name == "model.embed_tokens.weight"
+    layer = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096 + 2 * 4096
+    assert f.largest_layer == layer and f.layers == 32
+    assert f.embedding == f.lm_head == 128256 * 4096 and not f.tied
+    assert (f.vocab_size, f.hidden_size, f.kv_heads, f.head_dim) == (128256, 4096, 8, 128)
+    assert f.vector_parameters == 65 * 4096 and f.float_dtypes == ("BF16",)
+
+
+def test_reference_of_llama3_8b_is_two_units_plus_activations_and_logits():
+    f = facts_from_tensors(header_of(llama_shapes(LLAMA3_8B)).values(), LLAMA3_8B)
+    need, detail = reference_memory(f)
+    unit = 128256 * 4096 * FP32  # the embedding (and the untied lm_head) is the largest unit, not a layer
+    expected = BASE_TORCH + 2 * unit + REFERENCE_TOKENS * 4096 * FP32 * 16 + REFERENCE_TOKENS * 128256 * FP32 * 3
+    assert need == expected
+    assert 5 * GIB < need < 6 * GIB  # 40% of the 29.9 GiB fp32 model would be 12 GiB
+    assert "2 x embedding 1.9 GiB fp32" in detail
+
+
+def test_gguf_sizes_of_llama3_8b_match_llama_cpp():
+    """Within a few percent of the published Llama-3-8B GGUFs (f16 16.07 GB, q8_0 8.54 GB, Q4_K_M 4.92 GB)."""
+    f = facts_from_tensors(header_of(llama_shapes(LLAMA3_8B)).values(), LLAMA3_8B)
+    for file_type, published in (("f16", 16.07e9), ("q8_0", 8.54e9), ("Q4_K_M", 4.92e9), ("Q6_K", 6.60e9)):
+        assert abs(gguf_bytes(f, file_type) / published - 1) < 0.03, file_type
+    assert gguf_bytes(f, "Q9_UNKNOWN") == gguf_bytes(f, "Q8_0")  # unknown types: the largest quantized size
+
+
+def test_plan_of_llama3_8b_from_a_sparse_snapshot(llama3_8b, project_config, plenty_of_disk, monkeypatch):
+    """The issue's target: gguf-f16 and gguf-q4_k_m of an 8B model on a 24 GB host, every step below 12 GiB;
+    the whole-model recipes are refused up front with the step, the need and the budget."""
+    monkeypatch.setenv("HIVE_AOT_MEMORY_BUDGET", "12G")
+    f16 = plan_build(fake_plan(llama3_8b, project_config.recipe("gguf-f16")))
+    assert [s.step for s in f16.steps] == ["convert", "publish", "reference", "validate"]
+    assert f16.fits() and f16.budget == 12 * GIB and f16.budget_source == "HIVE_AOT_MEMORY_BUDGET"
+    assert f16.peak_memory < 12 * GIB and f16.peak.step == "convert"  # 3 fp32 copies of the 2 GiB embedding
+    convert = f16.steps[0]
+    assert convert.memory == memory.BASE_PYTHON + 3 * 128256 * 4096 * FP32
+    assert convert.disk == gguf_bytes(f16.facts, "f16")
+    validate = f16.steps[-1]
+    assert validate.mapped == convert.disk  # the GGUF is mapped by llama.cpp: reported, not counted
+    assert validate.memory < 3 * GIB
+
+    q4 = plan_build(fake_plan(llama3_8b, project_config.recipe("gguf-q4_k_m")))
+    steps = {s.step: s for s in q4.steps}
+    assert list(steps) == ["convert", "quantize", "publish", "reference", "validate"]
+    inter, out = gguf_bytes(q4.facts, "bf16"), gguf_bytes(q4.facts, "Q4_K_M")
+    assert steps["convert"].disk == inter and steps["quantize"].disk == inter + out
+    assert steps["quantize"].mapped == inter and steps["quantize"].memory < 5 * GIB  # 2 fp32 copies of 1.96 GiB
+    assert q4.fits()
+
+    export = plan_build(fake_plan(llama3_8b, project_config.recipe("qaic-export")))
+    with pytest.raises(ResourceError) as e:
+        export.check()
+    msg = str(e.value)
+    assert "\n" not in msg and e.value.exit_code == 7
+    assert msg.startswith("qaic-export of test-org/sparse: step 'validate' needs 66.") and msg.endswith(
+        "budget 12.0 GiB (HIVE_AOT_MEMORY_BUDGET); nothing was built")
+    assert "GiB of memory (also over it: 'export' 66." in msg
+    assert e.value.plan["fits"] is False and e.value.plan["peak_memory"] > 60 * GIB
+
+    vllm = plan_build(fake_plan(llama3_8b, project_config.recipe("vllm-bf16")))
+    assert [p.split(" needs")[0] for p in vllm.problems()] == ["step 'validate'"]  # the fp32 load, not the prepare
+
+
+def test_disk_need_counts_the_intermediate_and_blobs_kept_on_the_same_file_system(llama3_8b, project_config,
+                                                                                  monkeypatch, tmp_path):
+    monkeypatch.setattr(memory, "free_bytes", lambda path: 10 * GIB)
+    q4 = plan_build(fake_plan(llama3_8b, project_config.recipe("gguf-q4_k_m")), LocalStore(tmp_path / "store"))
+    convert, quantize = q4.problems()  # the bf16 intermediate, then the intermediate and the Q4_K_M output at once
+    assert convert.startswith("step 'convert' needs 14.9 GiB of disk in ") and convert.endswith("which has 10.0 GiB free")
+    assert quantize.startswith("step 'quantize' needs 19.5 GiB of disk in ")
+    assert q4.steps[2].step == "publish" and q4.steps[2].disk == 0  # hard links on the work root's file system
+    needs = {s.step: need for s, need in q4.disk_needs()}
+    assert needs["validate"] == q4.steps[-1].disk + gguf_bytes(q4.facts, "Q4_K_M")  # the blob stays in the store
+
+
+def test_reference_need_of_a_snapshot(llama3_8b):
+    assert reference_need(llama3_8b) == reference_memory(facts_from_tensors(
+        header_of(llama_shapes(LLAMA3_8B)).values(), LLAMA3_8B))[0]
+
+
+def test_tied_embeddings_count_the_embedding_as_the_lm_head():
+    cfg = {**LLAMA3_8B, "tie_word_embeddings": True}
+    f = facts_from_tensors(header_of(llama_shapes(cfg)).values(), cfg)
+    assert f.tied and f.lm_head == 0 and f.parameters == 8_030_261_248 - 128256 * 4096
+    assert reference_memory(f)[0] == reference_memory(facts_from_tensors(
+        header_of(llama_shapes(LLAMA3_8B)).values(), LLAMA3_8B))[0]
+
+
+# --- absurd sizes ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key, value", [("hidden_size", 10**9), ("vocab_size", 10**12), ("num_hidden_layers", -3),
+                                        ("num_key_value_heads", 10**400)])
+def test_absurd_config_sizes_are_refused_in_one_line(key, value):
+    cfg = {**LLAMA3_8B, key: value}
+    with pytest.raises(ResourceError) as e:
+        facts_from_tensors(header_of(llama_shapes(LLAMA3_8B)).values(), cfg, "org/absurd")
+    msg = str(e.value)
+    assert msg.startswith(f"org/absurd: config.json {key}=") and "not a plausible model size" in msg
+    assert "\n" not in msg and len(msg) < 400
+
+
+def test_petabyte_headers_are_refused_with_a_printable_need(project_config, llama3_8b, plenty_of_disk, monkeypatch):
+    """Shapes whose product is petabytes (a sparse file can claim them) and beyond any float: a clear refusal."""
+    monkeypatch.setenv("HIVE_AOT_MEMORY_BUDGET", "24G")
+    huge = {"model.layers.0.mlp.down_proj.weight": TensorInfo("model.layers.0.mlp.down_proj.weight", "F32",
+                                                              (1 << 25, 1 << 25), 0, 1 << 52)}
+    f = facts_from_tensors(huge.values(), {})
+    assert f.fp32_bytes == 1 << 52 and human_bytes(f.fp32_bytes) == "4.0 PiB"
+    plan = memory.MemoryPlan("org/huge", "gguf-f16", memory._steps(fake_plan(llama3_8b, project_config.recipe(
+        "gguf-f16")), f, "/w", None, "/c", True), 24 * GIB, "HIVE_AOT_MEMORY_BUDGET", {"/w": 1 << 40, "/c": 1 << 40})
+    with pytest.raises(ResourceError, match=r"step 'convert' needs 12\.0 PiB of memory \(also over it: .*\), "
+                                            r"budget 24\.0 GiB"):
+        plan.check()
+    assert human_bytes(10**400).startswith("about 2^1328 B")
+
+
+# --- budget ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, value", [("12G", 12 * GIB), ("12GiB", 12 * GIB), ("12gib", 12 * GIB), ("800M", 800 * MIB),
+                                         ("1M", MIB), ("1.5G", 3 * GIB // 2), ("12GB", 12 * 10**9), ("4096", 4096),
+                                         (" 2T ", 2 << 40), ("64k", 64 * 1024)])
+def test_budget_sizes(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "abc", "12X", "-1", "0", "12Gi", "1e9", "G"])
+def test_invalid_budget_is_one_config_error_line(text, monkeypatch):
+    monkeypatch.setenv("HIVE_AOT_MEMORY_BUDGET", text)
+    if not text.strip():
+        assert memory.memory_budget()[1] == "memory available on this host"  # empty: unset
+        return
+    with pytest.raises(ConfigError) as e:
+        memory.memory_budget()
+    assert str(e.value).startswith(f"HIVE_AOT_MEMORY_BUDGET={text!r} is not a size") and "\n" not in str(e.value)
+
+
+def test_host_budget_is_what_the_host_has(monkeypatch):
+    monkeypatch.delenv("HIVE_AOT_MEMORY_BUDGET", raising=False)
+    budget, source = memory.memory_budget()
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    total = int(meminfo["MemTotal"].split()[0]) * 1024
+    assert source == "memory available on this host" and 0 < budget <= total
+
+
+# --- the CLI: refusal before work, plan, skipped builds ----------------------------------------------------
+
+def hive(*args: str, env: dict[str, str] | None = None, preexec=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          check=False, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, preexec_fn=preexec)
+
+
+def store_contents(store: Path) -> list[str]:
+    """Everything a reader of the store could take for an artifact: blobs (temporaries too), manifests, refs,
+    staging records."""
+    if not store.exists():
+        return []
+    return sorted(str(p.relative_to(store)) for p in store.rglob("*")
+                  if p.is_file() and p.relative_to(store).parts[0] in ("blobs", "manifests", "refs", "staging"))
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory) -> Path:
+    return write_test_config(tmp_path_factory.mktemp("memory-cfg"), REPO)
+
+
+def test_over_budget_build_is_refused_before_work_and_publishes_nothing(tiny_llama, smollm2_dir, registry, tmp_path):
+    store = tmp_path / "store"
+    proc = hive("build", str(tiny_llama), "--model-id", MODEL, "--recipe", "gguf-f16", "--store", str(store),
+                "--registry", str(registry), env={"HIVE_AOT_MEMORY_BUDGET": "1M"})
+    assert proc.returncode == 7, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"hive-aot: error: gguf-f16 of {MODEL}: step 'validate' needs ")
+    assert "of memory (also over it: 'reference' " in lines[0]
+    assert lines[0].endswith("budget 1.0 MiB (HIVE_AOT_MEMORY_BUDGET); nothing was built")
+    assert proc.stdout == "" and store_contents(store) == []
+    as_json = hive("build", str(tiny_llama), "--model-id", MODEL, "--recipe", "gguf-f16", "--store", str(store),
+                   "--registry", str(registry), "--json", env={"HIVE_AOT_MEMORY_BUDGET": "1M"})
+    assert as_json.returncode == 7 and json.loads(as_json.stdout)["exit_code"] == 7
+    # A derived recipe's whole chain is planned first: its input (the ONNX export) is not built either.
+    chain = hive("build", str(smollm2_dir), "--model-id", "HuggingFaceTB/SmolLM2-135M-Instruct", "--recipe",
+                 "qaic-mxfp6", "--store", str(store), "--registry", str(registry),
+                 env={"HIVE_AOT_MEMORY_BUDGET": "1M"})
+    assert chain.returncode == 7, chain.stderr
+    assert "error: qaic-export of HuggingFaceTB/SmolLM2-135M-Instruct: step 'validate' needs" in chain.stderr
+    assert store_contents(store) == []
+
+
+def test_plan_command_shows_every_step_and_exits_7_when_a_build_would_be_refused(tiny_llama, registry, tmp_path):
+    args = ("plan", str(tiny_llama), "--model-id", MODEL, "--recipe", "gguf-q4_k_m", "--store", str(tmp_path / "s"),
+            "--registry", str(registry))
+    ok = hive(*args, "--json", env={"HIVE_AOT_MEMORY_BUDGET": "8G"})
+    assert ok.returncode == 0, ok.stderr
+    doc = json.loads(ok.stdout)
+    (plan,) = doc["plans"]
+    assert doc["fits"] is True and plan["fits"] is True and plan["published"] is False
+    assert [s["step"] for s in plan["steps"]] == ["convert", "quantize", "publish", "reference", "validate"]
+    assert all(s["memory"] > 0 for s in plan["steps"]) and plan["model"]["vocab_size"] == 49152
+    human = hive(*args, env={"HIVE_AOT_MEMORY_BUDGET": "100M"})
+    assert human.returncode == 7
+    assert human.stdout.startswith(f"gguf-q4_k_m of {MODEL}: does NOT fit (budget 100.0 MiB, HIVE_AOT_MEMORY_BUDGET)")
+    assert "refused: step 'validate' needs" in human.stdout and "'reference' " in human.stdout
+    assert human.stderr.count("\n") == 1 and human.stderr.endswith("; a build would be refused\n")
+    assert not (tmp_path / "s").exists()  # a plan writes nothing
+
+
+def test_published_builds_are_skipped_whatever_the_budget(tiny_llama, registry, tmp_path):
+    store = tmp_path / "store"
+    first = hive("build", str(tiny_llama), "--model-id", MODEL, "--recipe", "gguf-f16", "--store", str(store),
+                 "--registry", str(registry), "--json")
+    assert first.returncode == 0, first.stderr
+    res = json.loads(first.stdout)
+    assert res["state"] == "published" and res["memory_plan"]["fits"] is True
+    assert [s["step"] for s in res["memory_plan"]["steps"]] == ["convert", "publish", "reference", "validate"]
+    again = hive("build", str(tiny_llama), "--model-id", MODEL, "--recipe", "gguf-f16", "--store", str(store),
+                 "--registry", str(registry), "--json", env={"HIVE_AOT_MEMORY_BUDGET": "1M"})
+    assert again.returncode == 0, again.stderr
+    res2 = json.loads(again.stdout)
+    assert res2["state"] == "skipped" and res2["memory_plan"]["fits"] is False  # reported, not enforced
+    # one copy of the artifact: the blob was linked from the work dir, which is gone, so it has one name
+    (entry,) = res["files"]
+    blob = store / "blobs" / "sha256" / entry["sha256"][:2] / entry["sha256"]
+    assert blob.stat().st_nlink == 1 and blob.stat().st_mode & 0o777 == 0o644
+
+
+# --- the store links the build's files instead of copying them -----------------------------------------------
+
+def test_blob_is_a_hard_link_of_the_build_file_and_survives_its_work_dir(tmp_path):
+    work, store = tmp_path / "work", LocalStore(tmp_path / "store")
+    work.mkdir()
+    made = work / "model.gguf"
+    made.write_bytes(os.urandom(1 << 20))
+    os.chmod(made, 0o600)
+    digest = hashlib.sha256(made.read_bytes()).hexdigest()
+    store.put_blob(made, digest, handover=True)
+    blob = tmp_path / "store" / "blobs" / "sha256" / digest[:2] / digest
+    assert blob.stat().st_ino == made.stat().st_ino and blob.stat().st_mode & 0o777 == 0o644
+    shutil.rmtree(work)
+    assert blob.stat().st_nlink == 1 and hashlib.sha256(blob.read_bytes()).hexdigest() == digest
+    assert store.blob_intact(digest, 1 << 20)
+    assert [p.name for p in blob.parent.iterdir()] == [digest]  # no temporary left
+
+
+def test_a_build_publishes_its_output_as_the_blob_itself(tiny_llama, registry, tmp_path, monkeypatch):
+    """End to end: the GGUF written in the work dir becomes the store's blob by a hard link (the same inode), the
+    work dir goes, and the blob is then the file's only name, intact: one copy of the artifact on disk."""
+    linked = []
+    real = LocalStore._link_into_place
+
+    def spy(self, path, dest, sha256):
+        inode = path.stat().st_ino
+        ok = real(self, path, dest, sha256)
+        linked.append((path.name, inode, ok))
+        return ok
+
+    monkeypatch.setattr(LocalStore, "_link_into_place", spy)
+    store = tmp_path / "store"
+    res = build_and_publish(str(tiny_llama), "gguf-f16", Config.load(registry), str(store), MODEL)
+    (entry,) = res.files
+    blob = store / "blobs" / "sha256" / entry["sha256"][:2] / entry["sha256"]
+    assert [(name, ok) for name, _inode, ok in linked] == [("tiny-llama-F16.gguf", True)]
+    assert blob.stat().st_ino == linked[0][1] and blob.stat().st_nlink == 1
+    assert hashlib.sha256(blob.read_bytes()).hexdigest() == entry["sha256"] and blob.stat().st_mode & 0o777 == 0o644
+    from pipelines.paths import work_root
+
+    assert not any(d.name.startswith("build-") for d in work_root().iterdir())
+
+
+def test_a_file_shared_with_a_source_is_copied_not_linked(tmp_path):
+    """A work file that is a hard link to the user's source (vLLM carries bf16 shards that way) must not become
+    the store's blob: editing the source would change it."""
+    source = tmp_path / "source.safetensors"
+    source.write_bytes(b"x" * 4096)
+    work = tmp_path / "work"
+    work.mkdir()
+    os.link(source, work / "model.safetensors")
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()
+    LocalStore(tmp_path / "store").put_blob(work / "model.safetensors", digest, handover=True)
+    blob = tmp_path / "store" / "blobs" / "sha256" / digest[:2] / digest
+    assert blob.stat().st_ino != source.stat().st_ino and blob.read_bytes() == source.read_bytes()
+
+
+def test_without_handover_the_store_copies(tmp_path):
+    """A caller that keeps its file (put_blob without handover) gets an independent copy."""
+    made = tmp_path / "kept.bin"
+    made.write_bytes(b"z" * 4096)
+    digest = hashlib.sha256(made.read_bytes()).hexdigest()
+    LocalStore(tmp_path / "store").put_blob(made, digest)
+    blob = tmp_path / "store" / "blobs" / "sha256" / digest[:2] / digest
+    assert blob.stat().st_ino != made.stat().st_ino and made.stat().st_nlink == 1
+
+
+def test_a_wrong_digest_is_refused_and_leaves_no_blob(tmp_path):
+    made = tmp_path / "model.gguf"
+    made.write_bytes(b"y" * 100)
+    store = LocalStore(tmp_path / "store")
+    from pipelines.errors import IntegrityError
+
+    with pytest.raises(IntegrityError, match="sha256 mismatch"):
+        store.adopt_file("blobs/sha256/00/" + "0" * 64, made, "0" * 64)
+    assert not any(p.is_file() for p in (tmp_path / "store").rglob("*"))
+
+
+# --- disk full -----------------------------------------------------------------------------------------------
+
+@contextmanager
+def small_filesystem(path: Path, size: int):
+    """A tmpfs of `size` bytes mounted at `path` (needs root, as in this project's build containers); skips
+    where mounting is not allowed (RLIMIT_FSIZE below covers disk full there)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a size-limited tmpfs needs root")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", f"hive-aot-test-{uuid.uuid4().hex[:8]}",
+                           str(path)], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture
+def roomy_plan(monkeypatch):
+    """The plan saw plenty of free disk (another writer took it since): what a disk that fills up mid-build
+    looks like. Only the plan's view changes; the error reports the real free space."""
+    from pipelines import build
+
+    real = build.resource_plan
+
+    def roomy(p, store):
+        plan = real(p, store)
+        plan.disk_free = {where: 1 << 40 for where in plan.disk_free}
+        return plan
+
+    def apply():
+        monkeypatch.setattr(build, "resource_plan", roomy)
+    return apply
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    """A cache root of this test's own (its work root may be a small file system)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("HIVE_AOT_CACHE", str(cache))
+    return cache
+
+
+def test_disk_full_while_converting_is_one_line_and_leaves_nothing(tiny_llama, registry, tmp_path, own_cache,
+                                                                    roomy_plan):
+    """The work root fills up while the GGUF is written."""
+    roomy_plan()
+    store = tmp_path / "store"
+    with small_filesystem(own_cache / "work", 2 * MIB) as work:
+        with pytest.raises(DiskFull) as e:
+            build_and_publish(str(tiny_llama), "gguf-f16", Config.load(registry), str(store), MODEL)
+        msg = str(e.value)
+        assert "\n" not in msg and e.value.exit_code == 7
+        assert msg.startswith(f"gguf-f16 of {MODEL}: disk full during step 'convert' (no space left on device) "
+                              f"writing under {work}/build-")
+        assert f"(tmpfs file system at {work}, " in msg and msg.endswith("partial files removed, nothing was published")
+        assert list(work.iterdir()) == []  # the work dir and its partial GGUF are gone
+    assert store_contents(store) == []
+
+
+def test_disk_full_in_the_store_removes_the_partial_blob(tiny_llama, registry, tmp_path, own_cache, roomy_plan):
+    """The store's file system fills up while the blob is copied in: the temporary goes, no staging record."""
+    store = tmp_path / "store"
+    with small_filesystem(store, 2 * MIB):
+        # Up front, the plan refuses: the copy into another file system needs the artifact's size there.
+        with pytest.raises(ResourceError, match=r"step 'publish' needs \d+\.\d MiB of disk in .*store, which has 2\.0 MiB"):
+            build_and_publish(str(tiny_llama), "gguf-f16", Config.load(registry), str(store), MODEL)
+        roomy_plan()
+        with pytest.raises(DiskFull) as e:
+            build_and_publish(str(tiny_llama), "gguf-f16", Config.load(registry), str(store), MODEL)
+        msg = str(e.value)
+        assert msg.startswith(f"gguf-f16 of {MODEL}: disk full during step 'publish' (no space left on device) "
+                              f"writing under {store}/blobs/sha256/")
+        assert f"(tmpfs file system at {store}, " in msg
+        assert store_contents(store) == [] and not any(p.is_file() for p in store.rglob("*"))
+    assert not any((own_cache / "work").iterdir())
+
+
+def test_disk_full_in_the_quantizer_child_is_one_line(tiny_llama, registry, tmp_path, own_cache, roomy_plan):
+    """libllama's quantizer (a child process) runs out of room after the intermediate was written."""
+    store = tmp_path / "store"
+    f16 = build_and_publish(str(tiny_llama), "gguf-f16", Config.load(registry), str(tmp_path / "sizes"), MODEL)
+    intermediate = f16.files[0]["size"]  # the bf16 intermediate has the f16 file's layout
+    roomy_plan()
+    with small_filesystem(own_cache / "work", intermediate + 256 * 1024) as work:
+        with pytest.raises(DiskFull) as e:
+            build_and_publish(str(tiny_llama), "gguf-q4_k_m", Config.load(registry), str(store), MODEL)
+        msg = str(e.value)
+        assert "\n" not in msg
+        assert msg.startswith(f"gguf-q4_k_m of {MODEL}: llama.cpp quantization to Q4_K_M: disk full during step "
+                              "'quantize' (no space left on device)")
+        assert "tmpfs file system at" in msg
+        assert list(work.iterdir()) == []
+    assert store_contents(store) == []
+
+
+def test_file_size_limit_is_treated_as_disk_full(tiny_llama, registry, tmp_path):
+    """Where no file system can be mounted: RLIMIT_FSIZE in the CLI's process makes writes past 2 MiB fail with
+    EFBIG (SIGXFSZ ignored), which the build reports as a full disk."""
+    store = tmp_path / "store"
+    limit = 2 * MIB
+
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = hive("build", str(tiny_llama), "--model-id", MODEL, "--recipe", "gguf-f16", "--store", str(store),
+                "--registry", str(registry), preexec=limited, env={"HIVE_AOT_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 7, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"hive-aot: error: gguf-f16 of {MODEL}: disk full during step 'convert' (file size limit "
+                           "exceeded (EFBIG")
+    assert line.endswith("partial files removed, nothing was published")
+    assert store_contents(store) == []
+    work = tmp_path / "cache" / "work"
+    assert not work.exists() or not any(p.name.startswith("build-") for p in work.iterdir())
+
+
+def test_disk_full_errors_name_the_file_system(tmp_path):
+    e = memory.disk_full_error(errno.ENOSPC, tmp_path / "missing" / "file", subject="x", step="convert")
+    assert isinstance(e, DiskFull) and e.exit_code == 7
+    mount, fstype = memory.filesystem_of(tmp_path)
+    assert f"({fstype} file system at {mount}, " in str(e) and "during step 'convert'" in str(e)
+    assert memory.is_disk_full(OSError(errno.EDQUOT, "quota")) and not memory.is_disk_full(OSError(errno.EACCES, "x"))
+
+
+def test_absurd_config_through_the_cli_is_one_line(tiny_llama, registry, tmp_path):
+    model = copy_model(tiny_llama, tmp_path / "absurd")
+    edit_config(model, hidden_size=10**9)
+    proc = hive("plan", str(model), "--model-id", "test-org/absurd", "--recipe", "gguf-f16", "--registry", str(registry))
+    (line,) = proc.stderr.strip().splitlines()
+    assert proc.returncode in (1, 7) and "hidden_size=1000000000" in line and "plausible" in line

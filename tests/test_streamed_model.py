@@ -1,0 +1,144 @@
+"""The streamed transformers reference (pipelines/streamed_model.py) against transformers' own loading.
+
+Every family the project builds (GGUF: Llama, Mistral, Qwen2; AI 100 and vLLM: the TINY_CAUSAL_LMS
+list, MoE included) gives the same logits and greedy ids streamed block by block as `from_pretrained`
+in memory, and streaming really reads each block once per pass.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from factories import TINY_CAUSAL_LMS, make_tiny_causal_lm
+from pipelines import reference
+from pipelines.errors import ModelFormatError
+from pipelines.streamed_model import StreamedCausalLM, weight_rules
+
+IDS = [1, 5, 9, 33, 200, 7, 8, 100, 45, 3, 2, 300, 17, 18, 411, 64]
+GEN_PROMPT = IDS[:5]
+
+# The GGUF families, tiny (the AI 100 list in factories has the others).
+_DENSE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False,
+              bos_token_id=1, eos_token_id=2)
+EXTRA = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_DENSE, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_DENSE, sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_DENSE)),  # q/k/v biases
+}
+
+
+def _make(name: str, dest: Path) -> Path:
+    if name in TINY_CAUSAL_LMS:
+        return make_tiny_causal_lm(name, dest)
+    import torch
+    import transformers
+
+    cfg_name, model_name, params = EXTRA[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**params)).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias"):
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(str(dest), safe_serialization=True)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    return {name: _make(name, root / name) for name in [*EXTRA, *TINY_CAUSAL_LMS]}
+
+
+@pytest.mark.parametrize("name", [*EXTRA, *TINY_CAUSAL_LMS])
+def test_streamed_equals_from_pretrained(families, name):
+    import torch
+
+    d = families[name]
+    model = reference.load_model(d)
+    with torch.inference_mode():
+        expected = model(torch.tensor([IDS])).logits[0].numpy()
+        expected_greedy = model(torch.tensor([GEN_PROMPT])).logits[0, -1].argmax().item()
+    files = sorted(d.glob("*.safetensors"))
+    for resident in (False, True):
+        with StreamedCausalLM(d, files, resident=resident) as lm:
+            got = lm.logits(IDS)
+            again = lm.logits(IDS)  # a second pass reads the blocks again (streamed) or reuses them
+            greedy = lm.greedy(GEN_PROMPT, 4)
+            loads = lm.loads
+        assert np.abs(got - expected).max() <= 1e-5, (name, resident)
+        assert np.array_equal(got, again)
+        assert greedy[0] == expected_greedy
+        units = len(lm.units)
+        # streamed: every unit read on every pass (2 + 4 greedy steps); resident: each read once
+        assert loads == (units * 6 if not resident else units), (name, resident, loads, units)
+
+
+def test_greedy_matches_transformers_generate(families):
+    import torch
+
+    d = families["qwen3"]
+    model = reference.load_model(d)
+    expected = model.generate(torch.tensor([GEN_PROMPT]), max_new_tokens=8, do_sample=False,
+                              attention_mask=torch.ones(1, len(GEN_PROMPT), dtype=torch.long))[0, len(GEN_PROMPT):].tolist()
+    with StreamedCausalLM(d, sorted(d.glob("*.safetensors"))) as lm:
+        assert lm.greedy(GEN_PROMPT, 8) == expected
+
+
+def test_tied_output_embedding_reads_the_input_embedding(families):
+    d = families["llama"]  # tied: the checkpoint has no lm_head.weight
+    with StreamedCausalLM(d, sorted(d.glob("*.safetensors"))) as lm:
+        assert lm.rules["lm_head.weight"].sources == ("model.embed_tokens.weight",)
+
+
+def test_moe_experts_are_stacked_from_per_expert_tensors(families):
+    d = families["mixtral"]
+    with StreamedCausalLM(d, sorted(d.glob("*.safetensors"))) as lm:
+        rule = lm.rules["model.layers.0.mlp.experts.gate_up_proj"]
+        router = lm.rules["model.layers.0.mlp.gate.weight"]
+    assert rule.sources[0] == "model.layers.0.block_sparse_moe.experts.0.w1.weight"
+    assert rule.sources[4] == "model.layers.0.block_sparse_moe.experts.0.w3.weight"
+    assert router.sources == ("model.layers.0.block_sparse_moe.gate.weight",)
+
+
+def test_a_missing_tensor_is_one_line():
+    with pytest.raises(ModelFormatError, match=r"no tensor for model\.norm\.weight$"):
+        weight_rules(["model.embed_tokens.weight", "model.norm.weight"], {"model.embed_tokens.weight"}, {})
+
+
+def test_a_tensor_of_the_wrong_shape_is_one_line(families, tmp_path):
+    from factories import copy_model, edit_config
+
+    d = copy_model(families["qwen2"], tmp_path / "m")
+    edit_config(d, intermediate_size=96)  # the checkpoint has 128
+    with StreamedCausalLM(d, sorted(d.glob("*.safetensors"))) as lm:
+        with pytest.raises(ModelFormatError, match=r"mlp\.gate_proj\.weight has shape \[128, 64\], the config implies \[96, 64\]"):
+            lm.logits(IDS)
+
+
+def test_reference_compute_streams_in_a_child_and_caches(families, monkeypatch, tmp_path):
+    """With a small memory budget the reference is computed streamed, in a child process, and gives the
+    same numbers as in memory; the cache then answers without computing."""
+    monkeypatch.setenv("HIVE_AOT_CACHE", str(tmp_path / "cache"))
+    d = families["qwen2"]
+    files = sorted(d.glob("*.safetensors"))
+    ids = [IDS, IDS[:7]]
+    monkeypatch.setenv("HIVE_AOT_MEMORY_BUDGET", "1M")
+    streamed = reference.compute(d, "digest-a", ids, GEN_PROMPT, 6, files=files)
+    assert streamed.usage["resident"] is False and streamed.usage["peak_rss"] > 0  # measured in the child
+    monkeypatch.delenv("HIVE_AOT_MEMORY_BUDGET")
+    in_memory = reference.compute(d, "digest-b", ids, GEN_PROMPT, 6, files=files)
+    assert in_memory.usage["resident"] is True
+    for a, b in zip(streamed.logits, in_memory.logits):
+        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5
+    assert streamed.generation_ids == in_memory.generation_ids
+    cached = list((tmp_path / "cache" / "reference").iterdir())
+    assert len(cached) == 2 and all((c / "done.json").is_file() for c in cached)
+    assert json.loads((cached[0] / "done.json").read_text())["generation_ids"]
+    again = reference.compute(d, "digest-a", ids, GEN_PROMPT, 6, files=files)
+    assert again.generation_ids == streamed.generation_ids and again.usage == streamed.usage
