@@ -266,6 +266,7 @@ class Sampler(threading.Thread):
         super().__init__(daemon=True)
         self.root, self.interval, self.smaps_interval = root_pid, interval, smaps_interval
         self.run_dir, self.cgroup = run_dir, cgroup
+        self.extra_dirs: list[Path] = []  # measured with run_dir (a shared cache lives outside it)
         self.samples: list[dict[str, Any]] = []
         self.child_hwm: dict[int, dict[str, Any]] = {}  # pid -> last seen VmHWM, name, first/last time
         self.stop_event = threading.Event()
@@ -314,7 +315,7 @@ class Sampler(threading.Thread):
                 s["cg_mapped_file"] = cs.get("total_mapped_file", cs.get("mapped_file"))
             if t0 - last_du >= 1.0:
                 last_du = t0
-                s["disk"] = du(self.run_dir)
+                s["disk"] = du(self.run_dir) + sum(du(d) for d in self.extra_dirs)
                 st = os.statvfs(self.run_dir)
                 s["free_drop"] = self.free0 - st.f_bavail * st.f_frsize
                 self.disk_peak = max(self.disk_peak, s["disk"])
@@ -465,6 +466,8 @@ def run_build(step: str, model: Path, model_id: str, scratch: Path, registry: Pa
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, cwd=REPO,
                                     preexec_fn=enter_cgroup if tasks else None)
             sampler = Sampler(proc.pid, args.interval, args.smaps_interval, run_dir, cgroup, scratch / f"samples-{step}.jsonl")
+            if args.shared_cache:
+                sampler.extra_dirs.append(cache)
             sampler.start()
             out_chunks: list[bytes] = []
             reader = threading.Thread(target=lambda: out_chunks.append(proc.stdout.read()), daemon=True)
@@ -519,6 +522,7 @@ def run_build(step: str, model: Path, model_id: str, scratch: Path, registry: Pa
         "load_avg": {"mean": round(sum(sampler.loads) / max(1, len(sampler.loads)), 2),
                      "max": max(sampler.loads, default=None)}, "stderr_tail": log_path.read_text(errors="replace")[-1500:],
         "children_seen": {str(k): v for k, v in sampler.child_hwm.items() if k != proc.pid},
+        "memory_plan": doc.get("memory_plan"),  # the pipeline's own estimate, made before the build
     }
     if rc not in (0, 3):
         print(f"bench: {recipe} exited with {rc}; stderr tail:\n{res['stderr_tail']}", file=sys.stderr)
@@ -583,16 +587,17 @@ def model_bytes(model: Path) -> int:
 
 
 def disk_estimate(step: str, params: int, positions_vocab: int) -> int:
-    """Bytes a step writes at its peak (today's pipeline: the artifact in the work dir plus its copy in the
-    store; the k-quant's lossless intermediate; the reference's and llama.cpp's logits)."""
+    """Bytes a step writes at its peak: the artifact in the work dir (the local store takes it as a hard
+    link), a k-quant's lossless intermediate beside its output, the reference's and llama.cpp's logits.
+    (`hive-aot plan` gives the pipeline's own estimate; the bench records it with each build.)"""
     logits = 2 * 4 * positions_vocab
     if step in ("f16", "gguf-f16", "bf16", "gguf-bf16"):
-        return 2 * 2 * params + logits
+        return 2 * params + logits
     if step in ("f32", "gguf-f32"):
-        return 2 * 4 * params + logits
+        return 4 * params + logits
     if step in ("q8_0", "gguf-q8_0"):
-        return 2 * int(1.07 * params) + logits
-    return 2 * params + 2 * int(0.6 * params) + logits  # k-quants: bf16 intermediate + ~4.8 bits/param twice
+        return int(1.07 * params) + logits
+    return 2 * params + int(0.6 * params) + logits  # k-quants: bf16 intermediate + ~4.8 bits/param
 
 
 # --- report ------------------------------------------------------------------------------------------
@@ -647,7 +652,28 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{mt.get('mean_kl', '-')} | {mt.get('max_abs_logit_delta', '-')} | {mt.get('token_parity', '-')} | "
                      f"{mt.get('greedy_prefix_match', '-')} | {gates} | {shipped_s} | {human(b['disk_peak'])} | "
                      f"{human(b['free_drop_peak'])} | {b['load_avg']['mean']} / {round(b['load_avg']['max'] or 0, 2)} |")
+    lines += ["", *plan_vs_measured(report)]
     return "\n".join(lines)
+
+
+# The bench's steps in which each step of the memory plan (pipelines/memory.py) runs.
+PLAN_STEPS = {"convert": ("convert",), "quantize": ("quantize",), "reference": ("reference",),
+              "validate": ("llama.cpp eval", "validate: compare + other", "load tokenizer")}
+
+
+def plan_vs_measured(report: dict[str, Any]) -> list[str]:
+    """The memory plan's estimate next to the measured anonymous peak of the steps it stands for: the
+    estimate must be above (a refusal is then never wrong about a model that would have fit by far)."""
+    lines = ["| build | plan step | estimated memory | measured anon peak | ratio | estimated disk |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for b in report["builds"]:
+        for need in (b.get("memory_plan") or {}).get("steps", []):
+            measured = [b["steps"][n].get("anon") for n in PLAN_STEPS.get(need["step"], ()) if n in b["steps"]]
+            peak = max((m for m in measured if m), default=None)
+            ratio = f"{peak / need['memory']:.2f}" if peak and need["memory"] else "-"
+            lines.append(f"| {b['recipe']} | {need['step']} | {human(need['memory'])} | {human(peak)} | {ratio} | "
+                         f"{human(need['disk'])} |")
+    return lines
 
 
 def machine() -> str:

@@ -110,6 +110,15 @@ def _child(request_path: str) -> int:
         text, rc = json.dumps({"value": func(**request["kwargs"])}), 0
     except HiveError as e:
         text, rc = json.dumps({"error": {"type": type(e).__name__, "message": str(e)}}), 1
+    except OSError as e:
+        from .memory import disk_full_error, is_disk_full
+
+        if is_disk_full(e):  # the same DiskFull line (exit 7) as a full disk in the parent
+            err = disk_full_error(e.errno, Path(e.filename).parent if e.filename else Path(request["result"]).parent,
+                                  subject=request["step"])
+            text, rc = json.dumps({"error": {"type": "DiskFull", "message": str(err)}}), 1
+        else:
+            text, rc = json.dumps({"error": {"type": type(e).__name__, "message": " ".join(str(e).split())}}), 1
     except Exception as e:  # noqa: BLE001 - reported to the parent as one line
         text, rc = json.dumps({"error": {"type": type(e).__name__, "message": " ".join(str(e).split())}}), 1
     text = text[:-1] + f', "usage": {json.dumps(peak_memory())}}}'

@@ -12,8 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,14 +117,18 @@ def compute(model_dir: Path, content_digest: str, ids: list[list[int]], gen_ids:
     root = cache_root() / "reference" / _key(content_digest, ids, gen_ids, n_gen)
     if not (root / "done.json").is_file():
         from .isolation import run_isolated
+        from .paths import work_dir
 
         files = files if files is not None else sorted(model_dir.glob("*.safetensors"))
         root.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=".tmp-"))
         resident = reference_resident(files)
-        args = dict(model_dir=str(model_dir), files=[str(f) for f in files], ids=ids, gen_ids=gen_ids, n_gen=n_gen,
-                    out_dir=str(tmp), resident=resident)
-        try:
+        # Computed in a locked work dir (a killed build's is reclaimed like any other), then renamed whole
+        # into the cache: readers never see a partial reference.
+        with work_dir("reference-") as work:
+            tmp = work / "out"
+            tmp.mkdir()
+            args = dict(model_dir=str(model_dir), files=[str(f) for f in files], ids=ids, gen_ids=gen_ids,
+                        n_gen=n_gen, out_dir=str(tmp), resident=resident)
             if resident:  # fits with margin: in this process, which has torch loaded already
                 from .streamed_model import trim_heap
 
@@ -135,14 +137,11 @@ def compute(model_dir: Path, content_digest: str, ids: list[list[int]], gen_ids:
             else:  # streamed: in a child, whose memory goes back when it ends and whose OOM kill is one line
                 run_isolated("pipelines.reference:compute_into", engine="transformers",
                              step=step or f"the transformers reference of {model_dir.name}", **args)
-            # Whole or not at all: a concurrent builder may have finished first; both wrote the same numbers.
             try:
-                os.rename(tmp, root)
+                os.rename(tmp, root)  # the work root is inside the cache root: one file system
             except OSError:
-                if not (root / "done.json").is_file():
+                if not (root / "done.json").is_file():  # else a concurrent builder finished first: same numbers
                     raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
     done = json.loads((root / "done.json").read_text())
     return Reference(ids, LazyLogits(root, len(ids)), gen_ids, done["generation_ids"], done.get("usage", {}))
 

@@ -10,3 +10,11 @@ from pipelines import errors
 def raise_exception(kind: str, message: str) -> None:
     """Raise `kind`: a HiveError subclass by name, else a builtin exception."""
     raise (getattr(errors, kind, None) or getattr(builtins, kind))(message)
+
+
+def fill_the_disk(path: str) -> None:
+    """A write that fails for lack of space, as the kernel reports it."""
+    import errno
+    import os
+
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)

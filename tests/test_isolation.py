@@ -30,6 +30,15 @@ def test_result_and_errors_cross_as_json(monkeypatch):
                      kind="ValueError", message="bad\nvalue")
 
 
+def test_a_full_disk_in_the_child_is_the_disk_full_line(monkeypatch, tmp_path):
+    from pipelines.errors import DiskFull
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    with pytest.raises(DiskFull, match=r"^llama logits: disk full \(no space left on device\) writing under "
+                                       + str(tmp_path).replace(".", r"\.") + r" \(.* free\); partial files removed"):
+        run_isolated("child_helpers:fill_the_disk", engine="llama.cpp", step="llama logits", path=str(tmp_path / "l0.npy"))
+
+
 @pytest.mark.parametrize("fault, signame", [("SIGILL", "SIGILL"), ("segv", "SIGSEGV"), ("SIGABRT", "SIGABRT")])
 def test_native_crash_becomes_one_line(monkeypatch, fault, signame):
     monkeypatch.setenv("HIVE_AOT_FAULT", f"GGUF validation:{fault}")
