@@ -72,7 +72,8 @@ REFERENCE_LOGIT_COPIES = 3  # the logits, their float copy and the cached result
 
 # llama.cpp evaluation (validation of a GGUF): KV cache and output buffers at VALIDATE_CTX tokens.
 VALIDATE_CTX = 512
-LOSSLESS_GGUF_TYPES = ("f32", "f16", "bf16")  # llama.cpp evaluates these from the mapped file, no repacked copy
+LOSSLESS_GGUF_TYPES = ("f32", "f16", "bf16")
+GGUF_REPACK_MAX_BYTES = 8 << 30  # targets/gguf/validate.REPACK_MAX_BYTES (that module imports numpy; this one must not)  # llama.cpp evaluates these from the mapped file, no repacked copy
 KV_BYTES = 4  # per cached value (llama.cpp's default f16 cache would be 2: the estimate keeps room for f32)
 LLAMA_LOGIT_COPIES = 2  # llama.cpp's output buffer and llama-cpp-python's scores array
 PARENT_LOGIT_COPIES = 2  # the parent's reference logits and the child's, loaded back for the comparison
@@ -476,8 +477,9 @@ def _steps(p: Plan, facts: ModelFacts, work: str, store: str | None, refs: str, 
         kv = VALIDATE_CTX * facts.layers * facts.kv_heads * facts.head_dim * 2 * KV_BYTES
         # llama.cpp's CPU backend repacks quantized weights (Q4_0, Q4_K, IQ4_NL, ...) into interleaved rows
         # in anonymous memory: measured at 8B, Q4_K_M's evaluator held 3.9 GiB anon for a 4.6 GiB file.
+        # Up to GGUF_REPACK_MAX_BYTES only: a larger GGUF is evaluated from the mapped file.
         quantized = str(ftype or opts.get("outtype", "f16")).lower() not in LOSSLESS_GGUF_TYPES
-        repacked = out if quantized else 0
+        repacked = out if quantized and out <= GGUF_REPACK_MAX_BYTES else 0  # larger: evaluated from the mapping
         child = BASE_LLAMA_EVAL + kv + validation_logits * LLAMA_LOGIT_COPIES + repacked
         parent = BASE_TORCH + validation_logits * PARENT_LOGIT_COPIES
         steps.append(StepNeed("validate", child + parent, mapped=out, disk=placed(out) + validation_logits, where=work,

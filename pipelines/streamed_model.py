@@ -118,12 +118,15 @@ def _rule_for(name: str, checkpoint: set[str], tied: dict[str, str]) -> WeightRu
 def _parameters_on_meta() -> Iterator[None]:
     """Every parameter registered inside is created on the meta device (no memory, no random init);
     buffers are left alone, so the model's own constructor computes its rotary tables for real."""
+    import threading
+
     import torch
 
     original = torch.nn.Module.register_parameter
+    builder = threading.get_ident()  # modules other threads build meanwhile keep real parameters
 
     def register(module, name, param):
-        if param is not None and param.device.type != "meta":
+        if param is not None and param.device.type != "meta" and threading.get_ident() == builder:
             param = torch.nn.Parameter(param.to("meta"), requires_grad=False)
         original(module, name, param)
 

@@ -18,3 +18,15 @@ def fill_the_disk(path: str) -> None:
     import os
 
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+def load_gguf_verbosely(path: str, repack: bool) -> bool:
+    """Load a GGUF with llama.cpp's load log on stderr, with or without the repacked weight copy."""
+    from llama_cpp import Llama
+
+    from pipelines.targets.gguf.validate import _without_repacking
+
+    if not repack:
+        _without_repacking()
+    Llama(model_path=path, n_ctx=64, verbose=True).close()
+    return True

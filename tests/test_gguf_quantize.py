@@ -57,3 +57,37 @@ def test_unknown_and_imatrix_types_are_refused_before_any_work(f32_gguf, tmp_pat
     with pytest.raises(HiveError, match=r"unknown llama.cpp file type 'Q9_K'"):
         quantize(f32_gguf, tmp_path / "x.gguf", "Q9_K")
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_validation_of_a_large_gguf_skips_the_repacked_copy(f32_gguf, tmp_path, capfd, monkeypatch):
+    """llama.cpp copies Q4_0 weights into a repacked buffer (anonymous memory) for its fast kernels; the
+    validation of a GGUF above REPACK_MAX_BYTES evaluates the mapped file instead, with the same numbers
+    up to kernel rounding."""
+    import numpy as np
+
+    from pipelines.isolation import run_isolated
+    from pipelines.targets.gguf import validate
+
+    q4 = tmp_path / "q4_0.gguf"
+    quantize(f32_gguf, q4, "Q4_0")  # 32-wide blocks: every row of the tiny model qualifies
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # child_helpers.py
+    capfd.readouterr()
+    for repack in (True, False):
+        run_isolated("child_helpers:load_gguf_verbosely", engine="llama.cpp", step="load", path=str(q4), repack=repack)
+        log = capfd.readouterr().err
+        assert "model buffer size" in log
+        assert ("CPU_REPACK" in log) == repack, log[-2000:]
+
+    ids = [[1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203]]
+    logits = {}
+    for repack in (True, False):
+        out_dir = tmp_path / f"logits-{repack}"
+        out_dir.mkdir()
+        run_isolated("pipelines.targets.gguf.validate:run_llama_cpp", engine="llama.cpp", step="eval",
+                     gguf_path=str(q4), sequences=ids, texts=["hello"], generation_prompt=ids[0][:4],
+                     generation_tokens=2, logits_dir=str(out_dir), repack=repack)
+        logits[repack] = np.load(out_dir / "l0.npy")
+    assert logits[True].shape == logits[False].shape
+    assert (logits[True].argmax(-1) == logits[False].argmax(-1)).mean() >= 0.9
+    assert np.abs(logits[True] - logits[False]).max() < 0.5
+    assert validate.REPACK_MAX_BYTES == 8 << 30

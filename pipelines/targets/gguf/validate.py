@@ -33,15 +33,40 @@ def _reference_tokenizer(snapshot: "Snapshot", tok):
     return (lambda text: bos + list(sp.encode(text))), "sentencepiece"
 
 
+# llama.cpp's CPU backend copies quantized weights (Q4_0, Q4_K, IQ4_NL, ...) into interleaved rows in
+# anonymous memory for its fastest kernels: a second, resident copy of the model (measured at 8B: 3.9 GiB
+# for a 4.6 GiB Q4_K_M). A larger GGUF is evaluated from the mapped file as it is (other kernels, memory
+# bounded by the page cache). Decided by the artifact's size, never by the host's memory, so a build's
+# validation numbers are the same on every host.
+REPACK_MAX_BYTES = 8 << 30
+
+
+def _without_repacking() -> None:
+    """Make llama-cpp-python's next model load skip the repacked copy (`use_extra_bufts`, llama.cpp's
+    --no-repack), which its high-level API does not expose. Only ever called in the validation child."""
+    import llama_cpp.llama_cpp as lib
+
+    defaults = lib.llama_model_default_params
+
+    def params():
+        p = defaults()
+        p.use_extra_bufts = False
+        return p
+
+    lib.llama_model_default_params = params
+
+
 def run_llama_cpp(gguf_path: str, sequences: list[list[int]], texts: list[str], generation_prompt: list[int],
-                  generation_tokens: int, logits_dir: str) -> dict[str, Any]:
+                  generation_tokens: int, logits_dir: str, repack: bool = True) -> dict[str, Any]:
     """llama.cpp's side of validation; runs in a child process (pipelines.isolation), so a native crash
     is an error line, not a dead build. The GGUF is memory-mapped (its pages are page cache, not a copy
     in this process). Logits go to `l<i>.npy` files in `logits_dir` ([len(sequences[i]), vocab] float32),
-    one sequence at a time: with a 128k vocabulary they are ~0.5 MB per token. Returns llama.cpp's
-    token ids of `texts` and its greedy ids."""
+    one sequence at a time: with a 128k vocabulary they are ~0.5 MB per token. `repack`: see
+    REPACK_MAX_BYTES. Returns llama.cpp's token ids of `texts` and its greedy ids."""
     from llama_cpp import Llama
 
+    if not repack:
+        _without_repacking()
     n_ctx = max(len(s) for s in sequences + [generation_prompt]) + generation_tokens + 8
     llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True, use_mmap=True,
                 verbose=False, seed=0, n_threads=os.cpu_count() or 1)
@@ -81,7 +106,8 @@ def validate_gguf(snapshot: "Snapshot", gguf_path: Path, step: str | None = None
         out = run_isolated("pipelines.targets.gguf.validate:run_llama_cpp", engine="llama.cpp",
                            step=step or f"GGUF validation of {snapshot.model_id}", gguf_path=str(gguf_path),
                            sequences=ids, texts=prompts.TOKENIZER_TEXTS, generation_prompt=gen_prompt,
-                           generation_tokens=prompts.GENERATION_TOKENS, logits_dir=str(tmp))
+                           generation_tokens=prompts.GENERATION_TOKENS, logits_dir=str(tmp),
+                           repack=gguf_path.stat().st_size <= REPACK_MAX_BYTES)
         # One prompt's pair of [tokens x vocab] arrays in memory at a time.
         per_prompt = [parity.compare(np.asarray(ref.logits[i]), np.load(tmp / f"l{i}.npy")) for i in range(len(ids))]
     total = parity.merge(per_prompt)
