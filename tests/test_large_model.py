@@ -48,4 +48,11 @@ def test_a_1gb_model_validates_with_the_reference_below_40_percent_of_its_fp32_s
     print(f"reference peak RSS {peak / 2**20:.0f} MiB = {peak / fp32:.1%} of the fp32 model ({fp32 / 2**30:.2f} GiB)")
     assert peak < 0.40 * fp32
     assert usage[0]["unit_loads"] >= 19 * 7  # each of the 7 parity passes re-read all 19 units: it streamed
+
+    # The memory plan made before the build: above what was measured, and not absurdly so; its GGUF size
+    # within 2% of the file llama.cpp validated.
+    plan = {s["step"]: s for s in res.memory_plan["steps"]}
+    assert peak < plan["reference"]["memory"] < 4 * peak
+    artifact = sum(f["size"] for f in res.files)
+    assert abs(plan["convert"]["disk"] / artifact - 1) < 0.02, (plan["convert"]["disk"], artifact)
     assert os.environ["HIVE_AOT_MEMORY_BUDGET"] == "3G"
