@@ -96,15 +96,19 @@ def _wrap(module: str, attr: str, label, missing: list[str]) -> None:
     setattr(mod, attr, wrapper)
 
 
-def _isolated_label(args, kwargs) -> str:
-    fn = str(args[0] if args else kwargs.get("function", ""))
-    if "quantize" in fn:
+def child_step(function: str) -> str:
+    """The step a native child belongs to, from the `module:function` pipelines.isolation runs in it."""
+    if "quantize" in function:
         return "quantize"
-    if "reference" in fn:
+    if "reference" in function:
         return "reference"
-    if "validate" in fn or "llama" in fn:
+    if "validate" in function or "llama" in function:
         return "llama.cpp eval"
-    return f"child {fn.rpartition(':')[2] or fn}"
+    return f"child {function.rpartition(':')[2] or function}"
+
+
+def _isolated_label(args, kwargs) -> str:
+    return child_step(str(args[0] if args else kwargs.get("function", "")))
 
 
 class _SubprocessShim:

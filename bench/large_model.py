@@ -62,6 +62,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))  # factories.write_test_config
 
+from cli_trace import child_step  # noqa: E402 - bench/ is this script's directory
 from pipelines import synthetic  # noqa: E402
 
 PY = sys.executable
@@ -131,21 +132,25 @@ def process_tree(root: int) -> list[int]:
     return out
 
 
-def read_status(pid: int) -> dict[str, int] | None:
-    want = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
+def _kib_fields(path: str, keys: tuple[str, ...]) -> dict[str, Any] | None:
+    """`Key:  123 kB` lines of a /proc file, in bytes (and `Name`, as text); None once the process is gone."""
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(path) as f:
             text = f.read()
     except OSError:
         return None
-    out = {}
+    out: dict[str, Any] = {}
     for line in text.splitlines():
         key, _, rest = line.partition(":")
-        if key in want:
+        if key in keys:
             out[key] = int(rest.split()[0]) * 1024
         elif key == "Name":
-            out["name"] = rest.strip()  # type: ignore[assignment]
+            out["name"] = rest.strip()
     return out
+
+
+def read_status(pid: int) -> dict[str, Any] | None:
+    return _kib_fields(f"/proc/{pid}/status", ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"))
 
 
 def isolated_function(pid: int) -> str | None:
@@ -159,24 +164,13 @@ def isolated_function(pid: int) -> str | None:
         return None
 
 
-def child_label(function: str) -> str:
-    """The step a native child's function belongs to (the same names as bench/cli_trace.py)."""
-    if "quantize" in function:
-        return "quantize"
-    if "reference" in function:
-        return "reference"
-    if "validate" in function or "llama" in function:
-        return "llama.cpp eval"
-    return f"child {function.rpartition(':')[2] or function}"
-
-
 def trace_from_processes(seen: dict[int, dict[str, Any]], root: int) -> list[dict[str, Any]]:
     """Without step markers (--no-trace): the native children's lifetimes, as sampled, are the steps."""
     events = []
     for pid, rec in sorted(seen.items(), key=lambda kv: kv[1]["first"]):
         if pid == root or not rec.get("function"):
             continue
-        label = child_label(rec["function"])
+        label = child_step(rec["function"])
         events.append({"t": rec["first"], "ev": "begin", "step": label, "stack": []})
         events.append({"t": rec.get("last", rec["first"]), "ev": "child", "step": label, "stack": [label], "pid": pid,
                        "child_maxrss_kb": rec["hwm"] // 1024, "function": rec["function"]})
@@ -184,18 +178,8 @@ def trace_from_processes(seen: dict[int, dict[str, Any]], root: int) -> list[dic
     return events
 
 
-def read_smaps_rollup(pid: int) -> dict[str, int] | None:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            text = f.read()
-    except OSError:
-        return None
-    out = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("Pss", "Pss_Anon", "Pss_File", "Pss_Shmem"):
-            out[key] = int(rest.split()[0]) * 1024
-    return out
+def read_smaps_rollup(pid: int) -> dict[str, Any] | None:
+    return _kib_fields(f"/proc/{pid}/smaps_rollup", ("Pss", "Pss_Anon", "Pss_File", "Pss_Shmem"))
 
 
 # --- cgroup v1 ---------------------------------------------------------------------------------------

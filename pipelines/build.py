@@ -238,10 +238,10 @@ def stage(p: Plan, store: Store) -> BuildResult:
             entries = []
             for rel in art.files:
                 path = art.root / rel
-                # Files copied unchanged from the source come with the digest the snapshot recorded.
-                digest = art.known_digests.get(rel) or sha256_file(path)
-                # Replaces a damaged copy. The work dir goes right after: a local store may take the file itself.
-                store.put_blob(path, digest, handover=True)
+                # Files copied unchanged from the source come with the digest the snapshot recorded (checked
+                # on upload); the others are hashed once, by put_blob. Replaces a damaged copy. The work dir
+                # goes right after: a local store may take the file itself.
+                digest = store.put_blob(path, art.known_digests.get(rel), handover=True)
                 entries.append(FileEntry(path=rel, sha256=digest, size=path.stat().st_size))
         except OSError as e:  # DiskFull (a HiveError) from the store or a child process, or the OS's ENOSPC
             cause = disk_full_cause(e, work)

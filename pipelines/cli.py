@@ -296,19 +296,14 @@ def parser() -> argparse.ArgumentParser:
     common(sp, store=False)
     sp.set_defaults(func=cmd_check)
 
-    sp = sub.add_parser("build", help="build, validate and publish one recipe for one model")
-    sp.add_argument("source")
-    sp.add_argument("--recipe", required=True)
-    sp.add_argument("--model-id", help="model id (org/name) for a local directory source")
-    common(sp)
-    sp.set_defaults(func=cmd_build)
-
-    sp = sub.add_parser("plan", help="each step's estimated memory and disk for a build, against this host")
-    sp.add_argument("source")
-    sp.add_argument("--recipe", required=True)
-    sp.add_argument("--model-id", help="model id (org/name) for a local directory source")
-    common(sp)
-    sp.set_defaults(func=cmd_plan)
+    for name, func, text in (("build", cmd_build, "build, validate and publish one recipe for one model"),
+                             ("plan", cmd_plan, "each step's estimated memory and disk for a build, against this host")):
+        sp = sub.add_parser(name, help=text)
+        sp.add_argument("source")
+        sp.add_argument("--recipe", required=True)
+        sp.add_argument("--model-id", help="model id (org/name) for a local directory source")
+        common(sp)
+        sp.set_defaults(func=func)
 
     sp = sub.add_parser("qaic-compile", help="compile published AI 100 export bundles into QPCs (needs the Cloud AI SDK)")
     sp.add_argument("model", metavar="MODEL_ID[@BUNDLE_BUILD_ID]")

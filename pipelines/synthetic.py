@@ -290,7 +290,7 @@ def _corpus(vocab: int, seed: int) -> list[str]:
     return lines
 
 
-def _spm_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+def spm_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
     """BPE merges of a SentencePiece vocabulary (transformers' generate_merges, without importing it)."""
     merges = []
     for piece, score in scores.items():
@@ -300,29 +300,43 @@ def _spm_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[s
     return [(a, b) for a, b, _ in merges]
 
 
-def write_tokenizer(dest: Path, vocab_size: int, seed: int = 0) -> int:
-    """tokenizer.model (SentencePiece BPE with byte fallback, trained here to exactly `vocab_size` pieces),
-    tokenizer.json in the Llama-2 layout and tokenizer_config.json. Returns the number of pieces."""
+def train_spm(corpus: list[str], vocab_size: int, *, add_dummy_prefix: bool = True) -> bytes:
+    """A SentencePiece BPE model (byte fallback; Llama-2 settings: identity normalization, whitespace kept)
+    trained on `corpus`, as its serialized proto."""
     import sentencepiece as spm
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
 
-    if vocab_size < 400:
-        raise ValueError(f"a byte-fallback tokenizer needs at least 400 pieces, not {vocab_size}")
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(_corpus(vocab_size, seed)), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
+        sentence_iterator=iter(corpus), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
         byte_fallback=True, character_coverage=1.0, split_digits=True, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, add_dummy_prefix=True, allow_whitespace_only_pieces=True,
+        remove_extra_whitespaces=False, add_dummy_prefix=add_dummy_prefix, allow_whitespace_only_pieces=True,
         unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2,
     )
-    (dest / "tokenizer.model").write_bytes(buf.getvalue())
-    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
+    return buf.getvalue()
+
+
+def spm_vocab(proto: bytes) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """(piece -> id, BPE merges) of a serialized SentencePiece model."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_proto=proto)
     vocab = {sp.id_to_piece(i): i for i in range(sp.vocab_size())}
-    merges = _spm_merges(vocab, {sp.id_to_piece(i): sp.get_score(i) for i in range(sp.vocab_size())})
+    return vocab, spm_merges(vocab, {sp.id_to_piece(i): sp.get_score(i) for i in range(sp.vocab_size())})
+
+
+def write_spm_tokenizer(dest: Path, proto: bytes, *, add_dummy_prefix: bool = True) -> int:
+    """tokenizer.model, tokenizer.json in the layout Llama-2 repos ship (Prepend + Replace normalizer, no
+    pre-tokenizer, loaded as-is by `PreTrainedTokenizerFast`) and tokenizer_config.json. Returns the
+    number of pieces."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
+    (dest / "tokenizer.model").write_bytes(proto)
+    vocab, merges = spm_vocab(proto)
     t = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
-    t.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
-    t.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                   decoders.Strip(" ", 1, 0)])
+    steps = [normalizers.Prepend("\u2581")] if add_dummy_prefix else []
+    t.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "\u2581")])
+    dec = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    t.decoder = decoders.Sequence(dec + ([decoders.Strip(" ", 1, 0)] if add_dummy_prefix else []))
     t.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
     t.add_special_tokens([AddedToken(s, normalized=False, special=True) for s in ("<unk>", "<s>", "</s>")])
     t.save(str(dest / "tokenizer.json"))
@@ -331,7 +345,15 @@ def write_tokenizer(dest: Path, vocab_size: int, seed: int = 0) -> int:
         "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
         "model_max_length": 1 << 30,
     }, indent=2) + "\n")
-    return sp.vocab_size()
+    return len(vocab)
+
+
+def write_tokenizer(dest: Path, vocab_size: int, seed: int = 0) -> int:
+    """A SentencePiece BPE with byte fallback trained here to exactly `vocab_size` pieces, written as
+    `write_spm_tokenizer` does. Returns the number of pieces."""
+    if vocab_size < 400:
+        raise ValueError(f"a byte-fallback tokenizer needs at least 400 pieces, not {vocab_size}")
+    return write_spm_tokenizer(dest, train_spm(_corpus(vocab_size, seed), vocab_size))
 
 
 # --- the model directory ----------------------------------------------------------------------------

@@ -190,47 +190,24 @@ def make_spm_tokenizer(dest: Path, *, add_dummy_prefix: bool = True, vocab_size:
     hf_tokenizer="legacy": the tokenizer.json layout Llama-2 repos ship (Prepend + Replace normalizer,
     no pre-tokenizer), loaded as-is through `PreTrainedTokenizerFast`.
     """
-    import io
-
-    import sentencepiece as spm
-    from transformers.convert_slow_tokenizer import generate_merges
+    from pipelines.synthetic import spm_vocab, train_spm, write_spm_tokenizer
 
     dest.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(spm_corpus(seed=seed)), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
-        byte_fallback=True, character_coverage=1.0, split_digits=True, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, add_dummy_prefix=add_dummy_prefix, allow_whitespace_only_pieces=True,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2,
-    )
-    (dest / "tokenizer.model").write_bytes(buf.getvalue())
-    sp = spm.SentencePieceProcessor(model_proto=buf.getvalue())
-    vocab = {sp.id_to_piece(i): i for i in range(sp.vocab_size())}
-    merges = generate_merges(vocab, {sp.id_to_piece(i): sp.get_score(i) for i in range(sp.vocab_size())})
+    proto = train_spm(spm_corpus(seed=seed), vocab_size, add_dummy_prefix=add_dummy_prefix)
     if hf_tokenizer == "llama":
         from transformers import LlamaTokenizer
 
+        (dest / "tokenizer.model").write_bytes(proto)
+        vocab, merges = spm_vocab(proto)
         tok = LlamaTokenizer(vocab=vocab, merges=merges, add_prefix_space=add_dummy_prefix, legacy=False,
                              add_bos_token=True, add_eos_token=False)
         tok.save_pretrained(str(dest))
+        pieces = len(vocab)
     elif hf_tokenizer == "legacy":
-        from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
-
-        t = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
-        steps = [normalizers.Prepend("\u2581")] if add_dummy_prefix else []
-        t.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "\u2581")])
-        dec = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-        t.decoder = decoders.Sequence(dec + ([decoders.Strip(" ", 1, 0)] if add_dummy_prefix else []))
-        t.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
-        t.add_special_tokens([AddedToken(s, normalized=False, special=True) for s in ("<unk>", "<s>", "</s>")])
-        t.save(str(dest / "tokenizer.json"))
-        (dest / "tokenizer_config.json").write_text(json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-            "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-        }, indent=2))
+        pieces = write_spm_tokenizer(dest, proto, add_dummy_prefix=add_dummy_prefix)
     else:
         raise ValueError(f"unknown hf_tokenizer {hf_tokenizer!r}")
-    (dest / "config.json").write_text(json.dumps({"vocab_size": sp.vocab_size()}))  # read by make_llama
+    (dest / "config.json").write_text(json.dumps({"vocab_size": pieces}))  # read by make_llama
     return dest
 
 

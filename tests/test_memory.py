@@ -359,7 +359,7 @@ def test_a_build_publishes_its_output_as_the_blob_itself(tiny_llama, registry, t
     def spy(self, path, dest, sha256):
         inode = path.stat().st_ino
         ok = real(self, path, dest, sha256)
-        linked.append((path.name, inode, ok))
+        linked.append((path.name, inode, ok, sha256))
         return ok
 
     monkeypatch.setattr(LocalStore, "_link_into_place", spy)
@@ -367,7 +367,8 @@ def test_a_build_publishes_its_output_as_the_blob_itself(tiny_llama, registry, t
     res = build_and_publish(str(tiny_llama), "gguf-f16", Config.load(registry), str(store), MODEL)
     (entry,) = res.files
     blob = store / "blobs" / "sha256" / entry["sha256"][:2] / entry["sha256"]
-    assert [(name, ok) for name, _inode, ok in linked] == [("tiny-llama-F16.gguf", True)]
+    # hashed once, by put_blob, so taking the file over reads it no second time (sha256 None: no re-check)
+    assert [(name, ok, sha256) for name, _inode, ok, sha256 in linked] == [("tiny-llama-F16.gguf", True, None)]
     assert blob.stat().st_ino == linked[0][1] and blob.stat().st_nlink == 1
     assert hashlib.sha256(blob.read_bytes()).hexdigest() == entry["sha256"] and blob.stat().st_mode & 0o777 == 0o644
     from pipelines.paths import work_root

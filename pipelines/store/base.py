@@ -44,9 +44,10 @@ class Store(ABC):
     def upload_file(self, key: str, path: Path, sha256: str) -> None:
         """Copy a local file to key, verifying its sha256 on the way; atomic."""
 
-    def adopt_file(self, key: str, path: Path, sha256: str) -> None:
+    def adopt_file(self, key: str, path: Path, sha256: str, hashed: bool = False) -> None:
         """upload_file for a file the caller deletes right after (a build's output in its work dir): a local
-        store may take the file itself (a hard link) instead of a second copy."""
+        store may take the file itself (a hard link) instead of a second copy. `hashed`: `sha256` was just
+        computed from this very file, so taking it needs no second read."""
         self.upload_file(key, path, sha256)
 
     @abstractmethod
@@ -99,11 +100,15 @@ class Store(ABC):
 
     def put_blob(self, path: Path, sha256: str | None = None, *, handover: bool = False) -> str:
         """Upload a blob unless an intact copy is there; a damaged copy is replaced (repaired). `handover`: the
-        caller deletes `path` right after, so the store may take the file itself (adopt_file)."""
+        caller deletes `path` right after, so the store may take the file itself (adopt_file). Without `sha256`
+        the digest is computed here, and a file taken over is not read a second time."""
         digest = sha256 or sha256_file(path)
         if self.size(blob_key(digest)) is not None and self.blob_intact(digest, path.stat().st_size):
             return digest  # content-addressed: already there
-        (self.adopt_file if handover else self.upload_file)(blob_key(digest), path, digest)
+        if handover:
+            self.adopt_file(blob_key(digest), path, digest, hashed=sha256 is None)
+        else:
+            self.upload_file(blob_key(digest), path, digest)
         return digest
 
     def __str__(self) -> str:

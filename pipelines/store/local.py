@@ -112,8 +112,8 @@ class LocalStore(Store):
         except FileNotFoundError:
             pass
 
-    def adopt_file(self, key: str, path: Path, sha256: str) -> None:
-        if not self._link_into_place(path, self._path(key), sha256):
+    def adopt_file(self, key: str, path: Path, sha256: str, hashed: bool = False) -> None:
+        if not self._link_into_place(path, self._path(key), None if hashed else sha256):
             self.upload_file(key, path, sha256)
 
     def upload_file(self, key: str, path: Path, sha256: str) -> None:
@@ -130,13 +130,14 @@ class LocalStore(Store):
 
         self._atomic_write(dest, copy)
 
-    def _link_into_place(self, path: Path, dest: Path, sha256: str) -> bool:
+    def _link_into_place(self, path: Path, dest: Path, sha256: str | None) -> bool:
         """Hard-link a build's file into the store when both are on one file system: a 16 GB artifact then
         needs 16 GB of disk, not 32. The caller deletes its name right after (adopt_file), so the blob is then
         the file's only name. Only a file that is the build's own (one link): a file linked from a source
         snapshot or another artifact shares its inode with them, and the store's blob must not change when
         they do. The link goes to a temporary name (reclaimed by gc like any temporary), is verified
-        against `sha256` and made 0644, then renamed into place. False (the caller copies) on any OSError:
+        against `sha256` (None: the caller computed it from this file just now) and made 0644, then renamed
+        into place. False (the caller copies) on any OSError:
         another file system (EXDEV), a file system without hard links, protected_hardlinks (EPERM)."""
         try:
             st = path.stat()
@@ -150,13 +151,14 @@ class LocalStore(Store):
         except OSError:
             return False
         try:
-            h = hashlib.sha256()
             with open(tmp, "rb") as f:
-                while chunk := f.read(CHUNK):
-                    h.update(chunk)
+                if sha256 is not None:
+                    h = hashlib.sha256()
+                    while chunk := f.read(CHUNK):
+                        h.update(chunk)
+                    if h.hexdigest() != sha256:
+                        raise IntegrityError(f"{path.name}: content changed while uploading (sha256 mismatch)")
                 os.fsync(f.fileno())  # the build wrote it without fsync: durable before it becomes a blob
-            if h.hexdigest() != sha256:
-                raise IntegrityError(f"{path.name}: content changed while uploading (sha256 mismatch)")
             if st.st_mode & 0o777 != 0o644:
                 os.chmod(tmp, 0o644)
             os.replace(tmp, dest)
