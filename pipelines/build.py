@@ -146,6 +146,7 @@ def _plan_recipe(snap: Snapshot, recipe: Recipe, config: Config, parent: Plan | 
     build_id = compute_build_id(snap.model_id, snap.commit, [(f.path, f.sha256) for f in snap.files],
                                 recipe.canonical_json(), target.toolchain(),
                                 input_build_id=parent.build_id if parent is not None else None)
+    ctx.build_id = build_id
     return Plan(snap, recipe, compat, target, build_id, ctx, parent)
 
 

@@ -461,6 +461,10 @@ def _steps(p: Plan, facts: ModelFacts, work: str, store: str | None, refs: str, 
         ftype = opts.get("ftype")
         out = gguf_bytes(facts, ftype or opts.get("outtype", "f16"))
         mem, detail = streamed(CONVERT_TENSOR_COPIES, BASE_PYTHON, "python")
+        if opts.get("imatrix"):
+            # The streamed transformers model over the calibration text: the reference's memory, a small file.
+            steps.append(StepNeed("imatrix", reference.memory, disk=SMALL_FILES, where=work,
+                                  detail=f"the streamed fp32 model over the calibration text ({reference.detail})"))
         if ftype:
             inter_type = lossless_gguf_type(facts)
             inter = gguf_bytes(facts, inter_type)

@@ -158,6 +158,14 @@ class SafetensorsFile:
         t = self.header.tensors[name]
         return to_float32(self.raw(name), t.dtype).reshape(t.shape)
 
+    def rows(self, name: str, lo: int, hi: int) -> np.ndarray:
+        """Rows [lo, hi) of a tensor (along its first axis) in float32: only those bytes are read and widened."""
+        t = self.header.tensors[name]
+        row = t.nbytes // t.shape[0] if t.shape and t.shape[0] else 0
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=(hi - lo) * row,
+                            offset=self.header.data_offset + t.start + lo * row)
+        return to_float32(raw, t.dtype).reshape((hi - lo, *t.shape[1:]))
+
     def release(self, name: str, lo: int = 0, hi: int | None = None) -> None:
         """Drop a finished tensor's pages (or those of its bytes [lo, hi)) from this process's resident set
         (the page cache keeps them; a page read again is mapped again, so dropping is always safe).
@@ -212,6 +220,9 @@ class TensorSource:
 
     def float32(self, name: str) -> np.ndarray:
         return self.where[name].float32(name)
+
+    def rows(self, name: str, lo: int, hi: int) -> np.ndarray:
+        return self.where[name].rows(name, lo, hi)
 
     def release(self, name: str, lo: int = 0, hi: int | None = None) -> None:
         self.where[name].release(name, lo, hi)

@@ -38,8 +38,9 @@ from .safetensors_io import TensorSource
 EXPERT_LAYOUTS = (("block_sparse_moe", "w1", "w3", "w2"), ("mlp", "gate_proj", "up_proj", "down_proj"))
 # Bytes of a checkpoint tensor widened to fp32 at a time (and then dropped from the resident set).
 READ_SLICE_BYTES = 16 << 20
-# Whole-module renames between checkpoint and model (Mixtral's router lives in block_sparse_moe).
-MODULE_RENAMES = ((".mlp.", ".block_sparse_moe."),)
+# Whole-module renames between checkpoint and model (Mixtral's router lives in block_sparse_moe; GPT-NeoX's
+# checkpoints name the output embedding embed_out, transformers 5 names it lm_head).
+MODULE_RENAMES = ((".mlp.", ".block_sparse_moe."), ("lm_head.", "embed_out."))
 
 
 @dataclass(frozen=True)

@@ -352,19 +352,33 @@ TINY_CAUSAL_LMS: dict[str, tuple[str, str, dict[str, Any]]] = {
 def make_tiny_causal_lm(name: str, dest: Path, *, seed: int = 0, **overrides: Any) -> Path:
     """A 2-layer random model of one TINY_CAUSAL_LMS entry (vocab 512, hidden 64, fp32, no tokenizer);
     biases are randomized too (transformers initializes most to zero)."""
+    cfg_name, model_name, params = TINY_CAUSAL_LMS[name]
+    return make_causal_lm(cfg_name, model_name, {**params, **overrides}, dest, seed=seed)
+
+
+def make_causal_lm(config_class: str, model_class: str, params: dict[str, Any], dest: Path, *, seed: int = 0,
+                   tokenizer_dir: Path | None = None, router_scale: float = 1.0) -> Path:
+    """A random transformers model from its config class and parameters (fp32 safetensors), with biases and
+    norm weights randomized (transformers initializes them to 0 and 1, which hides a wrong mapping), and the
+    tokenizer files of `tokenizer_dir` copied in when given. `router_scale` multiplies MoE router weights
+    (`mlp.gate`): a random router sits near top-k ties that any rounding flips; a trained one is decisive."""
     import torch
     import transformers
 
-    cfg_name, model_name, params = TINY_CAUSAL_LMS[name]
-    cfg = getattr(transformers, cfg_name)(**{**params, **overrides})
+    cfg = getattr(transformers, config_class)(**params)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(cfg).eval()
+    model = getattr(transformers, model_class)(cfg).eval()
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("bias") or pname.endswith("_bias") or pname.endswith("sinks"):
                 p.normal_(0.0, 0.2)
             elif "norm" in pname or "ln_" in pname:  # norm weights around 1 (Gemma's around 0: scale 1 + w)
                 p.add_(torch.randn_like(p) * 0.1)
+            if pname.endswith("mlp.gate.weight"):
+                p.mul_(router_scale)
     dest.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(dest), safe_serialization=True)
+    for fname in TOKENIZER_FILES if tokenizer_dir is not None else ():
+        if (tokenizer_dir / fname).is_file():
+            shutil.copy(tokenizer_dir / fname, dest / fname)
     return dest

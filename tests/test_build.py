@@ -238,8 +238,8 @@ BAD_INPUTS = {
                             "tokenizer"),
     "auto_map_unreviewed": (lambda d: edit_config(d, auto_map={"AutoModelForCausalLM": "modeling_x.X"}),
                             "requires review"),
-    "recipe_not_applicable": (lambda d: edit_config(d, architectures=["GemmaForCausalLM"], model_type="gemma"),
-                              "recipe gguf-f16 does not apply to test-org/bad (GemmaForCausalLM)"),
+    "recipe_not_applicable": (lambda d: edit_config(d, architectures=["OPTForCausalLM"], model_type="opt"),
+                              "recipe gguf-f16 does not apply to test-org/bad (OPTForCausalLM)"),
     "pickle_only": (_pickle_only, "only pickle weights (pytorch_model.bin)"),
 }
 

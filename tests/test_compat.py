@@ -59,7 +59,12 @@ EXPECTED = {
     **{a: ("compatible", "transformers-cu121") for a in TRANSFORMERS_FALLBACK},
 }
 GGUF_RECIPES = ["gguf-f16", "gguf-q4_k_m", "gguf-q8_0"]
-GGUF_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}  # our converter's families
+# our converter's families (pipelines/targets/gguf/families/), listed here so that adding or losing one is on purpose
+GGUF_ARCHS = {"CohereForCausalLM", "FalconForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTJForCausalLM",
+              "GPTNeoXForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GemmaForCausalLM", "GraniteForCausalLM",
+              "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM",
+              "PhiForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+              "StableLmForCausalLM", "Starcoder2ForCausalLM"}
 VLLM_RECIPES = ["vllm-bf16", "vllm-fp8"]
 QAIC_RECIPES = ["qaic-export", "qaic-fp16", "qaic-mxfp6"]
 # Dense Llama-lineage families vLLM runs natively get the FP8 tier too; the rest the portable tier only.
@@ -212,7 +217,7 @@ def test_cpu_tier_goes_to_llamacpp_when_a_gguf_recipe_applies(arch, config):
     c = check(config, arch, hardware="cpu")
     assert (c.status, c.runtime_profile_id) == ("compatible", "llm-llamacpp-cpu")
     assert sorted(c.recipes) == GGUF_RECIPES
-    other = check(config, "GPT2LMHeadModel", hardware="cpu")
+    other = check(config, "OPTForCausalLM", hardware="cpu")  # no GGUF family: the transformers tier
     assert (other.status, other.runtime_profile_id) == ("compatible", "transformers-cpu")
 
 
@@ -573,3 +578,9 @@ def test_check_lists_only_recipes_the_routed_profile_loads(hardware, profile, ti
         assert profile in r.runtime_profiles and (target.artifact_format(r.options) in loads or target.intermediate)
     expected = {"llm-llamacpp-cpu": GGUF_RECIPES, "vllm-qaic": QAIC_RECIPES}.get(profile, VLLM_RECIPES)
     assert sorted(c.recipes) == expected
+
+
+def test_gguf_archs_are_the_converters_families():
+    from pipelines.targets.gguf.families import BY_ARCHITECTURE
+
+    assert set(BY_ARCHITECTURE) == GGUF_ARCHS

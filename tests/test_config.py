@@ -270,7 +270,8 @@ def test_recipe_canonical_json_and_digest(tmp_path, config):
     ({"ftype": "Q9_K"}, "ftype 'Q9_K' is not a llama.cpp file type"),
     ({"outtype": "f16", "ftype": "Q4_K_M"}, "give exactly one of outtype"),
     ({}, "give exactly one of outtype"),
-    ({"outtype": "f16", "imatrix": "x"}, "unknown option 'imatrix'"),
+    ({"outtype": "f16", "imatrix": "x"}, "imatrix must be 'calibration'"),
+    ({"outtype": "f16", "calibration_text": "x"}, "unknown option 'calibration_text'"),
 ])
 def test_recipe_options_are_checked_when_recipes_load(tmp_path, options, problem):
     d = _recipes_copy(tmp_path)

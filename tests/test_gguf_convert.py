@@ -25,7 +25,9 @@ from pipelines.build import plan
 from pipelines.errors import ModelFormatError
 from pipelines.sources import fetch
 from pipelines.targets.gguf import convert as convert_mod
-from pipelines.targets.gguf import families
+from pipelines.targets.gguf.families import llama as llama_family
+from pipelines.targets.gguf.families import qwen2 as qwen2_family
+from pipelines.targets.gguf.families.spec import IDENTITY
 from pipelines.targets.gguf.convert import convert
 from pipelines.targets.gguf.validate import validate_gguf
 
@@ -175,9 +177,9 @@ def test_attention_bias_needs_the_q_k_bias_permutation(bias_model, tmp_path, mon
 
     def without_bias_permutation(arch):
         fam = original(arch)
-        rules = tuple(dataclasses.replace(r, transform=None) if r.gguf.endswith(".bias") else r
-                      for r in fam.block_tensors)
-        return dataclasses.replace(fam, block_tensors=rules)
+        rules = tuple(dataclasses.replace(r, transform=IDENTITY) if r.outputs[0].endswith(".bias") else r
+                      for r in fam.tensors)
+        return dataclasses.replace(fam, tensors=rules)
 
     monkeypatch.setattr(convert_mod, "family_for", without_bias_permutation)
     _, metrics, _ = convert_and_validate(bias_model, tmp_path / "bias-unpermuted.gguf")
@@ -245,7 +247,7 @@ def test_llama3_rope_freqs_matter(llama3_model, tmp_path, monkeypatch):
 
 def test_q_k_permutation_matters(tiny_llama, tmp_path, monkeypatch):
     """Negative control: without llama.cpp's rotary pair layout the GGUF loads but is garbage."""
-    monkeypatch.setattr(families, "permute_qk", lambda w, n_head: w)
+    monkeypatch.setattr(llama_family, "permute_qk", lambda w, n_head: w)
     _, metrics, _ = convert_and_validate(tiny_llama, tmp_path / "unpermuted.gguf")
     assert metrics["finite"] is True  # it loads and runs: only parity can catch this
     assert metrics["top1_agreement"] < 0.5
@@ -501,7 +503,7 @@ _RSS_PROBE = textwrap.dedent("""
 
     model_dir, out_dir, outtype, keep_pages = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
     if keep_pages:  # counterfactual: what the probe sees when source pages are never released
-        TensorSource.release = lambda self, name: None
+        TensorSource.release = lambda self, name, lo=0, hi=None: None
     snap = fetch(str(model_dir), "test/streaming")
     args = (snap.dir, snap.config(), snap.safetensors_files())
     C.convert(*args, out_dir / "warmup.gguf", outtype, name="t")  # imports, vocab, lazy inits
@@ -575,7 +577,7 @@ def test_qwen2_f16_parity_and_metadata(qwen2_model, tmp_path):
 
 def test_qwen2_must_not_be_permuted(qwen2_model, tmp_path, monkeypatch):
     """Negative control: Llama's Q/K permutation under the qwen2 architecture (NEOX rope) breaks it."""
-    permuted = dataclasses.replace(families.QWEN2, block_tensors=families.LLAMA.block_tensors)
+    permuted = dataclasses.replace(qwen2_family.FAMILY, tensors=llama_family.FAMILY.tensors)
     monkeypatch.setattr(convert_mod, "family_for", lambda arch: permuted)
     _, metrics, _ = convert_and_validate(qwen2_model, tmp_path / "qwen2-permuted.gguf",
                                          options={"bpe_pre_fallback": "qwen2"})

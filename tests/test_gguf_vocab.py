@@ -291,3 +291,52 @@ def test_plain_tokenizer_fast_path_equals_transformers(smollm2_dir, tmp_path):
     cfg = json.loads((d / "tokenizer_config.json").read_text())
     (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": True}))
     assert not isinstance(_load_hf_tokenizer(d), _PlainTokenizer)
+
+
+# --- byte-fallback BPE without tokenizer.model (Phi-3 style) -------------------------------------------
+
+@pytest.fixture(scope="module")
+def byte_fallback_model(tmp_path_factory):
+    """The SentencePiece-trained Llamas above, shipped as tokenizer.json only (tokenizer.model removed)."""
+    built = {}
+    root = tmp_path_factory.mktemp("byte-fallback")
+
+    def build(add_dummy_prefix: bool) -> Path:
+        if add_dummy_prefix not in built:
+            d = make_spm_llama(root / f"bf-{add_dummy_prefix}", add_dummy_prefix=add_dummy_prefix, hf_tokenizer="legacy")
+            (d / "tokenizer.model").unlink()
+            built[add_dummy_prefix] = d
+        return built[add_dummy_prefix]
+
+    return build
+
+
+@pytest.mark.parametrize("add_dummy_prefix", [True, False], ids=["prefix", "noprefix"])
+def test_byte_fallback_bpe_without_tokenizer_model(byte_fallback_model, tmp_path, add_dummy_prefix):
+    snap = fetch(str(byte_fallback_model(add_dummy_prefix)), "test/byte-fallback")
+    out = tmp_path / "bf.gguf"
+    report = convert(snap.dir, snap.config(), snap.safetensors_files(), out, "f16", name=snap.model_id)
+    assert report.vocab["tokenizer"] == "bpe-byte-fallback"
+    r = gguf.GGUFReader(str(out))
+    assert field(r, "tokenizer.ggml.model") == "llama"
+    assert field(r, "tokenizer.ggml.add_space_prefix") is add_dummy_prefix
+    types = field(r, "tokenizer.ggml.token_type")
+    tokens = field(r, "tokenizer.ggml.tokens")
+    assert types[tokens.index("<0x0A>")] == gguf.TokenType.BYTE and types[1] == gguf.TokenType.CONTROL
+    metrics, details = validate_gguf(snap, out)
+    assert details["tokenizer_reference"] == "hf"  # no tokenizer.model: the HF tokenizer is the truth
+    assert metrics["token_parity"] == 1.0, details["tokenizer_mismatches"]
+    assert metrics["top1_agreement"] >= 0.99 and metrics["mean_kl"] < 1e-4
+
+
+def test_byte_fallback_bpe_needs_the_merge_scores(byte_fallback_model, tmp_path, monkeypatch):
+    """Negative control: with every piece scored alike (what a placeholder score gives), llama.cpp merges in
+    another order and the ids differ from the HF tokenizer's."""
+    from pipelines.targets.gguf import vocab as vocab_mod
+
+    monkeypatch.setattr(vocab_mod, "merge_scores", lambda merges: {})
+    snap = fetch(str(byte_fallback_model(True)), "test/byte-fallback")
+    out = tmp_path / "flat.gguf"
+    convert(snap.dir, snap.config(), snap.safetensors_files(), out, "f16", name=snap.model_id)
+    metrics, _ = validate_gguf(snap, out)
+    assert metrics["token_parity"] < 1.0  # measured 0.78: 2 of the 9 texts tokenize differently

@@ -130,6 +130,7 @@ class BuildContext:
     registry: "Registry"
     classify: Callable[[str], "Compatibility"]
     input: InputArtifact | None = None
+    build_id: str | None = None  # set once the plan has computed it (artifacts may record it as provenance)
 
     @property
     def model_id(self) -> str:

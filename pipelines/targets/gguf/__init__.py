@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
+from ...errors import HiveError
 from ...hashing import sha256_file
 from .. import MODEL_DIR, BuildContext, BuiltArtifact, Thresholds, ValidationReport, check_thresholds, gate
 
@@ -21,7 +22,8 @@ if TYPE_CHECKING:
 # Bump when the bytes this target writes change for the same inputs (part of every build id).
 # 2: explicit add_bos_token for BPE; SentencePiece add_dummy_prefix read from the model.
 # 3: the manifest's build info records llama.cpp's quantization type fallbacks.
-FORMAT_VERSION = 3
+# 4: per-family modules; llama.cpp's general.* metadata and generic hyper-parameters; hive_aot.* provenance.
+FORMAT_VERSION = 4
 LOSSLESS = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 
 
@@ -37,7 +39,7 @@ def artifact_name(model_id: str, recipe: "Recipe") -> str:
     return f"{model_id.split('/')[-1]}-{label}.gguf"
 
 
-DIRECT_OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # written by our converter (convert.OUTTYPES)
+DIRECT_OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")  # written by our converter (convert.OUTTYPES)
 
 
 class GgufThresholds(Thresholds):
@@ -62,15 +64,27 @@ class GgufTarget:
     @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]:
         """What is wrong with a recipe's options for this target (checked when recipes load)."""
-        from .quantize import FTYPES
+        from .quantize import FTYPES, NEEDS_IMATRIX
 
-        problems = [f"unknown option {k!r}" for k in options if k not in ("outtype", "ftype", "bpe_pre_fallback")]
+        known = ("outtype", "ftype", "bpe_pre_fallback", "imatrix", "split_max_size")
+        problems = [f"unknown option {k!r}" for k in options if k not in known]
         if ("outtype" in options) == ("ftype" in options):
             problems.append("give exactly one of outtype (written directly) or ftype (llama.cpp quantization)")
         if "outtype" in options and options["outtype"] not in DIRECT_OUTTYPES:
             problems.append(f"outtype {options['outtype']!r} is not one of {', '.join(DIRECT_OUTTYPES)}")
         if "ftype" in options and str(options["ftype"]).upper() not in FTYPES:
             problems.append(f"ftype {options['ftype']!r} is not a llama.cpp file type hive-aot can make")
+        if options.get("split_max_size") is not None:
+            try:
+                split_bytes(options)
+            except HiveError as e:
+                problems.append(str(e))
+        if options.get("imatrix") not in (None, False, "calibration"):
+            problems.append("imatrix must be 'calibration' (computed from hive-aot's calibration text) or false")
+        if options.get("imatrix") and "ftype" not in options:
+            problems.append("imatrix weighs llama.cpp's quantizer: it needs an ftype")
+        if str(options.get("ftype", "")).upper() in NEEDS_IMATRIX and not options.get("imatrix"):
+            problems.append(f"ftype {options['ftype']} needs an importance matrix: add imatrix: calibration")
         return problems
 
     def supports(self, arch: "Architecture | None", architecture: str, config: dict[str, Any],
@@ -99,30 +113,50 @@ class GgufTarget:
         name = artifact_name(snapshot.model_id, recipe)
         out = out_dir / name
         ftype = opts.get("ftype")
+        split = split_bytes(opts)
+        # Where the file came from, in the file itself (libllama's quantizer copies these keys).
+        provenance = {"source_commit": snapshot.commit, "model_id": snapshot.model_id, "recipe": recipe.id,
+                      **({"build_id": ctx.build_id} if ctx.build_id else {})}
         if ftype:
             # k-quants: a lossless intermediate in the source precision, then libllama's quantizer.
             dtypes = {t for f in snapshot.safetensors_files() for t in _float_dtypes(f)}
             inter = LOSSLESS.get(dtypes.pop(), "f32") if len(dtypes) == 1 else "f32"
             tmp = out_dir / f".intermediate-{inter}.gguf"
+            files = []
+            imatrix_info = None
+            if opts.get("imatrix"):
+                # Published next to the model: llama-quantize --imatrix reads the same file.
+                from . import imatrix
+
+                imatrix_file = out_dir / f"{name.removesuffix('.gguf')}.imatrix.gguf"
+                imatrix_info = imatrix.compute(snapshot, imatrix_file, step=f"importance matrix of {snapshot.model_id}")
             report = convert(snapshot.dir, cfg, snapshot.safetensors_files(), tmp, inter,
-                             name=snapshot.model_id, options=opts)
+                             name=snapshot.model_id, options=opts, provenance=provenance, split_max_bytes=split)
             try:
-                fallbacks = quantize(tmp, out, ftype, step=f"{ftype.upper()} quantization of {snapshot.model_id}")
+                # A split intermediate is quantized shard for shard (llama.cpp's keep_split).
+                fallbacks = quantize(out_dir / report.files[0], out, ftype, keep_split=len(report.files) > 1,
+                                     step=f"{ftype.upper()} quantization of {snapshot.model_id}",
+                                     imatrix=imatrix_file if imatrix_info else None)
             finally:
-                tmp.unlink(missing_ok=True)
+                for f in report.files:
+                    (out_dir / f).unlink(missing_ok=True)
+            files = fallbacks.pop("files") + ([imatrix_file.name] if imatrix_info else [])
             info = {**report.__dict__, "outtype": ftype.upper(), "intermediate": inter,
-                    "quantization_fallbacks": fallbacks}
+                    "quantization_fallbacks": fallbacks, **({"imatrix": imatrix_info} if imatrix_info else {})}
         else:
             report = convert(snapshot.dir, cfg, snapshot.safetensors_files(), out, opts.get("outtype", "f16"),
-                             name=snapshot.model_id, options=opts)
+                             name=snapshot.model_id, options=opts, provenance=provenance, split_max_bytes=split)
             info = dict(report.__dict__)
-        os.chmod(out, 0o644)
-        return BuiltArtifact(root=out_dir, files=[name], info=info)
+            files = list(report.files)
+        for f in files:
+            os.chmod(out_dir / f, 0o644)
+        return BuiltArtifact(root=out_dir, files=files, info=info)
 
     def validate(self, ctx: BuildContext, artifact_dir: Path, files: dict[str, str]) -> ValidationReport:
         from .validate import validate_gguf
 
-        metrics, details = validate_gguf(ctx.snapshot, artifact_dir / next(iter(files)),
+        model = artifact_name(ctx.model_id, ctx.recipe)  # the imatrix, when published, is the other file
+        metrics, details = validate_gguf(ctx.snapshot, artifact_dir / (model if model in files else next(iter(files))),
                                          step=f"GGUF validation of {ctx.model_id} ({ctx.recipe.id})")
         failures = check_thresholds(metrics, ctx.recipe.validation)
         return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details=details)
@@ -139,6 +173,14 @@ class GgufTarget:
             out[prof.id] = {"engine": "llama.cpp", "image": prof.image, "model_file": files[0], "n_ctx": n_ctx,
                             "chat_template": "embedded in GGUF metadata", "command": cmd, "env": {}}
         return out
+
+
+def split_bytes(options: dict[str, Any]) -> int:
+    """The recipe's `split_max_size` (e.g. 2G, 45GB) in bytes; 0: one file."""
+    from ...memory import parse_size
+
+    value = options.get("split_max_size")
+    return 0 if value in (None, 0, False) else parse_size(str(value), "split_max_size")
 
 
 @lru_cache(maxsize=1)

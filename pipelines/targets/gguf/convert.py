@@ -1,18 +1,21 @@
 """The streaming HF -> GGUF engine: plan every tensor from headers, write metadata, then stream.
 
-Peak memory is about one tensor in float32 (plus its encoded copy), never the model: shapes come
-from the safetensors headers, so the GGUF header is written before any tensor data is read, and
-each tensor is read through mmap, transformed, encoded and written before the next one. A tensor with
-NaN/Inf values is refused as it streams by, and a refused conversion leaves no partial file behind.
+A family (`families/<name>.py`) declares rules (HF tensors -> GGUF tensors through a transform); this
+engine expands them per block and per expert, computes every output shape from the safetensors headers
+(so the GGUF header is written before any tensor data is read), then runs the rules one at a time.
+Peak memory is one rule's tensors in float32 for whole-tensor transforms (a fused qkv, a Q permutation)
+and a 16 MiB row slice for the rest: embeddings, MLP matrices and stacked experts are read, widened,
+encoded and written slice by slice through the mmap. A tensor with NaN/Inf values is refused as it
+streams by, and a refused conversion leaves no partial file behind.
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import gguf
 import numpy as np
@@ -20,7 +23,8 @@ import numpy as np
 from ...errors import ModelFormatError
 from ...progress import bar
 from ...safetensors_io import TensorSource
-from .families import Family, HParams, TensorRule, family_for, is_ignored
+from .families import Family, HParams, Rule, family_for, is_ignored
+from .families.spec import IDENTITY as _IDENTITY
 from .vocab import build_vocab, write_vocab
 
 Q = gguf.GGMLQuantizationType
@@ -32,28 +36,49 @@ OUTTYPES: dict[str, tuple[Q, F]] = {
     "f16": (Q.F16, F.MOSTLY_F16),
     "bf16": (Q.BF16, F.MOSTLY_BF16),
     "q8_0": (Q.Q8_0, F.MOSTLY_Q8_0),
+    # gguf-py's numpy quantizers: the same bytes as ggml's reference quantization (no imatrix). The output
+    # matrix is kept at q8_0 (OUTPUT_KEPT), as llama.cpp's quantizer keeps it at Q6_K: in 4-5 bits it costs
+    # most of the quality (measured on the demo model, tied embeddings: q4_0 everywhere KL 0.40)
+    "q4_0": (Q.Q4_0, F.MOSTLY_Q4_0),
+    "q4_1": (Q.Q4_1, F.MOSTLY_Q4_1),
+    "q5_0": (Q.Q5_0, F.MOSTLY_Q5_0),
+    "q5_1": (Q.Q5_1, F.MOSTLY_Q5_1),
 }
+SLICE_BYTES = 16 << 20  # float32 bytes per streamed row slice
+OUTPUT_KEPT = {Q.Q4_0: Q.Q8_0, Q.Q4_1: Q.Q8_0, Q.Q5_0: Q.Q8_0, Q.Q5_1: Q.Q8_0}
 
 
 @dataclass
-class Planned:
-    gguf_name: str
-    hf_name: str | None  # None for tensors the family synthesizes (rope_freqs)
+class Output:
+    name: str
     shape: tuple[int, ...]
     qtype: Q
-    rule: TensorRule | None = None
+
+
+@dataclass
+class Step:
+    """One rule applied to one block: its expanded HF inputs and planned GGUF outputs."""
+
+    rule: Rule | None  # None: a tensor the family computes (rope_freqs), in `data`
+    inputs: list[str]
+    outputs: list[Output]
     data: np.ndarray | None = None
+    source_bytes: int = 0
 
 
 @dataclass
 class ConvertReport:
     architecture: str
     gguf_arch: str
+    family: str
     outtype: str
     tensors: int
     tensor_types: dict[str, int]
     parameters: int
     vocab: dict[str, Any]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    fallbacks: dict[str, int] = field(default_factory=dict)  # "Q4_0->F16": matrices whose rows are not whole blocks
+    files: list[str] = field(default_factory=list)  # the file, or its shards in order
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -64,42 +89,76 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def tensor_type(shape: tuple[int, ...], outtype: str) -> Q:
-    if len(shape) <= 1:
-        return Q.F32  # norms and biases stay f32 in every llama.cpp file type
+# Matrices llama.cpp keeps in f32 in every file type (its converter and its quantizer alike): MoE routers, whose
+# top-k choice flips at near-ties when rounded (measured: a random Mixtral's q8_0 router, KL 0.031 vs 0.0004),
+# and learned position / token-type embeddings.
+ALWAYS_F32 = re.compile(r"(blk\.\d+\.ffn_gate_inp(_shexp)?|position_embd|token_types)\.weight")
+
+
+def tensor_type(shape: tuple[int, ...], outtype: str, name: str = "") -> Q:
+    if len(shape) <= 1 or name.endswith("_norm.weight") or ALWAYS_F32.fullmatch(name):
+        return Q.F32  # norms (per-head ones are 2-D) and biases stay f32 in every llama.cpp file type
     qtype = OUTTYPES[outtype][0]
-    if qtype == Q.Q8_0 and shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0]:
-        return Q.F16  # rows that are not whole blocks fall back, as llama.cpp does
+    if shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+        return Q.F16  # rows that are not whole blocks fall back, as llama.cpp does (recorded in the report)
     return qtype
 
 
-def plan_tensors(family: Family, hp: HParams, tensors: TensorSource, outtype: str) -> list[Planned]:
-    plan: list[Planned] = []
+_PER_INPUT = {"{xid}": lambda hp: hp.n_experts, "{hid}": lambda hp: hp.n_head, "{kvid}": lambda hp: hp.n_head_kv}
+
+
+def _expand(names: tuple[str, ...], bid: int | None, hp: HParams) -> list[str]:
+    out: list[str] = []
+    for n in names:
+        n = n.replace("{bid}", str(bid)) if bid is not None else n
+        # {xid}: one input per expert; {hid} / {kvid}: one per query / key head (per-head norms, StableLM)
+        key = next((k for k in _PER_INPUT if k in n), None)
+        out += [n.replace(key, str(x)) for x in range(_PER_INPUT[key](hp))] if key else [n]
+    return out
+
+
+def plan_tensors(family: Family, hp: HParams, tensors: TensorSource, outtype: str) -> list[Step]:
+    plan: list[Step] = []
     used: set[str] = set()
     tied = bool(hp.get("tie_word_embeddings", False))
 
-    def take(rule: TensorRule, bid: int | None) -> None:
-        hf = rule.hf.format(bid=bid)
-        name = rule.gguf.format(bid=bid)
-        if hf not in tensors:
-            if rule.optional:
+    def take(rule: Rule, bid: int | None) -> None:
+        if rule.when is not None and bid is not None and not rule.when(hp, bid):
+            return
+        inputs = _expand(rule.inputs, bid, hp)
+        outputs = [o.replace("{bid}", str(bid)) for o in rule.outputs]
+        missing = [n for n in inputs if n not in tensors]
+        if missing:
+            if rule.optional and len(missing) == len(inputs):
                 return
-            raise ModelFormatError(f"missing tensor {hf!r} for {family.name} (needed for {name})")
-        used.add(hf)
-        if hf == "lm_head.weight" and tied:
+            raise ModelFormatError(f"missing tensor {missing[0]!r} for {family.name} (needed for {outputs[0]})")
+        used.update(inputs)
+        if tied and family.tied_output is not None and inputs == [family.tied_output]:
             return  # tied: llama.cpp reuses token_embd; an identical lm_head copy is dropped
-        shape = tuple(tensors.info(hf).shape)
-        plan.append(Planned(name, hf, shape, tensor_type(shape, outtype), rule))
+        in_shapes = [tuple(tensors.info(n).shape) for n in inputs]
+        if rule.transform.stack and len(set(in_shapes)) > 1:
+            raise ModelFormatError(f"{family.name}: the experts of {outputs[0]} differ in shape ({sorted(set(in_shapes))})")
+        try:
+            out_shapes = rule.transform.shapes(in_shapes, hp)
+        except ModelFormatError as e:
+            raise ModelFormatError(f"{inputs[0]}: {e}") from None
+        if len(out_shapes) != len(outputs):
+            raise ModelFormatError(f"{family.name}: rule for {outputs} makes {len(out_shapes)} tensors")
+        plan.append(Step(rule, inputs, [Output(n, s, tensor_type(s, outtype, n)) for n, s in zip(outputs, out_shapes)],
+                         source_bytes=sum(tensors.info(n).nbytes for n in inputs)))
 
-    for rule in family.global_tensors:
-        take(rule, None)
-    if not tied and "lm_head.weight" not in tensors:
-        raise ModelFormatError("lm_head.weight is missing and tie_word_embeddings is false")
+    for rule in family.tensors:
+        if not rule.per_block:
+            take(rule, None)
+    if not tied and family.tied_output is not None and family.tied_output not in tensors:
+        raise ModelFormatError(f"{family.tied_output} is missing and tie_word_embeddings is false")
     for bid in range(hp.n_layers):
-        for rule in family.block_tensors:
-            take(rule, bid)
+        for rule in family.tensors:
+            if rule.per_block:
+                take(rule, bid)
     for name, data in family.extra_tensors(hp).items():
-        plan.append(Planned(name, None, tuple(data.shape), Q.F32, None, data))
+        plan.append(Step(None, [], [Output(name, tuple(data.shape), Q.F32)], data))
+    _keep_output(plan, OUTTYPES[outtype][0])
     leftover = sorted(n for n in tensors if n not in used and not is_ignored(family, n))
     if leftover:
         more = f" and {len(leftover) - 3} more" if len(leftover) > 3 else ""
@@ -108,15 +167,32 @@ def plan_tensors(family: Family, hp: HParams, tensors: TensorSource, outtype: st
     return plan
 
 
-def _check_shapes(plan: list[Planned], hp: HParams) -> None:
-    hidden, vocab = int(hp.require("hidden_size")), int(hp.require("vocab_size"))
-    for p in plan:
-        if p.gguf_name == "token_embd.weight" and p.shape != (vocab, hidden):
-            raise ModelFormatError(f"embedding is {list(p.shape)}, config says vocab_size={vocab}, hidden_size={hidden}")
-        if re.fullmatch(r"blk\.\d+\.attn_q\.weight", p.gguf_name) and p.shape != (hp.n_head * hp.head_dim, hidden):
-            raise ModelFormatError(f"{p.hf_name} is {list(p.shape)}, config implies {[hp.n_head * hp.head_dim, hidden]}")
-        if re.fullmatch(r"blk\.\d+\.attn_k\.weight", p.gguf_name) and p.shape != (hp.n_head_kv * hp.head_dim, hidden):
-            raise ModelFormatError(f"{p.hf_name} is {list(p.shape)}, config implies {[hp.n_head_kv * hp.head_dim, hidden]}")
+def _keep_output(plan: list[Step], wanted: Q) -> None:
+    """The output projection (token_embd when tied) at OUTPUT_KEPT's type for the legacy 4-5 bit outtypes."""
+    if wanted not in OUTPUT_KEPT:
+        return
+    outs = {o.name: o for step in plan for o in step.outputs}
+    head = outs.get("output.weight") or outs.get("token_embd.weight")
+    if head is not None and head.qtype == wanted:
+        head.qtype = OUTPUT_KEPT[wanted]
+
+
+def _check_shapes(plan: list[Step], hp: HParams) -> None:
+    hidden, vocab = hp.hidden, int(hp.require("vocab_size"))
+    expect = {
+        r"token_embd\.weight": (vocab, hidden),
+        r"blk\.\d+\.attn_q\.weight": (hp.n_head * hp.head_dim, hidden),
+        r"blk\.\d+\.attn_k\.weight": (hp.n_head_kv * hp.head_dim, hidden),
+    }
+    for step in plan:
+        for out in step.outputs:
+            for pattern, shape in expect.items():
+                if re.fullmatch(pattern, out.name) and out.shape != shape:
+                    what = step.inputs[0] if step.inputs else out.name
+                    if out.name == "token_embd.weight":
+                        raise ModelFormatError(f"embedding is {list(out.shape)}, config says vocab_size={vocab}, "
+                                               f"hidden_size={hidden}")
+                    raise ModelFormatError(f"{what} is {list(out.shape)}, config implies {list(shape)}")
 
 
 def _encode(data: np.ndarray, qtype: Q) -> np.ndarray:
@@ -139,8 +215,137 @@ def _nonfinite(data: np.ndarray) -> int:
     return int(data.size - np.count_nonzero(np.isfinite(data)))
 
 
+class _TensorWriter:
+    """Writes one tensor's data slice by slice where GGUFWriter.write_tensor_data wants it whole: the same
+    alignment padding before and after, the same bookkeeping (the writer's tensor infos, in order)."""
+
+    def __init__(self, writer: gguf.GGUFWriter, out: Output):
+        file_id = next(i for i, infos in enumerate(writer.tensors) if infos)
+        first = next(iter(writer.tensors[file_id]))
+        if first != out.name:
+            raise RuntimeError(f"GGUF tensor data out of order: writing {out.name}, header expects {first}")
+        self.writer, self.fout = writer, writer.fout[file_id]
+        self.nbytes = writer.tensors[file_id].pop(first).nbytes
+        self.written = 0
+        writer.write_padding(self.fout, self.fout.tell())
+
+    def write(self, encoded: np.ndarray) -> None:
+        encoded.tofile(self.fout)
+        self.written += encoded.nbytes
+
+    def close(self) -> None:
+        if self.written != self.nbytes:
+            raise RuntimeError(f"GGUF tensor data is {self.written} bytes, its header says {self.nbytes}")
+        self.writer.write_padding(self.fout, self.nbytes)
+        self.writer.state = gguf.gguf_writer.WriterState.WEIGHTS
+
+
+def _row_slices(rows: int, row_floats: int) -> Iterator[tuple[int, int]]:
+    step = max(1, SLICE_BYTES // max(1, 4 * row_floats))
+    for lo in range(0, rows, step):
+        yield lo, min(rows, lo + step)
+
+
+def _put(sink: _TensorWriter, data: np.ndarray, out: Output, what: str, model: str) -> None:
+    """Check and encode one slice of an output tensor, then write it."""
+    bad = _nonfinite(data)
+    if bad:
+        # counted in the slice at hand (the first bad one): the rest of the tensor is not read
+        raise ModelFormatError(f"{model}: tensor {what} has {bad} non-finite value(s) (NaN/Inf) out of "
+                               f"{int(np.prod(out.shape))}; refusing to convert corrupt weights")
+    encoded = _encode(data, out.qtype)
+    if out.qtype == Q.F16 and not np.isfinite(encoded).all():
+        # finite bf16/f32 values beyond float16's range (65504) would be written as +-Inf
+        raise ModelFormatError(f"{model}: tensor {what} holds values up to {float(np.abs(data).max()):.4g}, "
+                               "beyond float16's range (65504): use a bf16 or f32 recipe for this model")
+    sink.write(encoded)
+
+
+def _stream_rows(tensors: TensorSource, hf: str, transform, hp: HParams, sink: _TensorWriter, out: Output,
+                 model: str, pb) -> None:
+    """A rowwise transform (or one expert of a stack) through 16 MiB row slices of the mapped source."""
+    info = tensors.info(hf)
+    rows = info.shape[0] if info.shape else 1
+    row_bytes = info.nbytes // rows if rows else 0
+    row_floats = int(np.prod(info.shape[1:])) if len(info.shape) > 1 else 1
+    for lo, hi in _row_slices(rows, row_floats):
+        data = tensors.rows(hf, lo, hi) if info.shape else tensors.float32(hf).reshape(1)
+        data = transform.apply([data], hp)[0]
+        try:
+            _put(sink, data, out, hf, model)
+        finally:
+            del data  # a view of the mmap: released before the pages are dropped
+        tensors.release(hf, lo * row_bytes, hi * row_bytes)
+        pb.update((hi - lo) * row_bytes)
+
+
+def _write_step(step: Step, tensors: TensorSource, hp: HParams, writer: gguf.GGUFWriter, model: str, pb) -> None:
+    rule = step.rule
+    if rule is None:  # computed by the family
+        sink = _TensorWriter(writer, step.outputs[0])
+        _put(sink, step.data, step.outputs[0], step.outputs[0].name, model)
+        sink.close()
+        return
+    if rule.transform.rowwise or rule.transform.stack:
+        sink = _TensorWriter(writer, step.outputs[0])
+        identity = rule.transform if rule.transform.rowwise else _IDENTITY
+        for hf in step.inputs:  # a stack is its experts one after the other
+            _stream_rows(tensors, hf, identity, hp, sink, step.outputs[0], model, pb)
+        sink.close()
+        return
+    arrays = [tensors.float32(n) for n in step.inputs]
+    results = rule.transform.apply(arrays, hp)
+    del arrays
+    for out, data in zip(step.outputs, results):
+        if tuple(data.shape) != out.shape:
+            raise RuntimeError(f"{rule.transform.name} made {out.name} {list(data.shape)}, planned {list(out.shape)}")
+        sink = _TensorWriter(writer, out)
+        if data.ndim <= 1:
+            _put(sink, data, out, step.inputs[0], model)
+        else:  # encoded slice by slice: never a second whole copy
+            flat = data.reshape(-1, data.shape[-1])
+            for lo, hi in _row_slices(flat.shape[0], flat.shape[-1]):
+                _put(sink, flat[lo:hi], out, step.inputs[0], model)
+        sink.close()
+    del results
+    for n in step.inputs:
+        tensors.release(n)
+    pb.update(step.source_bytes)
+
+
+def _add(writer: gguf.GGUFWriter, key: str, value: Any, kind: type) -> None:
+    if kind is bool:
+        writer.add_bool(key, bool(value))
+    elif kind is int:
+        writer.add_uint32(key, int(value))
+    elif kind is float:
+        writer.add_float32(key, float(value))
+    elif kind is list:
+        writer.add_array(key, list(value))  # per-layer values (a sliding-window pattern of bools)
+    else:
+        writer.add_string(key, str(value))
+
+
+def _general_metadata(writer: gguf.GGUFWriter, model_dir: Path, name: str) -> dict[str, Any]:
+    """The general.* keys llama.cpp's converter writes, with its own rules (gguf-py's Metadata: the model
+    card's front matter, then heuristics on the name): basename, finetune, size_label, license, base_model.*,
+    repo_url, ... The name is the model id, as llama.cpp names a model converted from its Hub id."""
+    total, shared, expert, experts = writer.get_total_parameter_count()
+    meta = gguf.Metadata.load(None, model_dir, None, total)
+    meta.name = name
+    if meta.size_label is None and total > 0:
+        meta.size_label = gguf.size_label(total, shared, expert, experts)
+    writer.add_type(gguf.GGUFType.MODEL)
+    meta.set_gguf_meta_model(writer)
+    return {k: v for k, v in vars(meta).items() if v not in (None, [], {})}
+
+
 def convert(model_dir: Path, cfg: dict[str, Any], safetensors: list[Path], out_path: Path, outtype: str,
-            *, name: str, options: dict[str, Any] | None = None) -> ConvertReport:
+            *, name: str, options: dict[str, Any] | None = None,
+            provenance: dict[str, str] | None = None, split_max_bytes: int = 0) -> ConvertReport:
+    """HF safetensors -> one GGUF file, or llama.cpp-loadable shards `<stem>-0000i-of-0000n.gguf` of at most
+    `split_max_bytes` of tensor data each (the report's `files`; llama.cpp loads them all from the first).
+    `provenance` (source commit, build id) is written as `hive_aot.*` keys."""
     if outtype not in OUTTYPES:
         raise ModelFormatError(f"GGUF outtype {outtype!r} is not written directly (use one of {', '.join(OUTTYPES)})")
     options = options or {}
@@ -153,65 +358,54 @@ def convert(model_dir: Path, cfg: dict[str, Any], safetensors: list[Path], out_p
     arch = (tcfg.get("architectures") or [None])[0]
     family = family_for(arch)
     hp = HParams(tcfg)
+    key_values = family.key_values(hp)
     vocab = build_vocab(model_dir, int(hp.require("vocab_size")), options)
     with TensorSource(safetensors) as tensors:
         plan = plan_tensors(family, hp, tensors, outtype)
-        writer = gguf.GGUFWriter(str(out_path), family.gguf_arch)
+        outputs = [o for step in plan for o in step.outputs]
+        writer = gguf.GGUFWriter(str(out_path), family.gguf_arch, split_max_size=split_max_bytes)
         started = False
         try:
-            writer.add_name(name)
+            for o in outputs:
+                raw = o.qtype not in (Q.F32, Q.F16)
+                byte_shape = gguf.quant_shape_to_byte_shape(o.shape, o.qtype) if raw else o.shape
+                nbytes = int(np.prod(byte_shape)) * {Q.F32: 4, Q.F16: 2}.get(o.qtype, 1)
+                np_dtype = {Q.F32: np.float32, Q.F16: np.float16}.get(o.qtype, np.uint8)
+                writer.add_tensor_info(o.name, byte_shape, np.dtype(np_dtype), nbytes, raw_dtype=o.qtype if raw else None)
+            general = _general_metadata(writer, model_dir, name)
+            for key, (value, kind) in key_values.items():
+                _add(writer, key, value, kind)
             writer.add_file_type(int(OUTTYPES[outtype][1]))
-            if OUTTYPES[outtype][0] not in (Q.F32, Q.F16, Q.BF16):
-                writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-            family.write_hparams(writer, hp)
+            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
             write_vocab(writer, vocab, model_dir)
-            for p in plan:
-                byte_shape = gguf.quant_shape_to_byte_shape(p.shape, p.qtype) if p.qtype not in (Q.F32, Q.F16) else p.shape
-                item = {Q.F32: 4, Q.F16: 2}.get(p.qtype, 1)
-                nbytes = int(np.prod(byte_shape)) * item
-                np_dtype = {Q.F32: np.float32, Q.F16: np.float16}.get(p.qtype, np.uint8)
-                writer.add_tensor_info(p.gguf_name, byte_shape, np.dtype(np_dtype), nbytes,
-                                       raw_dtype=None if p.qtype in (Q.F32, Q.F16) else p.qtype)
+            for key, value in sorted((provenance or {}).items()):
+                writer.add_string(f"hive_aot.{key}", value)
             started = True  # from here on out_path holds our partial output
-            writer.write_header_to_file(path=str(out_path))
+            writer.write_header_to_file(path=out_path)
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
-            total = sum(tensors.info(p.hf_name).nbytes for p in plan if p.hf_name)
+            total = sum(step.source_bytes for step in plan)
             with bar(total, f"gguf {outtype}") as pb:
-                for p in plan:
-                    if p.hf_name is None:
-                        data = p.data
-                    else:
-                        data = tensors.float32(p.hf_name)
-                        if p.rule is not None and p.rule.transform is not None:
-                            data = p.rule.transform(data, hp)
-                        pb.update(tensors.info(p.hf_name).nbytes)
-                    bad = _nonfinite(data)
-                    if bad:
-                        size = data.size
-                        del data  # may be a view of the mmap, which cannot close while a traceback holds it
-                        raise ModelFormatError(f"{name}: tensor {p.hf_name or p.gguf_name} has {bad} non-finite value(s) "
-                                               f"(NaN/Inf) out of {size}; refusing to convert corrupt weights")
-                    encoded = _encode(data, p.qtype)
-                    if p.qtype == Q.F16 and not np.isfinite(encoded).all():
-                        # finite bf16/f32 values beyond float16's range (65504) would be written as +-Inf
-                        peak = float(np.abs(data).max())
-                        del data, encoded
-                        raise ModelFormatError(f"{name}: tensor {p.hf_name or p.gguf_name} holds values up to {peak:.4g}, "
-                                               "beyond float16's range (65504): use a bf16 or f32 recipe for this model")
-                    writer.write_tensor_data(encoded)
-                    del data, encoded
-                    if p.hf_name is not None:
-                        tensors.release(p.hf_name)
+                for step in plan:
+                    _write_step(step, tensors, hp, writer, name, pb)
         except BaseException:
             # Never leave a half-written GGUF behind: a caller (or a later publish) could take it for a model.
             writer.close()
             if started:
-                out_path.unlink(missing_ok=True)
+                for path in writer.format_shard_names(out_path):
+                    path.unlink(missing_ok=True)
             raise
         writer.close()
+        files = [p.name for p in writer.format_shard_names(out_path)]
         return ConvertReport(
-            architecture=arch, gguf_arch=family.gguf_arch, outtype=outtype, tensors=len(plan),
-            tensor_types=dict(Counter(p.qtype.name for p in plan)), parameters=tensors.parameters,
-            vocab=vocab.info,
+            architecture=arch, gguf_arch=family.gguf_arch, family=family.name, outtype=outtype, tensors=len(outputs),
+            tensor_types=dict(Counter(o.qtype.name for o in outputs)), parameters=tensors.parameters,
+            vocab=vocab.info, metadata={k: v for k, v in general.items() if k != "name"},
+            fallbacks=_fallbacks(outputs, OUTTYPES[outtype][0]), files=files,
         )
+
+
+def _fallbacks(outputs: list[Output], wanted: Q) -> dict[str, int]:
+    counts = Counter(f"{wanted.name}->{o.qtype.name}" for o in outputs
+                     if len(o.shape) > 1 and o.qtype not in (wanted, OUTPUT_KEPT.get(wanted)))
+    return dict(sorted(counts.items()))

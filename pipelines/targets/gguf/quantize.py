@@ -21,10 +21,12 @@ from ...errors import HiveError
 # Names as in llama.cpp's LLAMA_FTYPE_MOSTLY_*; values are its enum.
 FTYPES = {
     "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13,
-    "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "TQ1_0": 36,
-    "TQ2_0": 37,
+    "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "IQ2_XXS": 19, "IQ2_XS": 20, "Q2_K_S": 21,
+    "IQ3_XS": 22, "IQ3_XXS": 23, "IQ1_S": 24, "IQ4_NL": 25, "IQ3_S": 26, "IQ3_M": 27, "IQ2_S": 28, "IQ2_M": 29,
+    "IQ4_XS": 30, "IQ1_M": 31, "TQ1_0": 36, "TQ2_0": 37,
 }
-# These need an importance matrix, which the Python bindings cannot compute.
+# llama.cpp refuses these without an importance matrix (its quantizer's own list): hive-aot computes one
+# (imatrix.py) when the recipe sets `imatrix: calibration`.
 NEEDS_IMATRIX = {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M", "IQ3_XXS", "Q2_K_S"}
 
 # llama-quant.cpp: "warning: <tensor> - ncols <n> not divisible by <k> (required for type <t>) [(WARNING: must
@@ -35,18 +37,22 @@ _TOTAL = re.compile(r"(\d+) of (\d+) tensor\(s\) required fallback quantization"
 GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT = 4, 5
 
 
-def quantize(src: Path, dst: Path, ftype: str, *, step: str | None = None, threads: int | None = None) -> dict[str, Any]:
-    """Quantize src to dst; returns {"tensors": n, "fallbacks": [{"from", "to", "tensors"}]} and prints one line."""
+def quantize(src: Path, dst: Path, ftype: str, *, step: str | None = None, threads: int | None = None,
+             imatrix: Path | None = None, keep_split: bool = False) -> dict[str, Any]:
+    """Quantize src to dst (weighted by the importance matrix file `imatrix` when given); returns
+    {"tensors": n, "fallbacks": [{"from", "to", "tensors"}]} and prints one line. `keep_split`: src is the
+    first shard of a split GGUF and dst is written as the same shards, `<dst stem>-0000i-of-0000n.gguf`."""
     from ...isolation import run_isolated
 
     name = ftype.upper()
-    if name in NEEDS_IMATRIX:
-        raise HiveError(f"{name} needs an importance matrix, which hive-aot does not compute yet")
     if name not in FTYPES:
         raise HiveError(f"unknown llama.cpp file type {ftype!r} (known: {', '.join(sorted(FTYPES))})")
+    if name in NEEDS_IMATRIX and imatrix is None:
+        raise HiveError(f"{name} needs an importance matrix: set the recipe option imatrix: calibration")
     summary = run_isolated("pipelines.targets.gguf.quantize:quantize_here", engine="llama.cpp",
                            step=step or f"{name} quantization of {src.name}",
-                           src=str(src), dst=str(dst), name=name, threads=threads or os.cpu_count() or 1)
+                           src=str(src), dst=str(dst), name=name, threads=threads or os.cpu_count() or 1,
+                           imatrix=str(imatrix) if imatrix else None, keep_split=keep_split)
     if summary["fallbacks"]:
         n = sum(f["tensors"] for f in summary["fallbacks"])
         kinds = ", ".join(f"{f['from']}->{f['to']} x{f['tensors']}" for f in summary["fallbacks"])
@@ -55,7 +61,8 @@ def quantize(src: Path, dst: Path, ftype: str, *, step: str | None = None, threa
     return summary
 
 
-def quantize_here(src: str, dst: str, name: str, threads: int) -> dict[str, Any]:
+def quantize_here(src: str, dst: str, name: str, threads: int, imatrix: str | None = None,
+                  keep_split: bool = False) -> dict[str, Any]:
     """Runs in the child: libllama's quantizer with its log captured instead of printed."""
     import llama_cpp
 
@@ -77,10 +84,21 @@ def quantize_here(src: str, dst: str, name: str, threads: int) -> dict[str, Any]
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FTYPES[name]
     params.nthread = threads
-    rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params))
+    params.keep_split = keep_split
+    # llama.cpp names shards `<prefix>-0000i-of-0000n.gguf` from the output name it is given
+    target = str(Path(dst).with_suffix("")) if keep_split else dst
+    if imatrix:
+        from .imatrix import as_quantize_param, load
+
+        entries, _keep = as_quantize_param(load(Path(imatrix)))  # _keep: the arrays the entries point into
+        params.imatrix = entries
+    rc = llama_cpp.llama_model_quantize(src.encode(), target.encode(), ctypes.byref(params))
+    written = sorted(Path(dst).parent.glob(Path(dst).stem + "-*-of-*.gguf")) if keep_split else [Path(dst)]
     if errors:
         sys.stderr.write("".join(errors))
-    if rc != 0 or not Path(dst).is_file():
+    if rc != 0 or not written or not all(p.is_file() for p in written):
+        for p in written:
+            p.unlink(missing_ok=True)
         from ...memory import disk_full_error, out_of_space
 
         full = out_of_space(Path(dst).parent)  # llama.cpp says only "iostream error"
@@ -96,4 +114,5 @@ def quantize_here(src: str, dst: str, name: str, threads: int) -> dict[str, Any]
     return {
         "tensors": int(total.group(2)) if total else None,
         "fallbacks": [{"from": a, "to": b, "tensors": n} for (a, b), n in sorted(counts.items())],
+        "files": [p.name for p in written],
     }

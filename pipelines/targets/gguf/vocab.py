@@ -217,6 +217,80 @@ def _spm_vocab(model_dir: Path, vocab_size: int) -> Vocab:
                  info={"tokenizer": "sentencepiece", "size": vocab_size, "add_space_prefix": add_prefix})
 
 
+def _byte_fallback_bpe_vocab(spec: dict[str, Any], vocab_size: int) -> Vocab:
+    """A SentencePiece-style BPE shipped as tokenizer.json only (Phi-3 style: byte fallback, `▁` for spaces)
+    -> llama.cpp's `llama` (SentencePiece) vocabulary.
+
+    llama.cpp's SentencePiece tokenizer merges, at each step, the adjacent pair whose concatenation is the
+    vocabulary piece of highest score; HF's BPE applies the lowest-ranked merge present. Scoring each piece
+    -rank of the merge that first produces it makes the two agree (pieces no merge produces keep 0: they
+    are only ever single characters). Token-id parity against the HF tokenizer, part of every validation,
+    checks it on real text.
+    """
+    model = spec["model"]
+    pieces: dict[str, int] = model.get("vocab") or {}
+    merges = model.get("merges") or []
+    if not pieces or not merges:
+        raise ModelFormatError("byte-fallback BPE tokenizer.json has no vocab or no merges")
+    score = merge_scores(merges)
+    added = {a["id"]: a for a in spec.get("added_tokens", [])}
+    top = max(list(pieces.values()) + list(added))
+    if top >= vocab_size:
+        raise ModelFormatError(f"tokenizer has ids up to {top} but config vocab_size is {vocab_size}")
+    by_id = {i: t for t, i in pieces.items()}
+    unk = model.get("unk_token")
+    tokens, scores, types = [], [], []
+    for i in range(vocab_size):
+        if i in added:
+            a = added[i]
+            tokens.append(a["content"])
+            scores.append(-1000.0)
+            kind = gguf.TokenType.UNKNOWN if a["content"] == unk else (
+                gguf.TokenType.CONTROL if a.get("special") else gguf.TokenType.USER_DEFINED)
+            types.append(kind)
+        elif i in by_id:
+            t = by_id[i]
+            tokens.append(t)
+            scores.append(score.get(t, 0.0))
+            types.append(gguf.TokenType.UNKNOWN if t == unk else gguf.TokenType.BYTE if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", t)
+                         else gguf.TokenType.NORMAL)
+        else:
+            tokens.append(f"[PAD{i}]")
+            scores.append(-1000.0)
+            types.append(gguf.TokenType.UNUSED)
+    prefix = _prepends_space(spec)
+    return Vocab("llama", "default", tokens, scores, types, merges=False,
+                 info={"tokenizer": "bpe-byte-fallback", "size": vocab_size, "add_space_prefix": prefix,
+                       "scores": "-merge rank"})
+
+
+def merge_scores(merges: list) -> dict[str, float]:
+    """piece -> -rank of the first merge that produces it (tokenizer.json writes merges as "a b" or [a, b])."""
+    score: dict[str, float] = {}
+    for rank, merge in enumerate(merges):
+        a, b = merge.split(" ", 1) if isinstance(merge, str) else merge
+        score.setdefault(a + b, -float(rank))
+    return score
+
+
+def _prepends_space(spec: dict[str, Any]) -> bool:
+    """Whether the tokenizer adds `▁` before the text (SentencePiece's add_dummy_prefix): a Prepend("▁")
+    normalizer, or a Metaspace pre-tokenizer whose prepend scheme is not "never"."""
+    def walk(node: Any) -> list[dict[str, Any]]:
+        if not isinstance(node, dict):
+            return []
+        inner = node.get("normalizers") or node.get("pretokenizers") or []
+        return [node] + [n for child in inner for n in walk(child)]
+
+    for node in walk(spec.get("normalizer")):
+        if node.get("type") == "Prepend" and node.get("prepend") == "\u2581":
+            return True
+    for node in walk(spec.get("pre_tokenizer")):
+        if node.get("type") == "Metaspace":
+            return node.get("prepend_scheme", "always" if node.get("add_prefix_space", True) else "never") != "never"
+    return False
+
+
 def _proto_fields(buf: bytes):
     """(field number, wire type, value) of one protobuf message: ints for varints, bytes for LEN fields."""
     i, n = 0, len(buf)
@@ -282,7 +356,7 @@ def build_vocab(model_dir: Path, vocab_size: int, options: dict[str, Any]) -> Vo
     if model_type != "BPE":
         raise ModelFormatError(f"tokenizer.json model type {model_type!r} is not supported for GGUF yet (BPE, SentencePiece)")
     if spec["model"].get("byte_fallback"):
-        raise ModelFormatError("byte-fallback BPE without tokenizer.model is not supported for GGUF yet")
+        return _byte_fallback_bpe_vocab(spec, vocab_size)
     if not spec["model"].get("merges"):
         # Checked first: without merges the pre-tokenizer check hash is meaningless and llama.cpp cannot load the vocab.
         raise ModelFormatError("BPE tokenizer.json has no merges: llama.cpp cannot load a BPE vocabulary without them")

@@ -1,0 +1,47 @@
+"""Every GGUF family, one module each: a module of this package that defines `FAMILY` (or `FAMILIES`) is
+registered. Adding a family is adding a module; nothing else lists them."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+
+from ....errors import ModelFormatError
+from .spec import Family, HParams, Rule
+
+_NOT_FAMILIES = {"spec"}
+
+
+def _discover() -> tuple[Family, ...]:
+    found: list[Family] = []
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name in _NOT_FAMILIES or info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        found += [module.FAMILY] if hasattr(module, "FAMILY") else list(getattr(module, "FAMILIES", ()))
+    return tuple(found)
+
+
+FAMILIES: tuple[Family, ...] = _discover()
+BY_ARCHITECTURE: dict[str, Family] = {}
+for _family in FAMILIES:
+    for _arch in _family.architectures:
+        if _arch in BY_ARCHITECTURE:
+            raise RuntimeError(f"{_arch} is declared by GGUF families {BY_ARCHITECTURE[_arch].name} and {_family.name}")
+        BY_ARCHITECTURE[_arch] = _family
+
+
+def family_for(architecture: str | None) -> Family:
+    try:
+        return BY_ARCHITECTURE[architecture or ""]
+    except KeyError:
+        supported = ", ".join(sorted(BY_ARCHITECTURE))
+        raise ModelFormatError(f"no GGUF converter for {architecture} (supported: {supported})") from None
+
+
+def is_ignored(family: Family, name: str) -> bool:
+    return any(re.fullmatch(p, name) for p in family.ignored)
+
+
+__all__ = ["BY_ARCHITECTURE", "FAMILIES", "Family", "HParams", "Rule", "family_for", "is_ignored"]

@@ -1,0 +1,315 @@
+"""The vocabulary of GGUF family declarations: hyper-parameters, tensor rules, transforms.
+
+A family (one module per family in this package) is data: which config values become which GGUF keys
+(`Param`), and which HF tensors become which GGUF tensors (`Rule`: several sources -> several targets
+through one small `Transform`). The streaming engine (`..convert`) plans every tensor from the
+safetensors headers with `Transform.shapes`, then runs `Transform.apply` one rule at a time; a rowwise
+transform is applied to row slices, so a 2 GB embedding never exists in float32 at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import gguf
+import numpy as np
+
+from ....errors import ModelFormatError
+
+T = gguf.MODEL_TENSOR
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class HParams:
+    """The config values a family needs, read once from config.json (transformers 4 and 5 spellings)."""
+
+    cfg: dict[str, Any]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.cfg.get(key, default)
+
+    def find(self, *keys: str, default: Any = None) -> Any:
+        """The first of `keys` the config sets (families spell one value several ways: n_embd, hidden_size)."""
+        for key in keys:
+            if self.cfg.get(key) is not None:
+                return self.cfg[key]
+        return default
+
+    def require(self, *keys: str) -> Any:
+        value = self.find(*keys)
+        if value is None:
+            raise ModelFormatError(f"config.json has no {' / '.join(keys)}")
+        return value
+
+    @property
+    def hidden(self) -> int:
+        return int(self.require("hidden_size", "n_embd", "d_model"))
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.require("num_hidden_layers", "n_layer", "num_layers"))
+
+    @property
+    def n_head(self) -> int:
+        return int(self.require("num_attention_heads", "n_head"))
+
+    @property
+    def n_head_kv(self) -> int:
+        return int(self.find("num_key_value_heads", "num_kv_heads", "n_head_kv", default=self.n_head))
+
+    @property
+    def head_dim(self) -> int:
+        return int(self.get("head_dim") or self.hidden // self.n_head)
+
+    @property
+    def n_experts(self) -> int:
+        return int(self.require("num_local_experts", "num_experts"))
+
+    @property
+    def rope(self) -> dict[str, Any]:
+        """rope_theta, scaling and partial_rotary_factor: transformers 5 nests them in rope_parameters."""
+        for key in ("rope_parameters", "rope_scaling"):
+            # `check` refuses these too; a direct convert() must still fail in one line, not on dict("linear").
+            if self.get(key) is not None and not isinstance(self.get(key), dict):
+                raise ModelFormatError(f"config.json {key} must be an object, not {type(self.get(key)).__name__}")
+        params = dict(self.get("rope_parameters") or {})
+        if "full_attention" in params and isinstance(params["full_attention"], dict):
+            params = dict(params["full_attention"])  # per-layer-type rope (Gemma 3): the global layers'
+        scaling = self.get("rope_scaling") or {}
+        out = {**scaling, **params}
+        out.setdefault("rope_theta", self.find("rope_theta", "rotary_emb_base", default=10000.0))
+        out.setdefault("partial_rotary_factor", self.get("partial_rotary_factor", 1.0))
+        out["rope_type"] = out.get("rope_type") or out.get("type") or "default"
+        return out
+
+
+# --- hyper-parameters --------------------------------------------------------------------------------
+
+Source = tuple[str, ...] | Callable[[HParams], Any]
+
+
+@dataclass(frozen=True)
+class Param:
+    """One GGUF key (`{arch}` filled in) from the first config key that is set, or computed from the config.
+    A value of None (from a function, or no config key set) writes nothing, or is an error if `required`;
+    in a family's own params it also drops the generic key of that name."""
+
+    key: str
+    source: Source
+    kind: type = int
+    required: bool = False
+
+    def value(self, hp: HParams) -> Any:
+        value = self.source(hp) if callable(self.source) else hp.find(*self.source)
+        if value is None:
+            if self.required:
+                what = "a value" if callable(self.source) else " / ".join(self.source)
+                raise ModelFormatError(f"config.json has no {what} (needed for {self.key.format(arch='<arch>')})")
+            return None
+        if self.kind is int and (isinstance(value, bool) or int(value) != value):
+            raise ModelFormatError(f"config value for {self.key.format(arch='<arch>')} must be an integer, not {value!r}")
+        return self.kind(value)
+
+
+def param(key: str, *source: str, kind: type = int, required: bool = False) -> Param:
+    return Param(key, tuple(source), kind, required)
+
+
+def derived(key: str, fn: Callable[[HParams], Any], kind: type = int) -> Param:
+    return Param(key, fn, kind)
+
+
+K, A, R = gguf.Keys.LLM, gguf.Keys.Attention, gguf.Keys.Rope
+
+# What llama.cpp's converter writes for every text model when the config has it (the same config spellings).
+GENERIC: tuple[Param, ...] = (
+    derived(K.BLOCK_COUNT, lambda hp: hp.n_layers),
+    param(K.CONTEXT_LENGTH, "max_position_embeddings", "n_ctx", "n_positions", "max_length", "max_sequence_length",
+          "model_max_length"),
+    param(K.EMBEDDING_LENGTH, "hidden_size", "n_embd", "dim"),
+    param(K.FEED_FORWARD_LENGTH, "intermediate_size", "n_inner", "hidden_dim"),
+    param(A.HEAD_COUNT, "num_attention_heads", "n_head", "n_heads"),
+    param(A.HEAD_COUNT_KV, "num_key_value_heads", "n_kv_heads"),
+    param(A.LAYERNORM_RMS_EPS, "rms_norm_eps", "norm_eps", kind=float),
+    param(A.LAYERNORM_EPS, "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon", kind=float),
+    param(K.EXPERT_COUNT, "num_local_experts", "num_experts", "n_routed_experts"),
+    param(K.EXPERT_USED_COUNT, "num_experts_per_tok", "num_experts_per_token", "top_k_experts"),
+    param(A.KEY_LENGTH, "head_dim"),
+    param(A.VALUE_LENGTH, "head_dim"),
+)
+
+
+def rope_params(hp: HParams) -> list[tuple[str, Any, type]]:
+    """(key, value, kind) of the rope scaling keys (llama.cpp's names), or a one-line refusal."""
+    rope = hp.rope
+    kind = rope["rope_type"]
+    out: list[tuple[str, Any, type]] = [(R.FREQ_BASE, rope["rope_theta"], float)]
+    if kind == "linear":
+        out += [(R.SCALING_TYPE, gguf.RopeScalingType.LINEAR.value, str), (R.SCALING_FACTOR, rope["factor"], float)]
+    elif kind == "yarn":
+        out += [(R.SCALING_TYPE, gguf.RopeScalingType.YARN.value, str), (R.SCALING_FACTOR, rope["factor"], float),
+                (R.SCALING_ORIG_CTX_LEN, rope["original_max_position_embeddings"], int)]
+        for key, names in ((R.SCALING_YARN_EXT_FACTOR, ("extrapolation_factor",)),
+                           (R.SCALING_YARN_ATTN_FACTOR, ("attention_factor", "attn_factor")),
+                           (R.SCALING_YARN_BETA_FAST, ("beta_fast",)), (R.SCALING_YARN_BETA_SLOW, ("beta_slow",))):
+            value = next((rope[n] for n in names if rope.get(n) is not None), None)
+            if value is not None:
+                out.append((key, value, float))
+    elif kind not in ("default", "llama3"):  # llama3's scaling is the rope_freqs tensor (llama.py)
+        raise ModelFormatError(f"rope scaling type {kind!r} is not supported for GGUF yet")
+    return out
+
+
+def rotary_dims(hp: HParams) -> int:
+    """Rotary dimensions per head: all of head_dim unless a partial rotary factor (Phi, StableLM, NeoX) says less."""
+    return int(hp.head_dim * float(hp.rope["partial_rotary_factor"]))
+
+
+# --- tensors -------------------------------------------------------------------------------------------
+
+Arrays = list[np.ndarray]
+
+
+@dataclass(frozen=True)
+class Transform:
+    """Source tensors -> GGUF tensors. `shapes` gives the output shapes from the input shapes (planning
+    happens before data is read); `apply` computes them in float32. `rowwise`: one input, one output of
+    the same shape, and row r of the output depends only on row r of the input, so the engine streams it
+    in row slices. `stack`: the inputs are stacked along a new first axis (MoE experts), which the engine
+    writes input by input."""
+
+    name: str
+    apply: Callable[[Arrays, HParams], Arrays]
+    shapes: Callable[[list[Shape], HParams], list[Shape]]
+    rowwise: bool = False
+    stack: bool = False
+
+
+def _same_shape(shapes: list[Shape], hp: HParams) -> list[Shape]:
+    return [shapes[0]]
+
+
+def elementwise(name: str, fn: Callable[[np.ndarray, HParams], np.ndarray]) -> Transform:
+    """A transform of each value on its own (a scale, an offset): streamed in row slices."""
+    return Transform(name, lambda xs, hp: [fn(xs[0], hp)], _same_shape, rowwise=True)
+
+
+def reshaped(name: str, fn: Callable[[np.ndarray, HParams], np.ndarray]) -> Transform:
+    """A whole-tensor transform that keeps the shape (a permutation of rows)."""
+    return Transform(name, lambda xs, hp: [fn(xs[0], hp)], _same_shape)
+
+
+IDENTITY = elementwise("identity", lambda x, hp: x)
+STACK = Transform("stack", lambda xs, hp: [np.stack(xs)], lambda s, hp: [(len(s), *s[0])], stack=True)
+TRANSPOSE = Transform("transpose", lambda xs, hp: [np.ascontiguousarray(xs[0].T)], lambda s, hp: [tuple(reversed(s[0]))])
+PLUS_ONE = elementwise("plus_one", lambda x, hp: x + np.float32(1.0))  # norms stored as w where the model uses 1 + w
+
+
+def split_rows(name: str, sizes: Callable[[HParams], Sequence[int]]) -> Transform:
+    """One fused tensor -> several, split along the first axis (qkv_proj -> q, k, v)."""
+
+    def apply(xs: Arrays, hp: HParams) -> Arrays:
+        return [np.ascontiguousarray(x) for x in np.split(xs[0], np.cumsum(sizes(hp))[:-1], axis=0)]
+
+    def shapes(s: list[Shape], hp: HParams) -> list[Shape]:
+        parts = list(sizes(hp))
+        if sum(parts) != s[0][0]:
+            raise ModelFormatError(f"a fused tensor of {s[0][0]} rows cannot be split into {parts}")
+        return [(n, *s[0][1:]) for n in parts]
+
+    return Transform(name, apply, shapes)
+
+
+def then(first: Transform, *more: Callable[[Arrays, HParams], Arrays]) -> Transform:
+    """`first`, then shape-preserving steps on its outputs (split qkv, then permute q and k)."""
+
+    def apply(xs: Arrays, hp: HParams) -> Arrays:
+        out = first.apply(xs, hp)
+        for step in more:
+            out = step(out, hp)
+        return out
+
+    return Transform(first.name + "+" + "+".join(getattr(m, "__name__", "step") for m in more), apply, first.shapes)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """GGUF tensors `outputs` from HF tensors `inputs` through `transform`. Names may hold `{bid}` (the block);
+    an input holding `{xid}` stands for one tensor per expert, in order. `optional`: skipped (with all its
+    outputs) when an input is absent. `when(hp, bid)`: the rule applies to that block only if true."""
+
+    outputs: tuple[str, ...]
+    inputs: tuple[str, ...]
+    transform: Transform = IDENTITY
+    optional: bool = False
+    when: Callable[[HParams, int], bool] | None = None
+
+    @property
+    def per_block(self) -> bool:
+        return any("{bid}" in n for n in self.outputs + self.inputs)
+
+
+def name(t: gguf.MODEL_TENSOR, suffix: str = "weight") -> str:
+    return f"{gguf.TENSOR_NAMES[t]}.{suffix}"
+
+
+def tensor(t: gguf.MODEL_TENSOR, hf: str, transform: Transform = IDENTITY, *, suffix: str = "weight",
+           optional: bool = False, when: Callable[[HParams, int], bool] | None = None) -> Rule:
+    """The common case: one HF tensor -> one GGUF tensor."""
+    return Rule((name(t, suffix),), (hf,), transform, optional, when)
+
+
+def weight_and_bias(t: gguf.MODEL_TENSOR, hf_prefix: str, transform: Transform = IDENTITY, *,
+                    bias_optional: bool = False, bias_transform: Transform | None = None) -> tuple[Rule, ...]:
+    """`<prefix>.weight` and `<prefix>.bias` (layer norms, biased linears)."""
+    return (tensor(t, f"{hf_prefix}.weight", transform),
+            tensor(t, f"{hf_prefix}.bias", bias_transform or transform, suffix="bias", optional=bias_optional))
+
+
+def experts(t: gguf.MODEL_TENSOR, hf: str, *, when: Callable[[HParams, int], bool] | None = None) -> Rule:
+    """Per-expert HF tensors (`hf` holds `{xid}`) stacked into one GGUF tensor [experts, rows, cols]."""
+    return Rule((name(t),), (hf,), STACK, when=when)
+
+
+def no_extra(hp: HParams) -> dict[str, np.ndarray]:
+    return {}
+
+
+def accept(hp: HParams) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Family:
+    """One llama.cpp architecture and the HF architectures converted to it."""
+
+    name: str
+    gguf_arch: str
+    architectures: tuple[str, ...]
+    tensors: tuple[Rule, ...]
+    params: tuple[Param, ...] = ()  # after GENERIC, overriding keys it also sets
+    rope: bool = True  # write rope_params (freq base, scaling)
+    extra_tensors: Callable[[HParams], dict[str, np.ndarray]] = no_extra  # computed tensors (rope_freqs)
+    ignored: tuple[str, ...] = field(default=())  # regexes of HF tensors deliberately unused
+    check: Callable[[HParams], None] = accept  # refuses configs llama.cpp cannot run for this architecture
+    tied_output: str | None = "lm_head.weight"  # dropped when tie_word_embeddings (llama.cpp reuses token_embd)
+    block_prefix: str = "model.layers"  # HF module list of the blocks (for the "unmapped tensors" check)
+
+    def key_values(self, hp: HParams) -> dict[str, tuple[Any, type]]:
+        """Every GGUF hyper-parameter key of this family for this config, in writing order."""
+        self.check(hp)
+        out: dict[str, tuple[Any, type]] = {}
+        for p in GENERIC:
+            if (value := p.value(hp)) is not None:
+                out[p.key.format(arch=self.gguf_arch)] = (value, p.kind)
+        for p in self.params:  # a family's own value replaces the generic one; None drops the key
+            key, value = p.key.format(arch=self.gguf_arch), p.value(hp)
+            out.pop(key, None)
+            if value is not None:
+                out[key] = (value, p.kind)
+        if self.rope:
+            for key, value, kind in rope_params(hp):
+                out[key.format(arch=self.gguf_arch)] = (kind(value) if kind is not str else value, kind)
+        return out

@@ -1,0 +1,154 @@
+"""Importance matrix: how strongly each input column of every matrix is used, from a calibration text.
+
+For each weight matrix W (GGUF rows = output features, columns = input features), the matrix is the sum
+over calibration tokens of x_j^2 for the activations x that multiply W, with the token count: exactly
+what llama.cpp's quantizer weighs its rounding error by (IQ types need it; other k-quants improve with
+it). Computed here with the transformers model itself (the streamed fp32 reference, one layer resident),
+by forward pre-hooks on the modules whose weights the GGUF family maps to matrices, and stored in
+llama.cpp's imatrix GGUF layout (`<tensor>.in_sum2` [columns x matrices], `<tensor>.counts`), so
+`llama-quantize --imatrix` reads it too. Stacked MoE experts get one row of sums per expert from the
+tokens routed to it only where transformers runs experts as modules; fused expert parameters (transformers
+5's MoE layers) are not hooked and have no entry (the IQ types then refuse that model, saying so).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ...errors import HiveError, ModelFormatError
+
+CHUNK_TOKENS = 256  # tokens per calibration sequence (llama.cpp's imatrix uses n_ctx chunks the same way)
+
+
+def calibration_text() -> str:
+    return resources.files(__package__).joinpath("data/calibration.txt").read_text(encoding="utf-8")
+
+
+def matrix_sources(model_dir: Path, cfg: dict[str, Any], files: list[Path]) -> dict[str, list[str]]:
+    """GGUF matrix name -> the HF weight(s) it is made from (several: stacked experts), from headers only."""
+    from ...safetensors_io import TensorSource
+    from .convert import plan_tensors, text_config
+    from .families import HParams, family_for
+
+    tcfg = text_config(cfg)
+    family = family_for((tcfg.get("architectures") or [None])[0])
+    hp = HParams(tcfg)
+    with TensorSource(files) as tensors:
+        plan = plan_tensors(family, hp, tensors, "f16")
+    out: dict[str, list[str]] = {}
+    for step in plan:
+        for o in step.outputs:
+            if len(o.shape) >= 2 and step.inputs and not o.name.startswith("token_embd"):
+                out[o.name] = list(step.inputs) if step.rule is not None and step.rule.transform.stack else [step.inputs[0]]
+    return out
+
+
+def compute_here(model_dir: str, files: list[str], out_path: str, sources: dict[str, list[str]],
+                 sequences: list[list[int]], dataset: str) -> dict[str, Any]:
+    """Runs in a child process (torch): hook, run the calibration sequences, write the imatrix GGUF."""
+    import gguf
+    import torch
+
+    from ...streamed_model import StreamedCausalLM
+
+    wanted = {hf for names in sources.values() for hf in names}
+    sums: dict[str, torch.Tensor] = {}
+    counts: dict[str, int] = {}
+    with StreamedCausalLM(Path(model_dir), [Path(f) for f in files]) as lm:
+        hooked = 0
+        for path, module in lm.model.named_modules():
+            rule = lm.rules.get(f"{path}.weight")
+            if rule is None or len(rule.sources) != 1 or rule.sources[0] not in wanted:
+                continue
+            hf = rule.sources[0]
+
+            def hook(_module, args, hf=hf):
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+                sums[hf] = sums[hf] + (x * x).sum(0) if hf in sums else (x * x).sum(0)
+                counts[hf] = counts.get(hf, 0) + x.shape[0]
+
+            module.register_forward_pre_hook(hook)
+            hooked += 1
+        for seq in sequences:
+            lm.logits(seq)
+    writer = gguf.GGUFWriter(out_path, arch="imatrix")
+    writer.add_type("imatrix")
+    writer.add_array(gguf.Keys.IMatrix.DATASETS, [dataset])
+    writer.add_uint32(gguf.Keys.IMatrix.CHUNK_COUNT, len(sequences))
+    writer.add_uint32(gguf.Keys.IMatrix.CHUNK_SIZE, CHUNK_TOKENS)
+    stored, missing = 0, []
+    for name, hfs in sources.items():
+        if not all(h in sums for h in hfs):
+            missing.append(name)
+            continue
+        in_sum2 = np.stack([sums[h].float().numpy() for h in hfs])  # [matrices, columns]
+        writer.add_tensor(f"{name}.in_sum2", in_sum2)
+        writer.add_tensor(f"{name}.counts", np.asarray([[counts[h]] for h in hfs], dtype=np.float32))
+        stored += 1
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {"tensors": stored, "missing": sorted(missing), "chunks": len(sequences), "chunk_tokens": CHUNK_TOKENS,
+            "tokens": sum(len(s) for s in sequences)}
+
+
+def compute(snapshot, out_path: Path, *, text: str | None = None, step: str | None = None) -> dict[str, Any]:
+    """The importance matrix of a snapshot's model from `text` (the built-in calibration text by default)."""
+    from ...isolation import run_isolated
+    from ...reference import encode, load_tokenizer
+
+    text = text if text is not None else calibration_text()
+    tok = load_tokenizer(snapshot.dir)
+    ids = encode(tok, [text])[0]
+    if len(ids) < 16:
+        raise HiveError(f"the calibration text is {len(ids)} tokens: too short for an importance matrix")
+    sequences = [ids[i:i + CHUNK_TOKENS] for i in range(0, len(ids), CHUNK_TOKENS)]
+    sources = matrix_sources(snapshot.dir, snapshot.config(), snapshot.safetensors_files())
+    return run_isolated("pipelines.targets.gguf.imatrix:compute_here", engine="transformers",
+                        step=step or f"importance matrix of {snapshot.model_id}", model_dir=str(snapshot.dir),
+                        files=[str(f) for f in snapshot.safetensors_files()], out_path=str(out_path),
+                        sources=sources, sequences=sequences, dataset="hive-aot calibration.txt")
+
+
+def load(path: Path) -> dict[str, np.ndarray]:
+    """tensor name -> mean of x^2 per column (per expert, concatenated), as llama.cpp's quantizer wants it."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001
+        raise ModelFormatError(f"{path.name} is not an importance matrix GGUF ({type(e).__name__}: {e})") from None
+    tensors = {t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors}
+    out = {}
+    for key, sums in tensors.items():
+        if not key.endswith(".in_sum2"):
+            continue
+        name = key[: -len(".in_sum2")]
+        counts = tensors.get(f"{name}.counts")
+        if counts is None:
+            raise ModelFormatError(f"{path.name}: {name} has sums but no counts")
+        sums2 = sums.reshape(counts.size, -1)
+        out[name] = (sums2 / np.maximum(counts.reshape(-1, 1), 1.0)).astype(np.float32).reshape(-1)
+    return out
+
+
+def as_quantize_param(values: dict[str, np.ndarray]):
+    """The NULL-terminated `llama_model_imatrix_data` array libllama's quantizer reads (kept alive by the caller)."""
+    import llama_cpp
+
+    entries = (llama_cpp.llama_model_imatrix_data * (len(values) + 1))()
+    keep = []
+    for i, (name, arr) in enumerate(sorted(values.items())):
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        keep.append(arr)
+        entries[i].name = name.encode()
+        entries[i].data = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        entries[i].size = arr.size
+    entries[len(values)].name = None
+    return entries, keep

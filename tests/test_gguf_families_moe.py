@@ -1,0 +1,173 @@
+"""GGUF families Granite, Mixtral, Qwen2-MoE, Qwen3, Qwen3-MoE (and Mistral, declared in llama.py) on tiny
+random models: converted to f16 and q8_0 and validated in llama.cpp against transformers fp32
+(`gguf_family_check.check_family`), plus what is special to each family and the layouts llama.cpp cannot run.
+
+The SmolLM2 BPE tokenizer is copied into every model. transformers 5 reads it as Qwen2Tokenizer for the
+Qwen model types (qwen2's own pre-tokenizer regex, whose check hash llama.cpp does not know for this
+vocabulary), so those cases name the pre-tokenizer explicitly (`bpe_pre_fallback`: "qwen2", recorded).
+
+Random MoE routers: with the dense cases' weights (initializer_range 0.2) a random router's top-2 often sits near
+a tie that the rounding of f16 / q8_0 activations flips (measured: Mixtral f16 top-1 0.996 but q8_0 KL 0.031,
+max KL 1.4 at the flipped positions). A trained router is decisive, so the MoE models here are built with
+smaller weights (0.1) and their router weights scaled 4x (`router_scale`): then they meet the dense bar
+unchanged (f16 KL 6e-7, q8_0 KL 0.0006) and no MoE exception is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import gguf
+import pytest
+
+from factories import copy_model, edit_config, make_causal_lm
+from gguf_family_check import check_family, convert_and_validate, convert_only, field, tensors
+from pipelines.errors import ModelFormatError
+from pipelines.targets.gguf import convert as convert_mod
+
+VOCAB = 49152
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False,
+            bos_token_id=1, eos_token_id=2)
+QWEN_PRE = {"bpe_pre_fallback": "qwen2"}
+
+# name: (config class, model class, config, gguf arch, convert options, router scale)
+MOE = dict(TINY, initializer_range=0.1)
+CASES = {
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(TINY), "llama", None, 1.0),
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(TINY, embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.1,
+                     logits_scaling=2.0), "granite", None, 1.0),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(MOE, num_local_experts=4, num_experts_per_tok=2),
+                "llama", None, 4.0),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(MOE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=96, norm_topk_prob=False), "qwen2moe", QWEN_PRE, 4.0),
+    # head_dim 32 with hidden 64 / 4 heads (16): Qwen3 sets head_dim on its own (Qwen3-4B: 128 vs 2560/32)
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(TINY, head_dim=32, tie_word_embeddings=True), "qwen3",
+              QWEN_PRE, 1.0),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(MOE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                       norm_topk_prob=True), "qwen3moe", QWEN_PRE, 4.0),
+}
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_dir, tmp_path_factory):
+    """Build (once per module) the tiny model of a case."""
+    built: dict[str, Path] = {}
+    root = tmp_path_factory.mktemp("gguf-moe-models")
+
+    def build(name: str) -> Path:
+        if name not in built:
+            cfg_cls, model_cls, params, *_, router_scale = CASES[name]
+            built[name] = make_causal_lm(cfg_cls, model_cls, params, root / name, tokenizer_dir=smollm2_dir,
+                                         router_scale=router_scale)
+        return built[name]
+
+    return build
+
+
+
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_family_parity(name, model, tmp_path):
+    *_, gguf_arch, options, _ = CASES[name]
+    d = model(name)
+    arch = json.loads((d / "config.json").read_text())["architectures"][0]
+    results = check_family(d, tmp_path, gguf_arch, options=options)
+    report = results["f16"][0]
+    assert report.architecture == arch
+    path = tmp_path / f"{d.name}-f16.gguf"
+    r = gguf.GGUFReader(str(path))
+    t = tensors(path)
+    if name == "mistral":
+        assert report.family == "llama"
+    elif name == "granite":
+        assert field(r, "granite.embedding_scale") == pytest.approx(4.0)
+        assert field(r, "granite.residual_scale") == pytest.approx(0.5)
+        assert field(r, "granite.attention.scale") == pytest.approx(0.1)
+        assert field(r, "granite.logit_scale") == pytest.approx(2.0)
+    elif name == "mixtral":
+        assert field(r, "llama.expert_count") == 4 and field(r, "llama.expert_used_count") == 2
+        # GGUF shapes read back reversed: [cols, rows, experts]
+        assert tuple(t["blk.0.ffn_gate_exps.weight"].shape) == (64, 128, 4)
+        assert tuple(t["blk.1.ffn_up_exps.weight"].shape) == (64, 128, 4)
+        assert tuple(t["blk.1.ffn_down_exps.weight"].shape) == (128, 64, 4)
+        assert tuple(t["blk.0.ffn_gate_inp.weight"].shape) == (64, 4)
+        assert "blk.0.ffn_gate.weight" not in t
+    elif name == "qwen2_moe":
+        assert field(r, "qwen2moe.expert_feed_forward_length") == 64
+        assert field(r, "qwen2moe.expert_shared_feed_forward_length") == 96
+        gate = t["blk.1.ffn_gate_inp_shexp.weight"]  # the shared expert's gate: a vector, kept f32
+        assert tuple(gate.shape) == (64,) and gate.tensor_type == gguf.GGMLQuantizationType.F32
+        assert tuple(t["blk.0.ffn_gate_shexp.weight"].shape) == (64, 96)
+        assert tuple(t["blk.0.ffn_down_exps.weight"].shape) == (64, 64, 4)
+        assert "blk.0.attn_q.bias" in t
+    elif name == "qwen3":
+        assert field(r, "qwen3.attention.key_length") == 32 and field(r, "qwen3.attention.value_length") == 32
+        assert tuple(t["blk.0.attn_q_norm.weight"].shape) == (32,)
+        assert tuple(t["blk.0.attn_q.weight"].shape) == (64, 4 * 32)
+        assert "output.weight" not in t  # tied: llama.cpp reuses token_embd
+    elif name == "qwen3_moe":
+        assert field(r, "qwen3moe.expert_feed_forward_length") == 64
+        assert tuple(t["blk.1.attn_k_norm.weight"].shape) == (16,)
+        assert tuple(t["blk.1.ffn_gate_exps.weight"].shape) == (64, 64, 4)
+
+
+def test_granite_multipliers_matter(model, tmp_path, monkeypatch):
+    """Negative control: Granite without its embedding / residual / attention multipliers (llama.cpp's defaults
+    instead) loads and runs, but only parity shows it computes another model."""
+    original = convert_mod.family_for
+    scales = ("{arch}.embedding_scale", "{arch}.residual_scale", "{arch}.attention.scale")
+
+    def without_multipliers(arch):
+        fam = original(arch)
+        return dataclasses.replace(fam, params=tuple(p for p in fam.params if p.key not in scales))
+
+    monkeypatch.setattr(convert_mod, "family_for", without_multipliers)
+    out = tmp_path / "granite-no-multipliers.gguf"
+    _, metrics, _ = convert_and_validate(model("granite"), out, "f16")
+    assert "granite.residual_scale" not in gguf.GGUFReader(str(out)).fields
+    assert metrics["finite"] is True
+    assert metrics["mean_kl"] > 0.1
+
+
+def test_mixtral_expert_order_matters(model, tmp_path, monkeypatch):
+    """Negative control: experts stacked in reverse order (each router column then picks another expert's
+    weights) diverge, so the parity run really routes through the stacked experts."""
+    original_expand = convert_mod._expand
+
+    def reversed_experts(names, bid, hp):
+        out = original_expand(names, bid, hp)
+        return out[::-1] if any("{xid}" in n for n in names) else out
+
+    monkeypatch.setattr(convert_mod, "_expand", reversed_experts)
+    _, metrics, _ = convert_and_validate(model("mixtral"), tmp_path / "mixtral-reversed.gguf", "f16")
+    assert metrics["finite"] is True
+    assert metrics["mean_kl"] > 0.05
+
+
+REFUSALS = [
+    ("qwen3_moe", {"mlp_only_layers": [1]}, r"qwen3moe GGUF: layers \[1\] are dense"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, r"qwen3moe GGUF: layers \[0\] are dense"),
+    ("qwen3_moe", {"norm_topk_prob": False}, r"llama.cpp always renormalizes"),
+    ("qwen2_moe", {"mlp_only_layers": [0]}, r"qwen2moe GGUF: layers \[0\] are dense"),
+    ("qwen2_moe", {"norm_topk_prob": True}, r"llama.cpp never renormalizes"),
+    ("qwen2_moe", {"tie_word_embeddings": True}, r"requires an untied output"),
+    ("granite", {"head_dim": 32}, r"granite GGUF needs head_dim == hidden_size / num_attention_heads"),
+]
+
+
+@pytest.mark.parametrize("name,change,message", REFUSALS, ids=[f"{n}-{next(iter(c))}" for n, c, _ in REFUSALS])
+def test_layouts_llama_cpp_cannot_run_are_refused(name, change, message, model, tmp_path):
+    d = copy_model(model(name), tmp_path / name)
+    edit_config(d, **change)
+    out = tmp_path / "refused.gguf"
+    with pytest.raises(ModelFormatError, match=message) as err:
+        convert_only(d, out, CASES[name][4])
+    assert "\n" not in str(err.value)
+    assert not out.exists()
