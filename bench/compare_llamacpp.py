@@ -1,13 +1,14 @@
 """Compare hive-aot's GGUF converter with llama.cpp's own `convert_hf_to_gguf.py`, in one run.
 
-Six files from the demo model: llama.cpp f16 and q8_0 (its converter's `--outtype`), llama.cpp
-q4_k_m (libllama's quantizer, ftype 15, applied to llama.cpp's bf16 by default -- the same source
-precision hive-aot's own k-quant path uses as its intermediate; `--q4-from f16` to change), and
-hive-aot's gguf-f16 / gguf-q8_0 / gguf-q4_k_m recipes built with `GgufTarget().build`. All six are
-validated with the same `validate_gguf` (same prompts, same transformers fp32 reference). Every
-conversion runs in its own child process: wall time and peak RSS come from wait4() (median of
-`--runs`). The q8_0 files are compared tensor by tensor, byte for byte, and the GGUF metadata of
-the two f16 files key by key.
+Up to six files from one model (the demo model by default): llama.cpp f16 and q8_0 (its converter's
+`--outtype`), llama.cpp q4_k_m (libllama's quantizer, ftype 15, applied to llama.cpp's bf16 by default --
+the same source precision hive-aot's own k-quant path uses as its intermediate; `--q4-from f16` to
+change), and hive-aot's gguf-f16 / gguf-q8_0 / gguf-q4_k_m recipes built with `GgufTarget().build`
+(`--variants` picks a subset). The anchor is `cp` of the same safetensors bytes. Unless
+`--no-validate`, every file is validated with the same `validate_gguf` (same prompts, same transformers
+fp32 reference). Every conversion runs in its own child process: wall time and peak RSS come from
+wait4() (median of `--runs`). The files are compared tensor by tensor, byte for byte, and their GGUF
+metadata key by key.
 
 llama.cpp is never vendored here: the llama-cpp-python sdist is downloaded at run time into
 $HIVE_AOT_CACHE/compare/ and its converter runs in a separate venv the script creates
@@ -15,7 +16,12 @@ $HIVE_AOT_CACHE/compare/ and its converter runs in a separate venv the script cr
 cannot load the "TokenizersBackend" class transformers 5 writes, so llama.cpp's converter reads a
 symlinked copy of the model with tokenizer_class "PreTrainedTokenizerFast".
 
-    .venv/bin/python bench/compare_llamacpp.py [MODEL_DIR] [--runs 3] [--json] [--keep]
+    .venv/bin/python bench/compare_llamacpp.py [MODEL_DIR] [--runs 3] [--variants f16,q8_0,q4_k_m]
+        [--no-validate] [--json] [--json-out FILE] [--keep]
+
+    # the ~1B synthetic Llama (Llama-3.2-1B's shapes):
+    .venv/bin/python -m pipelines.synthetic --preset llama3-1b --out /tmp/llama3-1b
+    .venv/bin/python bench/compare_llamacpp.py /tmp/llama3-1b --model-id bench/llama3-1b --variants f16 --no-validate
 """
 
 from __future__ import annotations
@@ -54,10 +60,13 @@ import json, sys
 from pathlib import Path
 from pipelines.config import Config
 from pipelines.sources import Snapshot
+from pipelines.targets import BuildContext
 from pipelines.targets.gguf import GgufTarget
 snap = Snapshot.from_dict(json.loads(Path(sys.argv[1]).read_text()))
 recipe = Config.load(sys.argv[3]).recipe(sys.argv[2])
-art = GgufTarget().build(snap, recipe, Path(sys.argv[4]))
+# GgufTarget.build reads only the snapshot and the recipe: no compatibility, registry or classifier needed
+ctx = BuildContext(snapshot=snap, recipe=recipe, compatibility=None, registry=None, classify=None)
+art = GgufTarget().build(ctx, Path(sys.argv[4]))
 print(json.dumps({"file": art.files[0], "info": art.info}, default=str))
 """
 
@@ -275,16 +284,23 @@ def main() -> int:
     ap.add_argument("--model-id", default=MODEL_ID)
     ap.add_argument("--registry", default=os.environ.get("HIVE_AOT_REGISTRY", str(ROOT / "registry.yaml")))
     ap.add_argument("--runs", type=int, default=3, help="conversions timed per variant (median reported)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated subset of {','.join(VARIANTS)} (default all)")
+    ap.add_argument("--no-validate", action="store_true",
+                    help="skip the llama.cpp-vs-transformers validation (timing, RSS and byte identity only)")
     ap.add_argument("--q4-from", choices=["bf16", "f16"], default="bf16",
                     help="which llama.cpp conversion libllama quantizes to q4_k_m (default bf16, like hive-aot)")
     ap.add_argument("--python", default=shutil.which("python3") or sys.executable,
                     help="interpreter for the comparison venv")
     ap.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
-    ap.add_argument("--keep", action="store_true", help="keep the work directory with the six GGUF files")
+    ap.add_argument("--json-out", type=Path, help="also write the JSON document to this file")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory with the GGUF files")
     args = ap.parse_args()
+    variants = tuple(v for v in VARIANTS if v in args.variants.split(","))
+    if not variants or set(args.variants.split(",")) - set(VARIANTS):
+        ap.error(f"--variants takes a comma-separated subset of {','.join(VARIANTS)}")
 
     from pipelines.sources import fetch
-    from pipelines.targets.gguf.validate import validate_gguf
 
     model = Path(args.model_dir).resolve()
     cache = cache_root()
@@ -299,6 +315,8 @@ def main() -> int:
         snap_json = work / "snapshot.json"
         snap_json.write_text(json.dumps(snapshot.to_dict()))
         hf_copy = patched_model_copy(model, work / "hf-copy" / model.name)
+        shards = [str(p) for p in snapshot.safetensors_files()]
+        weight_bytes = sum(os.path.getsize(p) for p in shards)
 
         converter = [str(venv / "bin" / "python"), str(tree / "convert_hf_to_gguf.py"), str(hf_copy)]
         env = converter_env()
@@ -307,24 +325,32 @@ def main() -> int:
         ours_info: dict[str, Any] = {}
         for i in range(args.runs):
             log(f"conversions, run {i + 1}/{args.runs}")
+            # the anchor: cp of the same safetensors bytes (cold or warm page cache alike for every tool)
+            dst = work / "cp"
+            shutil.rmtree(dst, ignore_errors=True)
+            dst.mkdir()
+            w, r, _ = run_timed(["cp", *shards, str(dst)], logfile)
+            shutil.rmtree(dst)
+            timing.setdefault(("cp", "safetensors"), []).append((w, r))
             # llama.cpp: f16, q8_0 straight from its converter; q4_k_m = its bf16/f16 + libllama quantize
-            for outtype in ("f16", "q8_0"):
+            for outtype in [v for v in variants if v in ("f16", "q8_0")]:
                 out = work / f"llamacpp-{outtype}.gguf"
                 out.unlink(missing_ok=True)
                 w, r, _ = run_timed([*converter, "--outtype", outtype, "--outfile", str(out)], logfile, env)
                 files["llama.cpp", outtype] = out
                 timing.setdefault(("llama.cpp", outtype), []).append((w, r))
-            inter = work / f"llamacpp-{args.q4_from}.gguf"
-            inter.unlink(missing_ok=True)
-            w1, r1, _ = run_timed([*converter, "--outtype", args.q4_from, "--outfile", str(inter)], logfile, env)
-            out = work / "llamacpp-q4_k_m.gguf"
-            out.unlink(missing_ok=True)
-            w2, r2, _ = run_timed([sys.executable, "-c", QUANT_CHILD, str(inter), str(out), str(Q4_K_M)], logfile)
-            inter.unlink()
-            files["llama.cpp", "q4_k_m"] = out
-            timing.setdefault(("llama.cpp", "q4_k_m"), []).append((w1 + w2, max(r1, r2)))
+            if "q4_k_m" in variants:
+                inter = work / f"llamacpp-{args.q4_from}.gguf"
+                inter.unlink(missing_ok=True)
+                w1, r1, _ = run_timed([*converter, "--outtype", args.q4_from, "--outfile", str(inter)], logfile, env)
+                out = work / "llamacpp-q4_k_m.gguf"
+                out.unlink(missing_ok=True)
+                w2, r2, _ = run_timed([sys.executable, "-c", QUANT_CHILD, str(inter), str(out), str(Q4_K_M)], logfile)
+                inter.unlink()
+                files["llama.cpp", "q4_k_m"] = out
+                timing.setdefault(("llama.cpp", "q4_k_m"), []).append((w1 + w2, max(r1, r2)))
             # hive-aot: GgufTarget().build in a child process
-            for variant in VARIANTS:
+            for variant in variants:
                 out_dir = work / f"ours-{variant}"
                 shutil.rmtree(out_dir, ignore_errors=True)
                 out_dir.mkdir()
@@ -336,39 +362,49 @@ def main() -> int:
                 timing.setdefault(("hive-aot", variant), []).append((w, r))
 
         rows = []
-        for variant in VARIANTS:
+        for variant in variants:
             for tool in ("llama.cpp", "hive-aot"):
                 path = files[tool, variant]
-                log(f"validating {tool} {variant}")
-                metrics, details = validate_gguf(snapshot, path)
-                rows.append({"tool": tool, "variant": variant, "file": path.name, "size_mb": path.stat().st_size / 1e6,
-                             "metrics": metrics, "tokenizer_mismatches": details["tokenizer_mismatches"],
-                             "generation": details["generation"]["artifact"],
-                             **median_timing(timing[tool, variant])})
+                row = {"tool": tool, "variant": variant, "file": path.name, "size_mb": path.stat().st_size / 1e6,
+                       **median_timing(timing[tool, variant])}
+                if not args.no_validate:
+                    from pipelines.targets.gguf.validate import validate_gguf
+
+                    log(f"validating {tool} {variant}")
+                    metrics, details = validate_gguf(snapshot, path)
+                    row.update(metrics=metrics, tokenizer_mismatches=details["tokenizer_mismatches"],
+                               generation=details["generation"]["artifact"])
+                rows.append(row)
         by = {(r["tool"], r["variant"]): r for r in rows}
-        ratios = {}
-        for variant in VARIANTS:
+        cp = median_timing(timing["cp", "safetensors"])
+        ratios, over_cp = {}, {}
+        for variant in variants:
             o, t = by["hive-aot", variant], by["llama.cpp", variant]
-            pairs = {"size_mb": (o["size_mb"], t["size_mb"]),
-                     "top1_agreement": (o["metrics"]["top1_agreement"], t["metrics"]["top1_agreement"]),
-                     "mean_kl": (o["metrics"]["mean_kl"], t["metrics"]["mean_kl"]),
-                     "max_abs_logit_delta": (o["metrics"]["max_abs_logit_delta"], t["metrics"]["max_abs_logit_delta"]),
-                     "token_parity": (o["metrics"]["token_parity"], t["metrics"]["token_parity"]),
-                     "wall_s": (o["wall_s"], t["wall_s"]),
+            pairs = {"size_mb": (o["size_mb"], t["size_mb"]), "wall_s": (o["wall_s"], t["wall_s"]),
                      "peak_rss_mib": (o["peak_rss_mib"], t["peak_rss_mib"])}
+            if "metrics" in o:
+                pairs.update({k: (o["metrics"][k], t["metrics"][k])
+                              for k in ("top1_agreement", "mean_kl", "max_abs_logit_delta", "token_parity")})
             ratios[variant] = {k: (a / b if b else None) for k, (a, b) in pairs.items()}
+            over_cp[variant] = {tool: {"wall_s": by[tool, variant]["wall_s"] / cp["wall_s"],
+                                       "peak_rss_mib": by[tool, variant]["peak_rss_mib"] / cp["peak_rss_mib"]}
+                                for tool in ("hive-aot", "llama.cpp")}
 
         log("comparing tensors and metadata")
-        tensors = {v: tensor_diff(files["hive-aot", v], files["llama.cpp", v]) for v in VARIANTS}
-        meta = {v: metadata_diff(files["hive-aot", v], files["llama.cpp", v]) for v in VARIANTS}
+        tensors = {v: tensor_diff(files["hive-aot", v], files["llama.cpp", v]) for v in variants}
+        meta = {v: metadata_diff(files["hive-aot", v], files["llama.cpp", v]) for v in variants}
         doc = {
-            "model": str(model), "model_id": args.model_id, "runs": args.runs,
+            "model": str(model), "model_id": args.model_id, "runs": args.runs, "variants": list(variants),
+            "weights_mib": weight_bytes / 2**20, "parameters": snapshot_parameters(shards),
+            "host": {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()},
             "llama_cpp": {"version": LLAMA_CPP_VERSION, "converter": str(tree / "convert_hf_to_gguf.py"),
                           "venv": str(venv), "q4_k_m_from": args.q4_from,
                           "q4_k_m_timing": f"convert --outtype {args.q4_from} + llama_model_quantize, summed"},
+            "cp": cp,
             "hive_aot_info": ours_info,
             "results": rows,
             "ratios_ours_over_llama_cpp": ratios,
+            "ratios_over_cp": over_cp,
             "tensors_ours_vs_llama_cpp": tensors,
             "metadata_ours_vs_llama_cpp": meta,
             "work_dir": str(work) if args.keep else None,
@@ -377,6 +413,8 @@ def main() -> int:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 
+    if args.json_out:
+        args.json_out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     if args.json:
         print(json.dumps(doc, indent=1, default=str))
         return 0
@@ -384,38 +422,53 @@ def main() -> int:
     return 0
 
 
+def snapshot_parameters(shards: list[str]) -> int:
+    from pipelines.safetensors_io import read_header
+
+    return sum(t.numel for p in shards for t in read_header(Path(p)).tensors.values())
+
+
 def _fmt(x: Any, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
 def print_report(doc: dict[str, Any]) -> None:
-    print(f"model {Path(doc['model']).name}; llama.cpp = llama-cpp-python {doc['llama_cpp']['version']} "
-          f"vendored converter; q4_k_m = llama_model_quantize(ftype 15) of llama.cpp's "
-          f"{doc['llama_cpp']['q4_k_m_from']}; timings median of {doc['runs']}")
+    print(f"model {Path(doc['model']).name} ({doc['parameters']:,} parameters, {doc['weights_mib']:.0f} MiB of "
+          f"safetensors); llama.cpp = llama-cpp-python {doc['llama_cpp']['version']} vendored converter; q4_k_m = "
+          f"llama_model_quantize(ftype 15) of llama.cpp's {doc['llama_cpp']['q4_k_m_from']}; timings median of "
+          f"{doc['runs']}")
     hdr = (f"{'variant':18} {'size MB':>8} {'top-1':>7} {'mean KL':>10} {'max|dlogit|':>11} {'tok parity':>10} "
            f"{'wall s':>7} {'RSS MiB':>8}")
     print(hdr)
     print("-" * len(hdr))
+    cp = doc["cp"]
+    print(f"{'cp safetensors':18} {doc['weights_mib'] * 2**20 / 1e6:8.1f} {'':7} {'':10} {'':11} {'':10} "
+          f"{cp['wall_s']:7.2f} {cp['peak_rss_mib']:8.0f}")
     ratios = doc["ratios_ours_over_llama_cpp"]
-    for variant in VARIANTS:
+    for variant in doc["variants"]:
         for r in doc["results"]:
             if r["variant"] != variant:
                 continue
-            m = r["metrics"]
-            print(f"{r['tool'] + ' ' + variant:18} {r['size_mb']:8.1f} {m['top1_agreement']:7.4f} {m['mean_kl']:10.3g} "
-                  f"{m['max_abs_logit_delta']:11.4f} {m['token_parity']:10.3f} {r['wall_s']:7.2f} {r['peak_rss_mib']:8.0f}")
+            m = r.get("metrics")
+            quality = (f"{m['top1_agreement']:7.4f} {m['mean_kl']:10.3g} {m['max_abs_logit_delta']:11.4f} "
+                       f"{m['token_parity']:10.3f}") if m else f"{'-':>7} {'-':>10} {'-':>11} {'-':>10}"
+            print(f"{r['tool'] + ' ' + variant:18} {r['size_mb']:8.1f} {quality} {r['wall_s']:7.2f} "
+                  f"{r['peak_rss_mib']:8.0f}")
         q = ratios[variant]
-        print(f"{'  ours/llama.cpp':18} {_fmt(q['size_mb'], '8.3f')} {_fmt(q['top1_agreement'], '7.3f')} "
-              f"{_fmt(q['mean_kl'], '10.3f')} {_fmt(q['max_abs_logit_delta'], '11.3f')} "
-              f"{_fmt(q['token_parity'], '10.3f')} {_fmt(q['wall_s'], '7.2f')} {_fmt(q['peak_rss_mib'], '8.2f')}")
+        print(f"{'  ours/llama.cpp':18} {_fmt(q['size_mb'], '8.3f')} {_fmt(q.get('top1_agreement'), '7.3f')} "
+              f"{_fmt(q.get('mean_kl'), '10.3f')} {_fmt(q.get('max_abs_logit_delta'), '11.3f')} "
+              f"{_fmt(q.get('token_parity'), '10.3f')} {_fmt(q['wall_s'], '7.2f')} {_fmt(q['peak_rss_mib'], '8.2f')}")
+        c = doc["ratios_over_cp"][variant]
+        print(f"{'  over cp':18} {'':8} {'':7} {'':10} {'':11} {'':10} "
+              f"ours {c['hive-aot']['wall_s']:.1f}x wall, llama.cpp {c['llama.cpp']['wall_s']:.1f}x")
     print()
     for variant, t in doc["tensors_ours_vs_llama_cpp"].items():
         print(f"tensors {variant}: {t['identical']} identical, {len(t['differing'])} differing, "
               f"{len(t['type_mismatch'])} type-mismatched, {len(t['shape_mismatch'])} shape-mismatched, "
               f"only ours {len(t['only_ours'])}, only llama.cpp {len(t['only_llama_cpp'])} "
               f"(ours {t['types']['ours']}, llama.cpp {t['types']['llama_cpp']})")
-        if variant == "q8_0":
-            for d in t["differing"]:
+        if variant in ("f16", "q8_0"):
+            for d in t["differing"][:10]:
                 print(f"  differs: {d['name']} ({d['type']}): {d['differing_bytes']} of {d['total_bytes']} bytes, "
                       f"max |dequantized diff| {d['max_abs_diff_dequantized']:.3g}")
             for d in t["type_mismatch"]:
@@ -443,7 +496,7 @@ def print_report(doc: dict[str, Any]) -> None:
             missing = [ln for ln in base if ln not in lines]
             print("\n".join(new + [f"  (no longer) {ln.strip()}" for ln in missing]) or "  (same as f16)")
     for r in doc["results"]:
-        for mm in r["tokenizer_mismatches"]:
+        for mm in r.get("tokenizer_mismatches", []):
             print(f"token mismatch {r['tool']} {r['variant']}: {mm['text']!r}")
 
 

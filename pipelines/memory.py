@@ -73,6 +73,7 @@ REFERENCE_LOGIT_COPIES = 3  # the logits, their float copy and the cached result
 # llama.cpp evaluation (validation of a GGUF): KV cache and output buffers at VALIDATE_CTX tokens.
 VALIDATE_CTX = 512
 LOSSLESS_GGUF_TYPES = ("f32", "f16", "bf16")
+GGUF_SHARD_HEADER = 1 * MIB  # a split GGUF's later shards: their own header, tensor infos, split.* keys, padding
 GGUF_REPACK_MAX_BYTES = 8 << 30  # targets/gguf/validate.REPACK_MAX_BYTES (that module imports numpy; this one must not)  # llama.cpp evaluates these from the mapped file, no repacked copy
 KV_BYTES = 4  # per cached value (llama.cpp's default f16 cache would be 2: the estimate keeps room for f32)
 LLAMA_LOGIT_COPIES = 2  # llama.cpp's output buffer and llama-cpp-python's scores array
@@ -461,6 +462,14 @@ def _steps(p: Plan, facts: ModelFacts, work: str, store: str | None, refs: str, 
         ftype = opts.get("ftype")
         out = gguf_bytes(facts, ftype or opts.get("outtype", "f16"))
         mem, detail = streamed(CONVERT_TENSOR_COPIES, BASE_PYTHON, "python")
+        split = parse_size(str(opts["split_max_size"]), "split_max_size") if opts.get("split_max_size") else 0
+        if split:
+            # Shards hold whole tensors, packed in order (a tensor larger than the limit gets a shard of its own),
+            # each with its own header. A k-quant keeps its lossless intermediate's shards, so they count.
+            converted = gguf_bytes(facts, lossless_gguf_type(facts)) if ftype else out
+            shards = max(1, -(-converted // split))
+            out += (shards - 1) * GGUF_SHARD_HEADER
+            detail += f"; about {shards} shard(s) of at most {human_bytes(split)}"
         if opts.get("imatrix"):
             # The streamed transformers model over the calibration text: the reference's memory, a small file.
             steps.append(StepNeed("imatrix", reference.memory, disk=SMALL_FILES, where=work,

@@ -47,8 +47,12 @@ def _quiet_transformers() -> None:
 def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
-    _quiet_transformers()
+    from .native import SentencePieceTokenizer, equivalent_for, read_config
 
+    _quiet_transformers()
+    if (model_dir / "config.json").is_file() and equivalent_for(read_config(model_dir)) is not None:
+        # the repository's own tokenizer class is remote code: its SentencePiece model, run by sentencepiece
+        return SentencePieceTokenizer(model_dir)
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - a tokenizer that cannot load is malformed input for us

@@ -26,12 +26,15 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
 from .errors import ModelFormatError
 from .safetensors_io import TensorSource
+
+if TYPE_CHECKING:
+    from .native import NativeEquivalent
 
 # Per-expert checkpoint layouts (module under the layer, gate, up, down) that transformers 5 stacks
 # into `<layer>.mlp.experts.gate_up_proj` [E, 2I, H] and `.down_proj` [E, H, I].
@@ -70,12 +73,14 @@ def _stack(parts):
     return torch.stack(parts)
 
 
-def weight_rules(param_names: list[str], checkpoint: set[str], tied: dict[str, str]) -> dict[str, WeightRule]:
-    """The rule for every parameter; ModelFormatError naming what no checkpoint tensor provides."""
+def weight_rules(param_names: list[str], checkpoint: set[str], tied: dict[str, str],
+                 native: "tuple[NativeEquivalent, dict] | None" = None) -> dict[str, WeightRule]:
+    """The rule for every parameter; ModelFormatError naming what no checkpoint tensor provides. `native`: the
+    native equivalent of a remote-code architecture and its repository config, whose names it translates."""
     rules: dict[str, WeightRule] = {}
     missing = []
     for name in param_names:
-        rule = _rule_for(name, checkpoint, tied)
+        rule = _native_rule(name, checkpoint, tied, *native) if native else _rule_for(name, checkpoint, tied)
         if rule is None:
             missing.append(name)
         else:
@@ -112,6 +117,19 @@ def _rule_for(name: str, checkpoint: set[str], tied: dict[str, str]) -> WeightRu
                               _stack_gate_up(n))
     if name in tied:
         return _rule_for(tied[name], checkpoint, {})
+    return None
+
+
+def _native_rule(name: str, checkpoint: set[str], tied: dict[str, str], eq: "NativeEquivalent",
+                 cfg: dict) -> WeightRule | None:
+    from .native import checkpoint_source
+
+    found = checkpoint_source(eq, name, cfg)
+    if found is not None and found[0] in checkpoint:
+        source, take = found
+        return WeightRule((source,), None if take is None else (lambda parts, take=take: take(parts[0]).contiguous()))
+    if name in tied:
+        return _native_rule(tied[name], checkpoint, {}, eq, cfg)
     return None
 
 
@@ -192,15 +210,17 @@ class StreamedCausalLM:
 
     def __init__(self, model_dir: Path, files: list[Path], *, resident: bool = False):
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
+        from .native import native_config, read_config
         from .reference import _quiet_transformers
 
         _quiet_transformers()
         if not resident:
             return_freed_memory()
         try:
-            config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False, local_files_only=True)
+            # a remote-code architecture with a native equivalent is built as that (never its own code)
+            config, native = native_config(model_dir)
             with _parameters_on_meta():
                 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
         except Exception as e:  # noqa: BLE001 - a config transformers cannot build is malformed input for us
@@ -209,7 +229,8 @@ class StreamedCausalLM:
         self.resident = resident
         self.source = TensorSource(files)
         names = [n for n, _ in self.model.named_parameters(remove_duplicate=False)]
-        self.rules = weight_rules(names, set(self.source.names()), self._tied_names(config))
+        self.rules = weight_rules(names, set(self.source.names()), self._tied_names(config),
+                                  (native, read_config(model_dir)) if native is not None else None)
         self.units = _units(self.model)
         self.loads = 0  # units read from disk (a test checks streaming really happened)
         self._loaded: set[str] = set()

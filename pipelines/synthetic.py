@@ -127,6 +127,10 @@ PRESETS: dict[str, tuple[LlamaShape, str]] = {
     "llama3-8b": (LlamaShape(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                              num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
                              max_position_embeddings=8192), "Llama-3-8B's shapes"),
+    # Llama-3.2-1B's config (tied embeddings): 1,235,814,400 parameters, 2.47 GB in bf16.
+    "llama3-1b": (LlamaShape(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                             num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                             max_position_embeddings=8192, tie_word_embeddings=True), "Llama-3.2-1B's shapes"),
     # Llama-3-style layers (head_dim 128, GQA 12/4, SwiGLU 4096) at 1536 wide, 16 deep, Llama-2's vocab:
     # 501,007,872 parameters, 1.00 GB in bf16 (2.00 GB in fp32); the embeddings are 20% of it (13% in the 8B).
     "llama-1g": (LlamaShape(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=12,

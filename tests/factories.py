@@ -112,6 +112,15 @@ def poison_weights(model_dir: Path, tensor: str = "model.layers.0.mlp.down_proj.
 # rounds activations to f16) flips a few positions per thousand. The shipped gates are calibrated on
 # SmolLM2-135M; tests that must publish a tiny model use a copy of the recipes with these gates instead, so that
 # a change of the prompt set cannot push a mechanics test over a quality threshold. f16 stays strict on KL.
+# The project's GGUF recipes (recipes/gguf-*.yaml) and the CPU tier's order of them (registry.yaml), written out
+# rather than read from those files, so that adding, losing or reordering one is done on purpose.
+GGUF_RECIPES = ["gguf-bf16", "gguf-f16", "gguf-iq2_xs", "gguf-iq4_nl", "gguf-iq4_xs", "gguf-q2_k", "gguf-q3_k_l",
+                "gguf-q3_k_m", "gguf-q3_k_s", "gguf-q4_0", "gguf-q4_k_m", "gguf-q4_k_s", "gguf-q5_0", "gguf-q5_k_m",
+                "gguf-q5_k_s", "gguf-q6_k", "gguf-q8_0"]
+CPU_PREFERENCE = ["gguf-q4_k_m", "gguf-q5_k_m", "gguf-q4_k_s", "gguf-q5_k_s", "gguf-q6_k", "gguf-q8_0", "gguf-iq4_xs",
+                  "gguf-iq4_nl", "gguf-q5_0", "gguf-q4_0", "gguf-q3_k_l", "gguf-q3_k_m", "gguf-q3_k_s", "gguf-q2_k",
+                  "gguf-iq2_xs", "gguf-bf16", "gguf-f16"]
+
 LENIENT_VALIDATION = {"min_top1_agreement": 0.3, "max_mean_kl": 1.0, "require_token_parity": True}
 TEST_GATES = {
     "gguf-f16": {"min_top1_agreement": 0.95, "max_mean_kl": 0.001, "require_token_parity": True},

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from factories import copy_model, edit_config, poison_weights, write_test_config
+from factories import GGUF_RECIPES, copy_model, edit_config, poison_weights, write_test_config
 
 REPO = Path.cwd()
 MODEL = "test-org/tiny-llama"
@@ -149,7 +149,7 @@ def test_check_exit_codes(models):
 
     cpu = hive("check", str(models["good"]), "--model-id", MODEL, "--hardware", "cpu", "--json")
     assert cpu.returncode == 0 and doc(cpu)["runtime_profile_id"] == "llm-llamacpp-cpu"
-    assert sorted(doc(cpu)["recipes"]) == ["gguf-f16", "gguf-q4_k_m", "gguf-q8_0"]
+    assert sorted(doc(cpu)["recipes"]) == GGUF_RECIPES
     # every hardware the README names lists only what its routed profile loads
     for hw, profile, recipes in (("amd-mi300x", "vllm-rocm", ["vllm-bf16", "vllm-fp8"]),
                                  ("intel-max-1550", "vllm-xpu", ["vllm-bf16", "vllm-fp8"]),

@@ -8,7 +8,7 @@ import json
 import pytest
 from safetensors import safe_open
 
-from factories import copy_model, edit_config
+from factories import GGUF_RECIPES, copy_model, edit_config
 from pipelines.compat import classify, classify_snapshot, database
 from pipelines.compat.hardware import parse_hardware
 from pipelines.errors import HiveError
@@ -58,10 +58,9 @@ EXPECTED = {
     **{a: ("compatible", "specialists-ts-cu121") for a in SPECIALISTS},
     **{a: ("compatible", "transformers-cu121") for a in TRANSFORMERS_FALLBACK},
 }
-GGUF_RECIPES = ["gguf-f16", "gguf-q4_k_m", "gguf-q8_0"]
 # our converter's families (pipelines/targets/gguf/families/), listed here so that adding or losing one is on purpose
 GGUF_ARCHS = {"CohereForCausalLM", "FalconForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTJForCausalLM",
-              "GPTNeoXForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GemmaForCausalLM", "GraniteForCausalLM",
+              "GPTNeoXForCausalLM", "InternLM2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GemmaForCausalLM", "GraniteForCausalLM",
               "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM",
               "PhiForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
               "StableLmForCausalLM", "Starcoder2ForCausalLM"}

@@ -8,19 +8,20 @@ from pathlib import Path
 import pytest
 import yaml
 
-from factories import write_registry
+from factories import CPU_PREFERENCE, GGUF_RECIPES, write_registry
 from pipelines.config import Config, load_recipe_file, load_registry
 from pipelines.errors import ConfigError, HiveError
 
 REPO = Path.cwd()
-ALL_RECIPES = {"gguf-f16", "gguf-q8_0", "gguf-q4_k_m", "vllm-bf16", "vllm-fp8", "qaic-export", "qaic-mxfp6", "qaic-fp16", "qaic-embed-mxfp6"}
+ALL_RECIPES = {*GGUF_RECIPES, "vllm-bf16", "vllm-fp8", "qaic-export", "qaic-mxfp6", "qaic-fp16", "qaic-embed-mxfp6"}
 
 
 def test_project_registry_and_recipes_load(config):
     assert set(config.recipes) == ALL_RECIPES
     cpu = config.registry.profile("llm-llamacpp-cpu")
     assert cpu.loads == ["gguf"]
-    assert cpu.recipe_preference == ["gguf-q4_k_m", "gguf-q8_0", "gguf-f16"]
+    assert cpu.recipe_preference == CPU_PREFERENCE
+    assert sorted(cpu.recipe_preference) == GGUF_RECIPES
     ids = {p.id for p in config.registry.runtime_profiles}
     # the seed's backends plus the Cloud AI 100 one
     for pid in ("vllm-cu121", "vllm-rocm", "vllm-xpu", "tgi-cu121", "mamba-vllm-cu121", "diffusers-cu121",
@@ -58,7 +59,7 @@ def test_registry_found_through_env(tmp_path, monkeypatch):
 
 
 def test_unknown_recipe_and_profile_lookups_are_one_line_errors(config):
-    with pytest.raises(ConfigError, match=r"unknown recipe 'gguf-nope' \(known: gguf-f16, gguf-q4_k_m, gguf-q8_0, qaic-embed-mxfp6, qaic-export, qaic-fp16, qaic-mxfp6, vllm-bf16, vllm-fp8\)"):
+    with pytest.raises(ConfigError, match=r"unknown recipe 'gguf-nope' \(known: " + ", ".join(sorted(ALL_RECIPES)) + r"\)"):
         config.recipe("gguf-nope")
     with pytest.raises(ConfigError, match=r"unknown runtime profile 'tpu-v5'"):
         config.registry.profile("tpu-v5")

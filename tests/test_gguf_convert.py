@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -80,6 +81,35 @@ def model(smollm2_dir, tmp_path_factory):
         return built[name]
 
     return build
+
+
+def test_general_metadata_is_named_after_the_repository_not_the_snapshot_directory(tiny_llama, tmp_path):
+    """A Hub snapshot lives in a directory named by its commit; llama.cpp, run on a download of the repo, sees
+    the repo's name. general.name / basename / finetune / size_label come from that name (gguf-py's own
+    heuristics, as llama.cpp applies them), and the commit never leaks into them."""
+    from pipelines.targets.gguf.convert import convert
+
+    commit = "3f9a0c1d2e4b5a6978c0d1e2f3a4b5c6d7e8f901"
+    d = tmp_path / commit
+    shutil.copytree(tiny_llama, d)
+    out = tmp_path / "named.gguf"
+    cfg = json.loads((d / "config.json").read_text())
+    report = convert(d, cfg, sorted(d.glob("*.safetensors")), out, "f16", name="SomeOrg/Cool-Model-7B-Instruct")
+    r = gguf.GGUFReader(str(out))
+    general = {k: field(r, k) for k in r.fields if k.startswith("general.") and k not in
+               ("general.architecture", "general.file_type", "general.quantization_version", "general.type")}
+    assert general["general.name"] == "Cool Model 7B Instruct"
+    # what gguf-py's heuristics (llama.cpp's) make of a directory named after the repository
+    named = tmp_path / "Cool-Model-7B-Instruct"
+    named.mkdir()
+    shutil.copy(d / "config.json", named / "config.json")
+    expected = gguf.Metadata.load(None, named, None, report.parameters)
+    assert general["general.basename"] == expected.basename == "Cool-Model"
+    assert general["general.finetune"] == expected.finetune
+    # the size label is the real parameter count's, not the name's claim
+    assert general["general.size_label"] == f"{report.parameters / 1e6:.1f}M" != "7B"
+    assert not any(commit[:8] in str(v) for v in general.values()), general
+    assert report.metadata["name"] == "Cool Model 7B Instruct"
 
 
 # --- parity ----------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 
 from factories import copy_model, edit_config, make_causal_lm
@@ -171,3 +172,52 @@ def test_layouts_llama_cpp_cannot_run_are_refused(name, change, message, model, 
         convert_only(d, out, CASES[name][4])
     assert "\n" not in str(err.value)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_imatrix_covers_stacked_experts_from_the_tokens_routed_to_each(name, model, tmp_path):
+    """The importance matrix has a row of sums per expert (llama.cpp's layout for stacked experts), made only
+    from the tokens the router sends to that expert. Checked against a computation of our own here: the MoE
+    block's input captured from transformers' forward, routed with the router's own weights (top-k of its
+    logits), and act(x W_gate) * (x W_up) per expert for the down projection's input."""
+    import torch
+
+    from pipelines.reference import encode, load_model, load_tokenizer
+    from pipelines.sources import fetch
+    from pipelines.targets.gguf import imatrix
+
+    d = model(name)
+    snap = fetch(str(d), f"test/{name}")
+    out = tmp_path / f"{name}.imatrix.gguf"
+    summary = imatrix.compute(snap, out)
+    assert summary["missing"] == [], summary
+    r = gguf.GGUFReader(str(out))
+    stored = {t.name: t.data for t in r.tensors}
+    cfg = json.loads((d / "config.json").read_text())
+    n_exp, k = cfg.get("num_local_experts") or cfg["num_experts"], cfg["num_experts_per_tok"]
+
+    hf = load_model(d)
+    ids = encode(load_tokenizer(d), [imatrix.calibration_text()])[0]
+    captured: list[torch.Tensor] = []
+    moe = hf.model.layers[1].mlp
+    handle = moe.register_forward_pre_hook(lambda _m, args: captured.append(args[0].reshape(-1, args[0].shape[-1])))
+    with torch.no_grad():
+        for lo in range(0, len(ids), imatrix.CHUNK_TOKENS):
+            hf(torch.tensor([ids[lo:lo + imatrix.CHUNK_TOKENS]]))
+    handle.remove()
+    x = torch.cat(captured).double()
+    router = moe.gate.weight.detach().double()
+    chosen = torch.topk(x @ router.T, k, dim=-1).indices
+    gate_up, down_in = moe.experts.gate_up_proj.detach().double(), []
+    counts, x_sums = [], []
+    for e in range(n_exp):
+        xe = x[(chosen == e).any(dim=-1)]
+        g, u = (xe @ gate_up[e].T).chunk(2, dim=-1)
+        down_in.append(((torch.nn.functional.silu(g) * u) ** 2).sum(0))
+        counts.append(xe.shape[0])
+        x_sums.append((xe * xe).sum(0))
+    assert sum(counts) == k * x.shape[0] and min(counts) > 0  # every expert reached: a real test of the rows
+    for tensor, expect in (("ffn_gate_exps", x_sums), ("ffn_up_exps", x_sums), ("ffn_down_exps", down_in)):
+        got = np.asarray(stored[f"blk.1.{tensor}.weight.in_sum2"], dtype=np.float64).reshape(n_exp, -1)
+        np.testing.assert_allclose(got, torch.stack(expect).numpy(), rtol=2e-4)
+        assert np.asarray(stored[f"blk.1.{tensor}.weight.counts"]).reshape(-1).tolist() == counts

@@ -218,3 +218,10 @@ def test_recipe_with_imatrix_and_split_publishes_shards_and_the_imatrix(wide, tm
     assert manifest["build"]["imatrix"]["missing"] == []
     serving = next(iter(manifest["serving"].values()))
     assert serving["command"][2].endswith(shards[0])
+    # the memory plan made before the build counted the shards: whole tensors packed in order make at most one
+    # more than the intermediate's size over the limit
+    import re
+
+    convert_step = next(s for s in result.memory_plan["steps"] if s["step"] == "convert")
+    planned = re.search(r"about (\d+) shard\(s\) of at most 8.0 MiB", convert_step["detail"])
+    assert planned and int(planned.group(1)) in (len(shards) - 1, len(shards)), (convert_step["detail"], shards)

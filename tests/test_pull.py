@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from factories import write_test_config
+from factories import CPU_PREFERENCE, write_test_config
 from pipelines.build import build_and_publish
 from pipelines.config import Config
 from pipelines.errors import HiveError, IntegrityError, StoreError
@@ -227,7 +227,7 @@ def test_pull_without_registry_uses_the_stores_profiles(env, tmp_path):
     # the preference (q4_k_m first) can only have come from the store's profiles.json
     assert res["recipe"] == "gguf-q4_k_m" and res["dest"] == str(tmp_path / "dest")
     marker = json.loads((tmp_path / "dest" / MARKER).read_text())
-    assert marker["runtime_profile"]["recipe_preference"] == ["gguf-q4_k_m", "gguf-q8_0", "gguf-f16"]
+    assert marker["runtime_profile"]["recipe_preference"] == CPU_PREFERENCE
 
 
 def test_pull_path_imports_neither_dagster_nor_torch(env, tmp_path):

@@ -233,8 +233,10 @@ def _answer(status: Status, profile: str | None, level: str, detail: str) -> tup
 
 
 def _route(rec: database.Architecture | None, arch: str | None, task: str, hw: Hardware, profiles: _Profiles,
-           auto_map: bool, reviewed: bool, gguf_applies: bool, closest: str | None) -> tuple[Status, str | None, Check]:
-    """(status, runtime profile, the architecture_known check explaining it)."""
+           auto_map: bool, reviewed: bool, gguf_applies: bool, closest: str | None,
+           gguf_after_review: bool = False) -> tuple[Status, str | None, Check]:
+    """(status, runtime profile, the architecture_known check explaining it). `gguf_after_review`: a GGUF
+    recipe converts this remote-code repo with hive-aot's own mapping once a human reviews it."""
 
     def pick(role: str) -> str | None:
         return profiles.pick(hw, role)
@@ -288,6 +290,10 @@ def _route(rec: database.Architecture | None, arch: str | None, task: str, hw: H
             return _answer("compatible", pick("gguf"), "pass", detail)
         if rec.transformers_known:
             return _answer("compatible", pick("transformers"), "pass", detail)
+        if gguf_after_review:
+            return _answer("requires_review", None, "warn",
+                           f"{detail}; hive-aot's own GGUF mapping converts it for {pick('gguf')} once reviewed "
+                           "(its remote code is never run)")
         return _answer("incompatible", None, "fail", f"{detail}; no GGUF recipe and no transformers class for the CPU tier")
     if rec.vllm_support:
         return _answer("compatible", pick("vllm"), "pass", detail)
@@ -400,13 +406,14 @@ def classify(
         # The CPU tier serves the model when a recipe that the vendor's gguf-role profile loads applies to it.
         cpu_tier = profiles.pick(hw, "gguf")
         # Remote code (auto_map) is converted by our own family mapping only once a human reviewed the repo.
-        gguf_applies = cpu_tier is not None and (not auto_map or reviewed) and any(
-            cpu_tier in r.runtime_profiles and recipe_applies(r) for r in recipes)
+        gguf_convertible = cpu_tier is not None and any(cpu_tier in r.runtime_profiles and recipe_applies(r) for r in recipes)
+        gguf_applies = gguf_convertible and (not auto_map or reviewed)
         closest = None
         if rec is None and task != "diffusion":
             close = difflib.get_close_matches(arch, list(db.architectures), n=1, cutoff=0.6)
             closest = f"{close[0]} ({db.architectures[close[0]].family} family)" if close else None
-        status, profile, arch_check = _route(rec, arch, task, hw, profiles, auto_map, reviewed, gguf_applies, closest)
+        status, profile, arch_check = _route(rec, arch, task, hw, profiles, auto_map, reviewed, gguf_applies, closest,
+                                             gguf_after_review=gguf_convertible and not gguf_applies)
         checks.append(arch_check)
         mismatch = _model_type_problem(cfg, rec, arch) if rec is not None and not auto_map else None
         if mismatch:  # remote code brings its own model_type; review covers it

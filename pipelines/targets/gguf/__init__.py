@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 # 2: explicit add_bos_token for BPE; SentencePiece add_dummy_prefix read from the model.
 # 3: the manifest's build info records llama.cpp's quantization type fallbacks.
 # 4: per-family modules; llama.cpp's general.* metadata and generic hyper-parameters; hive_aot.* provenance.
-FORMAT_VERSION = 4
+# 5: general.name and the name heuristics as llama.cpp derives them from the repository's name (not the
+#    snapshot directory's commit); InternLM2; more families.
+FORMAT_VERSION = 5
 LOSSLESS = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 
 

@@ -12,6 +12,7 @@ streams by, and a refused conversion leaves no partial file behind.
 from __future__ import annotations
 
 import re
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -326,13 +327,20 @@ def _add(writer: gguf.GGUFWriter, key: str, value: Any, kind: type) -> None:
         writer.add_string(key, str(value))
 
 
-def _general_metadata(writer: gguf.GGUFWriter, model_dir: Path, name: str) -> dict[str, Any]:
-    """The general.* keys llama.cpp's converter writes, with its own rules (gguf-py's Metadata: the model
-    card's front matter, then heuristics on the name): basename, finetune, size_label, license, base_model.*,
-    repo_url, ... The name is the model id, as llama.cpp names a model converted from its Hub id."""
+def _general_metadata(writer: gguf.GGUFWriter, model_dir: Path, model_id: str) -> dict[str, Any]:
+    """The general.* keys llama.cpp's converter writes, with its own rules (gguf-py's Metadata: the model card's
+    front matter, config.json's `_name_or_path`, then heuristics on the directory name): name, basename,
+    finetune, size_label, license, base_model.*, repo_url, ... A snapshot's directory is named by its commit,
+    so the heuristics are shown a directory named after the repository (links to the files they read), as
+    llama.cpp sees one when it converts a `--local-dir <repo>` download."""
     total, shared, expert, experts = writer.get_total_parameter_count()
-    meta = gguf.Metadata.load(None, model_dir, None, total)
-    meta.name = name
+    with tempfile.TemporaryDirectory(prefix="gguf-metadata-") as tmp:
+        view = Path(tmp) / model_id.rsplit("/", 1)[-1]
+        view.mkdir()
+        for f in ("README.md", "config.json", "generation_config.json"):
+            if (model_dir / f).is_file():
+                (view / f).symlink_to((model_dir / f).resolve())
+        meta = gguf.Metadata.load(None, view, None, total)
     if meta.size_label is None and total > 0:
         meta.size_label = gguf.size_label(total, shared, expert, experts)
     writer.add_type(gguf.GGUFType.MODEL)
@@ -400,7 +408,7 @@ def convert(model_dir: Path, cfg: dict[str, Any], safetensors: list[Path], out_p
         return ConvertReport(
             architecture=arch, gguf_arch=family.gguf_arch, family=family.name, outtype=outtype, tensors=len(outputs),
             tensor_types=dict(Counter(o.qtype.name for o in outputs)), parameters=tensors.parameters,
-            vocab=vocab.info, metadata={k: v for k, v in general.items() if k != "name"},
+            vocab=vocab.info, metadata=general,
             fallbacks=_fallbacks(outputs, OUTTYPES[outtype][0]), files=files,
         )
 

@@ -7,8 +7,10 @@ it). Computed here with the transformers model itself (the streamed fp32 referen
 by forward pre-hooks on the modules whose weights the GGUF family maps to matrices, and stored in
 llama.cpp's imatrix GGUF layout (`<tensor>.in_sum2` [columns x matrices], `<tensor>.counts`), so
 `llama-quantize --imatrix` reads it too. Stacked MoE experts get one row of sums per expert from the
-tokens routed to it only where transformers runs experts as modules; fused expert parameters (transformers
-5's MoE layers) are not hooked and have no entry (the IQ types then refuse that model, saying so).
+tokens the router sent to it, as llama.cpp's imatrix counts them: transformers 5 runs the experts of a
+layer as one module holding fused `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] parameters, so
+that module's pre-hook takes the routed tokens per expert for gate and up, and recomputes act(gate) * up
+for down's input. An expert no calibration token reached has count 0; `load` gives it uniform weights.
 """
 
 from __future__ import annotations
@@ -59,21 +61,22 @@ def compute_here(model_dir: str, files: list[str], out_path: str, sources: dict[
     wanted = {hf for names in sources.values() for hf in names}
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
+
+    def add(hf: str, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).double()
+        sums[hf] = sums[hf] + (x * x).sum(0) if hf in sums else (x * x).sum(0)
+        counts[hf] = counts.get(hf, 0) + x.shape[0]
+
     with StreamedCausalLM(Path(model_dir), [Path(f) for f in files]) as lm:
-        hooked = 0
         for path, module in lm.model.named_modules():
+            experts = _fused_experts(lm.rules, path, module, wanted)
+            if experts is not None:
+                module.register_forward_pre_hook(_experts_hook(module, *experts, add))
+                continue
             rule = lm.rules.get(f"{path}.weight")
             if rule is None or len(rule.sources) != 1 or rule.sources[0] not in wanted:
                 continue
-            hf = rule.sources[0]
-
-            def hook(_module, args, hf=hf):
-                x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-                sums[hf] = sums[hf] + (x * x).sum(0) if hf in sums else (x * x).sum(0)
-                counts[hf] = counts.get(hf, 0) + x.shape[0]
-
-            module.register_forward_pre_hook(hook)
-            hooked += 1
+            module.register_forward_pre_hook(lambda _m, args, hf=rule.sources[0]: add(hf, args[0]))
         for seq in sequences:
             lm.logits(seq)
     writer = gguf.GGUFWriter(out_path, arch="imatrix")
@@ -96,6 +99,37 @@ def compute_here(model_dir: str, files: list[str], out_path: str, sources: dict[
     writer.close()
     return {"tensors": stored, "missing": sorted(missing), "chunks": len(sequences), "chunk_tokens": CHUNK_TOKENS,
             "tokens": sum(len(s) for s in sequences)}
+
+
+def _fused_experts(rules, path: str, module, wanted: set[str]):
+    """(gate sources, up sources, down sources), one checkpoint tensor per expert each, when `module` is a
+    transformers 5 experts module whose fused parameters the streamed model stacks from per-expert tensors."""
+    gate_up, down = rules.get(f"{path}.gate_up_proj"), rules.get(f"{path}.down_proj")
+    if gate_up is None or down is None or not hasattr(module, "act_fn"):
+        return None
+    n = len(down.sources)
+    if len(gate_up.sources) != 2 * n or not set(gate_up.sources + down.sources) <= wanted:
+        return None
+    return gate_up.sources[:n], gate_up.sources[n:], down.sources
+
+
+def _experts_hook(module, gates, ups, downs, add):
+    """Pre-hook of an experts module called as (hidden_states [T, H], top_k_index [T, k], top_k_weights)."""
+    import torch
+
+    def hook(_module, args):
+        x, top_k = args[0], args[1]
+        with torch.no_grad():
+            for e in range(len(downs)):
+                rows = (top_k == e).any(dim=-1).nonzero().flatten()
+                xe = x[rows]
+                # the sums and counts exist for every expert, reached or not (llama.cpp's layout)
+                add(gates[e], xe)
+                add(ups[e], xe)
+                gate, up = torch.nn.functional.linear(xe, module.gate_up_proj[e]).chunk(2, dim=-1)
+                add(downs[e], module.act_fn(gate) * up)
+
+    return hook
 
 
 def compute(snapshot, out_path: Path, *, text: str | None = None, step: str | None = None) -> dict[str, Any]:
@@ -134,7 +168,10 @@ def load(path: Path) -> dict[str, np.ndarray]:
         if counts is None:
             raise ModelFormatError(f"{path.name}: {name} has sums but no counts")
         sums2 = sums.reshape(counts.size, -1)
-        out[name] = (sums2 / np.maximum(counts.reshape(-1, 1), 1.0)).astype(np.float32).reshape(-1)
+        mean = sums2 / np.maximum(counts.reshape(-1, 1), 1.0)
+        # an expert no calibration token reached: uniform weights rather than all-zero ones
+        mean[counts.reshape(-1) == 0] = 1.0
+        out[name] = mean.astype(np.float32).reshape(-1)
     return out
 
 

@@ -157,6 +157,10 @@ def rope_params(hp: HParams) -> list[tuple[str, Any, type]]:
             value = next((rope[n] for n in names if rope.get(n) is not None), None)
             if value is not None:
                 out.append((key, value, float))
+    elif kind == "dynamic":
+        # Dynamic NTK rescales the base only for sequences longer than max_position_embeddings, the GGUF's
+        # context length: inside it the model's rope is the default one, which llama.cpp computes.
+        pass
     elif kind not in ("default", "llama3"):  # llama3's scaling is the rope_freqs tensor (llama.py)
         raise ModelFormatError(f"rope scaling type {kind!r} is not supported for GGUF yet")
     return out
