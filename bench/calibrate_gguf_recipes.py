@@ -1,9 +1,10 @@
 """Measure each GGUF quantization type on the demo model, to set recipe thresholds with margin.
 
-    .venv/bin/python bench/calibrate_gguf_recipes.py [MODEL_DIR] [--types q4_0,Q5_K_M,...] [--json]
+    .venv/bin/python bench/calibrate_gguf_recipes.py [MODEL_DIR] [--types q4_0,Q5_K_M,Q3_K_M+imatrix,...] [--json]
 
 One lossless intermediate is converted once; every type is made from it (our converter for outtypes,
-libllama for ftypes, with the project's own importance matrix for the types that need one) and validated
+libllama for ftypes, with the project's own importance matrix for the types that need one or that are
+named with a `+imatrix` suffix) and validated
 with the same `validate_gguf` as a build. The demo model's weights were dequantized from Q4_1, so its
 quantization error understates that of a model trained in bf16: recipes keep a wide margin over these.
 """
@@ -42,19 +43,21 @@ def main() -> int:
         inter = work / "f16.gguf"
         convert(snap.dir, snap.config(), snap.safetensors_files(), inter, "f16", name=snap.model_id)
         imat = None
-        for t in args.types.split(","):
+        for spec in args.types.split(","):
+            t, _, extra = spec.partition("+")
+            weighted = extra == "imatrix" or t.upper() in NEEDS_IMATRIX
             out = work / f"{t}.gguf"
             start = time.perf_counter()
             if t.lower() in OUTTYPES:
                 convert(snap.dir, snap.config(), snap.safetensors_files(), out, t.lower(), name=snap.model_id)
             else:
-                if t.upper() in NEEDS_IMATRIX and imat is None:
+                if weighted and imat is None:
                     imat = work / "imatrix.gguf"
                     imatrix.compute(snap, imat)
-                quantize(inter, out, t, imatrix=imat if t.upper() in NEEDS_IMATRIX else None)
+                quantize(inter, out, t, imatrix=imat if weighted else None)
             made = time.perf_counter() - start
             metrics, _ = validate_gguf(snap, out)
-            rows.append({"type": t, "size_mib": round(out.stat().st_size / 2**20, 1), "make_s": round(made, 1),
+            rows.append({"type": spec, "size_mib": round(out.stat().st_size / 2**20, 1), "make_s": round(made, 1),
                          **{k: metrics[k] for k in ("top1_agreement", "mean_kl", "max_abs_logit_delta", "token_parity")}})
             out.unlink()
             print(json.dumps(rows[-1]), file=sys.stderr)

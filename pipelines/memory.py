@@ -151,6 +151,7 @@ class ModelFacts:
     kquant_rows_parameters: int  # 2-D+ tensors whose rows are whole k-quant blocks (256)
     q8_rows_parameters: int  # 2-D+ tensors whose rows are whole q8_0 blocks (32) but not 256
     float_dtypes: tuple[str, ...]  # the source's float dtypes (F32/F16/BF16), sorted
+    tensor_sizes: tuple[int, ...] = ()  # elements of each tensor, in header order (how shards pack)
 
     @property
     def fp32_bytes(self) -> int:
@@ -204,8 +205,10 @@ def facts_from_tensors(tensors: Iterable[TensorInfo], config: dict[str, Any] | N
     embedding = lm_head = 0
     embedding_shape: tuple[int, ...] = ()
     floats = set()
+    sizes: list[int] = []
     for t in tensors:
         n = t.numel
+        sizes.append(n)
         parameters += n
         source += t.nbytes
         by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.nbytes
@@ -239,7 +242,7 @@ def facts_from_tensors(tensors: Iterable[TensorInfo], config: dict[str, Any] | N
         largest_tensor_name=largest_name, largest_layer=max(per_layer.values(), default=0), layers=layers,
         embedding=embedding, lm_head=lm_head, vocab_size=vocab, hidden_size=hidden, kv_heads=kv_heads,
         head_dim=head_dim, vector_parameters=vectors, kquant_rows_parameters=kquant, q8_rows_parameters=q8,
-        float_dtypes=tuple(sorted(floats)),
+        float_dtypes=tuple(sorted(floats)), tensor_sizes=tuple(sizes),
     )
 
 
@@ -275,6 +278,19 @@ def gguf_bytes(facts: ModelFacts, file_type: str) -> int:
         blocked, legacy = facts.kquant_rows_parameters + facts.q8_rows_parameters, 0.0
     other = facts.matrix_parameters - facts.kquant_rows_parameters - facts.q8_rows_parameters  # f16 fallback
     return int((blocked * bits + legacy) / 8) + other * 2 + vectors + metadata
+
+
+def gguf_shards(facts: ModelFacts, file_type: str, split: int) -> int:
+    """How many shards a split GGUF of `file_type` has: whole tensors packed in order into shards of at most
+    `split` bytes, one larger than that alone in its own (the writer's rule), at the type's bytes per element."""
+    per_element = gguf_bytes(facts, file_type) / max(1, facts.parameters)
+    shards, used = 1, 0
+    for n in facts.tensor_sizes or (facts.parameters,):
+        size = n * per_element
+        if used and used + size > split:
+            shards, used = shards + 1, 0
+        used += size
+    return shards
 
 
 def lossless_gguf_type(facts: ModelFacts) -> str:
@@ -466,8 +482,8 @@ def _steps(p: Plan, facts: ModelFacts, work: str, store: str | None, refs: str, 
         if split:
             # Shards hold whole tensors, packed in order (a tensor larger than the limit gets a shard of its own),
             # each with its own header. A k-quant keeps its lossless intermediate's shards, so they count.
-            converted = gguf_bytes(facts, lossless_gguf_type(facts)) if ftype else out
-            shards = max(1, -(-converted // split))
+            lossless = lossless_gguf_type(facts) if ftype else None
+            shards = gguf_shards(facts, lossless or opts.get("outtype", "f16"), split)
             out += (shards - 1) * GGUF_SHARD_HEADER
             detail += f"; about {shards} shard(s) of at most {human_bytes(split)}"
         if opts.get("imatrix"):

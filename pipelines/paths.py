@@ -135,3 +135,15 @@ def confined(root: Path, rel: str, within: Path | None = None) -> Path:
     if real != real_fence and real_fence not in real.parents:
         raise SourceError(f"refusing {rel!r}: it resolves outside {fence} (symlink?)")
     return p
+
+
+def link_or_copy(src: Path, dest: Path) -> None:
+    """A hard link when the source already has the served mode (0644), else a copy: a link shares the
+    inode, and setting the mode on it would change the user's source file."""
+    if (src.stat().st_mode & 0o777) == 0o644:
+        try:
+            os.link(src, dest)
+            return
+        except OSError:
+            pass
+    shutil.copyfile(src, dest)

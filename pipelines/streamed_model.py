@@ -42,8 +42,12 @@ EXPERT_LAYOUTS = (("block_sparse_moe", "w1", "w3", "w2"), ("mlp", "gate_proj", "
 # Bytes of a checkpoint tensor widened to fp32 at a time (and then dropped from the resident set).
 READ_SLICE_BYTES = 16 << 20
 # Whole-module renames between checkpoint and model (Mixtral's router lives in block_sparse_moe; GPT-NeoX's
-# checkpoints name the output embedding embed_out, transformers 5 names it lm_head).
-MODULE_RENAMES = ((".mlp.", ".block_sparse_moe."), ("lm_head.", "embed_out."))
+# checkpoints name the output embedding embed_out, transformers 5 names it lm_head; Granite MoE checkpoints keep
+# JetMoE's names for their router and stacked experts, as transformers' conversion mapping says).
+MODULE_RENAMES = ((".mlp.", ".block_sparse_moe."), ("lm_head.", "embed_out."),
+                  (".block_sparse_moe.router.weight", ".block_sparse_moe.router.layer.weight"),
+                  (".block_sparse_moe.experts.gate_up_proj", ".block_sparse_moe.input_linear.weight"),
+                  (".block_sparse_moe.experts.down_proj", ".block_sparse_moe.output_linear.weight"))
 
 
 @dataclass(frozen=True)

@@ -59,11 +59,15 @@ EXPECTED = {
     **{a: ("compatible", "transformers-cu121") for a in TRANSFORMERS_FALLBACK},
 }
 # our converter's families (pipelines/targets/gguf/families/), listed here so that adding or losing one is on purpose
-GGUF_ARCHS = {"CohereForCausalLM", "FalconForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "GPTJForCausalLM",
-              "GPTNeoXForCausalLM", "InternLM2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GemmaForCausalLM", "GraniteForCausalLM",
-              "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM",
-              "PhiForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-              "StableLmForCausalLM", "Starcoder2ForCausalLM"}
+GGUF_ARCHS = {"ArceeForCausalLM", "Cohere2ForCausalLM", "CohereForCausalLM", "Ernie4_5ForCausalLM",
+              "Exaone4ForCausalLM", "FalconForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM",
+              "GPTJForCausalLM", "GPTNeoXForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GemmaForCausalLM",
+              "Glm4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM", "HunYuanDenseV1ForCausalLM",
+              "InternLM2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
+              "NemotronForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM", "OlmoeForCausalLM",
+              "Phi3ForCausalLM", "PhiForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
+              "Qwen3MoeForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "StableLmForCausalLM",
+              "Starcoder2ForCausalLM"}
 VLLM_RECIPES = ["vllm-bf16", "vllm-fp8"]
 QAIC_RECIPES = ["qaic-export", "qaic-fp16", "qaic-mxfp6"]
 # Dense Llama-lineage families vLLM runs natively get the FP8 tier too; the rest the portable tier only.

@@ -11,12 +11,14 @@ streams by, and a refused conversion leaves no partial file behind.
 
 from __future__ import annotations
 
+import os
 import re
 import tempfile
-from collections import Counter
+from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import gguf
 import numpy as np
@@ -46,6 +48,7 @@ OUTTYPES: dict[str, tuple[Q, F]] = {
     "q5_1": (Q.Q5_1, F.MOSTLY_Q5_1),
 }
 SLICE_BYTES = 16 << 20  # float32 bytes per streamed row slice
+MAX_ENCODE_THREADS = 4  # beyond this the writer (one file, in order) is the bottleneck
 OUTPUT_KEPT = {Q.Q4_0: Q.Q8_0, Q.Q4_1: Q.Q8_0, Q.Q5_0: Q.Q8_0, Q.Q5_1: Q.Q8_0}
 
 
@@ -121,7 +124,7 @@ def _expand(names: tuple[str, ...], bid: int | None, hp: HParams) -> list[str]:
 def plan_tensors(family: Family, hp: HParams, tensors: TensorSource, outtype: str) -> list[Step]:
     plan: list[Step] = []
     used: set[str] = set()
-    tied = bool(hp.get("tie_word_embeddings", False))
+    tied = bool(hp.get("tie_word_embeddings", family.tied_default))
 
     def take(rule: Rule, bid: int | None) -> None:
         if rule.when is not None and bid is not None and not rule.when(hp, bid):
@@ -247,8 +250,8 @@ def _row_slices(rows: int, row_floats: int) -> Iterator[tuple[int, int]]:
         yield lo, min(rows, lo + step)
 
 
-def _put(sink: _TensorWriter, data: np.ndarray, out: Output, what: str, model: str) -> None:
-    """Check and encode one slice of an output tensor, then write it."""
+def _checked(data: np.ndarray, out: Output, what: str, model: str) -> np.ndarray:
+    """One slice of an output tensor, checked and encoded to its GGUF type."""
     bad = _nonfinite(data)
     if bad:
         # counted in the slice at hand (the first bad one): the rest of the tensor is not read
@@ -259,32 +262,66 @@ def _put(sink: _TensorWriter, data: np.ndarray, out: Output, what: str, model: s
         # finite bf16/f32 values beyond float16's range (65504) would be written as +-Inf
         raise ModelFormatError(f"{model}: tensor {what} holds values up to {float(np.abs(data).max()):.4g}, "
                                "beyond float16's range (65504): use a bf16 or f32 recipe for this model")
-    sink.write(encoded)
+    return encoded
+
+
+def encode_threads() -> int:
+    """Threads that widen and encode slices while the main thread writes (numpy releases the GIL in both)."""
+    return max(1, min(MAX_ENCODE_THREADS, os.cpu_count() or 1))
+
+
+def _in_order(jobs: Iterable[Callable[[], Any]], done: Callable[[Any], None], threads: int) -> None:
+    """Run `jobs` on `threads` threads and hand their results to `done` in order. At most threads + 1 results
+    are in flight, so memory grows by a few slices, never by a tensor; the first failure stops the rest."""
+    if threads <= 1:
+        for job in jobs:
+            done(job())
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="gguf-encode") as pool:
+        pending: deque[Future] = deque()
+        try:
+            for job in jobs:
+                pending.append(pool.submit(job))
+                if len(pending) > threads:
+                    done(pending.popleft().result())
+            while pending:
+                done(pending.popleft().result())
+        finally:
+            for f in pending:
+                f.cancel()
 
 
 def _stream_rows(tensors: TensorSource, hf: str, transform, hp: HParams, sink: _TensorWriter, out: Output,
                  model: str, pb) -> None:
-    """A rowwise transform (or one expert of a stack) through 16 MiB row slices of the mapped source."""
+    """A rowwise transform (or one expert of a stack) through 16 MiB row slices of the mapped source, read,
+    widened and encoded on worker threads, written here in order."""
     info = tensors.info(hf)
     rows = info.shape[0] if info.shape else 1
     row_bytes = info.nbytes // rows if rows else 0
     row_floats = int(np.prod(info.shape[1:])) if len(info.shape) > 1 else 1
-    for lo, hi in _row_slices(rows, row_floats):
-        data = tensors.rows(hf, lo, hi) if info.shape else tensors.float32(hf).reshape(1)
-        data = transform.apply([data], hp)[0]
-        try:
-            _put(sink, data, out, hf, model)
-        finally:
-            del data  # a view of the mmap: released before the pages are dropped
+
+    def job(lo: int, hi: int):
+        def run():
+            data = tensors.rows(hf, lo, hi) if info.shape else tensors.float32(hf).reshape(1)
+            encoded = _checked(transform.apply([data], hp)[0], out, hf, model)
+            del data  # may be a view of the mmap: gone before its pages are dropped
+            return encoded, lo, hi
+        return run
+
+    def write(result) -> None:
+        encoded, lo, hi = result
+        sink.write(encoded)
         tensors.release(hf, lo * row_bytes, hi * row_bytes)
         pb.update((hi - lo) * row_bytes)
+
+    _in_order((job(lo, hi) for lo, hi in _row_slices(rows, row_floats)), write, encode_threads())
 
 
 def _write_step(step: Step, tensors: TensorSource, hp: HParams, writer: gguf.GGUFWriter, model: str, pb) -> None:
     rule = step.rule
     if rule is None:  # computed by the family
         sink = _TensorWriter(writer, step.outputs[0])
-        _put(sink, step.data, step.outputs[0], step.outputs[0].name, model)
+        sink.write(_checked(step.data, step.outputs[0], step.outputs[0].name, model))
         sink.close()
         return
     if rule.transform.rowwise or rule.transform.stack:
@@ -302,11 +339,11 @@ def _write_step(step: Step, tensors: TensorSource, hp: HParams, writer: gguf.GGU
             raise RuntimeError(f"{rule.transform.name} made {out.name} {list(data.shape)}, planned {list(out.shape)}")
         sink = _TensorWriter(writer, out)
         if data.ndim <= 1:
-            _put(sink, data, out, step.inputs[0], model)
+            sink.write(_checked(data, out, step.inputs[0], model))
         else:  # encoded slice by slice: never a second whole copy
             flat = data.reshape(-1, data.shape[-1])
-            for lo, hi in _row_slices(flat.shape[0], flat.shape[-1]):
-                _put(sink, flat[lo:hi], out, step.inputs[0], model)
+            _in_order((lambda lo=lo, hi=hi: _checked(flat[lo:hi], out, step.inputs[0], model)
+                       for lo, hi in _row_slices(flat.shape[0], flat.shape[-1])), sink.write, encode_threads())
         sink.close()
     del results
     for n in step.inputs:

@@ -24,6 +24,9 @@ import numpy as np
 
 from ...errors import HiveError, ModelFormatError
 
+# Part of the cache key: bump when what `compute_here` writes changes for the same inputs.
+# 2: stacked experts get their rows (fused transformers 5 experts modules hooked).
+IMATRIX_VERSION = 2
 CHUNK_TOKENS = 256  # tokens per calibration sequence (llama.cpp's imatrix uses n_ctx chunks the same way)
 
 
@@ -45,8 +48,14 @@ def matrix_sources(model_dir: Path, cfg: dict[str, Any], files: list[Path]) -> d
     out: dict[str, list[str]] = {}
     for step in plan:
         for o in step.outputs:
-            if len(o.shape) >= 2 and step.inputs and not o.name.startswith("token_embd"):
-                out[o.name] = list(step.inputs) if step.rule is not None and step.rule.transform.stack else [step.inputs[0]]
+            if len(o.shape) < 2 or not step.inputs or o.name.startswith("token_embd"):
+                continue
+            if step.rule is not None and step.rule.transform.stack:
+                out[o.name] = list(step.inputs)  # one checkpoint tensor per expert
+            elif len(o.shape) == 3:  # experts stacked in the checkpoint already (Granite MoE): `<tensor>#<expert>`
+                out[o.name] = [f"{step.inputs[0]}#{e}" for e in range(o.shape[0])]
+            else:
+                out[o.name] = [step.inputs[0]]
     return out
 
 
@@ -107,6 +116,11 @@ def _fused_experts(rules, path: str, module, wanted: set[str]):
     gate_up, down = rules.get(f"{path}.gate_up_proj"), rules.get(f"{path}.down_proj")
     if gate_up is None or down is None or not hasattr(module, "act_fn"):
         return None
+    if len(gate_up.sources) == len(down.sources) == 1:  # stacked in the checkpoint: one GGUF source per expert
+        n = module.down_proj.shape[0]
+        gates = [f"{gate_up.sources[0]}#{e}" for e in range(n)]
+        downs = [f"{down.sources[0]}#{e}" for e in range(n)]
+        return (gates, gates, downs) if set(gates + downs) <= wanted else None
     n = len(down.sources)
     if len(gate_up.sources) != 2 * n or not set(gate_up.sources + down.sources) <= wanted:
         return None
@@ -125,7 +139,8 @@ def _experts_hook(module, gates, ups, downs, add):
                 xe = x[rows]
                 # the sums and counts exist for every expert, reached or not (llama.cpp's layout)
                 add(gates[e], xe)
-                add(ups[e], xe)
+                if ups[e] != gates[e]:  # gate and up split from one stacked tensor: one source, counted once
+                    add(ups[e], xe)
                 gate, up = torch.nn.functional.linear(xe, module.gate_up_proj[e]).chunk(2, dim=-1)
                 add(downs[e], module.act_fn(gate) * up)
 
@@ -133,8 +148,17 @@ def _experts_hook(module, gates, ups, downs, add):
 
 
 def compute(snapshot, out_path: Path, *, text: str | None = None, step: str | None = None) -> dict[str, Any]:
-    """The importance matrix of a snapshot's model from `text` (the built-in calibration text by default)."""
+    """The importance matrix of a snapshot's model from `text` (the built-in calibration text by default),
+    written to `out_path`. Cached per (model content, calibration ids, matrices, versions): every imatrix
+    recipe of a model (Q2_K ... IQ4_NL) shares one pass of the streamed model over the text, as the
+    recipes share one reference."""
+    import hashlib
+    import json
+    import os
+    from importlib.metadata import version
+
     from ...isolation import run_isolated
+    from ...paths import cache_root, link_or_copy, work_dir
     from ...reference import encode, load_tokenizer
 
     text = text if text is not None else calibration_text()
@@ -144,10 +168,29 @@ def compute(snapshot, out_path: Path, *, text: str | None = None, step: str | No
         raise HiveError(f"the calibration text is {len(ids)} tokens: too short for an importance matrix")
     sequences = [ids[i:i + CHUNK_TOKENS] for i in range(0, len(ids), CHUNK_TOKENS)]
     sources = matrix_sources(snapshot.dir, snapshot.config(), snapshot.safetensors_files())
-    return run_isolated("pipelines.targets.gguf.imatrix:compute_here", engine="transformers",
-                        step=step or f"importance matrix of {snapshot.model_id}", model_dir=str(snapshot.dir),
-                        files=[str(f) for f in snapshot.safetensors_files()], out_path=str(out_path),
-                        sources=sources, sequences=sequences, dataset="hive-aot calibration.txt")
+    key = hashlib.sha256(json.dumps([IMATRIX_VERSION, snapshot.content_digest, sequences, sources,
+                                     version("transformers"), version("torch")]).encode()).hexdigest()
+    cached = cache_root() / "imatrix" / key
+    if not (cached / "summary.json").is_file():
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        # computed in a locked work dir and renamed whole into the cache: readers never see a partial file
+        with work_dir("imatrix-") as work:
+            tmp = work / "out"
+            tmp.mkdir()
+            summary = run_isolated("pipelines.targets.gguf.imatrix:compute_here", engine="transformers",
+                                   step=step or f"importance matrix of {snapshot.model_id}", model_dir=str(snapshot.dir),
+                                   files=[str(f) for f in snapshot.safetensors_files()],
+                                   out_path=str(tmp / "imatrix.gguf"), sources=sources, sequences=sequences,
+                                   dataset="hive-aot calibration.txt")
+            os.chmod(tmp / "imatrix.gguf", 0o644)
+            (tmp / "summary.json").write_text(json.dumps(summary))
+            try:
+                os.rename(tmp, cached)  # the work root is inside the cache root: one file system
+            except OSError:
+                if not (cached / "summary.json").is_file():  # else a concurrent builder finished first
+                    raise
+    link_or_copy(cached / "imatrix.gguf", out_path)
+    return json.loads((cached / "summary.json").read_text())
 
 
 def load(path: Path) -> dict[str, np.ndarray]:

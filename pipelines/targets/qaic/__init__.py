@@ -139,7 +139,8 @@ class QaicExportTarget:
                 "onnxruntime_validation": _version("onnxruntime")}
 
     def build(self, ctx: BuildContext, out_dir: Path) -> BuiltArtifact:
-        from ..vllm.prepare import CARRIED_FILES, link_or_copy
+        from ...paths import link_or_copy
+        from ..vllm.prepare import CARRIED_FILES
         from .export import export
 
         snap = ctx.snapshot

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import BuildContext, BuiltArtifact
-from ..vllm.prepare import link_or_copy
+from ...paths import link_or_copy
 from . import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
 from .compile import COMPILE_DIR, CompileOptions, command, compile_files
 

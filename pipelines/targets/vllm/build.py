@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING
 from ...errors import ModelFormatError
 from ...progress import bar
 from ...safetensors_io import TensorSource
+from ...paths import link_or_copy
 from .. import BuiltArtifact
 from . import fp8 as fp8_mod
 from .prepare import (INDEX, OutTensor, PrepareReport, bf16_tensor, carry_files, check_dtypes, check_finite,
-                      link_or_copy, normalize_config, parse_size, plan_shards, reusable_source_shards, shard_names,
+                      normalize_config, parse_size, plan_shards, reusable_source_shards, shard_names,
                       tensor_order, write_index, write_shard)
 
 if TYPE_CHECKING:

@@ -10,7 +10,6 @@ rewritten, and their digests come from the snapshot.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,18 +176,6 @@ def reusable_source_shards(src: TensorSource, max_bytes: int) -> bool:
         if any(t.dtype not in {"BF16"} | KEPT_DTYPES for t in f.header.tensors.values()):
             return False
     return True
-
-
-def link_or_copy(src: Path, dest: Path) -> None:
-    """A hard link when the source already has the served mode (0644), else a copy: a link shares the
-    inode, and setting the mode on it would change the user's source file."""
-    if (src.stat().st_mode & 0o777) == 0o644:
-        try:
-            os.link(src, dest)
-            return
-        except OSError:
-            pass
-    shutil.copyfile(src, dest)
 
 
 def normalize_config(cfg: dict[str, Any], dtype: str, quantization_config: dict[str, Any] | None) -> dict[str, Any]:

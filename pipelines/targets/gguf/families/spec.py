@@ -171,6 +171,34 @@ def rotary_dims(hp: HParams) -> int:
     return int(hp.head_dim * float(hp.rope["partial_rotary_factor"]))
 
 
+# --- one-line refusals shared by the families' checks -------------------------------------------------
+
+
+def refuse_true(hp: HParams, arch: str, key: str, why: str) -> None:
+    """Refuse a config that sets `key` (a bias, tied embeddings ...) that llama.cpp's `arch` cannot run."""
+    if hp.get(key):
+        raise ModelFormatError(f"{arch} with {key}=true is not supported: {why}")
+
+
+def refuse_rope(hp: HParams, arch: str, allowed: tuple[str, ...] = ("default", "linear", "yarn")) -> None:
+    kind = hp.rope["rope_type"]
+    if kind not in allowed:
+        raise ModelFormatError(f"rope scaling type {kind!r} is not supported for {arch} GGUF yet")
+
+
+def require_activation(hp: HParams, arch: str, expected: str, why: str, key: str = "hidden_act") -> None:
+    act = hp.find(key, default=expected)
+    if act != expected:
+        raise ModelFormatError(f"{arch} with activation {act!r} is not supported: {why}")
+
+
+def require_whole_heads(hp: HParams, arch: str) -> None:
+    """llama.cpp graphs that size the attention output as [hidden, hidden] need heads x head_dim == hidden."""
+    if hp.n_head * hp.head_dim != hp.hidden:
+        raise ModelFormatError(f"{arch} GGUF needs num_attention_heads x head_dim == hidden_size ({hp.hidden}), "
+                               f"config has {hp.n_head} x {hp.head_dim}")
+
+
 # --- tensors -------------------------------------------------------------------------------------------
 
 Arrays = list[np.ndarray]
@@ -211,19 +239,24 @@ TRANSPOSE = Transform("transpose", lambda xs, hp: [np.ascontiguousarray(xs[0].T)
 PLUS_ONE = elementwise("plus_one", lambda x, hp: x + np.float32(1.0))  # norms stored as w where the model uses 1 + w
 
 
-def split_rows(name: str, sizes: Callable[[HParams], Sequence[int]]) -> Transform:
-    """One fused tensor -> several, split along the first axis (qkv_proj -> q, k, v)."""
+def split_axis(name: str, sizes: Callable[[HParams], Sequence[int]], axis: int) -> Transform:
+    """One fused tensor -> several, split along `axis` (stacked experts [E, gate + up, H] -> gate, up: axis 1)."""
 
     def apply(xs: Arrays, hp: HParams) -> Arrays:
-        return [np.ascontiguousarray(x) for x in np.split(xs[0], np.cumsum(sizes(hp))[:-1], axis=0)]
+        return [np.ascontiguousarray(x) for x in np.split(xs[0], np.cumsum(sizes(hp))[:-1], axis=axis)]
 
     def shapes(s: list[Shape], hp: HParams) -> list[Shape]:
         parts = list(sizes(hp))
-        if sum(parts) != s[0][0]:
-            raise ModelFormatError(f"a fused tensor of {s[0][0]} rows cannot be split into {parts}")
-        return [(n, *s[0][1:]) for n in parts]
+        if len(s[0]) <= axis or sum(parts) != s[0][axis]:
+            raise ModelFormatError(f"a fused tensor of shape {list(s[0])} cannot be split into {parts} along axis {axis}")
+        return [tuple(n if i == axis else d for i, d in enumerate(s[0])) for n in parts]
 
     return Transform(name, apply, shapes)
+
+
+def split_rows(name: str, sizes: Callable[[HParams], Sequence[int]]) -> Transform:
+    """One fused tensor -> several, split along the first axis (qkv_proj -> q, k, v)."""
+    return split_axis(name, sizes, 0)
 
 
 def then(first: Transform, *more: Callable[[Arrays, HParams], Arrays]) -> Transform:
@@ -299,6 +332,7 @@ class Family:
     ignored: tuple[str, ...] = field(default=())  # regexes of HF tensors deliberately unused
     check: Callable[[HParams], None] = accept  # refuses configs llama.cpp cannot run for this architecture
     tied_output: str | None = "lm_head.weight"  # dropped when tie_word_embeddings (llama.cpp reuses token_embd)
+    tied_default: bool = False  # transformers' default tie_word_embeddings for these architectures (a config may omit it)
     block_prefix: str = "model.layers"  # HF module list of the blocks (for the "unmapped tensors" check)
 
     def key_values(self, hp: HParams) -> dict[str, tuple[Any, type]]:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from ....errors import ModelFormatError
 from .llama import LAYER, ROTARY_BUFFERS, SWIGLU, attention
-from .spec import IDENTITY, STACK, K, R, Family, HParams, Rule, T, derived, name, rotary_dims, tensor, weight_and_bias
+from .spec import (IDENTITY, STACK, K, R, Family, HParams, Rule, T, derived, name, rotary_dims, tensor,
+                  weight_and_bias)
 
 
 def _check(hp: HParams) -> None:
