@@ -148,12 +148,14 @@ print-llama-wheels:
 
 .PHONY: bench-compare
 bench-compare: setup
-	.venv/bin/python bench/compare_llamacpp.py
+	.venv/bin/python bench/compare_llamacpp.py --json-out bench/results/compare_llamacpp-smollm2.json
 
 # The same comparison on a ~1B-parameter synthetic model with Llama-3.2-1B's shapes (2.5 GB of bf16, generated
 # once into the cache): f16 only, timing, peak RSS and tensor identity (random weights: no validation).
+# Both comparisons keep their JSON in bench/results/ (`--markdown` prints the README table's rows instead).
 BENCH_1B := $(CACHE)/bench/llama3-1b
 .PHONY: bench-compare-1b
 bench-compare-1b: setup
 	test -f $(BENCH_1B)/config.json || .venv/bin/python -m pipelines.synthetic --preset llama3-1b --out $(BENCH_1B)
-	.venv/bin/python bench/compare_llamacpp.py $(BENCH_1B) --model-id bench/llama3-1b --variants f16 --no-validate
+	.venv/bin/python bench/compare_llamacpp.py $(BENCH_1B) --model-id bench/llama3-1b --variants f16 --no-validate \
+	  --json-out bench/results/compare_llamacpp-llama3-1b.json

@@ -294,6 +294,7 @@ def main() -> int:
                     help="interpreter for the comparison venv")
     ap.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     ap.add_argument("--json-out", type=Path, help="also write the JSON document to this file")
+    ap.add_argument("--markdown", action="store_true", help="print the README's table rows instead of the report")
     ap.add_argument("--keep", action="store_true", help="keep the work directory with the GGUF files")
     args = ap.parse_args()
     variants = tuple(v for v in VARIANTS if v in args.variants.split(","))
@@ -418,8 +419,33 @@ def main() -> int:
     if args.json:
         print(json.dumps(doc, indent=1, default=str))
         return 0
-    print_report(doc)
+    if args.markdown:
+        print("\n".join(markdown_rows(doc)))
+    else:
+        print_report(doc)
     return 0
+
+
+def markdown_rows(doc: dict[str, Any]) -> list[str]:
+    """One row per variant: both tools' wall time and peak RSS, the ratios, cp's, tensor identity."""
+    name = Path(doc["model"]).name
+    cp = doc["cp"]
+    rows = []
+    for variant in doc["variants"]:
+        o = next(r for r in doc["results"] if r["tool"] == "hive-aot" and r["variant"] == variant)
+        t = next(r for r in doc["results"] if r["tool"] == "llama.cpp" and r["variant"] == variant)
+        q = doc["ratios_ours_over_llama_cpp"][variant]
+        td = doc["tensors_ours_vs_llama_cpp"][variant]
+        same = td["identical"] == td["n_tensors"]["ours"] == td["n_tensors"]["llama_cpp"]
+        quality = (f"{o['metrics']['top1_agreement']:.3f} / {o['metrics']['mean_kl']:.3g} (same)"
+                   if "metrics" in o and o["metrics"] == t["metrics"] else
+                   f"{o['metrics']['top1_agreement']:.3f} vs {t['metrics']['top1_agreement']:.3f}" if "metrics" in o else "-")
+        rows.append(f"| {name} {variant} | {o['wall_s']:.2f} s / {o['peak_rss_mib']:.0f} MiB | "
+                    f"{t['wall_s']:.2f} s / {t['peak_rss_mib']:.0f} MiB | **{q['wall_s']:.2f}x / {q['peak_rss_mib']:.2f}x** | "
+                    f"{cp['wall_s']:.2f} s / {cp['peak_rss_mib']:.0f} MiB | "
+                    f"{'all ' + str(td['identical']) + ' identical' if same else str(td['identical']) + ' of ' + str(td['n_tensors']['ours']) + ' identical'} | "
+                    f"{quality} |")
+    return rows
 
 
 def snapshot_parameters(shards: list[str]) -> int:
