@@ -227,6 +227,10 @@ def cmd_pull(args) -> int:
                registry=args.registry)
     human = (f"{'already present' if res['already_present'] else 'pulled'} {res['model_id']} {res['recipe']} "
              f"(build {res['build_id'][:12]}, {_mb(res['size'])}) into {res['dest']}")
+    moved = res.get("transfer")
+    if moved and (moved["resumed_bytes"] or moved["cached_blobs"]):
+        human += (f"\n  fetched {_mb(moved['fetched_bytes'])}; resumed {_mb(moved['resumed_bytes'])} a killed pull had "
+                  f"written; {moved['cached_blobs']} blob(s) already cached")
     if res.get("image"):
         human += f"\n  image: {res['image']}"
     if res.get("env"):
@@ -259,7 +263,8 @@ def cmd_gc(args) -> int:
     res = gc(args.store, dry_run=args.dry_run, min_age_s=args.min_age)
     _emit(args, res, f"{'would remove' if args.dry_run else 'removed'} {len(res['blobs'])} blob(s) "
                      f"({_mb(res['bytes'])}), {len(res['staging'])} staging record(s), "
-                     f"{len(res['temporaries'])} stale temporary file(s) and {len(res['work'])} dead work dir(s)")
+                     f"{len(res['temporaries'])} stale temporary file(s), {len(res['work'])} dead work dir(s) and "
+                     f"{len(res['partials'])} dead partial download(s)")
     return EXIT_OK
 
 

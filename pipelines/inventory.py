@@ -7,6 +7,7 @@ from typing import Any
 
 from .errors import IntegrityError
 from .manifest import Manifest
+from .blob_cache import reclaim_partials
 from .paths import reclaim_work
 from .store import blob_key, open_store
 
@@ -71,5 +72,7 @@ def gc(store_uri: str | None = None, *, dry_run: bool = False, min_age_s: float 
             store.delete(key)
     temporaries = store.reclaim_temporaries(min_age_s, dry_run)
     work = [] if dry_run else reclaim_work()  # this host's scratch directories of dead processes
+    # this host's partial downloads of dead pulls (kept a day for a pull to resume them; gc takes its min age)
+    partials = [] if dry_run else reclaim_partials(max_age_s=min_age_s)
     return {"blobs": dead, "bytes": freed, "staging": stale_staging, "temporaries": temporaries, "work": work,
-            "dry_run": dry_run}
+            "partials": partials, "dry_run": dry_run}

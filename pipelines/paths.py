@@ -65,6 +65,65 @@ def reclaim_work(unlocked_grace_s: float = 3600.0) -> list[str]:
     return removed
 
 
+@contextmanager
+def exclusive_lock(lock: Path, mode: int = 0o644) -> Iterator[int]:
+    """An exclusive flock on the file `lock` for the block (waiting for its holder); the file is removed on
+    release. Removing it is safe because a waiter checks, once it holds the lock, that the path still names
+    the inode it locked; otherwise its lock is on a removed file and it starts over. OSErrors (a directory
+    that cannot hold the file) reach the caller."""
+    while True:
+        # Read-only suffices for flock, so a lock file left by a killed process of another user still opens.
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT, mode)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                break
+        except FileNotFoundError:
+            pass  # removed by the holder we waited for
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        try:
+            os.fchmod(fd, mode)  # whatever the umask (not ours to change when another user made it)
+        except OSError:
+            pass
+        yield fd
+    finally:
+        try:
+            os.unlink(lock)
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def try_lock(lock: Path) -> int | None:
+    """The fd of an exclusive flock on `lock` taken without waiting, or None when a live process holds it (or
+    the file is gone). Release with release_lock."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+            return fd
+    except OSError:  # BlockingIOError: held; FileNotFoundError: removed meanwhile
+        pass
+    os.close(fd)
+    return None
+
+
+def release_lock(lock: Path, fd: int) -> None:
+    """Remove `lock` and drop the flock held on it (waiters then find the path gone and start over)."""
+    try:
+        os.unlink(lock)
+    except OSError:
+        pass
+    os.close(fd)
+
+
 def lock_is_free(path: Path) -> bool:
     """Whether no live process holds an flock on `path` (the kernel releases a dead process's locks)."""
     try:

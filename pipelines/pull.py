@@ -8,7 +8,6 @@ Pulls of one DIR are serialized by a lock file next to it, so concurrent pulls w
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -16,17 +15,18 @@ import shlex
 import shutil
 import stat
 import tempfile
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import HiveError, IntegrityError, StoreError
+from .blob_cache import TransferStats, fetch_blob, missing_bytes, reclaim_partials
+from .errors import HiveError, IntegrityError, ResourceError, StoreError
 from .hashing import sha256_file
 from .manifest import Manifest
-from .paths import cache_root, check_model_id, lock_is_free, model_slug, safe_relpath
+from .paths import check_model_id, exclusive_lock, model_slug, safe_relpath
 from .progress import bar
-from .store import Store, blob_key, manifest_key, open_store, ref_key
+from .store import Store, manifest_key, open_store, ref_key
 from .store.layout import BUNDLE_TAG_PREFIX, PROFILES_KEY, is_digest
 from .targets import MODEL_DIR, serve_command
 
@@ -141,54 +141,6 @@ def _refuse_bundle_only(store: Store, model_id: str, profile_id: str, recipe: st
                     f"Cloud AI SDK: hive-aot qaic-compile {model_id} --recipe {b.recipe}")
 
 
-def fetch_blob(store: Store, digest: str, size: int, progress=None) -> Path:
-    """Into the local blob cache, verified; a partial download never looks complete."""
-    dest = cache_root() / "blobs" / "sha256" / digest[:2] / digest
-    # A cache hit is re-hashed: pulled files are hard links to cached blobs, so a file edited in a
-    # serving directory would otherwise poison every later pull of the same digest.
-    if dest.is_file() and dest.stat().st_size == size and sha256_file(dest) == digest:
-        if progress is not None:
-            progress.update(size)
-        _ensure_mode(dest, FILE_MODE)
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{digest[:12]}.", suffix=".partial", dir=dest.parent)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # held while downloading: reclaim_partials() leaves live ones alone
-        store.download_file(blob_key(digest), Path(tmp), progress)
-        if os.path.getsize(tmp) != size or sha256_file(Path(tmp)) != digest:
-            raise IntegrityError(f"blob {digest[:12]} from {store.uri} does not match its manifest sha256")
-        # Cached blobs are hard-linked into serving directories, so they carry the served mode.
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, dest)
-    finally:
-        os.close(fd)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return dest
-
-
-def reclaim_partials() -> list[str]:
-    """Remove the partial blob downloads of pulls that died (kill -9 leaves them, as large as the blob);
-    a live pull holds a lock on its own, so it is never touched."""
-    removed = []
-    for partial in sorted((cache_root() / "blobs").glob("sha256/*/.*.partial")):
-        if lock_is_free(partial):
-            partial.unlink(missing_ok=True)
-            removed.append(partial.name)
-    return removed
-
-
-def _ensure_mode(path: Path, mode: int) -> None:
-    """Give a cached blob the served mode (blobs cached by older versions were 0600); a blob we may not
-    chmod (another user's cache) keeps its mode and is copied instead of linked (see _place)."""
-    if path.stat().st_mode & 0o777 != mode:
-        try:
-            os.chmod(path, mode)
-        except PermissionError:
-            pass
-
-
 def _place(blob: Path, out: Path) -> None:
     """out = the blob's content, mode FILE_MODE: a hard link when the blob has that mode, else a copy."""
     if blob.stat().st_mode & 0o777 == FILE_MODE:
@@ -285,14 +237,47 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
     with _dest_lock(dest):
         if _present(dest, m):
             return {**_summary(marker_doc, dest, m), "already_present": True}
-        reclaim_partials()  # what killed pulls left in the cache
+        # what dead pulls left in the cache, except the partials this pull resumes
+        reclaim_partials(keep={f.sha256 for f in m.files})
+        check_disk_for_pull(m, dest)
+        stats = TransferStats()
         with bar(m.total_size, f"pull {chosen.recipe}") as pb:
-            blobs = {f.sha256: fetch_blob(store, f.sha256, f.size, pb) for f in m.files}
+            blobs = {f.sha256: fetch_blob(store, f.sha256, f.size, pb, stats=stats) for f in m.files}
         try:
             _assemble(dest, m, blobs, marker_doc)
         except OSError as e:
             raise _cannot_write(dest, e) from None
-    return {**_summary(marker_doc, dest, m), "already_present": False}
+    return {**_summary(marker_doc, dest, m), "already_present": False,
+            "transfer": {"fetched_bytes": stats.fetched, "resumed_bytes": stats.resumed,
+                         "cached_blobs": stats.cached_blobs}}
+
+
+def check_disk_for_pull(m: Manifest, dest: Path) -> None:
+    """Refuse in one line, before downloading, a pull whose blobs do not fit the cache's file system (what a
+    killed pull already wrote counts as there), or whose files do not fit DIR's when it is on another one
+    (copies there instead of hard links)."""
+    from .blob_cache import blob_path
+    from .memory import free_bytes, human_bytes
+
+    cache_dir = blob_path("0" * 64).parent.parent
+    need = sum(missing_bytes(f.sha256, f.size) for f in {f.sha256: f for f in m.files}.values())
+    free = free_bytes(cache_dir)
+    if need > free:
+        raise ResourceError(f"pull of {m.model.id} needs {human_bytes(need)} more in the blob cache {cache_dir}, "
+                            f"which has {human_bytes(free)} free; nothing was downloaded")
+    if _device(dest.parent) != _device(cache_dir) and m.total_size > free_bytes(dest.parent):
+        raise ResourceError(f"pull of {m.model.id} needs {human_bytes(m.total_size)} in {dest.parent} (another file "
+                            f"system than the blob cache: files are copied), which has "
+                            f"{human_bytes(free_bytes(dest.parent))} free; nothing was downloaded")
+
+
+def _device(path: Path) -> int | None:
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    try:
+        return path.stat().st_dev
+    except OSError:
+        return None
 
 
 def _cannot_write(dest: Path, e: OSError) -> HiveError:
@@ -301,36 +286,17 @@ def _cannot_write(dest: Path, e: OSError) -> HiveError:
 
 @contextmanager
 def _dest_lock(dest: Path):
-    """An exclusive flock on `<parent>/.<name>.lock` for the block; the file is removed on release.
-
-    Removing it is safe because a waiter checks, once it holds the lock, that the path still names the
-    inode it locked; otherwise its lock is on a removed file and it starts over."""
+    """An exclusive flock on `<parent>/.<name>.lock` for the block (paths.exclusive_lock); a directory that
+    cannot hold it is one line."""
     lock = dest.with_name(f".{dest.name}.lock")
+    held = ExitStack()
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            # Read-only suffices for flock, so a lock file left by a killed pull of another user still opens.
-            fd = os.open(lock, os.O_RDONLY | os.O_CREAT, FILE_MODE)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                if os.fstat(fd).st_ino == os.stat(lock).st_ino:
-                    break
-            except FileNotFoundError:
-                pass  # removed by the holder we waited for
-            except BaseException:
-                os.close(fd)
-                raise
-            os.close(fd)
+        held.enter_context(exclusive_lock(lock, FILE_MODE))
     except OSError as e:  # /proc, a read-only volume, a regular file on the way
         raise _cannot_write(dest, e) from None
-    try:
-        with suppress(OSError):
-            os.fchmod(fd, FILE_MODE)  # whatever the umask (not ours to change when another user made it)
+    with held:
         yield
-    finally:
-        with suppress(OSError):
-            os.unlink(lock)
-        os.close(fd)
 
 
 def _assemble(dest: Path, m: Manifest, blobs: dict[str, Path], marker_doc: dict[str, Any]) -> None:

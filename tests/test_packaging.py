@@ -99,15 +99,26 @@ def published_store(tiny_llama, tmp_path_factory) -> Path:
     return root / "store"
 
 
+HEAVY = ("torch", "transformers", "numpy", "dagster")
+
+
 def test_base_install_pulls_and_names_the_missing_extra(wheel, outside, published_store, tiny_llama, tmp_path):
     cwd, env = outside
     hive = _venv(tmp_path, "client", str(wheel), env)
-    site = subprocess.run([str(hive.parent / "python"), "-c", "import torch"], capture_output=True)
-    assert site.returncode != 0  # the light client really has no torch
+    for heavy in HEAVY:  # the light client really has none of them
+        site = subprocess.run([str(hive.parent / "python"), "-c", f"import {heavy}"], capture_output=True)
+        assert site.returncode != 0, heavy
     pulled = _run([str(hive), "pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(cwd / "m"),
                    "--store", str(published_store), "--json"], cwd=cwd, env=env)
     assert pulled.returncode == 0, pulled.stderr
     assert Path(json.loads(pulled.stdout)["files"][0]).read_bytes()[:4] == b"GGUF"
+    # and where they are installed (the full venv), pull imports none of them either
+    probe = ("import sys; from pipelines.cli import main; rc = main(sys.argv[1:]); "
+             f"print(sorted(m for m in {HEAVY!r} if m in sys.modules)); sys.exit(rc)")
+    full = _run([sys.executable, "-c", probe, "pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest",
+                 str(cwd / "m2"), "--store", str(published_store)], cwd=cwd, env=env)
+    assert full.returncode == 0, full.stderr
+    assert full.stdout.strip().splitlines()[-1] == "[]", full.stdout
     for args, extra in ((["check", str(tiny_llama), "--model-id", MODEL], "build"),
                         (["build", str(tiny_llama), "--recipe", "gguf-f16", "--model-id", MODEL], "build"),
                         (["onboard"], "orchestrate")):

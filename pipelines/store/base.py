@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ..errors import IntegrityError
 from ..hashing import sha256_file
@@ -53,6 +53,11 @@ class Store(ABC):
     @abstractmethod
     def download_file(self, key: str, dest: Path, progress=None) -> None:
         """Copy key to a local path (the caller verifies and renames)."""
+
+    @abstractmethod
+    def iter_range(self, key: str, start: int, length: int) -> Iterator[bytes]:
+        """Bytes [start, start + length) of an object, in chunks: a pull fetches (and resumes) part by part.
+        A missing object is a StoreError; the caller checks that `length` bytes came."""
 
     @abstractmethod
     def check_writable(self) -> None:

@@ -8,6 +8,7 @@ import secrets
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 from ..errors import HiveError, IntegrityError, StoreError
 from ..hashing import CHUNK, DigestCache, sha256_file
@@ -178,6 +179,18 @@ class LocalStore(Store):
                 d.write(chunk)
                 if progress is not None:
                     progress.update(len(chunk))
+
+    def iter_range(self, key: str, start: int, length: int) -> Iterator[bytes]:
+        src = self._path(key)
+        try:
+            f = open(src, "rb")
+        except FileNotFoundError:
+            raise StoreError(f"{self.root}: {key} is missing") from None
+        with f:
+            f.seek(start)
+            while length > 0 and (chunk := f.read(min(CHUNK, length))):
+                length -= len(chunk)
+                yield chunk
 
     def blob_intact(self, digest: str, size: int) -> bool:
         """Size and full sha256; the digest is remembered with the file's (inode, mtime, ctime) stamp, so a

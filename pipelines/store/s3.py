@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 from ..errors import HiveError, IntegrityError, StoreError
 from ..hashing import sha256_file
@@ -18,6 +19,7 @@ from .base import Store
 from .layout import blob_key
 
 CHUNK = 64 * 1024 * 1024
+RANGE_CHUNK = 1 << 20  # bytes per read of a ranged GET's body
 
 
 class S3Store(Store):
@@ -136,6 +138,18 @@ class S3Store(Store):
                                     ExtraArgs={"Metadata": {"sha256": sha256}})
         except Exception as e:  # noqa: BLE001
             raise self._error(f"upload {key}", e) from None
+
+    def iter_range(self, key: str, start: int, length: int) -> Iterator[bytes]:
+        if length <= 0:
+            return
+        k = self._key(key)
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=k, Range=f"bytes={start}-{start + length - 1}")["Body"]
+            yield from body.iter_chunks(RANGE_CHUNK)
+        except Exception as e:  # noqa: BLE001 - botocore and urllib3 raise several unrelated classes
+            if self._missing(e):
+                raise StoreError(f"{self.uri}: {key} is missing") from None
+            raise self._error(f"read {key}", e) from None
 
     def download_file(self, key: str, dest: Path, progress=None) -> None:
         k = self._key(key)
