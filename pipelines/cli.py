@@ -227,10 +227,17 @@ def cmd_pull(args) -> int:
                registry=args.registry)
     human = (f"{'already present' if res['already_present'] else 'pulled'} {res['model_id']} {res['recipe']} "
              f"(build {res['build_id'][:12]}, {_mb(res['size'])}) into {res['dest']}")
+    if res.get("auto_target"):
+        a = res["auto_target"]
+        human += f"\n  target auto: found {a['found']}; chose {a['profile']}: {a['why']}"
     moved = res.get("transfer")
     if moved and (moved["resumed_bytes"] or moved["cached_blobs"]):
-        human += (f"\n  fetched {_mb(moved['fetched_bytes'])}; resumed {_mb(moved['resumed_bytes'])} a killed pull had "
-                  f"written; {moved['cached_blobs']} blob(s) already cached")
+        parts = [f"fetched {_mb(moved['fetched_bytes'])}"]
+        if moved["resumed_bytes"]:
+            parts.append(f"resumed {_mb(moved['resumed_bytes'])} a killed pull had written")
+        if moved["cached_blobs"]:
+            parts.append(f"{moved['cached_blobs']} blob(s) already in the cache")
+        human += "\n  " + "; ".join(parts)
     if res.get("image"):
         human += f"\n  image: {res['image']}"
     if res.get("env"):
@@ -238,6 +245,25 @@ def cmd_pull(args) -> int:
     if res.get("serve"):
         human += f"\n  serve: {res['serve']}"
     _emit(args, res, human)
+    return EXIT_OK
+
+
+def cmd_profiles(args) -> int:
+    from .pull import profiles_report
+
+    res = profiles_report(args.model, tag=args.tag, store_uri=args.store, registry=args.registry)
+    lines = [f"{res['model_id']} ({res['tag']}) in {res['store']}:"]
+    for row in res["profiles"]:
+        arts = ", ".join(f"{a['recipe']} ({a['build_id'][:12]}, {_mb(a['size'])})" for a in row["artifacts"]) or "-"
+        lines.append(f"  {row['profile']:22} {row['vendor']:9} {arts}" + (f"; pull takes {row['pull_picks']}"
+                                                                           if row["pull_picks"] else ""))
+    for b in res["pending_bundles"]:
+        lines.append(f"  pending: {b['recipe']} export bundle {b['build_id'][:12]} ({b['format']}): compile it on a host "
+                     f"with the Cloud AI SDK (hive-aot qaic-compile {res['model_id']} --recipe {b['recipe']})")
+    a = res["auto"]
+    lines.append(f"--target auto here: found {a['found']}; " + (f"chooses {a['profile']}: {a['why']}" if a["profile"]
+                                                                else a["why"]))
+    _emit(args, res, "\n".join(lines))
     return EXIT_OK
 
 
@@ -324,6 +350,12 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--tag", default="latest")
     common(sp)
     sp.set_defaults(func=cmd_pull)
+
+    sp = sub.add_parser("profiles", help="what is published for a model, per runtime profile, and what --target auto picks")
+    sp.add_argument("model", help="org/name[@build_id]")
+    sp.add_argument("--tag", default="latest")
+    common(sp)
+    sp.set_defaults(func=cmd_profiles)
 
     sp = sub.add_parser("ls", help="list published artifacts")
     sp.add_argument("--json", action="store_true")

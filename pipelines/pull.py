@@ -96,21 +96,6 @@ def _profiles(store: Store, registry: str | None) -> dict[str, dict[str, Any]]:
     return {p.id: p.model_dump(mode="json") for p in reg.runtime_profiles}
 
 
-def detect_profile() -> str:
-    """`--target auto`: the accelerator this container sees, else the CPU GGUF tier."""
-    if shutil.which("nvidia-smi") or Path("/proc/driver/nvidia").exists():
-        return "vllm-cu121"
-    if Path("/dev/kfd").exists():
-        return "vllm-rocm"
-    if any(Path("/dev").glob("accel*")) or Path("/dev/qaic_aic100_0").exists():
-        return "vllm-qaic"
-    if any(Path("/sys/class/drm").glob("card*/device/vendor")) and any(
-        p.read_text().strip() == "0x8086" for p in Path("/sys/class/drm").glob("card*/device/vendor")
-    ):
-        return "vllm-xpu"
-    return "llm-llamacpp-cpu"
-
-
 def choose(cands: list[Candidate], profile: str, recipe: str | None, preference: list[str]) -> Candidate:
     serving = [c for c in cands if profile in c.manifest.runtime_profiles]
     if recipe:
@@ -124,6 +109,44 @@ def choose(cands: list[Candidate], profile: str, recipe: str | None, preference:
         raise HiveError(f"no published artifact serves {profile} (published: {have})")
     rank = {r: i for i, r in enumerate(preference)}
     return sorted(serving, key=lambda c: (rank.get(c.recipe, len(rank)), c.recipe))[0]
+
+
+def profiles_report(model: str, *, tag: str = "latest", store_uri: str | None = None,
+                    registry: str | None = None) -> dict[str, Any]:
+    """What is published for a model, per runtime profile: the recipes that serve it (build, format, size),
+    the one `pull --target <profile>` would take, pending AI 100 bundles, and what `--target auto` would choose
+    on this host."""
+    from .accelerators import choose_profile, detect
+
+    store = open_store(store_uri)
+    model_id, build_id = parse_model(model)
+    store.check_exists()
+    profiles = _profiles(store, registry)
+    cands = candidates(store, model_id, tag, build_id)
+    bundles = [] if build_id else candidates(store, model_id, BUNDLE_TAG_PREFIX + tag, None)
+    if not cands and not bundles:
+        what = f"build {build_id}" if build_id else f"tag {tag!r}"
+        raise HiveError(f"{model_id}: nothing published with {what} in {store.uri}")
+    rows = []
+    for pid, prof in sorted(profiles.items(), key=lambda kv: (kv[1].get("vendor", ""), kv[0])):
+        serving = [c for c in cands if pid in c.manifest.runtime_profiles]
+        if not serving:
+            continue
+        pick = choose(serving, pid, None, prof.get("recipe_preference", [])) if serving else None
+        rows.append({"profile": pid, "vendor": prof.get("vendor"), "role": prof.get("role"),
+                     "image": prof.get("image"), "pull_picks": pick.recipe if pick else None,
+                     "artifacts": [{"recipe": c.recipe, "build_id": c.manifest.build_id, "format": c.manifest.format,
+                                    "size": c.manifest.total_size} for c in serving]})
+    detected = detect()
+    served = {pid for c in cands for pid in c.manifest.runtime_profiles}
+    try:
+        auto_profile, why = choose_profile(detected, profiles, served)
+    except HiveError as e:
+        auto_profile, why = None, str(e)
+    # export bundles serve no profile until an SDK host compiles them (their manifests name none)
+    pending = [{"recipe": c.recipe, "build_id": c.manifest.build_id, "format": c.manifest.format} for c in bundles]
+    return {"model_id": model_id, "tag": tag, "store": store.uri, "profiles": rows, "pending_bundles": pending,
+            "auto": {"found": detected.describe(), "profile": auto_profile, "why": why}}
 
 
 def _refuse_bundle_only(store: Store, model_id: str, profile_id: str, recipe: str | None, tag: str,
@@ -210,10 +233,21 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
     model_id, build_id = parse_model(model)
     store.check_exists()
     profiles = _profiles(store, registry)
-    profile_id = detect_profile() if target == "auto" else target
+    cands = candidates(store, model_id, tag, build_id)
+    auto = None
+    if target == "auto":
+        from .accelerators import choose_profile, detect
+
+        detected = detect()
+        served = {pid for c in cands if recipe is None or c.recipe == recipe for pid in c.manifest.runtime_profiles}
+        # with nothing published for the model, the vendor's own first profile names what is missing below
+        profile_id, why = choose_profile(detected, profiles, served if cands else set(profiles))
+        auto = {"detected": detected.vendor, "devices": detected.devices, "evidence": list(detected.evidence),
+                "found": detected.describe(), "profile": profile_id, "why": why}
+    else:
+        profile_id = target
     if profiles and profile_id not in profiles:
         raise HiveError(f"unknown runtime profile {profile_id!r} (known: {', '.join(sorted(profiles))})")
-    cands = candidates(store, model_id, tag, build_id)
     if not cands and not build_id:
         _refuse_bundle_only(store, model_id, profile_id, recipe, tag, build_id, cands)
     if not cands:
@@ -236,7 +270,7 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
     # Held from the "already present" check to the swap: a second pull of DIR waits, then finds it complete.
     with _dest_lock(dest):
         if _present(dest, m):
-            return {**_summary(marker_doc, dest, m), "already_present": True}
+            return {**_summary(marker_doc, dest, m), "already_present": True, "auto_target": auto}
         # what dead pulls left in the cache, except the partials this pull resumes
         reclaim_partials(keep={f.sha256 for f in m.files})
         check_disk_for_pull(m, dest)
@@ -247,7 +281,7 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
             _assemble(dest, m, blobs, marker_doc)
         except OSError as e:
             raise _cannot_write(dest, e) from None
-    return {**_summary(marker_doc, dest, m), "already_present": False,
+    return {**_summary(marker_doc, dest, m), "already_present": False, "auto_target": auto,
             "transfer": {"fetched_bytes": stats.fetched, "resumed_bytes": stats.resumed,
                          "cached_blobs": stats.cached_blobs}}
 

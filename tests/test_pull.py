@@ -581,3 +581,33 @@ def test_partials_of_killed_pulls_are_reclaimed_live_ones_kept(env, tmp_path, mo
     finally:
         holder.kill()
         holder.wait(timeout=30)
+
+
+def test_target_auto_names_what_it_found_and_why_it_chose(env, tmp_path, capsys):
+    """On this host (no accelerator) auto is the CPU tier, and pull says so in JSON and in its human output."""
+    from pipelines.cli import main
+
+    res = pull(MODEL, "auto", tmp_path / "m", store_uri=str(env["store"]), registry=str(env["registry"]))
+    assert res["runtime_profile"] == CPU and res["recipe"] == "gguf-q4_k_m"
+    assert res["auto_target"]["detected"] == "cpu" and res["auto_target"]["profile"] == CPU
+    assert "CPU's gguf profile" in res["auto_target"]["why"]
+    capsys.readouterr()
+    assert main(["pull", MODEL, "--target", "auto", "--dest", str(tmp_path / "m2"), "--store", str(env["store"]),
+                 "--registry", str(env["registry"])]) == 0
+    out = capsys.readouterr().out
+    assert "target auto: found no accelerator" in out and f"chose {CPU}" in out
+
+
+def test_profiles_lists_what_is_published_per_profile(env, capsys):
+    from pipelines.cli import main
+
+    capsys.readouterr()
+    assert main(["profiles", MODEL, "--store", str(env["store"]), "--registry", str(env["registry"]), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {r["profile"]: r for r in doc["profiles"]}
+    assert list(rows) == [CPU]  # only GGUF recipes were published
+    assert sorted(a["recipe"] for a in rows[CPU]["artifacts"]) == ["gguf-f16", "gguf-q4_k_m"]
+    assert rows[CPU]["pull_picks"] == "gguf-q4_k_m" and doc["auto"]["profile"] == CPU
+    assert main(["profiles", "test-org/nothing-here", "--store", str(env["store"])]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hive-aot: error: test-org/nothing-here: nothing published") and err.count("\n") == 1
