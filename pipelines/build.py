@@ -13,11 +13,9 @@ anyway is the same kind of line (`DiskFull`), naming the step; the work dir goes
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +29,7 @@ from .memory import BUILD_STEP, MemoryPlan, disk_full_cause, disk_full_error, pl
 from .paths import reclaim_work, work_dir
 from .sources import Snapshot, fetch
 from .store import Store, blob_key, manifest_key, open_store, ref_key, staging_key
-from .store.layout import PROFILES_KEY, publish_tags
+from .store.layout import PROFILES_KEY, publish_tags, ref_document
 from .targets import BuildContext, InputArtifact, Target, ValidationReport, target_for
 
 
@@ -354,15 +352,6 @@ def validate_staged(p: Plan, store: Store) -> ValidationReport:
 
 def _ref_doc(p: Plan, manifest: Manifest) -> bytes:
     return ref_document(p.model_id, p.recipe.id, manifest)
-
-
-def ref_document(model_id: str, recipe_id: str, manifest: Manifest) -> bytes:
-    return json.dumps({
-        "build_id": manifest.build_id,
-        "manifest": manifest_key(model_id, recipe_id, manifest.build_id),
-        "manifest_sha256": hashlib.sha256(manifest.to_bytes()).hexdigest(),
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }, indent=1).encode()
 
 
 def validation_record(p: Plan, report: ValidationReport) -> dict[str, Any]:

@@ -224,7 +224,9 @@ def cmd_pull(args) -> int:
     from .pull import pull
 
     res = pull(args.model, args.target, Path(args.dest), recipe=args.recipe, tag=args.tag, store_uri=args.store,
-               registry=args.registry)
+               registry=args.registry, strict=args.strict)
+    for w in res.get("warnings", []):
+        print(f"hive-aot: warning: {w}", file=sys.stderr)
     human = (f"{'already present' if res['already_present'] else 'pulled'} {res['model_id']} {res['recipe']} "
              f"(build {res['build_id'][:12]}, {_mb(res['size'])}) into {res['dest']}")
     if res.get("auto_target"):
@@ -264,6 +266,26 @@ def cmd_profiles(args) -> int:
     lines.append(f"--target auto here: found {a['found']}; " + (f"chooses {a['profile']}: {a['why']}" if a["profile"]
                                                                 else a["why"]))
     _emit(args, res, "\n".join(lines))
+    return EXIT_OK
+
+
+def cmd_tag(args) -> int:
+    from .operations import tag
+
+    res = tag(args.model, args.tag, recipe=args.recipe, store_uri=args.store)
+    moved = f" (was {res['previous_build_id'][:12]})" if res["previous_build_id"] else ""
+    _emit(args, res, f"{res['model_id']} {res['recipe']} {res['tag']} -> build {res['build_id'][:12]}{moved}")
+    return EXIT_OK
+
+
+def cmd_retire(args) -> int:
+    from .operations import retire
+
+    res = retire(args.model, recipe=args.recipe, store_uri=args.store, dry_run=args.dry_run)
+    verb = "would remove" if res["dry_run"] else "removed"
+    _emit(args, res, f"{verb} {len(res['refs'])} ref(s) and {len(res['manifests'])} manifest(s) of {res['model_id']}"
+                     f"{' ' + res['recipe'] if res['recipe'] else ''}; {res['blobs_left_for_gc']} blob(s) left for "
+                     "`hive-aot gc`")
     return EXIT_OK
 
 
@@ -348,6 +370,8 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--dest", required=True)
     sp.add_argument("--recipe")
     sp.add_argument("--tag", default="latest")
+    sp.add_argument("--strict", action="store_true",
+                    help="fail when this container's engine version differs from the one the artifact was validated with")
     common(sp)
     sp.set_defaults(func=cmd_pull)
 
@@ -356,6 +380,22 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--tag", default="latest")
     common(sp)
     sp.set_defaults(func=cmd_profiles)
+
+    sp = sub.add_parser("tag", help="point a tag at a published build (promote it, or roll a tag back to it)")
+    sp.add_argument("model", metavar="MODEL_ID@BUILD_ID")
+    sp.add_argument("tag", help="e.g. latest, stable, canary")
+    sp.add_argument("--recipe", help="the build's recipe, when one build id is published for several")
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--store")
+    sp.set_defaults(func=cmd_tag)
+
+    sp = sub.add_parser("retire", help="remove a model's refs and manifests (licence takedown); gc removes its blobs")
+    sp.add_argument("model", metavar="MODEL_ID")
+    sp.add_argument("--recipe", help="only this recipe of the model")
+    sp.add_argument("--dry-run", action="store_true")
+    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--store")
+    sp.set_defaults(func=cmd_retire)
 
     sp = sub.add_parser("ls", help="list published artifacts")
     sp.add_argument("--json", action="store_true")

@@ -60,13 +60,13 @@ def gc(store_uri: str | None = None, *, dry_run: bool = False, min_age_s: float 
             record = doc.get("manifest") if isinstance(doc, dict) else None
             live.update(blob_key(f.sha256) for f in Manifest.parse(record or {}, f"{store.uri}: {key}").files)
     dead, freed = [], 0
-    for key in store.list("blobs/"):
-        if key in live:
+    for entry in store.list_entries("blobs/"):  # size and age from the listing: no request per blob
+        if entry.key in live:
             continue
-        if now - (store.modified(key) or 0) < min_age_s:
+        if now - entry.modified < min_age_s:
             continue  # possibly a build in flight: blobs are uploaded before their manifest
-        dead.append(key)
-        freed += store.size(key) or 0
+        dead.append(entry.key)
+        freed += entry.size
     if not dry_run:
         for key in stale_staging + dead:
             store.delete(key)

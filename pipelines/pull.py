@@ -227,8 +227,32 @@ def _swap_into_place(tmp: Path, dest: Path) -> None:
         os.replace(tmp, dest)
 
 
+ENGINE_VERSIONS_ENV = "HIVE_AOT_ENGINE_VERSIONS"  # e.g. "llama_cpp_python=0.3.36,vllm=0.33.0" for engines not installed as Python packages
+
+
+def engine_check(m: Manifest) -> list[dict[str, Any]]:
+    """The engines the artifact was validated with (manifest `validation.engines`) against this environment's:
+    the installed Python distribution of that name, or $HIVE_AOT_ENGINE_VERSIONS."""
+    from importlib import metadata
+
+    validated = (m.validation or {}).get("engines") or {}
+    given = dict(item.split("=", 1) for item in os.environ.get(ENGINE_VERSIONS_ENV, "").split(",") if "=" in item)
+    out = []
+    for package, version in sorted(validated.items()):
+        here = given.get(package)
+        if here is None:
+            try:
+                here = metadata.version(package)
+            except metadata.PackageNotFoundError:
+                here = None
+        here = here.split("+")[0] if here else None
+        status = "not installed here" if here is None else "same" if here == str(version) else "differs"
+        out.append({"engine": package, "validated_with": version, "here": here, "status": status})
+    return out
+
+
 def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag: str = "latest",
-         store_uri: str | None = None, registry: str | None = None) -> dict[str, Any]:
+         store_uri: str | None = None, registry: str | None = None, strict: bool = False) -> dict[str, Any]:
     store = open_store(store_uri)
     model_id, build_id = parse_model(model)
     store.check_exists()
@@ -260,6 +284,14 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
     m = chosen.manifest
     for f in m.files:
         safe_relpath(f.path, what="manifest file path")
+    engines = engine_check(m)
+    differs = [e for e in engines if e["status"] == "differs"]
+    if strict and differs:
+        raise HiveError(f"{model_id} {chosen.recipe} (build {m.build_id[:12]}) was validated with "
+                        + ", ".join(f"{e['engine']} {e['validated_with']}" for e in differs) + "; this container has "
+                        + ", ".join(f"{e['engine']} {e['here']}" for e in differs) + " (--strict): nothing was pulled")
+    warnings = [f"{model_id} {chosen.recipe} was validated with {e['engine']} {e['validated_with']}, this container "
+                f"has {e['here']}" for e in differs]
 
     dest = dest.resolve()
     if dest == dest.parent:  # DIR is replaced as a whole, and its lock file lives beside it
@@ -270,7 +302,8 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
     # Held from the "already present" check to the swap: a second pull of DIR waits, then finds it complete.
     with _dest_lock(dest):
         if _present(dest, m):
-            return {**_summary(marker_doc, dest, m), "already_present": True, "auto_target": auto}
+            return {**_summary(marker_doc, dest, m), "already_present": True, "auto_target": auto,
+                    "engines": engines, "warnings": warnings}
         # what dead pulls left in the cache, except the partials this pull resumes
         reclaim_partials(keep={f.sha256 for f in m.files})
         check_disk_for_pull(m, dest)
@@ -282,6 +315,7 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
         except OSError as e:
             raise _cannot_write(dest, e) from None
     return {**_summary(marker_doc, dest, m), "already_present": False, "auto_target": auto,
+            "engines": engines, "warnings": warnings,
             "transfer": {"fetched_bytes": stats.fetched, "resumed_bytes": stats.resumed,
                          "cached_blobs": stats.cached_blobs}}
 

@@ -611,3 +611,25 @@ def test_profiles_lists_what_is_published_per_profile(env, capsys):
     assert main(["profiles", "test-org/nothing-here", "--store", str(env["store"])]) == 1
     err = capsys.readouterr().err
     assert err.startswith("hive-aot: error: test-org/nothing-here: nothing published") and err.count("\n") == 1
+
+
+def test_engine_versions_validated_with_are_compared(env, tmp_path, monkeypatch, capsys):
+    """The manifest records the engine a GGUF was validated in (llama-cpp-python here); a container with another
+    version gets a warning, or with --strict a one-line refusal and nothing pulled."""
+    from importlib import metadata
+
+    from pipelines.cli import main
+
+    here = metadata.version("llama_cpp_python")
+    res = pull(MODEL, CPU, tmp_path / "same", store_uri=str(env["store"]))
+    assert res["engines"] == [{"engine": "llama_cpp_python", "validated_with": here, "here": here, "status": "same"}]
+    assert res["warnings"] == []
+    monkeypatch.setenv("HIVE_AOT_ENGINE_VERSIONS", "llama_cpp_python=0.2.90")
+    capsys.readouterr()
+    assert main(["pull", MODEL, "--target", CPU, "--dest", str(tmp_path / "older"), "--store", str(env["store"])]) == 0
+    err = capsys.readouterr().err
+    assert f"hive-aot: warning: {MODEL} gguf-q4_k_m was validated with llama_cpp_python {here}, this container has 0.2.90" in err
+    assert main(["pull", MODEL, "--target", CPU, "--dest", str(tmp_path / "strict"), "--store", str(env["store"]),
+                 "--strict"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "(--strict): nothing was pulled" in err and not (tmp_path / "strict").exists()

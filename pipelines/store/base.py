@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import IntegrityError
 from ..hashing import sha256_file
 from .layout import blob_key, is_digest
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One object of a listing, with what the listing itself tells (S3 returns size and LastModified with
+    each key: gc needs no HEAD per blob)."""
+
+    key: str
+    size: int
+    modified: float  # epoch seconds
 
 
 class Store(ABC):
@@ -36,6 +47,10 @@ class Store(ABC):
     @abstractmethod
     def list(self, prefix: str) -> list[str]:
         """Keys under prefix (recursive), sorted."""
+
+    def list_entries(self, prefix: str) -> list[Entry]:
+        """`list` with each object's size and last-modified time (backends take them from the listing)."""
+        return [Entry(k, self.size(k) or 0, self.modified(k) or 0.0) for k in self.list(prefix)]
 
     @abstractmethod
     def delete(self, key: str) -> None: ...

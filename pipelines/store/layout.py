@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 from ..errors import IntegrityError
 from ..paths import model_slug
+
+if TYPE_CHECKING:
+    from ..manifest import Manifest
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -51,3 +58,14 @@ def staging_key(build_id: str) -> str:
 
 
 PROFILES_KEY = "profiles.json"
+
+
+def ref_document(model_id: str, recipe_id: str, manifest: "Manifest", **extra: str) -> bytes:
+    """A ref's bytes: which build a tag names, its manifest and that manifest's sha256 (checked by pull), when."""
+    return json.dumps({
+        "build_id": manifest.build_id,
+        "manifest": manifest_key(model_id, recipe_id, manifest.build_id),
+        "manifest_sha256": hashlib.sha256(manifest.to_bytes()).hexdigest(),
+        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **extra,
+    }, indent=1).encode()

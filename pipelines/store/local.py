@@ -14,7 +14,7 @@ from ..errors import HiveError, IntegrityError, StoreError
 from ..hashing import CHUNK, DigestCache, sha256_file
 from ..memory import disk_full_error, is_disk_full
 from ..paths import safe_relpath
-from .base import Store
+from .base import Entry, Store
 from .layout import blob_key
 
 
@@ -96,6 +96,9 @@ class LocalStore(Store):
             return None
 
     def list(self, prefix: str) -> list[str]:
+        return [e.key for e in self.list_entries(prefix, stat=False)]
+
+    def list_entries(self, prefix: str, stat: bool = True) -> list[Entry]:
         base = self.root / prefix if prefix else self.root
         if not base.exists():
             return []
@@ -104,8 +107,17 @@ class LocalStore(Store):
             for fn in files:
                 if fn.startswith("."):
                     continue  # in-flight temporaries
-                out.append(str(Path(dirpath, fn).relative_to(self.root)).replace(os.sep, "/"))
-        return sorted(out)
+                path = Path(dirpath, fn)
+                key = str(path.relative_to(self.root)).replace(os.sep, "/")
+                if not stat:
+                    out.append(Entry(key, 0, 0.0))
+                    continue
+                try:
+                    st = path.stat()
+                except FileNotFoundError:
+                    continue  # removed while listing
+                out.append(Entry(key, st.st_size, st.st_mtime))
+        return sorted(out, key=lambda e: e.key)
 
     def delete(self, key: str) -> None:
         try:

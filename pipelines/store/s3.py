@@ -15,7 +15,7 @@ from typing import Iterator
 from ..errors import HiveError, IntegrityError, StoreError
 from ..hashing import sha256_file
 from ..paths import safe_relpath
-from .base import Store
+from .base import Entry, Store
 from .layout import blob_key
 
 CHUNK = 64 * 1024 * 1024
@@ -108,6 +108,9 @@ class S3Store(Store):
         return None if head is None else head["LastModified"].timestamp()
 
     def list(self, prefix: str) -> list[str]:
+        return [e.key for e in self.list_entries(prefix)]
+
+    def list_entries(self, prefix: str) -> list[Entry]:
         full = self._key(prefix.rstrip("/")) + "/" if prefix else (self.prefix + "/" if self.prefix else "")
         out = []
         try:
@@ -115,10 +118,10 @@ class S3Store(Store):
                 for obj in page.get("Contents", []):
                     key = obj["Key"][len(self.prefix) + 1:] if self.prefix else obj["Key"]
                     if not key.rsplit("/", 1)[-1].startswith("."):
-                        out.append(key)
+                        out.append(Entry(key, int(obj.get("Size", 0)), obj["LastModified"].timestamp()))
         except Exception as e:  # noqa: BLE001
             raise self._error(f"list {prefix or '/'}", e) from None
-        return sorted(out)
+        return sorted(out, key=lambda e: e.key)
 
     def delete(self, key: str) -> None:
         k = self._key(key)

@@ -139,6 +139,8 @@ def validate_gguf(snapshot: "Snapshot", gguf_path: Path, step: str | None = None
     }
     details = {
         "reference": "transformers fp32",
+        # the engine this artifact was checked in: pull compares it with a serving container's
+        "engines": {"llama_cpp_python": _engine_version()},
         "prompt_set_version": prompts.VERSION,
         "per_prompt": [p.rounded() for p in per_prompt],
         "tokenizer_reference": reference_name,
@@ -150,3 +152,12 @@ def validate_gguf(snapshot: "Snapshot", gguf_path: Path, step: str | None = None
         },
     }
     return metrics, details
+
+
+def _engine_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("llama_cpp_python")
+    except metadata.PackageNotFoundError:
+        return "absent"

@@ -154,7 +154,7 @@ def program_size(entries: list[FileEntry]) -> int:
 
 def _write_refs(store: Store, m: Manifest, move: bool) -> None:
     """`<commit>` and `latest` name the QPC; a skipped compile only repairs missing refs."""
-    from ...build import ref_document
+    from ...store.layout import ref_document
 
     doc = ref_document(m.model.id, m.recipe.id, m)
     for tag in publish_tags(m.model.commit, pending=False):

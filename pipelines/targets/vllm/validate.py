@@ -216,6 +216,8 @@ def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tup
         em, ed = compare_engine(tf_logits, ids, tf_greedy, result, ref.logits)
         metrics.update(em)
         details["vllm"] = {"status": "loaded", "dtype": "float32", **ed}
+        if ed.get("engine"):  # the engine this artifact was checked in: pull compares it with a serving container's
+            details["engines"] = {"vllm": str(ed["engine"]).split("+")[0]}
         vllm_ids = result["tokenized"]
     if vllm_ids is not None:
         mismatches += [{"text": t, "transformers": a[:24], "vllm": b[:24]}
