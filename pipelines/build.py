@@ -27,6 +27,7 @@ from .hashing import sha256_file
 from .manifest import FileEntry, Manifest, ModelInfo, RecipeInfo, compute_build_id
 from .memory import BUILD_STEP, MemoryPlan, disk_full_cause, disk_full_error, plan_build
 from .paths import reclaim_work, work_dir
+from .signing import signature_key, signing_key, write_signature
 from .sources import Snapshot, fetch
 from .store import Store, blob_key, manifest_key, open_store, ref_key, staging_key
 from .store.layout import PROFILES_KEY, publish_tags, ref_document
@@ -360,7 +361,11 @@ def validation_record(p: Plan, report: ValidationReport) -> dict[str, Any]:
 
 
 def _ensure_refs(store: Store, p: Plan, manifest: Manifest) -> None:
-    """Repair refs after an interrupted publish (manifest written, refs not); never moves an existing tag."""
+    """Repair refs after an interrupted publish (manifest written, refs not); never moves an existing tag. With
+    a signing key, a manifest published unsigned (before the key, or interrupted) gets its signature first."""
+    mkey = manifest_key(p.model_id, p.recipe.id, manifest.build_id)
+    if signing_key() is not None and not store.exists(signature_key(mkey)):
+        write_signature(store, mkey, store.read_bytes(mkey) or manifest.to_bytes())
     for tag in publish_tags(manifest.model.commit, p.pending(manifest)):
         key = ref_key(p.model_id, p.recipe.id, tag)
         if not store.exists(key):
@@ -377,7 +382,9 @@ def publish_staged(p: Plan, store: Store, config: Config | None = None) -> Build
     state, manifest = _staged(store, p)
     if state != "validated":
         raise ValidationFailed(f"build {p.build_id[:12]} is {state}, not validated: refusing to publish")
-    store.write_bytes(manifest_key(p.model_id, p.recipe.id, p.build_id), manifest.to_bytes())
+    mkey = manifest_key(p.model_id, p.recipe.id, p.build_id)
+    store.write_bytes(mkey, manifest.to_bytes())
+    write_signature(store, mkey, manifest.to_bytes())  # before the refs, when a signing key is configured
     ref = _ref_doc(p, manifest)
     commit_tag, latest_tag = publish_tags(manifest.model.commit, p.pending(manifest))
     store.write_bytes(ref_key(p.model_id, p.recipe.id, commit_tag), ref)

@@ -224,7 +224,7 @@ def cmd_pull(args) -> int:
     from .pull import pull
 
     res = pull(args.model, args.target, Path(args.dest), recipe=args.recipe, tag=args.tag, store_uri=args.store,
-               registry=args.registry, strict=args.strict)
+               registry=args.registry, strict=args.strict, trusted=args.trusted_keys)
     for w in res.get("warnings", []):
         print(f"hive-aot: warning: {w}", file=sys.stderr)
     human = (f"{'already present' if res['already_present'] else 'pulled'} {res['model_id']} {res['recipe']} "
@@ -372,6 +372,8 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--tag", default="latest")
     sp.add_argument("--strict", action="store_true",
                     help="fail when this container's engine version differs from the one the artifact was validated with")
+    sp.add_argument("--trusted-keys", help="Ed25519 public key PEM file(s), comma-separated: require the manifest to "
+                                           "be signed by one (default: $HIVE_AOT_TRUSTED_KEYS)")
     common(sp)
     sp.set_defaults(func=cmd_pull)
 

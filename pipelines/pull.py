@@ -26,6 +26,7 @@ from .hashing import sha256_file
 from .manifest import Manifest
 from .paths import check_model_id, exclusive_lock, model_slug, safe_relpath
 from .progress import bar
+from .signing import trusted_keys, verify
 from .store import Store, manifest_key, open_store, ref_key
 from .store.layout import BUNDLE_TAG_PREFIX, PROFILES_KEY, is_digest
 from .targets import MODEL_DIR, serve_command
@@ -252,7 +253,10 @@ def engine_check(m: Manifest) -> list[dict[str, Any]]:
 
 
 def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag: str = "latest",
-         store_uri: str | None = None, registry: str | None = None, strict: bool = False) -> dict[str, Any]:
+         store_uri: str | None = None, registry: str | None = None, strict: bool = False,
+         trusted: str | None = None) -> dict[str, Any]:
+    """`trusted`: public key files (comma-separated; default $HIVE_AOT_TRUSTED_KEYS) whose signature the
+    manifest must carry (signing.py); none: no signature is required."""
     store = open_store(store_uri)
     model_id, build_id = parse_model(model)
     store.check_exists()
@@ -284,6 +288,15 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
     m = chosen.manifest
     for f in m.files:
         safe_relpath(f.path, what="manifest file path")
+    keys = trusted_keys(trusted)
+    if keys:  # tampering, not only damage: the manifest's exact bytes must carry a trusted signature
+        mkey = manifest_key(model_id, chosen.recipe, m.build_id)
+        raw = store.read_bytes(mkey) or b""
+        if Manifest.parse(raw, f"{store.uri}: manifest {mkey}").build_id != m.build_id:
+            raise IntegrityError(f"{store.uri}: manifest {mkey} changed while pulling")
+        signed_by = verify(store, mkey, raw, keys)
+    else:
+        signed_by = None
     engines = engine_check(m)
     differs = [e for e in engines if e["status"] == "differs"]
     if strict and differs:
@@ -303,7 +316,7 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
     with _dest_lock(dest):
         if _present(dest, m):
             return {**_summary(marker_doc, dest, m), "already_present": True, "auto_target": auto,
-                    "engines": engines, "warnings": warnings}
+                    "engines": engines, "warnings": warnings, "signed_by": signed_by, "signed_by": signed_by}
         # what dead pulls left in the cache, except the partials this pull resumes
         reclaim_partials(keep={f.sha256 for f in m.files})
         check_disk_for_pull(m, dest)
@@ -315,7 +328,7 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
         except OSError as e:
             raise _cannot_write(dest, e) from None
     return {**_summary(marker_doc, dest, m), "already_present": False, "auto_target": auto,
-            "engines": engines, "warnings": warnings,
+            "engines": engines, "warnings": warnings, "signed_by": signed_by,
             "transfer": {"fetched_bytes": stats.fetched, "resumed_bytes": stats.resumed,
                          "cached_blobs": stats.cached_blobs}}
 

