@@ -250,6 +250,19 @@ def cmd_pull(args) -> int:
     return EXIT_OK
 
 
+def cmd_serve(args) -> int:
+    from .serve import serve
+
+    res = serve(args.model, args.target, Path(args.dest), extra_args=args.server_args, dry_run=args.dry_run,
+                recipe=args.recipe,
+                tag=args.tag, store_uri=args.store, registry=args.registry, strict=args.strict,
+                trusted=args.trusted_keys)
+    import shlex
+
+    _emit(args, res, f"would exec: {shlex.join(res['exec'])}")  # only reached with --dry-run
+    return EXIT_OK
+
+
 def cmd_profiles(args) -> int:
     from .pull import profiles_report
 
@@ -377,6 +390,19 @@ def parser() -> argparse.ArgumentParser:
     common(sp)
     sp.set_defaults(func=cmd_pull)
 
+    sp = sub.add_parser("serve", help="a serving container's entrypoint: pull, then exec the manifest's server "
+                                      "(arguments after -- are appended to the server's)")
+    sp.add_argument("model", help="org/name[@build_id]")
+    sp.add_argument("--target", default="auto", help="runtime profile id, or 'auto' (default)")
+    sp.add_argument("--dest", required=True)
+    sp.add_argument("--recipe")
+    sp.add_argument("--tag", default="latest")
+    sp.add_argument("--strict", action="store_true", help="refuse an engine version other than the validated one")
+    sp.add_argument("--trusted-keys", help="Ed25519 public key PEM file(s): require a signed manifest")
+    sp.add_argument("--dry-run", action="store_true", help="pull, then print the command instead of running it")
+    common(sp)
+    sp.set_defaults(func=cmd_serve)
+
     sp = sub.add_parser("profiles", help="what is published for a model, per runtime profile, and what --target auto picks")
     sp.add_argument("model", help="org/name[@build_id]")
     sp.add_argument("--tag", default="latest")
@@ -462,7 +488,16 @@ def _missing_extra(command: str, e: ModuleNotFoundError) -> HiveError:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    server_args: list[str] = []
+    if "--" in argv:  # `serve ... -- --port 8080`: the rest is the server's
+        cut = argv.index("--")
+        argv, server_args = argv[:cut], argv[cut + 1:]
+    p = parser()
+    args = p.parse_args(argv)
+    if server_args and args.command != "serve":
+        p.error("arguments after -- are only for `hive-aot serve`")
+    args.server_args = server_args
     try:
         return args.func(args)
     except ModuleNotFoundError as e:

@@ -1,0 +1,54 @@
+"""A serving container's entrypoint: pull the model's artifact, then become its server.
+
+`hive-aot serve MODEL --target auto --dest DIR [-- EXTRA SERVER ARGS]` pulls exactly as `pull` does (the
+accelerator detected, the profile and recipe chosen, blobs verified, DIR complete or absent), then replaces
+itself (exec) with the serve command the manifest records for the chosen runtime profile, with its
+environment, and the extra arguments appended (`--host 0.0.0.0 --port 8080`): the server is the container's
+process 1, receives its signals directly and its exit status is the container's. The images in
+`deploy/serving/` run it as a non-root user.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from .errors import HiveError
+
+
+def serve(model: str, target: str, dest: Path, *, extra_args: Sequence[str] = (), dry_run: bool = False,
+          **pull_options: Any) -> dict[str, Any]:
+    """Pull, then exec the server (never returns unless `dry_run`, which returns what it would run)."""
+    from .pull import pull
+
+    res = pull(model, target, dest, **pull_options)
+    argv = res.get("serve_argv")
+    if not argv:
+        raise HiveError(f"{res['model_id']} {res['recipe']}: its manifest has no serve command for "
+                        f"{res['runtime_profile']}")
+    argv = [*argv, *extra_args]
+    env = {**os.environ, **res.get("env", {})}
+    plan = {**res, "exec": argv, "exec_env": res.get("env", {}), "uid": os.geteuid()}
+    if dry_run:
+        return plan
+    for w in res.get("warnings", []):
+        print(f"hive-aot: warning: {w}", file=sys.stderr)
+    if os.geteuid() == 0:
+        print("hive-aot: warning: serving as root; the images in deploy/serving run as an unprivileged user",
+              file=sys.stderr)
+    print(f"hive-aot serve: {res['model_id']} {res['recipe']} (build {res['build_id'][:12]}) on "
+          f"{res['runtime_profile']}: exec {shlex.join(argv)}", file=sys.stderr, flush=True)
+    try:
+        os.execvpe(argv[0], argv, env)
+    except FileNotFoundError:
+        raise HiveError(f"cannot start {argv[0]}: not found on PATH (is this the {res['runtime_profile']} serving "
+                        f"image?); the model is pulled into {res['dest']}") from None
+    except PermissionError:
+        raise HiveError(f"cannot start {argv[0]}: permission denied") from None
+    raise AssertionError("unreachable: exec returned")
+
+
+__all__ = ["serve"]
