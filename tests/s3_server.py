@@ -1,12 +1,14 @@
 """pytest plugin: one real S3 server (SeaweedFS `weed mini`) on 127.0.0.1 per test session.
 
 Every port weed opens is a free one picked here (its defaults would collide with anything else on
-the machine), telemetry is off, and boto3 is pointed at it through AWS_ENDPOINT_URL. Without an
-`-s3.config` weed accepts any credentials; the tests use throwaway ones.
+the machine), telemetry is off, and boto3 is pointed at it through AWS_ENDPOINT_URL. An `-s3.config`
+with one identity makes weed check credentials as a real S3 does (the tests' are throwaway ones), so a
+wrong secret is refused.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -18,6 +20,9 @@ from pathlib import Path
 import pytest
 
 START_TIMEOUT_S = 90.0
+ACCESS_KEY, SECRET_KEY = "hive-test", "hive-test-secret-9f3c"
+ADMIN_SECRET = "admin-secret-2b71"
+BUCKET = "hive-test"
 PORT_FLAGS = ["s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
               "filer.port", "filer.port.grpc", "admin.port", "admin.port.grpc", "webdav.port"]
 
@@ -44,6 +49,12 @@ def s3_server(tmp_path_factory, hermetic_env):
             "-master.telemetry=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
             *(f"-{flag}={port}" for flag, port in ports.items())]
     (root / "data").mkdir()
+    # the tests' identity may use the test bucket only; an admin one creates it (as an operator would)
+    (root / "s3.json").write_text(json.dumps({"identities": [
+        {"name": "hive-test", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+         "actions": [f"{a}:{BUCKET}" for a in ("Read", "Write", "List", "Tagging")]},
+        {"name": "admin", "credentials": [{"accessKey": "admin", "secretKey": ADMIN_SECRET}], "actions": ["Admin"]}]}))
+    args.append(f"-s3.config={root / 's3.json'}")
     log = root / "weed.log"
     with open(log, "wb") as logf:
         proc = subprocess.Popen(args, cwd=root, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -51,16 +62,16 @@ def s3_server(tmp_path_factory, hermetic_env):
     endpoint = f"http://127.0.0.1:{ports['s3.port']}"
     saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                              "AWS_DEFAULT_REGION")}
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="hive-test", AWS_SECRET_ACCESS_KEY="hive-test-secret",
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY,
                       AWS_DEFAULT_REGION="us-east-1")
     try:
         import boto3
 
-        client = boto3.client("s3")
+        client = boto3.client("s3", aws_access_key_id="admin", aws_secret_access_key=ADMIN_SECRET)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:
-                client.create_bucket(Bucket="hive-test")
+                client.create_bucket(Bucket=BUCKET)
                 break
             except Exception:  # noqa: BLE001 - not up yet
                 if proc.poll() is not None or time.monotonic() > deadline:

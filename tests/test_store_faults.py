@@ -1,0 +1,175 @@
+"""Fault loops on a real store (local directory and SeaweedFS S3), on a tiny artifact:
+
+- `hive-aot build` killed (SIGKILL to its whole process group, as a container kill does) at random points of the
+  whole build-and-publish window, 20 times per store kind: after every kill no ref names a manifest that is
+  missing or that does not match the sha256 the ref records, and no manifest names a missing or short blob;
+  a last build completes; then `gc` leaves no work directory, partial or temporary behind.
+- 6 publishers of one build at once, and 6 pullers on one cache at once: all succeed, the manifest is written
+  once in identical bytes, the blob is downloaded once.
+- wrong credentials, a missing bucket, an unknown model or tag: one line each, and no secret in it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from factories import make_spm_llama, write_test_config
+from pipelines.manifest import Manifest
+from pipelines.store import blob_key, open_store
+
+REPO = Path.cwd()
+MODEL = "test-org/faulty"
+PUBLISHER_KILLS = 20
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    return {"model": make_spm_llama(root / "model"), "registry": write_test_config(root / "cfg", REPO)}
+
+
+def _store_uri(kind: str, tmp_path: Path, request) -> str:
+    return str(tmp_path / "store") if kind == "local" else request.getfixturevalue("s3_uri")
+
+
+def check_store(uri: str) -> dict[str, int]:
+    """The store's invariants: every ref names an existing manifest with the sha256 it records, and every file
+    of every manifest is a blob of the recorded size. Returns what it saw."""
+    store = open_store(uri)
+    refs = store.list("refs/")
+    for key in refs:
+        ref = store.read_ref(key)
+        raw = store.read_bytes(ref["manifest"])
+        assert raw is not None, f"{key} names a missing manifest {ref['manifest']}"
+        assert hashlib.sha256(raw).hexdigest() == ref["manifest_sha256"], key
+    manifests = store.list("manifests/")
+    for key in manifests:
+        for f in Manifest.parse(store.read_bytes(key), key).files:
+            assert store.size(blob_key(f.sha256)) == f.size, f"{key}: blob {f.sha256[:12]} missing or short"
+    return {"refs": len(refs), "manifests": len(manifests)}
+
+
+def _build_cmd(model: dict, uri: str, recipe: str = "gguf-f16") -> list[str]:
+    return [sys.executable, "-m", "pipelines.cli", "build", str(model["model"]), "--recipe", recipe, "--model-id",
+            MODEL, "--store", uri, "--registry", str(model["registry"]), "--json"]
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_killed_publishers_never_leave_a_ref_to_nothing(kind, model, tmp_path, request):
+    uri = _store_uri(kind, tmp_path, request)  # first: the S3 server's AWS_* variables go into env below
+    cache = tmp_path / "cache"
+    env = {**os.environ, "HIVE_AOT_CACHE": str(cache)}
+    rng = random.Random(11 if kind == "local" else 12)
+    # a whole run into a store of its own sets the window the kills are drawn from: the second one, whose
+    # reference comes from the cache, as it does for every trial after the first
+    for calibration in ("calibration-cold", "calibration-warm"):
+        t0 = time.monotonic()
+        full = subprocess.run(_build_cmd(model, str(tmp_path / calibration)), env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert full.returncode == 0, full.stderr
+        window = time.monotonic() - t0
+    kills, published, stores = 0, 0, [uri]
+    while kills < PUBLISHER_KILLS:
+        # half the kills anywhere in the run, half in its last fifth (staging, validation's end, publish)
+        at = rng.uniform(0.2, window) if kills % 2 == 0 else rng.uniform(0.8 * window, 1.05 * window)
+        started = time.monotonic()
+        proc = subprocess.Popen(_build_cmd(model, stores[-1]), env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            proc.wait(timeout=at)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+            kills += 1
+        else:  # it finished first: published; the next trials go to a fresh store (else every build is skipped)
+            out, err = proc.communicate()
+            assert proc.returncode == 0, err[-2000:]
+            published += 1
+            stores.append(f"{uri}-{published}")
+            if json.loads(out)["state"] == "published":
+                # a build resuming a killed one's uploads is quicker than the calibration: aim at its length
+                window = min(window, time.monotonic() - started)
+        check_store(stores[-1])
+        if published >= 30:
+            pytest.fail(f"the build keeps finishing before the kill ({kills} kills, window {window:.1f} s)")
+    for s in stores:  # a last build of every store completes, from whatever the kills left
+        done = subprocess.run(_build_cmd(model, s), env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["state"] in ("published", "skipped")
+        assert check_store(s) == {"refs": 2, "manifests": 1}  # latest + the revision tag
+    gc = subprocess.run([sys.executable, "-m", "pipelines.cli", "gc", "--min-age", "0", "--store", stores[-1]],
+                        env=env, capture_output=True, text=True, timeout=120)
+    assert gc.returncode == 0, gc.stderr
+    work = cache / "work"
+    left_work = [p.name for p in work.iterdir() if p.is_dir()] if work.exists() else []
+    assert left_work == [], left_work  # the killed builds' scratch directories were reclaimed
+    leftovers = [p for p in Path(stores[-1]).rglob(".*")] if kind == "local" else []
+    assert leftovers == [], leftovers
+    print(f"{kind}: {kills} publisher kills, {published} builds that finished first, window {window:.1f} s")
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+def test_six_publishers_of_one_build_and_six_pullers_of_one_blob(kind, model, tmp_path, request):
+    uri = _store_uri(kind, tmp_path, request)
+    env = {**os.environ, "HIVE_AOT_CACHE": str(tmp_path / "cache")}
+    procs = [subprocess.Popen(_build_cmd(model, uri), env={**env, "HIVE_AOT_CACHE": str(tmp_path / f"cache-{i}")},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(6)]
+    results = [(p.wait(timeout=600), p.stdout.read(), p.stderr.read()) for p in procs]
+    assert all(rc == 0 for rc, _, _ in results), [err[-500:] for rc, _, err in results if rc]
+    docs = [json.loads(out) for _, out, _ in results]
+    assert len({d["build_id"] for d in docs}) == 1 and {d["state"] for d in docs} <= {"published", "skipped"}
+    assert check_store(uri) == {"refs": 2, "manifests": 1}
+    pull_env = {**env, "HIVE_AOT_CACHE": str(tmp_path / "pull-cache")}
+    pulls = [subprocess.Popen([sys.executable, "-m", "pipelines.cli", "pull", MODEL, "--target", "llm-llamacpp-cpu",
+                               "--dest", str(tmp_path / f"dest-{i}"), "--store", uri, "--json"], env=pull_env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(6)]
+    outs = [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for p in pulls]
+    assert all(rc == 0 for rc, _, _ in outs), [err[-500:] for rc, _, err in outs if rc]
+    moved = [json.loads(out)["transfer"] for _, out, _ in outs]
+    size = json.loads(outs[0][1])["size"]
+    # one puller downloaded it; the others waited on its lock and found it in the cache
+    assert sum(m["fetched_bytes"] for m in moved) == size and sorted(m["cached_blobs"] for m in moved) == [0] + [1] * 5
+
+
+def _one_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hive-aot: error: "), proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+def test_wrong_credentials_missing_bucket_unknown_model_and_tag_are_one_line(model, s3_uri, tmp_path):
+    from s3_server import SECRET_KEY
+
+    env = {**os.environ, "HIVE_AOT_CACHE": str(tmp_path / "cache")}
+    built = subprocess.run(_build_cmd(model, s3_uri), env=env, capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+
+    def cli(*args: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], env={**env, **extra},
+                              capture_output=True, text=True, timeout=120)
+
+    pull = ("pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "m"), "--store", s3_uri)
+    wrong = "wrong-secret-5d0e"
+    line = _one_line(cli(*pull, AWS_SECRET_ACCESS_KEY=wrong), "credentials refused")
+    assert wrong not in line and SECRET_KEY not in line
+    line = _one_line(cli("ls", "--store", s3_uri, AWS_ACCESS_KEY_ID="nobody-here"), "credentials refused")
+    assert SECRET_KEY not in line
+    _one_line(cli("pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "n"),
+                  "--store", "s3://no-such-bucket-anywhere/x"), "no-such-bucket-anywhere")
+    _one_line(cli("pull", "test-org/never-built", "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "o"),
+                  "--store", s3_uri), "test-org/never-built: nothing published with tag 'latest'")
+    _one_line(cli(*pull, "--tag", "v9"), f"{MODEL}: nothing published with tag 'v9'")
+    assert not any((tmp_path / d).exists() for d in "mno")
