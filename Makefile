@@ -159,3 +159,8 @@ bench-compare-1b: setup
 	test -f $(BENCH_1B)/config.json || .venv/bin/python -m pipelines.synthetic --preset llama3-1b --out $(BENCH_1B)
 	.venv/bin/python bench/compare_llamacpp.py $(BENCH_1B) --model-id bench/llama3-1b --variants f16 --no-validate \
 	  --json-out bench/results/compare_llamacpp-llama3-1b.json
+
+# Publish and pull of a 1 GiB artifact against one loopback SeaweedFS: hive-aot vs s5cmd vs boto3.
+.PHONY: bench-pull
+bench-pull: setup
+	.venv/bin/python bench/pull_s3.py --size 1G --runs 3 --json-out bench/results/pull_s3-1g.json

@@ -17,6 +17,7 @@ downloader died is reclaimed once it is older than a day (or by `gc`), and only 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
@@ -36,6 +37,7 @@ PART_SIZE_ENV = "HIVE_AOT_PULL_PART_SIZE"  # e.g. 16M: smaller parts lose less t
 PART_WORKERS = 8  # ranged reads in flight per blob
 PARTIAL_MAX_AGE_S = 24 * 3600.0  # a dead pull's partial waits this long for a pull to resume it
 STATE_VERSION = 1
+HASH_READ = 8 << 20  # bytes read back per sha256 update
 
 
 @dataclass
@@ -180,6 +182,17 @@ def _download(store: Store, digest: str, size: int, dest: Path, progress, stats:
                                      f"(it ends after {at} of {size} bytes)")
             return index
 
+        # The sha256 runs over the parts as they complete in order, while later ones are still coming (hashlib
+        # releases the GIL): the verification costs little more than reading the last parts back.
+        hasher, hashed = hashlib.sha256(), [0]  # parts [0, hashed) are in the digest
+
+        def hash_ready() -> None:
+            while hashed[0] < len(parts) and hashed[0] in done:
+                start, length = parts[hashed[0]]
+                for at in range(start, start + length, HASH_READ):
+                    hasher.update(os.pread(fd, min(HASH_READ, start + length - at), at))
+                hashed[0] += 1
+
         todo = [i for i in range(len(parts)) if i not in done]
         with ThreadPoolExecutor(max(1, min(workers, len(todo) or 1)), thread_name_prefix="pull-part") as pool:
             pending = {pool.submit(fetch, i) for i in todo}
@@ -192,15 +205,17 @@ def _download(store: Store, digest: str, size: int, dest: Path, progress, stats:
                     _write_state(state_file, {**state, "done": sorted(done)})
                     if failed:
                         raise failed[0]
+                    hash_ready()
             finally:
                 for f in pending:
                     f.cancel()
+        hash_ready()
     except IntegrityError:
         _discard(partial, state_file)
         raise
     finally:
         os.close(fd)
-    if os.path.getsize(partial) != size or sha256_file(partial) != digest:
+    if os.path.getsize(partial) != size or hashed[0] != len(parts) or hasher.hexdigest() != digest:
         _discard(partial, state_file)
         raise IntegrityError(f"blob {digest[:12]} from {store.uri} does not match its manifest sha256")
     # Cached blobs are hard-linked into serving directories, so they carry the served mode.

