@@ -338,6 +338,11 @@ def cmd_onboard(args) -> int:
     else:
         for r in res["results"]:
             print(f"{r['model_id']:40} {r['recipe']:14} {r['state']:10} {r.get('build_id', '')[:12]}")
+    # One line per failed step on stderr, with the run to open in the UI (`make ui`); the tracebacks are there.
+    for r in res["results"]:
+        if r["state"] in ("failed", "rejected"):
+            print(f"hive-aot: error: {r['model_id']} {r['recipe']}: {r['state']}: {r.get('error', '')} "
+                  f"(run {r['run_id']})", file=sys.stderr)
     return EXIT_OK if res["success"] else EXIT_ERROR
 
 
@@ -490,13 +495,13 @@ def _missing_extra(command: str, e: ModuleNotFoundError) -> HiveError:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     server_args: list[str] = []
-    if "--" in argv:  # `serve ... -- --port 8080`: the rest is the server's
+    # `serve ... -- --port 8080`: the rest is the server's. Other commands keep argparse's meaning of
+    # `--` (what follows is positional, e.g. a model id that starts with '-'). No option precedes the
+    # command, so the command is argv[0].
+    if argv[:1] == ["serve"] and "--" in argv:
         cut = argv.index("--")
         argv, server_args = argv[:cut], argv[cut + 1:]
-    p = parser()
-    args = p.parse_args(argv)
-    if server_args and args.command != "serve":
-        p.error("arguments after -- are only for `hive-aot serve`")
+    args = parser().parse_args(argv)
     args.server_args = server_args
     try:
         return args.func(args)

@@ -316,7 +316,7 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
     with _dest_lock(dest):
         if _present(dest, m):
             return {**_summary(marker_doc, dest, m), "already_present": True, "auto_target": auto,
-                    "engines": engines, "warnings": warnings, "signed_by": signed_by, "signed_by": signed_by}
+                    "engines": engines, "warnings": warnings, "signed_by": signed_by}
         # what dead pulls left in the cache, except the partials this pull resumes
         reclaim_partials(keep={f.sha256 for f in m.files})
         check_disk_for_pull(m, dest)
