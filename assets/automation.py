@@ -1,6 +1,8 @@
-"""The onboarding job, the sensor that adds registry models as partitions, and the revision schedule."""
+"""The onboarding and observation jobs, the sensors (new registry models, changed upstream revisions) and the
+revision schedule."""
 
 
-from pipelines.orchestration.automation import onboard_job, registry_sensor, revisions_schedule
+from pipelines.orchestration.automation import (observe_revisions_job, onboard_job, registry_sensor, revision_sensor,
+                                                revisions_schedule)
 
-__all__ = ["onboard_job", "registry_sensor", "revisions_schedule"]
+__all__ = ["observe_revisions_job", "onboard_job", "registry_sensor", "revision_sensor", "revisions_schedule"]

@@ -293,6 +293,16 @@ def load_all_recipes(registry: Registry, own_dir: Path | None) -> dict[str, Reci
     return recipes
 
 
+def _without_recipes(registry: Registry, gone: set[str]) -> Registry:
+    """The registry with the named recipes taken out of every model's list and profile's preference."""
+    if not gone:
+        return registry
+    models = [m.model_copy(update={"recipes": [r for r in m.recipes if r not in gone]}) for m in registry.models]
+    profiles = [p.model_copy(update={"recipe_preference": [r for r in p.recipe_preference if r not in gone]})
+                for p in registry.runtime_profiles]
+    return registry.model_copy(update={"models": models, "runtime_profiles": profiles})
+
+
 class Config:
     """Registry + recipes, loaded together and cross-checked."""
 
@@ -306,6 +316,39 @@ class Config:
     def load(cls, registry: str | os.PathLike | None = None, recipes: str | os.PathLike | None = None) -> "Config":
         reg, path = load_registry(registry)
         return cls(reg, path, load_all_recipes(reg, recipes_dir(reg, path, recipes)))
+
+    @classmethod
+    def load_tolerant(cls, registry: str | os.PathLike | None = None,
+                      recipes: str | os.PathLike | None = None) -> tuple["Config", dict[str, str]]:
+        """What a long-lived code location loads: a recipe that fails validation (its YAML, a field, its options,
+        profiles or input, or an input that is itself broken) is left out with its one-line reason, and the
+        models and profiles naming it lose it, instead of the whole location failing to load. Returns the
+        config and {recipe id: reason}. A registry that does not load, or any other problem, still raises."""
+        reg, path = load_registry(registry)
+        packaged = (packaged_defaults_dir() / "recipes").resolve()
+        own = recipes_dir(reg, path, recipes)
+        dirs = ([packaged] if reg.packaged_defaults else []) + ([own] if own is not None and own != packaged else [])
+        found: dict[str, Recipe] = {}
+        broken: dict[str, str] = {}
+        for directory in dirs:
+            if not directory.is_dir():
+                raise ConfigError(f"{directory}: recipes directory not found")
+            for file in sorted(directory.glob("*.yaml")):  # a later directory wins by id, as in load_all_recipes
+                try:
+                    found[file.stem] = load_recipe_file(file)
+                    broken.pop(file.stem, None)
+                except ConfigError as e:
+                    found.pop(file.stem, None)
+                    broken[file.stem] = str(e)
+        while True:
+            try:
+                return cls(_without_recipes(reg, set(broken)), path, found), broken
+            except ConfigError as e:
+                culprit = next((rid for rid in found if str(e).startswith(f"recipe {rid}:")), None)
+                if culprit is None:
+                    raise
+                broken[culprit] = str(e)
+                del found[culprit]
 
     @property
     def origin(self) -> str:

@@ -303,13 +303,13 @@ def hf_license(info) -> str | None:
     return found or next((t.split(":", 1)[1] for t in (info.tags or []) if t.startswith("license:")), None)
 
 
-def fetch_hf_info(api, spec: SourceSpec):
+def fetch_hf_info(api, spec: SourceSpec, files_metadata: bool = True):
     """model_info at the requested revision (commit sha, file list, card data), errors as one line."""
     hf_errors = _hf_errors()
     repo = spec.repo_id
     try:
         # Offline mirrors answer model_info without a revision with 401; always ask for one.
-        return api.model_info(repo, revision=spec.revision or "main", files_metadata=True)
+        return api.model_info(repo, revision=spec.revision or "main", files_metadata=files_metadata)
     except hf_errors.GatedRepoError:
         raise SourceError(f"{repo}: gated repo - accept its terms on the Hub and set HF_TOKEN") from None
     except hf_errors.RepositoryNotFoundError:
@@ -434,6 +434,23 @@ def fetch_hf(spec: SourceSpec, model_id: str | None) -> Snapshot:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return snap
+
+
+def resolve_revision(source: str, model_id: str | None = None) -> str:
+    """The commit a source resolves to now, without downloading it: one Hub call (model_info) for a Hub repo,
+    the content digest for a local directory (hashes are cached by file identity). Equal to the `commit` of the
+    snapshot `fetch` would return, so a changed upstream revision is a changed value."""
+    spec = parse_source(source)
+    if spec.kind != "hf":
+        return fetch_local(spec, model_id).commit
+    from huggingface_hub import HfApi
+
+    if hub_offline():
+        return fetch_hf_offline(spec).commit
+    info = fetch_hf_info(HfApi(), spec, files_metadata=False)
+    if not info.sha:
+        raise SourceError(f"{spec.repo_id}: the Hub did not return a commit sha")
+    return info.sha
 
 
 def fetch(source: str, model_id: str | None = None) -> Snapshot:

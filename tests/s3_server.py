@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import time
 import uuid
@@ -20,6 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from processes import free_port, stop_group
 
 START_TIMEOUT_S = 90.0
 ACCESS_KEY, SECRET_KEY = "hive-test", "hive-test-secret-9f3c"
@@ -27,12 +26,6 @@ ADMIN_SECRET = "admin-secret-2b71"
 BUCKET = "hive-test"
 PORT_FLAGS = ["s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
               "filer.port", "filer.port.grpc", "admin.port", "admin.port.grpc", "webdav.port"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _weed() -> Path:
@@ -46,7 +39,7 @@ def _weed() -> Path:
 def seaweedfs(root: Path, weed: Path | None = None) -> Iterator[str]:
     """A SeaweedFS S3 server with its data under `root`, the test bucket created, AWS_* variables pointing boto3
     at it while the block runs: yields the endpoint URL. The benchmarks use it too (bench/pull_s3.py)."""
-    ports = {flag: _free_port() for flag in PORT_FLAGS}
+    ports = {flag: free_port() for flag in PORT_FLAGS}
     args = [str(weed or _weed()), "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             "-master.telemetry=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
             *(f"-{flag}={port}" for flag, port in ports.items())]
@@ -86,12 +79,7 @@ def seaweedfs(root: Path, weed: Path | None = None) -> Iterator[str]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(proc)
 
 
 @pytest.fixture(scope="session")

@@ -1,34 +1,129 @@
-"""Scheduled onboarding: new registry models become partitions and run; upstream revisions are
-re-checked on a schedule. Unchanged inputs rebuild nothing: build ids are content addresses."""
+"""Onboarding automation: the onboarding job, the registry sensor, the revision observation and its schedule,
+and the sensor that turns a changed upstream revision into a rebuild.
 
+Every run request names the assets of the recipes the model lists (and the inputs they are built from), so a
+run never schedules steps that would build nothing. Unchanged inputs rebuild nothing either way: build ids are
+content addresses, and a published build id is skipped.
+"""
+
+from __future__ import annotations
+
+import os
 
 import dagster as dg
 
+from ..errors import HiveError
+from .factories import SNAPSHOT_KEY, UPSTREAM_KEY, UPSTREAM_VERSION, model_asset_keys
 from .partitions import models_partitions, partition_key
 from .resources import HiveResource
 
+# Partitions come from the assets (one dynamic partition per model); the job passes none of its own.
 onboard_job = dg.define_asset_job(
     "onboard",
-    selection=dg.AssetSelection.all(),
-    partitions_def=models_partitions,
+    selection=dg.AssetSelection.all() - dg.AssetSelection.assets(UPSTREAM_KEY),
     description="fetch -> classify -> build -> validate -> publish, for one model partition",
 )
 
+observe_revisions_job = dg.define_asset_job(
+    "observe_revisions", selection=dg.AssetSelection.assets(UPSTREAM_KEY),
+    description="Record each registry model's upstream commit (one Hub call per model, nothing downloaded).")
+
+# Nightly by default; a deployment sets its own cadence without editing code.
+REVISION_CRON = os.environ.get("HIVE_AOT_REVISION_CRON", "0 3 * * *")
+
+
+def _config_or_reason(hive: HiveResource, context=None):
+    """The registry and recipes, or the one-line reason they cannot be read (the sensor keeps running). A
+    broken recipe is left out and logged; the models keep their other recipes."""
+    try:
+        config, broken = hive.current_config()
+    except HiveError as e:
+        return None, str(e)
+    if context is not None:
+        for rid, why in sorted(broken.items()):
+            context.log.warning(f"recipe {rid} is broken and left out: {why}")
+    return config, None
+
+
+def onboard_request(config, entry, run_key: str | None, reason: str) -> dg.RunRequest:
+    return dg.RunRequest(partition_key=partition_key(entry.id), run_key=run_key,
+                         asset_selection=model_asset_keys(config, entry), tags={"hive-aot/trigger": reason})
+
 
 @dg.sensor(job=onboard_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.STOPPED,
-           description="Adds models listed in registry.yaml as partitions and onboards each new one.")
+           description="Adds models listed in registry.yaml as partitions and onboards each new one; a model "
+                       "removed from the registry keeps its partition and history and is reported retired.")
 def registry_sensor(context: dg.SensorEvaluationContext, hive: HiveResource) -> dg.SensorResult:
-    wanted = [partition_key(m.id) for m in hive.config().registry.models]
+    config, problem = _config_or_reason(hive, context)
+    if config is None:  # a malformed registry adds nothing; the next tick reads it again
+        return dg.SensorResult(skip_reason=f"registry not read: {problem}")
+    try:
+        wanted = {partition_key(m.id): m for m in config.registry.models}
+    except ValueError as e:
+        return dg.SensorResult(skip_reason=f"registry not read: {config.origin}: {e}")
     existing = set(context.instance.get_dynamic_partitions(models_partitions.name))
     new = [k for k in wanted if k not in existing]
+    retired = sorted(existing - set(wanted))
+    if retired:
+        context.log.info(f"retired (not in {config.origin}; partitions and history kept): {', '.join(retired)}")
+    if not new:
+        return dg.SensorResult(skip_reason=f"no new models in {config.origin}"
+                                           + (f"; retired: {', '.join(retired)}" if retired else ""))
     return dg.SensorResult(
-        run_requests=[dg.RunRequest(partition_key=k, run_key=f"onboard:{k}") for k in new],
-        dynamic_partitions_requests=[models_partitions.build_add_request(new)] if new else [],
+        run_requests=[onboard_request(config, wanted[k], f"onboard:{k}", "registry") for k in new],
+        dynamic_partitions_requests=[models_partitions.build_add_request(new)],
     )
 
 
-@dg.schedule(job=onboard_job, cron_schedule="0 3 * * *", default_status=dg.DefaultScheduleStatus.STOPPED,
-             description="Nightly: re-resolve every model's revision; only changed inputs rebuild.")
-def revisions_schedule(context: dg.ScheduleEvaluationContext):
-    keys = context.instance.get_dynamic_partitions(models_partitions.name)
-    return [dg.RunRequest(partition_key=k, run_key=None) for k in keys]
+@dg.schedule(job=observe_revisions_job, cron_schedule=REVISION_CRON, default_status=dg.DefaultScheduleStatus.STOPPED,
+             description="Observe every registered model's upstream revision (nightly unless HIVE_AOT_REVISION_CRON "
+                         "says otherwise); revision_sensor requests the builds of those that changed.")
+def revisions_schedule(context: dg.ScheduleEvaluationContext, hive: HiveResource):
+    config, problem = _config_or_reason(hive, context)
+    if config is None:
+        return dg.SkipReason(f"registry not read: {problem}")
+    if not config.registry.models:
+        return dg.SkipReason(f"no models in {config.origin}")
+    # One run observes every registered model: the observation returns a version per partition.
+    return dg.RunRequest(run_key=None, tags={"hive-aot/trigger": "revisions-schedule"})
+
+
+def _latest_observed(instance: dg.DagsterInstance, key: str) -> str | None:
+    records = instance.fetch_observations(dg.AssetRecordsFilter(asset_key=UPSTREAM_KEY, asset_partitions=[key]),
+                                          limit=1).records
+    if not records:
+        return None
+    obs = records[0].event_log_entry.asset_observation
+    return obs.tags.get("dagster/data_version") if obs is not None else None
+
+
+def _latest_built_from(instance: dg.DagsterInstance, key: str) -> str | None:
+    records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=SNAPSHOT_KEY, asset_partitions=[key]),
+                                              limit=1).records
+    if not records:
+        return None
+    md = records[0].event_log_entry.asset_materialization.metadata
+    return md[UPSTREAM_VERSION].value if UPSTREAM_VERSION in md else None
+
+
+@dg.sensor(job=onboard_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.STOPPED,
+           description="Requests the onboarding of each model whose observed upstream revision differs from the one "
+                       "its snapshot was fetched at; an unchanged revision requests nothing.")
+def revision_sensor(context: dg.SensorEvaluationContext, hive: HiveResource) -> dg.SensorResult:
+    config, problem = _config_or_reason(hive, context)
+    if config is None:
+        return dg.SensorResult(skip_reason=f"registry not read: {problem}")
+    known = set(context.instance.get_dynamic_partitions(models_partitions.name))
+    requests = []
+    for entry in config.registry.models:
+        key = partition_key(entry.id)
+        if key not in known:
+            continue  # the registry sensor onboards new models
+        observed = _latest_observed(context.instance, key)
+        if observed is None or observed == _latest_built_from(context.instance, key):
+            continue
+        # One request per (model, revision): a later tick with the same observation does not request it again.
+        requests.append(onboard_request(config, entry, f"revision:{key}:{observed}", "revision"))
+    if not requests:
+        return dg.SensorResult(skip_reason="every observed revision is the one its snapshot was fetched at")
+    return dg.SensorResult(run_requests=requests)

@@ -13,10 +13,11 @@ import dagster as dg
 
 from .. import build as engine
 from ..compat import classify_snapshot
-from ..config import Recipe
+from ..config import Config, ModelEntry, Recipe
 from ..errors import HiveError, ResourceError
-from ..memory import WHOLE_MODEL_BUILD_KINDS
-from ..sources import fetch
+from ..memory import WHOLE_MODEL_BUILD_KINDS, human_bytes
+from ..sources import fetch, resolve_revision
+from .executors import CELERY_QUEUE_TAG, COMPILE_QUEUE
 from .partitions import models_partitions
 from .pools import LARGE_MEMORY_POOL
 from .resources import HiveResource
@@ -26,8 +27,14 @@ from .resources import HiveResource
 warnings.filterwarnings("ignore", category=dg.PreviewWarning, message=".*partitions_def on an AssetCheckSpec.*")
 # Output(data_version=...) records the source content digest / build id as the asset's version.
 warnings.filterwarnings("ignore", category=dg.BetaWarning, message=".*data_version.*")
+# The upstream revision is a partitioned observable source (beta in 1.13): its data version per model is what
+# makes a snapshot stale when the upstream commit moves, without downloading anything.
+warnings.filterwarnings("ignore", category=dg.BetaWarning, message=".*observable_source_asset.*")
 
+UPSTREAM_KEY = dg.AssetKey(["upstream_revision"])
 SNAPSHOT_KEY = dg.AssetKey(["snapshot"])
+# The snapshot's metadata entry naming the upstream revision it was fetched at (the observation's data version).
+UPSTREAM_VERSION = "upstream_version"
 COMPAT_KEY = dg.AssetKey(["compatibility"])
 PARITY_CHECK = "numerical_parity"
 
@@ -38,6 +45,31 @@ def artifact_key(recipe_id: str) -> dg.AssetKey:
 
 def published_key(recipe_id: str) -> dg.AssetKey:
     return dg.AssetKey(["published", recipe_id])
+
+
+def qpc_key(recipe_id: str) -> dg.AssetKey:
+    return dg.AssetKey(["qpc", recipe_id])
+
+
+def model_asset_keys(config: Config, entry: ModelEntry) -> list[dg.AssetKey]:
+    """What onboarding one model materializes: its sources, and the artifact, publish (and compile) assets of the
+    recipes it lists and the inputs they are built from. A run of these schedules no step that builds nothing."""
+    keys = [SNAPSHOT_KEY, COMPAT_KEY]
+    for rid in sorted(config.requested_recipes(entry)):
+        keys += [artifact_key(rid), published_key(rid)]
+        if config.recipe(rid).kind == "qaic":
+            keys.append(qpc_key(rid))
+    return keys
+
+
+def _sizes(files: list[dict]) -> dict[str, Any]:
+    total = sum(f["size"] for f in files)
+    return {"size_bytes": dg.MetadataValue.int(total), "size": human_bytes(total)}
+
+
+# Fetch and publish talk to the Hub and the store: an unexpected error there (a reset connection, S3 throttling)
+# is retried with backoff. A HiveError is a verdict on the input and fails at once (Failure(allow_retries=False)).
+TRANSIENT_RETRY = dg.RetryPolicy(max_retries=2, delay=5, backoff=dg.Backoff.EXPONENTIAL)
 
 
 def _failure(e: HiveError) -> dg.Failure:
@@ -70,7 +102,25 @@ def _parity_table(validation: dict[str, Any]) -> dg.TableMetadataValue:
 
 
 def source_assets() -> list[dg.AssetsDefinition]:
-    @dg.asset(key=SNAPSHOT_KEY, partitions_def=models_partitions, group_name="sources", kinds={"huggingface"},
+    @dg.observable_source_asset(key=UPSTREAM_KEY, partitions_def=models_partitions, group_name="sources",
+                                description="Each registered model's upstream commit as its data version (one Hub "
+                                            "call per model, nothing downloaded). A new one makes the model's "
+                                            "snapshot stale; revision_sensor requests its onboarding.")
+    def upstream_revision(context, hive: HiveResource) -> dg.DataVersionsByPartition:
+        config = hive.config()
+        known = set(context.instance.get_dynamic_partitions(models_partitions.name))
+        versions = {}
+        for entry in config.registry.models:
+            if entry.id not in known:
+                continue  # not onboarded yet: the registry sensor adds it
+            try:
+                versions[entry.id] = resolve_revision(config.model_source(entry), entry.id)
+            except HiveError as e:  # a revision that disappeared: reported, the model's builds left as they are
+                context.log.warning(f"{entry.id}: revision not observed: {e}")
+        return dg.DataVersionsByPartition(versions)
+
+    @dg.asset(key=SNAPSHOT_KEY, deps=[UPSTREAM_KEY], partitions_def=models_partitions, group_name="sources",
+              kinds={"huggingface"}, retry_policy=TRANSIENT_RETRY,
               description="The model's files at a pinned commit (safetensors only), with sha256 per file.")
     def snapshot(context: dg.AssetExecutionContext, hive: HiveResource) -> dg.Output[dict]:
         model_id = context.partition_key
@@ -81,8 +131,9 @@ def source_assets() -> list[dg.AssetsDefinition]:
         value = {"model_id": model_id, "source": snap.pinned_source, "commit": snap.commit,
                  "revision": snap.revision, "content_digest": snap.content_digest}
         return dg.Output(value, data_version=dg.DataVersion(snap.content_digest[:16]), metadata={
-            "commit": snap.commit, "revision": snap.revision, "license": str(snap.license), "gated": str(snap.gated),
-            "total_bytes": snap.total_bytes,
+            "commit": snap.commit, "revision": snap.revision, UPSTREAM_VERSION: snap.commit,
+            "license": str(snap.license), "gated": str(snap.gated),
+            "total_bytes": dg.MetadataValue.int(snap.total_bytes), "size": human_bytes(snap.total_bytes),
             "files": dg.MetadataValue.table(
                 [dg.TableRecord({"path": f.path, "size": f.size, "sha256": f.sha256}) for f in snap.files],
                 schema=dg.TableSchema(columns=[dg.TableColumn("path"), dg.TableColumn("size", "int"), dg.TableColumn("sha256")])),
@@ -105,7 +156,7 @@ def source_assets() -> list[dg.AssetsDefinition]:
             "compatibility": dg.MetadataValue.json(doc),
         })
 
-    return [snapshot, compatibility]
+    return [upstream_revision, snapshot, compatibility]
 
 
 def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.AssetChecksDefinition]]:
@@ -121,7 +172,7 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
               deps=[published_key(recipe.input)] if recipe.input else None,
               partitions_def=models_partitions, group_name="artifacts", code_version=recipe.digest[:16],
               pool=build_pool, kinds={recipe.kind.split("-")[0]}, output_required=False,
-              description=f"{recipe.description or rid}: built and staged (not yet visible to pull).")
+              description=f"{rid}: built and staged, not yet visible to pull. {recipe.description}".strip())
     def artifact(context: dg.AssetExecutionContext, hive: HiveResource, snapshot: dict, compatibility: dict):
         model_id = context.partition_key
         if rid not in hive.config().requested_recipes(hive.model(model_id)):
@@ -132,13 +183,12 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
             res = engine.stage(plan, hive.open_store())
         except HiveError as e:
             raise _failure(e) from None
-        size = sum(f["size"] for f in res.files)
         yield dg.Output(
             {"model_id": model_id, "recipe": rid, "source": snapshot["source"], "build_id": res.build_id,
              "store": hive.store_uri(), "state": res.state},
             data_version=dg.DataVersion(res.build_id[:16]),
             metadata={"build_id": res.build_id, "state": res.state, "skipped": res.skipped, "store_uri": hive.store_uri(),
-                      "candidate": res.manifest, "size_bytes": size,
+                      "candidate": res.manifest, **_sizes(res.files),
                       "files": dg.MetadataValue.json(res.files), **_memory_metadata(res.memory_plan)},
         )
 
@@ -172,7 +222,7 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
         )
 
     @dg.asset(key=published_key(rid), ins={"artifact": dg.AssetIn(akey)},
-              partitions_def=models_partitions, group_name="publish",
+              partitions_def=models_partitions, group_name="publish", retry_policy=TRANSIENT_RETRY,
               description=f"{rid}: manifest and refs written; serving containers can pull it.")
     def published(context: dg.AssetExecutionContext, hive: HiveResource, artifact: dict) -> dg.MaterializeResult:
         try:
@@ -184,17 +234,16 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
         return dg.MaterializeResult(metadata={
             "state": "compile_pending" if pending else res.state, "published": res.state, "skipped": res.skipped,
             "build_id": res.build_id, "manifest": res.manifest, "format": str(res.format),
-            "store_uri": hive.store_uri(), "size_bytes": dg.MetadataValue.int(sum(f["size"] for f in res.files)),
+            "store_uri": hive.store_uri(), **_sizes(res.files),
+            # What a serving container runs for this build (pull, then exec the manifest's server).
+            "serving_command": f"hive-aot serve {artifact['model_id']}@{res.build_id} --target "
+                               f"{plan.recipe.runtime_profiles[0]} --dest /models --store {hive.store_uri()}",
         }, data_version=dg.DataVersion(res.build_id[:16]))
 
     assets = [artifact, published]
     if recipe.kind == "qaic":
         assets.append(_compile_asset(recipe))
     return assets, [parity_check]
-
-
-def qpc_key(recipe_id: str) -> dg.AssetKey:
-    return dg.AssetKey(["qpc", recipe_id])
 
 
 def _compile_asset(recipe: Recipe) -> dg.AssetsDefinition:
@@ -205,6 +254,7 @@ def _compile_asset(recipe: Recipe) -> dg.AssetsDefinition:
 
     @dg.asset(key=qpc_key(rid), deps=[published_key(rid)], partitions_def=models_partitions, group_name="publish",
               pool="ai100_compile", kinds={"qaic"}, output_required=False,
+              op_tags={CELERY_QUEUE_TAG: COMPILE_QUEUE},
               description=f"{rid}: the export bundle compiled to a QPC and published with its vllm-qaic serving binding.")
     def qpc(context: dg.AssetExecutionContext, hive: HiveResource):
         from ..targets.qaic.compile import find_sdk, no_sdk_reason
@@ -224,7 +274,7 @@ def _compile_asset(recipe: Recipe) -> dg.AssetsDefinition:
         q = (res.validation or {}).get("qpc", {})
         yield dg.Output(None, data_version=dg.DataVersion(res.build_id[:16]), metadata={
             "state": res.state, "build_id": res.build_id, "manifest": res.manifest, "format": "qpc",
-            "size_bytes": dg.MetadataValue.int(sum(f["size"] for f in res.files)),
+            **_sizes(res.files),
             "program_bytes": dg.MetadataValue.int(int(q.get("program_bytes", 0))),
             "compile_seconds": float(q.get("compile_seconds", 0.0))})
 
@@ -240,3 +290,9 @@ def all_recipe_assets(recipes: Iterable[Recipe]) -> tuple[list[dg.AssetsDefiniti
         checks += c
     return assets, checks
 
+
+def broken_recipe_specs(broken: dict[str, str]) -> list[dg.AssetSpec]:
+    """A recipe left out of the code location (Config.load_tolerant), visible in the catalog with its reason."""
+    return [dg.AssetSpec(key=dg.AssetKey(["broken_recipe", rid]), group_name="broken_recipes",
+                         description=f"Recipe {rid} is broken and was left out: {why}",
+                         metadata={"reason": why}) for rid, why in sorted(broken.items())]

@@ -7,6 +7,8 @@ and metadata appear in the UI (`make ui`) afterwards.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,14 +17,17 @@ import dagster as dg
 
 from ..config import Config
 from ..errors import ConfigError
-from .factories import artifact_key, published_key, qpc_key
+from .factories import artifact_key, model_asset_keys, published_key, qpc_key
 from .partitions import models_partitions, partition_key
 from .pools import apply_pool_limits, process_tags, release_dead_claims
 from .resources import HiveResource
 
 
-# Step-level DEBUG events go to the instance (and the UI), not to the terminal.
-QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+INSTANCE_SETTINGS = Path(__file__).with_name("dagster.yaml")
+
+# Step events, tracebacks included, go to the instance (and the UI), not to the terminal: `hive-aot onboard`
+# prints one line per failed step itself, with the run id to open in the UI.
+QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
 
 
 def _instance() -> dg.DagsterInstance:
@@ -30,8 +35,8 @@ def _instance() -> dg.DagsterInstance:
     home.mkdir(parents=True, exist_ok=True)
     settings = home / "dagster.yaml"
     if not settings.exists():
-        # Offline by design: no telemetry; SQLite storage is Dagster's default for a local home.
-        settings.write_text("telemetry:\n  enabled: false\n")
+        # The committed settings (no telemetry, pool default, run retries); an operator's own file is kept.
+        shutil.copyfile(INSTANCE_SETTINGS, settings)
     instance = dg.DagsterInstance.get()
     apply_pool_limits(instance)  # validate_large: one at a time (pools.py)
     release_dead_claims(instance)  # slots a killed onboard left would block every later validation
@@ -40,15 +45,27 @@ def _instance() -> dg.DagsterInstance:
 
 def _definitions(config: Config, store: str | None, recipes: str | None = None) -> dg.Definitions:
     # The same factories the code location uses (assets/ instantiates them from the ambient registry).
-    from .automation import onboard_job
+    from .automation import observe_revisions_job, onboard_job
     from .factories import all_recipe_assets, source_assets
 
     recipe_assets, checks = all_recipe_assets(config.recipes.values())
     return dg.Definitions(
-        assets=source_assets() + recipe_assets, asset_checks=checks, jobs=[onboard_job],
+        assets=source_assets() + recipe_assets, asset_checks=checks, jobs=[onboard_job, observe_revisions_job],
         resources={"hive": HiveResource(registry=str(config.registry_file or ""), recipes=recipes or "",
                                         store=store or "")},
     )
+
+
+def step_name(recipe_id: str) -> str:
+    """The part of a step key Dagster derives from a recipe id (artifact/gguf-f16 -> artifact__gguf_f16)."""
+    return re.sub(r"\W", "_", recipe_id)
+
+
+def failure_line(error) -> str:
+    """The first line of a step's error without the exception's module path: a Failure raised from a HiveError
+    is the engine's one line; anything else keeps its exception name (`ValueError: ...`)."""
+    first = (error.message.strip().splitlines() or [""])[0]
+    return re.sub(r"^dagster\._core\.definitions\.events\.Failure: ", "", first)
 
 
 def _summarize(result: dg.ExecuteInProcessResult, model_id: str, recipes: list[str]) -> list[dict[str, Any]]:
@@ -56,7 +73,7 @@ def _summarize(result: dg.ExecuteInProcessResult, model_id: str, recipes: list[s
             if ev.asset_key is not None}
     checks = {ev.asset_check_key.asset_key: ev for ev in
               (e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION")}
-    failures = {e.step_key: (e.event_specific_data.error.message.strip().splitlines() or [""])[0]
+    failures = {e.step_key: failure_line(e.event_specific_data.error)
                 for e in result.all_events if e.event_type_value == "STEP_FAILURE"}
     rows = []
     for rid in recipes:
@@ -75,7 +92,9 @@ def _summarize(result: dg.ExecuteInProcessResult, model_id: str, recipes: list[s
             row.update(state="rejected", build_id=art.metadata["build_id"].value if art else "",
                        error=chk.description)
         else:
-            err = next((m for k, m in failures.items() if rid in k or "snapshot" in k or "compatibility" in k), "not built")
+            # its own step's error, else the first failure upstream of it (snapshot, compatibility, its input)
+            own = [m for k, m in failures.items() if k.split("__", 1)[-1] == step_name(rid)]
+            err = (own or list(failures.values()) or ["not built"])[0]
             row.update(state="failed", error=err)
         if chk is not None:
             row["check"] = {k: v.value for k, v in chk.metadata.items()
@@ -105,7 +124,9 @@ def onboard(registry: str | None = None, store: str | None = None, models: list[
     results, success = [], True
     for entry, key in zip(entries, keys):
         print(f"onboarding {entry.id}: {', '.join(entry.recipes)}", file=sys.stderr, flush=True)
+        # Only the assets of the recipes the model lists: no step of another recipe is scheduled to build nothing.
         res = job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False,
+                                     asset_selection=model_asset_keys(config, entry),
                                      tags={"hive-aot/trigger": "cli-onboard", **process_tags()}, run_config=QUIET)
         rows = _summarize(res, entry.id, entry.recipes)
         # compile_pending: the AI 100 export bundle is published and waits for a host with the SDK.

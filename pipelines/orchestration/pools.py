@@ -4,11 +4,11 @@ Pools bound how many steps of a kind run at once across all runs of an instance 
 - `validate_large`: every step that holds a whole model or its reference in memory (each recipe's parity
   check, the ONNX export's build). Limit 1: onboarding a large model never runs two of them at once, so
   the memory plan's per-step estimate is the host's peak, not a sum.
-- `build_<kind>`, `ai100_compile` (hosts with the Cloud AI SDK): no limit set here; an operator sets one
-  with `dagster instance concurrency set <pool> <n>` or in the UI.
+- `build_<kind>`, `ai100_compile` (hosts with the Cloud AI SDK): the default of the committed dagster.yaml
+  (2 per instance); an operator sets one with `dagster instance concurrency set <pool> <n>` or in the UI.
 
-Limits live in the instance's storage, not in dagster.yaml (which has only a default for every pool), so
-`hive-aot onboard` and `make ui` apply them when an instance has none for a pool; a limit an operator set
+Per-pool limits live in the instance's storage, not in dagster.yaml (which has only a default for every pool),
+so `hive-aot onboard` and `make ui` apply them when an instance has none for a pool; a limit an operator set
 is left as it is.
 """
 
@@ -62,14 +62,15 @@ def release_dead_claims(instance: dg.DagsterInstance) -> list[str]:
     if not storage.supports_global_concurrency_limits:
         return []
     freed = []
-    for pool in POOL_LIMITS:
+    # every pool with a claim: the validate_large limit, and the dagster.yaml default on all the others
+    for pool in sorted(set(POOL_LIMITS) | set(storage.get_concurrency_keys())):
         info = storage.get_concurrency_info(pool)
         for run_id in sorted(info.active_run_ids | {s.run_id for s in info.pending_steps}):
             run = instance.get_run_by_id(run_id)
             dead = run is None or run.is_finished
             if not dead and run.tags.get(HOST_TAG) == socket.gethostname() and run.tags.get(PID_TAG, "").isdigit():
                 dead = not _process_alive(int(run.tags[PID_TAG]))
-            if dead:
+            if dead and run_id not in freed:
                 storage.free_concurrency_slots_for_run(run_id)
                 freed.append(run_id)
     return freed

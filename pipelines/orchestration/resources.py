@@ -20,10 +20,17 @@ class HiveResource(dg.ConfigurableResource):
 
     @cached_property
     def _config(self) -> Config:
-        return Config.load(self.registry or None, self.recipes or None)
+        # tolerant as the code location is: a broken recipe file must not fail the steps of the others
+        return Config.load_tolerant(self.registry or None, self.recipes or None)[0]
 
     def config(self) -> Config:
         return self._config
+
+    def current_config(self) -> tuple[Config, dict[str, str]]:
+        """The registry and recipes as the files say now, and the recipes left out as broken (id -> reason):
+        sensors and schedules run in a code server that lives for days, and an edit to registry.yaml must reach
+        their next tick."""
+        return Config.load_tolerant(self.registry or None, self.recipes or None)
 
     def store_uri(self) -> str:
         return self.store or default_store_uri()
