@@ -1,8 +1,9 @@
-"""The onboarding and observation jobs, the sensors (new registry models, changed upstream revisions) and the
-revision schedule."""
+"""The onboarding and observation jobs, the sensors (new registry models, changed upstream revisions, changed
+recipes) and the revision schedule."""
 
 
-from pipelines.orchestration.automation import (observe_revisions_job, onboard_job, registry_sensor, revision_sensor,
-                                                revisions_schedule)
+from pipelines.orchestration.automation import (observe_revisions_job, onboard_job, recipe_sensor, registry_sensor,
+                                                revision_sensor, revisions_schedule)
 
-__all__ = ["observe_revisions_job", "onboard_job", "registry_sensor", "revision_sensor", "revisions_schedule"]
+__all__ = ["observe_revisions_job", "onboard_job", "recipe_sensor", "registry_sensor", "revision_sensor",
+           "revisions_schedule"]

@@ -17,8 +17,8 @@ import yaml
 from factories import copy_model, rewrite_safetensors
 
 from pipelines.config import Config
-from pipelines.orchestration.automation import (observe_revisions_job, onboard_job, registry_sensor, revision_sensor,
-                                                revisions_schedule)
+from pipelines.orchestration.automation import (observe_revisions_job, onboard_job, recipe_sensor, registry_sensor,
+                                                revision_sensor, revisions_schedule)
 from pipelines.orchestration.factories import SNAPSHOT_KEY, UPSTREAM_KEY, all_recipe_assets, source_assets
 from pipelines.orchestration.resources import HiveResource
 
@@ -316,3 +316,27 @@ def test_a_broken_recipe_file_leaves_the_code_location_loading_and_is_reported(t
     (request,) = registry_sensor(ctx).run_requests
     assert [k.to_user_string() for k in request.asset_selection] == [
         "snapshot", "compatibility", "artifact/gguf-f32", "published/gguf-f32"]
+
+
+def test_a_changed_recipe_rebuilds_the_models_that_list_it(tmp_path, tiny_llama):
+    models = [{"id": "test/a", "source": str(tiny_llama), "recipes": ["gguf-f32"]},
+              {"id": "test/b", "source": str(tiny_llama), "recipes": ["gguf-f16"]}]
+    reg = write_registry(tmp_path, models)
+    store = tmp_path / "store"
+    defs = definitions(reg, store)
+    instance = dg.DagsterInstance.ephemeral()
+    first = registry_sensor(sensor_context(instance, reg))
+    instance.add_dynamic_partitions("models", first.dynamic_partitions_requests[0].partition_keys)
+    for request in first.run_requests:
+        assert run_request(defs, instance, request).success
+    quiet = recipe_sensor(sensor_context(instance, reg, store))
+    assert not quiet.run_requests
+    assert quiet.skip_reason.skip_message == "every built recipe is the version its artifacts were built with"
+    # the recipe's gates change: its hash (the artifact's code version) changes
+    write_registry(tmp_path, models, [{**F32, "validation": {"min_top1_agreement": 0.98, "max_mean_kl": 0.001}}])
+    new_digest = Config.load(reg).recipe("gguf-f32").digest[:16]
+    (request,) = recipe_sensor(sensor_context(instance, reg, store)).run_requests
+    assert request.partition_key == "test/a" and request.run_key == f"recipes:test/a:gguf-f32={new_digest}"
+    assert request.tags["hive-aot/trigger"] == "recipe-change"
+    assert run_request(definitions(reg, store), instance, request).success
+    assert not recipe_sensor(sensor_context(instance, reg, store)).run_requests  # caught up

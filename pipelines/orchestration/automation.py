@@ -13,7 +13,7 @@ import os
 import dagster as dg
 
 from ..errors import HiveError
-from .factories import SNAPSHOT_KEY, UPSTREAM_KEY, UPSTREAM_VERSION, model_asset_keys
+from .factories import SNAPSHOT_KEY, UPSTREAM_KEY, UPSTREAM_VERSION, artifact_key, model_asset_keys
 from .partitions import models_partitions, partition_key
 from .resources import HiveResource
 
@@ -126,4 +126,39 @@ def revision_sensor(context: dg.SensorEvaluationContext, hive: HiveResource) -> 
         requests.append(onboard_request(config, entry, f"revision:{key}:{observed}", "revision"))
     if not requests:
         return dg.SensorResult(skip_reason="every observed revision is the one its snapshot was fetched at")
+    return dg.SensorResult(run_requests=requests)
+
+
+CODE_VERSION_TAG = "dagster/code_version"
+
+
+def _built_with(instance: dg.DagsterInstance, recipe_id: str, key: str) -> str | None:
+    """The code version (recipe hash) of a model's latest artifact materialization for a recipe, if any."""
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=artifact_key(recipe_id), asset_partitions=[key]), limit=1).records
+    return records[0].event_log_entry.asset_materialization.tags.get(CODE_VERSION_TAG) if records else None
+
+
+@dg.sensor(job=onboard_job, minimum_interval_seconds=300, default_status=dg.DefaultSensorStatus.STOPPED,
+           description="Requests the onboarding of each model whose built recipes changed since (their hash is the "
+                       "artifact's code version): only the models that list the recipe, each with its own assets; "
+                       "the pools bound how many of those builds run at once.")
+def recipe_sensor(context: dg.SensorEvaluationContext, hive: HiveResource) -> dg.SensorResult:
+    config, problem = _config_or_reason(hive, context)
+    if config is None:
+        return dg.SensorResult(skip_reason=f"registry not read: {problem}")
+    known = set(context.instance.get_dynamic_partitions(models_partitions.name))
+    requests = []
+    for entry in config.registry.models:
+        key = partition_key(entry.id)
+        if key not in known:
+            continue
+        changed = sorted(rid for rid in config.requested_recipes(entry)
+                         if (built := _built_with(context.instance, rid, key)) is not None
+                         and built != config.recipe(rid).digest[:16])
+        if changed:
+            stamp = ",".join(f"{rid}={config.recipe(rid).digest[:16]}" for rid in changed)
+            requests.append(onboard_request(config, entry, f"recipes:{key}:{stamp}", "recipe-change"))
+    if not requests:
+        return dg.SensorResult(skip_reason="every built recipe is the version its artifacts were built with")
     return dg.SensorResult(run_requests=requests)
