@@ -61,6 +61,17 @@ def run_request(defs: dg.Definitions, instance, request: dg.RunRequest):
         tags=request.tags, raise_on_error=False)
 
 
+def onboard_with_the_sensor(reg: Path, store: Path):
+    """A fresh instance where the registry sensor's first tick added every model and its requests ran."""
+    defs = definitions(reg, store)
+    instance = dg.DagsterInstance.ephemeral()
+    first = registry_sensor(sensor_context(instance, reg))
+    instance.add_dynamic_partitions("models", first.dynamic_partitions_requests[0].partition_keys)
+    for request in first.run_requests:
+        assert run_request(defs, instance, request).success
+    return defs, instance
+
+
 def warnings_of(instance, result) -> list[str]:
     """What a run logged at WARNING or above in the instance (user code's context.log)."""
     return [e.user_message for e in instance.all_logs(result.run_id) if e.level >= 30]
@@ -168,12 +179,7 @@ def test_a_new_upstream_revision_rebuilds_that_model_only(tmp_path, tiny_llama):
               {"id": "test/b", "source": str(b), "recipes": ["gguf-f32"]}]
     reg = write_registry(tmp_path, models)
     store = tmp_path / "store"
-    defs = definitions(reg, store)
-    instance = dg.DagsterInstance.ephemeral()
-    first = registry_sensor(sensor_context(instance, reg))
-    instance.add_dynamic_partitions("models", first.dynamic_partitions_requests[0].partition_keys)
-    for request in first.run_requests:
-        assert run_request(defs, instance, request).success
+    defs, instance = onboard_with_the_sensor(reg, store)
 
     # observed and unchanged: nothing is requested
     _observe(defs, instance)
@@ -323,12 +329,7 @@ def test_a_changed_recipe_rebuilds_the_models_that_list_it(tmp_path, tiny_llama)
               {"id": "test/b", "source": str(tiny_llama), "recipes": ["gguf-f16"]}]
     reg = write_registry(tmp_path, models)
     store = tmp_path / "store"
-    defs = definitions(reg, store)
-    instance = dg.DagsterInstance.ephemeral()
-    first = registry_sensor(sensor_context(instance, reg))
-    instance.add_dynamic_partitions("models", first.dynamic_partitions_requests[0].partition_keys)
-    for request in first.run_requests:
-        assert run_request(defs, instance, request).success
+    defs, instance = onboard_with_the_sensor(reg, store)
     quiet = recipe_sensor(sensor_context(instance, reg, store))
     assert not quiet.run_requests
     assert quiet.skip_reason.skip_message == "every built recipe is the version its artifacts were built with"
@@ -337,6 +338,6 @@ def test_a_changed_recipe_rebuilds_the_models_that_list_it(tmp_path, tiny_llama)
     new_digest = Config.load(reg).recipe("gguf-f32").digest[:16]
     (request,) = recipe_sensor(sensor_context(instance, reg, store)).run_requests
     assert request.partition_key == "test/a" and request.run_key == f"recipes:test/a:gguf-f32={new_digest}"
-    assert request.tags["hive-aot/trigger"] == "recipe-change"
+    assert request.tags["hive-aot/trigger"] == "recipes"
     assert run_request(definitions(reg, store), instance, request).success
     assert not recipe_sensor(sensor_context(instance, reg, store)).run_requests  # caught up

@@ -106,10 +106,11 @@ def _latest_built_from(instance: dg.DagsterInstance, key: str) -> str | None:
     return md[UPSTREAM_VERSION].value if UPSTREAM_VERSION in md else None
 
 
-@dg.sensor(job=onboard_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.STOPPED,
-           description="Requests the onboarding of each model whose observed upstream revision differs from the one "
-                       "its snapshot was fetched at; an unchanged revision requests nothing.")
-def revision_sensor(context: dg.SensorEvaluationContext, hive: HiveResource) -> dg.SensorResult:
+def _rebuilds(context: dg.SensorEvaluationContext, hive: HiveResource, change, trigger: str,
+              unchanged: str) -> dg.SensorResult:
+    """One run request per onboarded model for which `change(instance, config, entry, key)` returns a stamp (what
+    changed), with the model's own assets. The run key carries the stamp: a later tick that sees the same
+    change does not request it again."""
     config, problem = _config_or_reason(hive, context)
     if config is None:
         return dg.SensorResult(skip_reason=f"registry not read: {problem}")
@@ -119,14 +120,23 @@ def revision_sensor(context: dg.SensorEvaluationContext, hive: HiveResource) -> 
         key = partition_key(entry.id)
         if key not in known:
             continue  # the registry sensor onboards new models
-        observed = _latest_observed(context.instance, key)
-        if observed is None or observed == _latest_built_from(context.instance, key):
-            continue
-        # One request per (model, revision): a later tick with the same observation does not request it again.
-        requests.append(onboard_request(config, entry, f"revision:{key}:{observed}", "revision"))
-    if not requests:
-        return dg.SensorResult(skip_reason="every observed revision is the one its snapshot was fetched at")
-    return dg.SensorResult(run_requests=requests)
+        stamp = change(context.instance, config, entry, key)
+        if stamp is not None:
+            requests.append(onboard_request(config, entry, f"{trigger}:{key}:{stamp}", trigger))
+    return dg.SensorResult(run_requests=requests) if requests else dg.SensorResult(skip_reason=unchanged)
+
+
+def _revision_change(instance, config, entry, key: str) -> str | None:
+    observed = _latest_observed(instance, key)
+    return None if observed is None or observed == _latest_built_from(instance, key) else observed
+
+
+@dg.sensor(job=onboard_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.STOPPED,
+           description="Requests the onboarding of each model whose observed upstream revision differs from the one "
+                       "its snapshot was fetched at; an unchanged revision requests nothing.")
+def revision_sensor(context: dg.SensorEvaluationContext, hive: HiveResource) -> dg.SensorResult:
+    return _rebuilds(context, hive, _revision_change, "revision",
+                     "every observed revision is the one its snapshot was fetched at")
 
 
 CODE_VERSION_TAG = "dagster/code_version"
@@ -139,26 +149,17 @@ def _built_with(instance: dg.DagsterInstance, recipe_id: str, key: str) -> str |
     return records[0].event_log_entry.asset_materialization.tags.get(CODE_VERSION_TAG) if records else None
 
 
+def _recipe_change(instance, config, entry, key: str) -> str | None:
+    changed = sorted(rid for rid in config.requested_recipes(entry)
+                     if (built := _built_with(instance, rid, key)) is not None
+                     and built != config.recipe(rid).digest[:16])
+    return ",".join(f"{rid}={config.recipe(rid).digest[:16]}" for rid in changed) or None
+
+
 @dg.sensor(job=onboard_job, minimum_interval_seconds=300, default_status=dg.DefaultSensorStatus.STOPPED,
-           description="Requests the onboarding of each model whose built recipes changed since (their hash is the "
-                       "artifact's code version): only the models that list the recipe, each with its own assets; "
-                       "the pools bound how many of those builds run at once.")
+           description="Requests the onboarding of each model whose artifact was built with another version of a "
+                       "recipe it lists (the recipe hash is the artifact's code version): only those models, each "
+                       "with its own assets; the pools bound how many of those builds run at once.")
 def recipe_sensor(context: dg.SensorEvaluationContext, hive: HiveResource) -> dg.SensorResult:
-    config, problem = _config_or_reason(hive, context)
-    if config is None:
-        return dg.SensorResult(skip_reason=f"registry not read: {problem}")
-    known = set(context.instance.get_dynamic_partitions(models_partitions.name))
-    requests = []
-    for entry in config.registry.models:
-        key = partition_key(entry.id)
-        if key not in known:
-            continue
-        changed = sorted(rid for rid in config.requested_recipes(entry)
-                         if (built := _built_with(context.instance, rid, key)) is not None
-                         and built != config.recipe(rid).digest[:16])
-        if changed:
-            stamp = ",".join(f"{rid}={config.recipe(rid).digest[:16]}" for rid in changed)
-            requests.append(onboard_request(config, entry, f"recipes:{key}:{stamp}", "recipe-change"))
-    if not requests:
-        return dg.SensorResult(skip_reason="every built recipe is the version its artifacts were built with")
-    return dg.SensorResult(run_requests=requests)
+    return _rebuilds(context, hive, _recipe_change, "recipes",
+                     "every built recipe is the version its artifacts were built with")
