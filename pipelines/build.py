@@ -301,6 +301,24 @@ def _staged(store: Store, p: Plan) -> tuple[str, Manifest]:
     return str(doc.get("state")), Manifest.parse(doc["manifest"], f"{store.uri}: {key}")
 
 
+def integrity_problems(p: Plan, store: Store) -> list[str]:
+    """What is wrong with a build's files in the store, one line each (empty: intact): every blob its published
+    manifest (or, before publishing, its staged candidate) names must be there and intact by the store's
+    verification policy (local: size and a sha256 cached per file stamp; S3: size and the uploaded digest)."""
+    manifest = published_manifest(p, store)
+    if manifest is None:
+        _state, manifest = _staged(store, p)
+    if manifest.build_id != p.build_id:
+        return [f"the manifest names build {manifest.build_id[:12]}, not {p.build_id[:12]}"]
+    problems = []
+    for f in manifest.files:
+        if store.size(blob_key(f.sha256)) is None:
+            problems.append(f"{f.path}: blob {f.sha256[:12]} is missing from {store.uri}")
+        elif not store.blob_intact(f.sha256, f.size):
+            problems.append(f"{f.path}: blob {f.sha256[:12]} in {store.uri} does not hold its {f.size} bytes and sha256")
+    return problems
+
+
 def materialize_blobs(store: Store, files: list[FileEntry], dest: Path) -> None:
     """Place a build's files under dest (hard link or copy), verifying each sha256."""
     for f in files:

@@ -196,6 +196,31 @@ def test_interrupted_publish_is_repaired(published, tiny_llama, tconfig, tmp_pat
         assert ref["build_id"] == first.build_id and ref["manifest_sha256"] == hashlib.sha256(mbytes).hexdigest()
 
 
+def test_integrity_names_a_damaged_or_missing_blob(published, tiny_llama, tconfig, tmp_path):
+    """What Dagster's blocking `integrity` check reports: intact after publishing; a blob whose bytes changed
+    (same size) or that is gone, each as one line naming the file."""
+    from pipelines.build import integrity_problems
+
+    src, first = published
+    store_dir = tmp_path / "store"
+    shutil.copytree(src, store_dir)
+    store = open_store(str(store_dir))
+    p = plan(str(tiny_llama), "gguf-f16", tconfig, MODEL)
+    assert integrity_problems(p, store) == []
+    (entry,) = first.files
+    blob = store_dir / "blobs" / "sha256" / entry["sha256"][:2] / entry["sha256"]
+    if not blob.exists():
+        (blob,) = [b for b in store_dir.rglob(entry["sha256"]) if b.is_file()]
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.chmod(0o644)
+    blob.write_bytes(bytes(data))
+    (line,) = integrity_problems(p, store)
+    assert line == f"{entry['path']}: blob {entry['sha256'][:12]} in {store.uri} does not hold its {entry['size']} bytes and sha256"
+    blob.unlink()
+    assert integrity_problems(p, store) == [f"{entry['path']}: blob {entry['sha256'][:12]} is missing from {store.uri}"]
+
+
 # --- bad inputs: one clear line, nothing visible in the store ----------------------------------
 
 def _truncate(d: Path) -> None:

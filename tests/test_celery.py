@@ -70,6 +70,10 @@ def test_onboarding_runs_on_two_celery_workers(tmp_path, tiny_llama, redis_url):
     worker_config = tmp_path / "celery.yaml"
     worker_config.write_text(yaml.safe_dump({"execution": {"config": {"broker": redis_url, "backend": redis_url}}}))
 
+    # The instance's SQLite storage is created here, once, before any other process opens it: workers and the
+    # launcher creating it at the same time race on its schema migration.
+    instance = dg.DagsterInstance.from_config(str(home))
+    instance.add_dynamic_partitions("models", [MODEL])
     workers, logs = [], []
     try:
         for name in ("w1", "w2"):
@@ -79,8 +83,6 @@ def test_onboarding_runs_on_two_celery_workers(tmp_path, tiny_llama, redis_url):
                 [str(BIN / "dagster-celery"), "worker", "start", "-A", "dagster_celery.app", "-y", str(worker_config),
                  "-n", name, "--", "-P", "solo"], cwd=tmp_path, env=env, stdout=logs[-1], stderr=subprocess.STDOUT,
                 start_new_session=True))
-        instance = dg.DagsterInstance.from_config(str(home))
-        instance.add_dynamic_partitions("models", [MODEL])
         selection = ",".join(["snapshot", "compatibility", "artifact/gguf-f16", "published/gguf-f16",
                               "artifact/gguf-f32", "published/gguf-f32"])
         # Launched as an operator does, from another process: it submits the steps to the broker and waits.
@@ -103,14 +105,15 @@ def test_onboarding_runs_on_two_celery_workers(tmp_path, tiny_llama, redis_url):
     started = {e.step_key: e.pid for e in events if e.event_type_value == "STEP_START"}
     assert set(started) == {"snapshot", "compatibility", "artifact__gguf_f16", "artifact__gguf_f32",
                             "artifact__gguf_f16_numerical_parity", "artifact__gguf_f32_numerical_parity",
+                            "artifact__gguf_f16_integrity", "artifact__gguf_f32_integrity",
                             "published__gguf_f16", "published__gguf_f32"}
     # every step ran in one of the two Celery workers, none in the launching `dagster` process
     assert set(started.values()) <= worker_pids, (started, worker_pids)
     counts = {pid: list(started.values()).count(pid) for pid in set(started.values())}
     print(f"steps per worker process: {counts}")
-    checks = {e.event_specific_data.asset_check_key.asset_key.to_user_string(): e.event_specific_data.passed
+    checks = {e.event_specific_data.asset_check_key.to_user_string(): e.event_specific_data.passed
               for e in events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
-    assert checks == {"artifact/gguf-f16": True, "artifact/gguf-f32": True}
+    assert checks == {f"artifact/{r}:{c}": True for r in ("gguf-f16", "gguf-f32") for c in ("numerical_parity", "integrity")}
     slug = MODEL.replace("/", "--")
     for rid in ("gguf-f16", "gguf-f32"):
         assert (store / "refs" / slug / rid / "latest").is_file()

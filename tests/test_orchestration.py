@@ -16,7 +16,7 @@ from factories import copy_model
 
 from pipelines.config import Config
 from pipelines.orchestration.automation import onboard_job, registry_sensor
-from pipelines.orchestration.factories import (PARITY_CHECK, all_recipe_assets, model_asset_keys, published_key,
+from pipelines.orchestration.factories import (INTEGRITY_CHECK, PARITY_CHECK, all_recipe_assets, model_asset_keys, published_key,
                                                source_assets)
 from pipelines.orchestration.resources import HiveResource
 
@@ -120,6 +120,8 @@ def test_snapshot_invariants():
     for r in recipes:
         check = snap["checks"][f"artifact/{r}:{PARITY_CHECK}"]
         assert check == {"blocking": True, "pool": "validate_large", "partitions": "models"}
+        # the integrity check holds no model: no pool, it never waits behind a validation
+        assert snap["checks"][f"artifact/{r}:{INTEGRITY_CHECK}"] == {"blocking": True, "pool": None, "partitions": "models"}
         assert snap["assets"][f"published/{r}"]["deps"] == [f"artifact/{r}"]
         assert snap["assets"][f"published/{r}"]["retries"] > 0
         assert snap["assets"][f"artifact/{r}"]["code_version"]
@@ -171,7 +173,10 @@ def test_materialize_whole_slice_publishes_and_checks(tmp_path, tiny_llama, capl
     caplog.set_level("WARNING")
     result = _run(reg, store, "test/tiny", instance=instance)
     assert result.success
-    evals = {e.asset_key.path[-1]: e for e in result.get_asset_check_evaluations()}
+    evals = {e.asset_key.path[-1]: e for e in result.get_asset_check_evaluations() if e.check_name == PARITY_CHECK}
+    intact = {e.asset_key.path[-1]: e.passed for e in result.get_asset_check_evaluations()
+              if e.check_name == INTEGRITY_CHECK}
+    assert intact == {"gguf-f16": True, "gguf-f32": True}
     assert set(evals) == {"gguf-f16", "gguf-f32"}
     assert all(e.passed for e in evals.values())
     assert evals["gguf-f16"].metadata["top1_agreement"].value >= 0.99
@@ -181,7 +186,8 @@ def test_materialize_whole_slice_publishes_and_checks(tmp_path, tiny_llama, capl
     assert "artifact/gguf-q4_k_m" not in mats and "published/gguf-q4_k_m" not in mats
     steps = {e.step_key for e in result.all_events if e.event_type_value == "STEP_SUCCESS"}
     assert steps == {"snapshot", "compatibility", "artifact__gguf_f16", "artifact__gguf_f32", "published__gguf_f16",
-                     "published__gguf_f32", "artifact__gguf_f16_numerical_parity", "artifact__gguf_f32_numerical_parity"}
+                     "published__gguf_f32", "artifact__gguf_f16_numerical_parity", "artifact__gguf_f32_numerical_parity",
+                     "artifact__gguf_f16_integrity", "artifact__gguf_f32_integrity"}
     assert _warnings(instance, result, caplog) == []
     assert mats["published/gguf-f16"]["size"].value.endswith("MiB")
     assert mats["published/gguf-f16"]["serving_command"].value.startswith("hive-aot serve test/tiny@")
@@ -209,9 +215,9 @@ def test_failing_check_blocks_publish(tmp_path, tiny_llama):
         "validation": {"min_top1_agreement": 1.0, "max_mean_kl": 0.0, "max_abs_logit_delta": 0.0}}))
     store = tmp_path / "store"
     result = _run(reg, store, "test/strict")
-    evals = result.get_asset_check_evaluations()
-    assert len(evals) == 1 and not evals[0].passed
-    assert "mean KL" in (evals[0].description or "")
+    evals = {e.check_name: e for e in result.get_asset_check_evaluations()}
+    assert set(evals) == {PARITY_CHECK, INTEGRITY_CHECK} and evals[INTEGRITY_CHECK].passed
+    assert not evals[PARITY_CHECK].passed and "mean KL" in (evals[PARITY_CHECK].description or "")
     published = [e for e in result.get_asset_materialization_events() if e.asset_key == published_key("gguf-impossible")]
     assert published == []
     assert not (store / "manifests").exists() or not any((store / "manifests").rglob("*.json"))
@@ -242,7 +248,7 @@ def test_engine_crash_fails_the_check_with_one_line_and_publishes_nothing(tmp_pa
     reg = _registry(tmp_path, [{"id": "test/crash", "source": str(tiny_llama), "recipes": ["gguf-f16"]}])
     store = tmp_path / "store"
     result = _run(reg, store, "test/crash")
-    (ev,) = result.get_asset_check_evaluations()
+    (ev,) = [e for e in result.get_asset_check_evaluations() if e.check_name == PARITY_CHECK]
     assert not ev.passed
     assert ev.description == ("llama.cpp crashed with SIGSEGV (segmentation fault) during GGUF validation of "
                               "test/crash (gguf-f16); nothing was published")

@@ -198,7 +198,7 @@ def test_onboard_from_the_ui_then_read_it_in_a_browser(tmp_path, tiny_llama):
             browser.wait_for_text("Join the Dagster community", timeout=60)
             assert browser.click_text("Skip")
             # the artifact between its sources and its publish step (group "publish"), its check passed
-            text = browser.wait_for_text("snapshot", "compatibility", "sources", "publish", "gguf-f32", "1 / 1 Passed")
+            text = browser.wait_for_text("snapshot", "compatibility", "sources", "publish", "gguf-f32", "2 / 2 Passed")
             assert "Join the Dagster community" not in text
             browser.screenshot(SCREENSHOTS / "ui-lineage.png")
 
@@ -207,6 +207,9 @@ def test_onboard_from_the_ui_then_read_it_in_a_browser(tmp_path, tiny_llama):
             browser.screenshot(SCREENSHOTS / "ui-partition.png")
 
             browser.open(f"{base}/assets/artifact/gguf-f32?view=checks")
+            # two blocking checks, both passed; the integrity one says what it verified
+            browser.wait_for_text("Checks (2)", "integrity", "numerical_parity", "every blob intact")
+            assert browser.click_text("numerical_parity")
             text = browser.wait_for_text("numerical_parity", "This is a blocking asset check", "Passed", MODEL,
                                          "top1_agreement", "mean_kl", "max_abs_logit_delta", "parity")
             # the parity table: one row per prompt, the columns the check writes

@@ -82,9 +82,12 @@ class Browser:
             time.sleep(0.5)
 
     def click_text(self, label: str) -> bool:
-        """Click the first button or link whose text is `label` (e.g. to dismiss a first-visit dialog)."""
+        """Click the first button or link whose text is `label` (e.g. to dismiss a first-visit dialog), else the
+        first innermost element showing exactly that text (a list entry: the click reaches its handler)."""
         return self.script("""
-            const el = [...document.querySelectorAll('button, a')].find(e => e.innerText.trim() === arguments[0]);
+            const all = [...document.querySelectorAll('*')];
+            const el = all.find(e => (e.tagName === 'BUTTON' || e.tagName === 'A') && e.innerText.trim() === arguments[0])
+                    || all.find(e => e.children.length === 0 && (e.innerText || '').trim() === arguments[0]);
             if (el) { el.click(); return true; } return false;""", label)
 
     def screenshot(self, path: Path) -> Path:

@@ -37,6 +37,7 @@ SNAPSHOT_KEY = dg.AssetKey(["snapshot"])
 UPSTREAM_VERSION = "upstream_version"
 COMPAT_KEY = dg.AssetKey(["compatibility"])
 PARITY_CHECK = "numerical_parity"
+INTEGRITY_CHECK = "integrity"
 
 
 def artifact_key(recipe_id: str) -> dg.AssetKey:
@@ -160,7 +161,7 @@ def source_assets() -> list[dg.AssetsDefinition]:
 
 
 def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.AssetChecksDefinition]]:
-    """artifact/<recipe> -> blocking numerical_parity check -> published/<recipe>."""
+    """artifact/<recipe> -> blocking numerical_parity and integrity checks -> published/<recipe>."""
     rid = recipe.id
     akey = artifact_key(rid)
 
@@ -221,6 +222,19 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
                       "generation": dg.MetadataValue.json(validation.get("generation", {})), **sections},
         )
 
+    # Cheap (sizes and recorded digests, no model in memory): no pool, so it never waits behind a validation.
+    @dg.asset_check(asset=akey, name=INTEGRITY_CHECK, blocking=True, partitions_def=models_partitions,
+                    description=f"Every file of the {rid} build is in the store, intact (size and sha256), under the "
+                                "build id its manifest names.")
+    def integrity_check(context: dg.AssetCheckExecutionContext, hive: HiveResource, artifact: dict) -> dg.AssetCheckResult:
+        try:
+            plan = engine.plan(artifact["source"], rid, hive.config(), artifact["model_id"])
+            problems = engine.integrity_problems(plan, hive.open_store())
+        except HiveError as e:
+            return dg.AssetCheckResult(passed=False, description=str(e))
+        return dg.AssetCheckResult(passed=not problems, description="; ".join(problems) or "every blob intact",
+                                   metadata={"build_id": plan.build_id, "problems": len(problems)})
+
     @dg.asset(key=published_key(rid), ins={"artifact": dg.AssetIn(akey)},
               partitions_def=models_partitions, group_name="publish", retry_policy=TRANSIENT_RETRY,
               description=f"{rid}: manifest and refs written; serving containers can pull it.")
@@ -243,7 +257,7 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
     assets = [artifact, published]
     if recipe.kind == "qaic":
         assets.append(_compile_asset(recipe))
-    return assets, [parity_check]
+    return assets, [parity_check, integrity_check]
 
 
 def _compile_asset(recipe: Recipe) -> dg.AssetsDefinition:

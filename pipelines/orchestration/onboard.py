@@ -17,7 +17,7 @@ import dagster as dg
 
 from ..config import Config
 from ..errors import ConfigError
-from .factories import artifact_key, model_asset_keys, published_key, qpc_key
+from .factories import INTEGRITY_CHECK, PARITY_CHECK, artifact_key, model_asset_keys, published_key, qpc_key
 from .partitions import models_partitions, partition_key
 from .pools import apply_pool_limits, process_tags, release_dead_claims
 from .resources import HiveResource
@@ -71,8 +71,10 @@ def failure_line(error) -> str:
 def _summarize(result: dg.ExecuteInProcessResult, model_id: str, recipes: list[str]) -> list[dict[str, Any]]:
     mats = {ev.asset_key: ev.materialization for ev in result.get_asset_materialization_events()
             if ev.asset_key is not None}
-    checks = {ev.asset_check_key.asset_key: ev for ev in
-              (e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION")}
+    evaluations = [e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
+    checks = {ev.asset_check_key.asset_key: ev for ev in evaluations if ev.asset_check_key.name == PARITY_CHECK}
+    broken = {ev.asset_check_key.asset_key: ev for ev in evaluations
+              if ev.asset_check_key.name == INTEGRITY_CHECK and not ev.passed}
     failures = {e.step_key: failure_line(e.event_specific_data.error)
                 for e in result.all_events if e.event_type_value == "STEP_FAILURE"}
     rows = []
@@ -88,9 +90,10 @@ def _summarize(result: dg.ExecuteInProcessResult, model_id: str, recipes: list[s
                        size=md["size_bytes"].value)
             if compiled is not None:
                 row["bundle_build_id"] = pub.metadata["build_id"].value
-        elif chk is not None and not chk.passed:
+        elif (chk is not None and not chk.passed) or artifact_key(rid) in broken:
+            failed = chk if chk is not None and not chk.passed else broken[artifact_key(rid)]
             row.update(state="rejected", build_id=art.metadata["build_id"].value if art else "",
-                       error=chk.description)
+                       error=failed.description)
         else:
             # its own step's error, else the first failure upstream of it (snapshot, compatibility, its input)
             own = [m for k, m in failures.items() if k.split("__", 1)[-1] == step_name(rid)]
