@@ -103,7 +103,10 @@ def _latest_built_from(instance: dg.DagsterInstance, key: str) -> str | None:
     if not records:
         return None
     md = records[0].event_log_entry.asset_materialization.metadata
-    return md[UPSTREAM_VERSION].value if UPSTREAM_VERSION in md else None
+    # snapshots materialized before upstream_version was recorded carry the same value as `commit`: an upgraded
+    # instance does not re-request every model once
+    entry = md.get(UPSTREAM_VERSION) or md.get("commit")
+    return entry.value if entry is not None else None
 
 
 def _rebuilds(context: dg.SensorEvaluationContext, hive: HiveResource, change, trigger: str,
