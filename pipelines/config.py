@@ -276,20 +276,39 @@ def load_recipe_file(path: Path) -> Recipe:
     return recipe
 
 
-def load_recipes(directory: Path) -> dict[str, Recipe]:
+def load_recipes(directory: Path, broken: dict[str, str] | None = None) -> dict[str, Recipe]:
+    """The recipes of a directory. With `broken`, a file that fails validation is recorded there (id -> the
+    one-line reason) instead of raising."""
     if not directory.is_dir():
         raise ConfigError(f"{directory}: recipes directory not found")
-    return {p.stem: load_recipe_file(p) for p in sorted(directory.glob("*.yaml"))}
+    recipes = {}
+    for p in sorted(directory.glob("*.yaml")):
+        try:
+            recipes[p.stem] = load_recipe_file(p)
+        except ConfigError as e:
+            if broken is None:
+                raise
+            broken[p.stem] = str(e)
+    return recipes
 
 
-def load_all_recipes(registry: Registry, own_dir: Path | None) -> dict[str, Recipe]:
-    """Packaged recipes (unless the registry opts out), then the deployment's, which win by id."""
+def load_all_recipes(registry: Registry, own_dir: Path | None,
+                     broken: dict[str, str] | None = None) -> dict[str, Recipe]:
+    """Packaged recipes (unless the registry opts out), then the deployment's, which win by id (a good file also
+    over a broken one of the same id, and the other way round)."""
     recipes: dict[str, Recipe] = {}
     packaged = (packaged_defaults_dir() / "recipes").resolve()
-    if registry.packaged_defaults:
-        recipes.update(load_recipes(packaged))
-    if own_dir is not None and own_dir != packaged:
-        recipes.update(load_recipes(own_dir))
+    dirs = ([packaged] if registry.packaged_defaults else []) + ([own_dir] if own_dir not in (None, packaged) else [])
+    for directory in dirs:
+        failed: dict[str, str] = {}
+        found = load_recipes(directory, failed if broken is not None else None)
+        for rid in failed:
+            recipes.pop(rid, None)
+        recipes.update(found)
+        if broken is not None:
+            for rid in found:
+                broken.pop(rid, None)
+            broken.update(failed)
     return recipes
 
 
@@ -325,21 +344,8 @@ class Config:
         models and profiles naming it lose it, instead of the whole location failing to load. Returns the
         config and {recipe id: reason}. A registry that does not load, or any other problem, still raises."""
         reg, path = load_registry(registry)
-        packaged = (packaged_defaults_dir() / "recipes").resolve()
-        own = recipes_dir(reg, path, recipes)
-        dirs = ([packaged] if reg.packaged_defaults else []) + ([own] if own is not None and own != packaged else [])
-        found: dict[str, Recipe] = {}
         broken: dict[str, str] = {}
-        for directory in dirs:
-            if not directory.is_dir():
-                raise ConfigError(f"{directory}: recipes directory not found")
-            for file in sorted(directory.glob("*.yaml")):  # a later directory wins by id, as in load_all_recipes
-                try:
-                    found[file.stem] = load_recipe_file(file)
-                    broken.pop(file.stem, None)
-                except ConfigError as e:
-                    found.pop(file.stem, None)
-                    broken[file.stem] = str(e)
+        found = load_all_recipes(reg, recipes_dir(reg, path, recipes), broken)
         while True:
             try:
                 return cls(_without_recipes(reg, set(broken)), path, found), broken

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
+from processes import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/factories.py and friends
 
@@ -18,12 +18,6 @@ pytest_plugins = ["hf_mirror", "s3_server"]  # olah HF mirror, SeaweedFS S3 (tes
 REPO_ROOT = Path.cwd()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session", autouse=True)
 def hermetic_env(tmp_path_factory):
     """One cache per test session (reference logits are reused across tests), no real Hub."""
@@ -32,7 +26,7 @@ def hermetic_env(tmp_path_factory):
     os.environ["HIVE_AOT_CACHE"] = str(cache)
     os.environ["HF_HOME"] = str(tmp_path_factory.mktemp("hf-home"))
     # Anything that forgets to point at the test mirror fails fast instead of reaching out.
-    os.environ["HF_ENDPOINT"] = f"http://127.0.0.1:{_free_port()}"
+    os.environ["HF_ENDPOINT"] = f"http://127.0.0.1:{free_port()}"
     os.environ.pop("HF_TOKEN", None)
     os.environ["HIVE_AOT_REGISTRY"] = str(REPO_ROOT / "registry.yaml")
     os.environ.pop("HIVE_AOT_STORE", None)

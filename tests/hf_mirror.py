@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -35,14 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from processes import free_port
 
 START_TIMEOUT_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _olah_cli() -> Path:
@@ -141,7 +135,7 @@ def start_mirror(root: Path) -> HfMirror:
     """Start olah in offline mode over `root/mirrors` on a free loopback port (also used by bench/)."""
     (root / "repos").mkdir(parents=True, exist_ok=True)
     (root / "mirrors" / "models").mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     config = root / "config.toml"
     config.write_text(
         "[basic]\n"

@@ -210,7 +210,7 @@ def test_a_new_upstream_revision_rebuilds_that_model_only(tmp_path, tiny_llama):
     assert states == {"published/gguf-f32": "published"}  # a new build id, not a skip
     snap = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=SNAPSHOT_KEY, asset_partitions=["test/a"]),
                                            limit=1).records[0]
-    assert snap.event_log_entry.asset_materialization.metadata["upstream_version"].value == after
+    assert snap.event_log_entry.asset_materialization.metadata["commit"].value == after
     assert not revision_sensor(sensor_context(instance, reg, store)).run_requests  # caught up
 
 

@@ -13,7 +13,7 @@ import os
 import dagster as dg
 
 from ..errors import HiveError
-from .factories import SNAPSHOT_KEY, UPSTREAM_KEY, UPSTREAM_VERSION, artifact_key, model_asset_keys
+from .factories import SNAPSHOT_KEY, UPSTREAM_KEY, artifact_key, model_asset_keys
 from .partitions import models_partitions, partition_key
 from .resources import HiveResource
 
@@ -32,16 +32,15 @@ observe_revisions_job = dg.define_asset_job(
 REVISION_CRON = os.environ.get("HIVE_AOT_REVISION_CRON", "0 3 * * *")
 
 
-def _config_or_reason(hive: HiveResource, context=None):
+def _config_or_reason(hive: HiveResource, context):
     """The registry and recipes, or the one-line reason they cannot be read (the sensor keeps running). A
     broken recipe is left out and logged; the models keep their other recipes."""
     try:
         config, broken = hive.current_config()
     except HiveError as e:
         return None, str(e)
-    if context is not None:
-        for rid, why in sorted(broken.items()):
-            context.log.warning(f"recipe {rid} is broken and left out: {why}")
+    for rid, why in sorted(broken.items()):
+        context.log.warning(f"recipe {rid} is broken and left out: {why}")
     return config, None
 
 
@@ -102,10 +101,8 @@ def _latest_built_from(instance: dg.DagsterInstance, key: str) -> str | None:
                                               limit=1).records
     if not records:
         return None
-    md = records[0].event_log_entry.asset_materialization.metadata
-    # snapshots materialized before upstream_version was recorded carry the same value as `commit`: an upgraded
-    # instance does not re-request every model once
-    entry = md.get(UPSTREAM_VERSION) or md.get("commit")
+    # the snapshot's commit is what the observation reports for the same source (sources.resolve_revision)
+    entry = records[0].event_log_entry.asset_materialization.metadata.get("commit")
     return entry.value if entry is not None else None
 
 

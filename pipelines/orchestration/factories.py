@@ -33,8 +33,6 @@ warnings.filterwarnings("ignore", category=dg.BetaWarning, message=".*observable
 
 UPSTREAM_KEY = dg.AssetKey(["upstream_revision"])
 SNAPSHOT_KEY = dg.AssetKey(["snapshot"])
-# The snapshot's metadata entry naming the upstream revision it was fetched at (the observation's data version).
-UPSTREAM_VERSION = "upstream_version"
 COMPAT_KEY = dg.AssetKey(["compatibility"])
 PARITY_CHECK = "numerical_parity"
 INTEGRITY_CHECK = "integrity"
@@ -132,7 +130,8 @@ def source_assets() -> list[dg.AssetsDefinition]:
         value = {"model_id": model_id, "source": snap.pinned_source, "commit": snap.commit,
                  "revision": snap.revision, "content_digest": snap.content_digest}
         return dg.Output(value, data_version=dg.DataVersion(snap.content_digest[:16]), metadata={
-            "commit": snap.commit, "revision": snap.revision, UPSTREAM_VERSION: snap.commit,
+            # `commit` is what the upstream_revision observation reports for the same source (revision_sensor)
+            "commit": snap.commit, "revision": snap.revision,
             "license": str(snap.license), "gated": str(snap.gated),
             "total_bytes": dg.MetadataValue.int(snap.total_bytes), "size": human_bytes(snap.total_bytes),
             "files": dg.MetadataValue.table(
