@@ -7,7 +7,7 @@ shift of logits does not change the distribution).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -32,12 +32,29 @@ class Parity:
     max_kl: float
     max_abs_logit_delta: float
     finite: bool
+    # KL per position (bucket means past PROFILE_POINTS positions) of one prompt: where along the sequence an
+    # artifact drifts from the reference (error that builds up through the KV cache shows as a rising curve).
+    # Empty for aggregates.
+    kl_profile: list[float] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def rounded(self) -> dict:
-        return {k: round6(v) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        out = {k: round6(v) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        out["kl_profile"] = [round6(v) for v in self.kl_profile]
+        return out
+
+
+# At most this many points in a prompt's KL profile: manifests stay small for long prompts.
+PROFILE_POINTS = 64
+
+
+def kl_profile(kl: np.ndarray, points: int = PROFILE_POINTS) -> list[float]:
+    """Per-position KL, averaged over equal runs of positions when there are more than `points`."""
+    if kl.size <= points:
+        return [float(max(v, 0.0)) for v in kl]
+    return [float(max(chunk.mean(), 0.0)) for chunk in np.array_split(kl, points)]
 
 
 # Rows compared at a time: float64 temporaries of a 128k-vocabulary row block stay near 100 MB.
@@ -69,6 +86,7 @@ def compare(reference: np.ndarray, artifact: np.ndarray) -> Parity:
         max_kl=float(max(kl.max(), 0.0)),
         max_abs_logit_delta=max_delta,
         finite=True,
+        kl_profile=kl_profile(kl),
     )
 
 
@@ -85,3 +103,28 @@ def merge(parts: list[Parity]) -> Parity:
         max_abs_logit_delta=max(p.max_abs_logit_delta for p in parts),
         finite=True,
     )
+
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], top: float) -> str:
+    """One character per value on a linear scale from 0 (▁) to `top` (█): a plot that fits a table cell."""
+    if top <= 0:
+        return SPARK[0] * len(values)
+    return "".join(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1) + 0.5))] for v in values)
+
+
+def profile_markdown(per_prompt: list[dict]) -> str | None:
+    """The per-position KL of each parity prompt as a markdown table of sparklines on one shared scale, or None
+    when the validation recorded no profile (a manifest from before profiles were recorded)."""
+    rows = [(i, p) for i, p in enumerate(per_prompt) if p.get("kl_profile")]
+    if not rows:
+        return None
+    top = max(max(p["kl_profile"]) for _, p in rows)
+    lines = [f"KL(reference || artifact) at each position of each parity prompt; one scale: ▁ = 0, █ = {top:.3g}",
+             "", "| prompt | positions | mean KL | max KL | KL by position |", "| ---: | ---: | ---: | ---: | --- |"]
+    for i, p in rows:
+        lines.append(f"| {i} | {p['positions']} | {p['mean_kl']:.3g} | {p['max_kl']:.3g} | "
+                     f"`{sparkline(p['kl_profile'], top)}` |")
+    return "\n".join(lines)

@@ -4,6 +4,12 @@ Every port weed opens is a free one picked here (its defaults would collide with
 the machine), telemetry is off, and boto3 is pointed at it through AWS_ENDPOINT_URL. An `-s3.config`
 with one identity makes weed check credentials as a real S3 does (the tests' are throwaway ones), so a
 wrong secret is refused.
+
+The volume count is set, not left to `weed mini`'s default: that one is the free disk at start-up divided by
+the volume size (1 GiB) and never grows, and a bucket's deleted objects are not reclaimed without a vacuum.
+On a host with a few GiB free at start-up every write after the suite's first few GiB failed with S3
+`InternalError` ("No writable volumes and no free volumes left"), which broke a CI run. Volumes are files
+grown on demand (no preallocation), so a generous count costs nothing; the disk itself stays the limit.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ START_TIMEOUT_S = 90.0
 ACCESS_KEY, SECRET_KEY = "hive-test", "hive-test-secret-9f3c"
 ADMIN_SECRET = "admin-secret-2b71"
 BUCKET = "hive-test"
+MAX_VOLUMES = 1000  # of at most 1 GiB each, created when needed (see the module docstring)
 PORT_FLAGS = ["s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
               "filer.port", "filer.port.grpc", "admin.port", "admin.port.grpc", "webdav.port"]
 
@@ -42,6 +49,7 @@ def seaweedfs(root: Path, weed: Path | None = None) -> Iterator[str]:
     ports = {flag: free_port() for flag in PORT_FLAGS}
     args = [str(weed or _weed()), "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             "-master.telemetry=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            f"-volume.max={MAX_VOLUMES}",
             *(f"-{flag}={port}" for flag, port in ports.items())]
     (root / "data").mkdir(parents=True)
     # the tests' identity may use the test bucket only; an admin one creates it (as an operator would)
@@ -51,6 +59,7 @@ def seaweedfs(root: Path, weed: Path | None = None) -> Iterator[str]:
         {"name": "admin", "credentials": [{"accessKey": "admin", "secretKey": ADMIN_SECRET}], "actions": ["Admin"]}]}))
     args.append(f"-s3.config={root / 's3.json'}")
     log = root / "weed.log"
+    _logs.append(log)
     with open(log, "wb") as logf:
         proc = subprocess.Popen(args, cwd=root, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
@@ -80,6 +89,31 @@ def seaweedfs(root: Path, weed: Path | None = None) -> Iterator[str]:
             else:
                 os.environ[k] = v
         stop_group(proc)
+
+
+_LOG_START = pytest.StashKey[int]()
+_logs: list[Path] = []  # weed logs of the servers started in this process, for failure reports
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Where weed's log stood when the test began: a failure shows what weed said during that test only."""
+    item.stash[_LOG_START] = _logs[-1].stat().st_size if _logs and _logs[-1].is_file() else 0
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test shows the errors weed logged while it ran (why an S3 call answered InternalError)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and _logs and _logs[-1].is_file():
+        with open(_logs[-1], "rb") as f:
+            f.seek(item.stash.get(_LOG_START, 0))
+            said = f.read().decode(errors="replace").splitlines()
+        errors = [line for line in said if line.startswith(("E1", "F1"))]  # glog: E/F + MMDD
+        if errors:
+            report.sections.append(("SeaweedFS errors during this test (weed.log)", "\n".join(errors[-30:])))
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from ..compat import classify_snapshot
 from ..config import Config, ModelEntry, Recipe
 from ..errors import HiveError, ResourceError
 from ..memory import WHOLE_MODEL_BUILD_KINDS, human_bytes
+from ..parity import profile_markdown
 from ..sources import fetch, resolve_revision
 from .executors import CELERY_QUEUE_TAG, COMPILE_QUEUE
 from .partitions import models_partitions
@@ -214,6 +215,9 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
         metrics = validation.get("metrics", {})
         # Per-target detail sections: the AI 100 quality prediction (mxfp6 / fp16), onnxruntime parity runs.
         sections = {k: dg.MetadataValue.json(validation[k]) for k in ("mxfp6", "fp16", "ort") if k in validation}
+        profile = profile_markdown(validation.get("per_prompt", []))
+        if profile:  # where along each prompt the artifact drifts from the reference
+            sections["kl_by_position"] = dg.MetadataValue.md(profile)
         return dg.AssetCheckResult(
             passed=passed, description="; ".join(failures) or "within thresholds",
             metadata={**{k: v for k, v in metrics.items() if isinstance(v, (int, float, bool))},
