@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -69,7 +70,11 @@ def test_the_entrypoint_pulls_then_becomes_the_server(store, tmp_path):
            "HIVE_AOT_CACHE": str(tmp_path / "cache"),
            "PATH": f"{_server_bin(tmp_path)}:{Path(sys.executable).parent}:{os.environ['PATH']}"}
     proc = subprocess.Popen(["sh", str(SERVING / "entrypoint.sh"), "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # drained while the server runs: a full pipe must never be what stops it
+    said: list[str] = []
+    drain = threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True)
+    drain.start()
     try:
         deadline, health = time.time() + 120, None
         while time.time() < deadline and proc.poll() is None:
@@ -78,18 +83,51 @@ def test_the_entrypoint_pulls_then_becomes_the_server(store, tmp_path):
                 break
             except OSError:
                 time.sleep(0.3)
-        assert health is not None, proc.stderr.read() if proc.poll() is not None else "no answer"
+        assert health is not None, "".join(said) if proc.poll() is not None else "no answer"
         marker = json.loads((dest / "hive-aot.json").read_text())
         gguf_file = marker["manifest"]["files"][0]["path"]
         # the server is the entrypoint's own process (exec, twice: sh, then hive-aot), on the pulled file
         assert health["pid"] == proc.pid and health["model"] == str(dest / gguf_file)
         out = _get(f"http://127.0.0.1:{port}/completion", {"prompt": "The capital of France is", "n_predict": 6})
         assert isinstance(out["content"], str) and out["tokens_predicted"] > 0
-    finally:
+        # As process 1 of a container it must get the runtime's SIGTERM: not ignored, not blocked, from the kernel's
+        # own view of the process (what the exec chain inherited, whatever the server's code does)
+        masks = _signal_masks(proc.pid)
+        assert not masks["SigIgn"] & SIGTERM_BIT and not masks["SigBlk"] & SIGTERM_BIT, masks
         proc.send_signal(signal.SIGTERM)  # straight to the server: it is process 1 of the container
-        proc.wait(timeout=30)
-    err = proc.stderr.read()
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            # Seen once in a full CI run on a loaded 2-core host (the signal not ignored nor blocked, the process
+            # not gone 30 s later) and not reproduced: say what the kernel shows instead of only timing out.
+            pytest.fail(f"the server outlived SIGTERM by 60 s: {_process_state(proc.pid)}")
+        assert rc == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        drain.join(timeout=10)
+    err = "".join(said)
     assert f"hive-aot serve: {MODEL} gguf-f16" in err and "exec llama-server -m " in err
+
+
+SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
+
+
+def _signal_masks(pid: int) -> dict[str, int]:
+    fields = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+    return {k: int(fields[k], 16) for k in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")}
+
+
+def _process_state(pid: int) -> str:
+    """State, signal masks and kernel wait channel of each thread of a process, for a failure message."""
+    rows = []
+    for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+        status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+        wchan = (task / "wchan").read_text() if (task / "wchan").exists() else "?"
+        rows.append(f"{task.name}: {status.get('State')} wchan={wchan} blk={status.get('SigBlk')} "
+                    f"pnd={status.get('SigPnd')}")
+    return f"masks {_signal_masks(pid)}; threads: " + "; ".join(rows)
 
 
 def test_serve_without_the_engine_is_one_line(store, tmp_path):
