@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 import uuid
@@ -31,6 +32,9 @@ ACCESS_KEY, SECRET_KEY = "hive-test", "hive-test-secret-9f3c"
 ADMIN_SECRET = "admin-secret-2b71"
 BUCKET = "hive-test"
 MAX_VOLUMES = 1000  # of at most 1 GiB each, created when needed (see the module docstring)
+GLOG_ERROR = re.compile(r"^[EF]\d{4} ")  # glog's error and fatal lines: severity letter, then MMDD
+_LOG_START = pytest.StashKey[int]()
+_logs: list[Path] = []  # weed logs of the servers started in this process, for failure reports
 PORT_FLAGS = ["s3.port", "s3.port.grpc", "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
               "filer.port", "filer.port.grpc", "admin.port", "admin.port.grpc", "webdav.port"]
 
@@ -91,10 +95,6 @@ def seaweedfs(root: Path, weed: Path | None = None) -> Iterator[str]:
         stop_group(proc)
 
 
-_LOG_START = pytest.StashKey[int]()
-_logs: list[Path] = []  # weed logs of the servers started in this process, for failure reports
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Where weed's log stood when the test began: a failure shows what weed said during that test only."""
@@ -111,7 +111,7 @@ def pytest_runtest_makereport(item, call):
         with open(_logs[-1], "rb") as f:
             f.seek(item.stash.get(_LOG_START, 0))
             said = f.read().decode(errors="replace").splitlines()
-        errors = [line for line in said if line.startswith(("E1", "F1"))]  # glog: E/F + MMDD
+        errors = [line for line in said if GLOG_ERROR.match(line)]
         if errors:
             report.sections.append(("SeaweedFS errors during this test (weed.log)", "\n".join(errors[-30:])))
 
