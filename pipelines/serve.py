@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -41,6 +42,7 @@ def serve(model: str, target: str, dest: Path, *, extra_args: Sequence[str] = ()
               file=sys.stderr)
     print(f"hive-aot serve: {res['model_id']} {res['recipe']} (build {res['build_id'][:12]}) on "
           f"{res['runtime_profile']}: exec {shlex.join(argv)}", file=sys.stderr, flush=True)
+    _default_signals()
     try:
         os.execvpe(argv[0], argv, env)
     except FileNotFoundError:
@@ -49,6 +51,20 @@ def serve(model: str, target: str, dest: Path, *, extra_args: Sequence[str] = ()
     except PermissionError:
         raise HiveError(f"cannot start {argv[0]}: permission denied") from None
     raise AssertionError("unreachable: exec returned")
+
+
+# An ignored signal stays ignored across exec, and so does a blocked one. Python itself ignores SIGPIPE and
+# SIGXFSZ; a wrapper (nohup, a shell's background job, a process manager) may have ignored SIGTERM, SIGINT or
+# SIGHUP. The server must start as a container's process 1 would: every one of them at its default, none blocked,
+# or `docker stop` / a pod's termination reaches a server that ignores it (seen in this project's test suite,
+# where a parent had SIGTERM ignored).
+RESET_SIGNALS = ("SIGTERM", "SIGINT", "SIGQUIT", "SIGHUP", "SIGPIPE", "SIGXFSZ", "SIGUSR1", "SIGUSR2")
+
+
+def _default_signals() -> None:
+    for name in RESET_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
 
 
 __all__ = ["serve"]

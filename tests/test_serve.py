@@ -70,7 +70,8 @@ def test_the_entrypoint_pulls_then_becomes_the_server(store, tmp_path):
            "HIVE_AOT_CACHE": str(tmp_path / "cache"),
            "PATH": f"{_server_bin(tmp_path)}:{Path(sys.executable).parent}:{os.environ['PATH']}"}
     proc = subprocess.Popen(["sh", str(SERVING / "entrypoint.sh"), "--host", "127.0.0.1", "--port", str(port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_hostile_signal_state)
     # drained while the server runs: a full pipe must never be what stops it
     said: list[str] = []
     drain = threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True)
@@ -93,13 +94,13 @@ def test_the_entrypoint_pulls_then_becomes_the_server(store, tmp_path):
         # As process 1 of a container it must get the runtime's SIGTERM: not ignored, not blocked, from the kernel's
         # own view of the process (what the exec chain inherited, whatever the server's code does)
         masks = _signal_masks(proc.pid)
-        assert not masks["SigIgn"] & SIGTERM_BIT and not masks["SigBlk"] & SIGTERM_BIT, masks
+        for sig in STOP_SIGNALS:
+            assert not masks["SigIgn"] & _bit(sig) and not masks["SigBlk"] & _bit(sig), (sig.name, masks)
         proc.send_signal(signal.SIGTERM)  # straight to the server: it is process 1 of the container
         try:
             rc = proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            # Seen once in a full CI run on a loaded 2-core host (the signal not ignored nor blocked, the process
-            # not gone 30 s later) and not reproduced: say what the kernel shows instead of only timing out.
+            # say what the kernel shows instead of only timing out
             pytest.fail(f"the server outlived SIGTERM by 60 s: {_process_state(proc.pid)}")
         assert rc == -signal.SIGTERM
     finally:
@@ -111,7 +112,21 @@ def test_the_entrypoint_pulls_then_becomes_the_server(store, tmp_path):
     assert f"hive-aot serve: {MODEL} gguf-f16" in err and "exec llama-server -m " in err
 
 
-SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
+# What a container runtime or an operator sends to stop the server.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _bit(sig: signal.Signals) -> int:
+    return 1 << (sig - 1)
+
+
+def _hostile_signal_state() -> None:
+    """The entrypoint started as under nohup or a parent that shields itself: stop signals ignored or blocked.
+    Both survive exec; a full suite run once handed the server SIGTERM ignored this way and it outlived
+    SIGTERM. `hive-aot serve` must give the server every stop signal at its default."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
 def _signal_masks(pid: int) -> dict[str, int]:
