@@ -58,12 +58,13 @@ def serve(model: str, target: str, dest: Path, *, extra_args: Sequence[str] = ()
 # SIGHUP. The server must start as a container's process 1 would: every one of them at its default, none blocked,
 # or `docker stop` / a pod's termination reaches a server that ignores it (seen in this project's test suite,
 # where a parent had SIGTERM ignored).
-RESET_SIGNALS = ("SIGTERM", "SIGINT", "SIGQUIT", "SIGHUP", "SIGPIPE", "SIGXFSZ", "SIGUSR1", "SIGUSR2")
+RESET_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGPIPE, signal.SIGXFSZ,
+                 signal.SIGUSR1, signal.SIGUSR2)
 
 
 def _default_signals() -> None:
-    for name in RESET_SIGNALS:
-        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    for sig in RESET_SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
 
 

@@ -183,9 +183,9 @@ def test_materialize_whole_slice_publishes_and_checks(tmp_path, tiny_llama, capl
     assert evals["gguf-f16"].metadata["top1_agreement"].value >= 0.99
     # the per-position KL plot: one sparkline row per parity prompt, as many points as the prompt has positions
     plot = evals["gguf-f16"].metadata["kl_by_position"].value
-    manifest_prompts = evals["gguf-f16"].metadata["parity"].value.records
+    prompts = evals["gguf-f16"].metadata["parity"].value.records  # the parity table: one record per prompt
     rows = [line for line in plot.splitlines() if line.startswith("| ") and "`" in line]
-    assert len(rows) == len(manifest_prompts) > 0
+    assert len(rows) == len(prompts) > 0
     assert all(len(row.split("`")[1]) == min(int(row.split("|")[2]), PROFILE_POINTS) for row in rows)
     mats = {e.asset_key.to_user_string(): e.materialization.metadata for e in result.get_asset_materialization_events()}
     # q4_k_m is not requested for this model: no step of it is even scheduled, so no blocking check of it

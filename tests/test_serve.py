@@ -129,8 +129,13 @@ def _hostile_signal_state() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
+def _status(proc_dir: Path) -> dict[str, str]:
+    """/proc/<pid>/status (or a thread's) as its fields."""
+    return dict(line.split(":\t", 1) for line in (proc_dir / "status").read_text().splitlines() if ":\t" in line)
+
+
 def _signal_masks(pid: int) -> dict[str, int]:
-    fields = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+    fields = _status(Path(f"/proc/{pid}"))
     return {k: int(fields[k], 16) for k in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")}
 
 
@@ -138,7 +143,7 @@ def _process_state(pid: int) -> str:
     """State, signal masks and kernel wait channel of each thread of a process, for a failure message."""
     rows = []
     for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
-        status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+        status = _status(task)
         wchan = (task / "wchan").read_text() if (task / "wchan").exists() else "?"
         rows.append(f"{task.name}: {status.get('State')} wchan={wchan} blk={status.get('SigBlk')} "
                     f"pnd={status.get('SigPnd')}")
