@@ -107,7 +107,7 @@ def publish_manifest(store, digest: str, size: int) -> None:
 
 
 def main() -> int:
-    from pipelines.memory import human_bytes, parse_size
+    from pipelines.units import human_bytes, parse_size
     from pipelines.paths import cache_root
     from pipelines.store import blob_key, open_store
     from s3_server import BUCKET, seaweedfs

@@ -107,7 +107,7 @@ def missing_bytes(digest: str, size: int) -> int:
 
 
 def part_bytes_setting() -> int:
-    from .memory import parse_size
+    from .units import parse_size
 
     value = os.environ.get(PART_SIZE_ENV)
     return max(1, parse_size(value, PART_SIZE_ENV)) if value else PART_BYTES

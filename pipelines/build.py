@@ -19,38 +19,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .compat import Compatibility, classify_snapshot
-from .compat.hardware import hardware_for_vendor
-from .config import Config, Recipe
-from .errors import DiskFull, HiveError, IntegrityError, NotApplicableError, StoreError, ValidationFailed
+from . import meter
+from .config import Config
+from .errors import DiskFull, HiveError, IntegrityError, StoreError, ValidationFailed
 from .hashing import sha256_file
-from .manifest import FileEntry, Manifest, ModelInfo, RecipeInfo, compute_build_id
-from .memory import BUILD_STEP, MemoryPlan, disk_full_cause, disk_full_error, plan_build
+from .host import disk_full_cause, disk_full_error
+from .manifest import FileEntry, Manifest, ModelInfo, RecipeInfo
+from .memory import MemoryPlan, plan_build
 from .paths import reclaim_work, work_dir
 from .signing import signature_key, signing_key, write_signature
-from .sources import Snapshot, fetch
+from .planning import Plan, plan, recipe_hardware  # noqa: F401 - re-exported: the engine's entry points
 from .store import Store, blob_key, manifest_key, open_store, ref_key, staging_key
 from .store.layout import PROFILES_KEY, publish_tags, ref_document
-from .targets import BuildContext, InputArtifact, Target, ValidationReport, target_for
-
-
-@dataclass
-class Plan:
-    snapshot: Snapshot
-    recipe: Recipe
-    compatibility: Compatibility
-    target: Target
-    build_id: str
-    context: BuildContext
-    parent: "Plan | None" = None  # the plan of the recipe's input (a derived build)
-
-    @property
-    def model_id(self) -> str:
-        return self.snapshot.model_id
-
-    def pending(self, manifest: Manifest) -> bool:
-        """The artifact stops short of the recipe's format (an AI 100 export bundle awaiting its compile)."""
-        return manifest.format != self.target.artifact_format(self.recipe.options)
+from .targets import InputArtifact, ValidationReport
 
 
 @dataclass
@@ -69,12 +50,15 @@ class BuildResult:
     input: "BuildResult | None" = None  # the build of the recipe's input, for derived recipes
     bundle: "BuildResult | None" = None  # the export bundle a QPC was compiled from
     memory_plan: dict[str, Any] | None = None  # each step's estimated memory and disk (memory.MemoryPlan)
+    memory_measured: dict[str, int] | None = None  # each step's measured peak, all its processes (meter.py)
+    step_seconds: dict[str, float] | None = None  # each step's wall time (meter.py)
 
     def to_json(self) -> dict[str, Any]:
         doc = {
             "build_id": self.build_id, "model_id": self.model_id, "recipe": self.recipe, "manifest": self.manifest,
             "skipped": self.skipped, "state": self.state, "format": self.format, "validation": self.validation,
-            "files": self.files, "memory_plan": self.memory_plan,
+            "files": self.files, "memory_plan": self.memory_plan, "memory_measured": self.memory_measured,
+            "step_seconds": self.step_seconds,
         }
         if self.reason:
             doc["reason"] = self.reason
@@ -82,71 +66,9 @@ class BuildResult:
             sub = getattr(self, name)
             if sub is not None:
                 doc[name] = {"recipe": sub.recipe, "build_id": sub.build_id, "state": sub.state, "format": sub.format,
-                             "manifest": sub.manifest}
+                             "manifest": sub.manifest, "memory_plan": sub.memory_plan,
+                             "memory_measured": sub.memory_measured, "step_seconds": sub.step_seconds}
         return doc
-
-
-def recipe_hardware(recipe: Recipe, config: Config) -> str:
-    """The hardware a recipe is built for: that of the first active runtime profile it serves."""
-    for pid in recipe.runtime_profiles:
-        prof = config.registry.profile(pid)
-        if prof.active:
-            return hardware_for_vendor(prof.vendor)
-    raise NotApplicableError(f"recipe {recipe.id}: none of its runtime profiles ({', '.join(recipe.runtime_profiles)}) is active")
-
-
-def plan(source: str, recipe_id: str, config: Config, model_id: str | None = None) -> Plan:
-    """Resolve everything that decides the build id; refuses inapplicable recipes before any build work.
-
-    The model is classified for the recipe's own hardware (a GGUF recipe for the CPU tier, a vLLM recipe
-    for NVIDIA first, an AI 100 compile for qaic), and the recipe must be one the routed runtime profile
-    loads. A derived recipe's plan holds its input's plan, whose build id enters its own."""
-    config.recipe(recipe_id)  # unknown recipe: one line before fetching anything
-    snap = fetch(source, model_id)
-    seen: dict[str, Compatibility] = {}  # one classification per hardware for the whole chain
-    parent = None
-    for recipe in config.lineage(recipe_id):  # inputs first
-        parent = _plan_recipe(snap, recipe, config, parent, seen)
-    assert parent is not None
-    return parent
-
-
-def _plan_recipe(snap: Snapshot, recipe: Recipe, config: Config, parent: Plan | None,
-                 seen: dict[str, Compatibility]) -> Plan:
-    hardware = recipe_hardware(recipe, config)
-    reviewed = config.reviewed(snap.model_id)
-
-    def classify_for(hw: str) -> Compatibility:
-        if hw not in seen:
-            seen[hw] = classify_snapshot(snap, config.recipes.values(), hardware=hw, registry=config.registry,
-                                         reviewed=reviewed)
-        return seen[hw]
-
-    compat = classify_for(hardware)
-    if compat.status == "incompatible":
-        raise NotApplicableError(f"{snap.model_id} is incompatible: {compat.reason()}")
-    if compat.status == "requires_review":
-        if not reviewed:
-            raise NotApplicableError(
-                f"{snap.model_id} requires review ({compat.reason()}); set reviewed: true in registry.yaml to build it"
-            )
-    if recipe.id not in compat.recipes:
-        raise NotApplicableError(
-            f"recipe {recipe.id} does not apply to {snap.model_id} ({compat.architecture}) on {hardware}, "
-            f"which routes it to {compat.runtime_profile_id or 'no runtime profile'}; "
-            f"recipes that profile loads: {', '.join(compat.recipes) or 'none'}"
-        )
-    target = target_for(recipe.kind)
-    ctx = BuildContext(snapshot=snap, recipe=recipe, compatibility=compat, registry=config.registry,
-                       classify=classify_for)
-    problems = target.plan_problems(ctx) if hasattr(target, "plan_problems") else []
-    if problems:
-        raise NotApplicableError(f"recipe {recipe.id} does not apply to {snap.model_id}: {'; '.join(problems)}")
-    build_id = compute_build_id(snap.model_id, snap.commit, [(f.path, f.sha256) for f in snap.files],
-                                recipe.canonical_json(), target.toolchain(),
-                                input_build_id=parent.build_id if parent is not None else None)
-    ctx.build_id = build_id
-    return Plan(snap, recipe, compat, target, build_id, ctx, parent)
 
 
 def published_manifest(p: Plan, store: Store) -> Manifest | None:
@@ -232,17 +154,19 @@ def stage(p: Plan, store: Store) -> BuildResult:
                 p.context.input = input_artifact(p, store, work / "input")
                 (work / "out").mkdir()
                 work = work / "out"
-            step = BUILD_STEP.get(p.recipe.kind, "build")
-            art = p.target.build(p.context, work)
+            step = p.target.build_step
+            with meter.step(step):
+                art = p.target.build(p.context, work)
             step = "publish"
             entries = []
-            for rel in art.files:
-                path = art.root / rel
-                # Files copied unchanged from the source come with the digest the snapshot recorded (checked
-                # on upload); the others are hashed once, by put_blob. Replaces a damaged copy. The work dir
-                # goes right after: a local store may take the file itself.
-                digest = store.put_blob(path, art.known_digests.get(rel), handover=True)
-                entries.append(FileEntry(path=rel, sha256=digest, size=path.stat().st_size))
+            with meter.step(step):
+                for rel in art.files:
+                    path = art.root / rel
+                    # Files copied unchanged from the source come with the digest the snapshot recorded (checked
+                    # on upload); the others are hashed once, by put_blob. Replaces a damaged copy. The work dir
+                    # goes right after: a local store may take the file itself.
+                    digest = store.put_blob(path, art.known_digests.get(rel), handover=True)
+                    entries.append(FileEntry(path=rel, sha256=digest, size=path.stat().st_size))
         except OSError as e:  # DiskFull (a HiveError) from the store or a child process, or the OS's ENOSPC
             cause = disk_full_cause(e, work)
             if cause is None:
@@ -344,7 +268,7 @@ def validate_staged(p: Plan, store: Store) -> ValidationReport:
     _state, manifest = _staged(store, p)
     resource_plan(p, store).check(steps=("reference", "validate"), outcome="nothing was published")
     try:
-        with work_dir(f"validate-{p.build_id[:12]}-") as work:
+        with work_dir(f"validate-{p.build_id[:12]}-") as work, meter.step("validate"):
             try:
                 materialize_blobs(store, manifest.files, work)
                 report = p.target.validate(p.context, work, {f.path: f.sha256 for f in manifest.files})
@@ -450,6 +374,7 @@ def _build_chain(p: Plan, store: Store, config: Config) -> BuildResult:
 
 
 def _build_one(p: Plan, store: Store, config: Config) -> BuildResult:
+    meter.reset()
     staged = stage(p, store)
     if staged.state in ("skipped", "repaired"):  # published before: nothing to validate or publish
         return staged
@@ -457,9 +382,13 @@ def _build_one(p: Plan, store: Store, config: Config) -> BuildResult:
     if not report.passed:
         return BuildResult(build_id=p.build_id, model_id=p.model_id, recipe=p.recipe.id, manifest="", skipped=False,
                            state="rejected", validation=validation_record(p, report), files=staged.files,
-                           memory_plan=staged.memory_plan)
-    res = publish_staged(p, store, config)
+                           memory_plan=staged.memory_plan, memory_measured=meter.measured(),
+                           step_seconds=meter.seconds())
+    with meter.step("publish"):
+        res = publish_staged(p, store, config)
     res.memory_plan = staged.memory_plan
+    res.memory_measured = meter.measured()
+    res.step_seconds = meter.seconds()
     return res
 
 

@@ -58,7 +58,7 @@ def cmd_check(args) -> int:
         model_id, revision, commit = repo.model_id, repo.revision, repo.commit
         extra = {"bytes_fetched": repo.bytes_fetched, "repo_weights_bytes": repo.repo_bytes}
     else:
-        snap = fetch(args.source, args.model_id)
+        snap = fetch(args.source, args.model_id, hashed=False)  # headers only: a build hashes the weights
         compat = classify_snapshot(snap, config.recipes.values(), hardware=args.hardware, registry=config.registry,
                                    reviewed=config.reviewed(snap.model_id))
         model_id, revision, commit = snap.model_id, snap.revision, snap.commit
@@ -170,17 +170,18 @@ def cmd_plan(args) -> int:
 
     config = Config.load(args.registry, args.recipes)
     store = open_store(args.store)
-    chain, p = [], plan(args.source, args.recipe, config, args.model_id)
+    chain, p = [], plan(args.source, args.recipe, config, args.model_id, hashed=False)
     while p is not None:
         chain.insert(0, p)
         p = p.parent
     docs, texts, refusals = [], [], []
     for q in chain:
         mp = resource_plan(q, store)
-        published = _published(store, q)
+        published = _published(store, q) if q.build_id is not None else None
         doc = {**mp.to_json(), "build_id": q.build_id, "published": published}
         docs.append(doc)
-        texts.append(plan_text(mp) + ("\n  (already published in the store: a build skips it)" if published else ""))
+        texts.append(plan_text(mp) + ("\n  (already published in the store: a build skips it)" if published else "")
+                     + ("\n  (build id: computed when a build hashes the source)" if q.build_id is None else ""))
         if not published and not mp.fits():
             refusals.append(f"{mp.recipe} of {mp.model_id}: {'; '.join(mp.problems())}")
     _emit(args, {"plans": docs, "fits": not refusals}, "\n".join(texts))

@@ -25,7 +25,7 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any
 
-from . import errors
+from . import errors, meter
 from .errors import EngineCrashed, EngineFailed, HiveError
 from .paths import work_dir
 
@@ -64,6 +64,7 @@ def run_isolated(function: str, *, engine: str, step: str, usage: dict[str, int]
     if outcome is None:
         raise EngineCrashed(f"{engine} exited with status {proc.returncode} during {step} without a result; "
                             "nothing was published")
+    meter.child((outcome.get("usage") or {}).get("peak_rss"))
     if usage is not None:
         usage.update(outcome.get("usage") or {})
     if "error" in outcome:
@@ -73,6 +74,34 @@ def run_isolated(function: str, *, engine: str, step: str, usage: dict[str, int]
             raise cls(err["message"])
         raise EngineFailed(f"{engine} failed during {step}: {err['type']}: {err['message']}")
     return outcome["value"]
+
+
+def run_measured(argv: list[str], timeout: float | None = None, **popen: Any) -> tuple[int, int]:
+    """Run a child process to its end (or kill its process group at `timeout`: TimeoutExpired) and return
+    (its exit status as subprocess gives it, its peak resident set in bytes from wait4's rusage). The peak is
+    credited to the current build step (meter.py)."""
+    import threading
+
+    proc = subprocess.Popen(argv, **popen)
+    outcome: dict[str, Any] = {}
+
+    def reap() -> None:
+        _pid, status, usage = os.wait4(proc.pid, 0)
+        outcome["status"], outcome["peak"] = status, usage.ru_maxrss * 1024
+
+    waiter = threading.Thread(target=reap, daemon=True)
+    waiter.start()
+    waiter.join(timeout)
+    if waiter.is_alive():
+        try:
+            os.killpg(proc.pid, signal.SIGKILL) if popen.get("start_new_session") else proc.kill()
+        except ProcessLookupError:
+            pass
+        waiter.join()
+        raise subprocess.TimeoutExpired(argv, timeout or 0)
+    proc.returncode = os.waitstatus_to_exitcode(outcome["status"])
+    meter.child(outcome["peak"])
+    return proc.returncode, outcome["peak"]
 
 
 def peak_memory() -> dict[str, int]:
@@ -111,7 +140,7 @@ def _child(request_path: str) -> int:
     except HiveError as e:
         text, rc = json.dumps({"error": {"type": type(e).__name__, "message": str(e)}}), 1
     except OSError as e:
-        from .memory import disk_full_error, is_disk_full
+        from .host import disk_full_error, is_disk_full
 
         if is_disk_full(e):  # the same DiskFull line (exit 7) as a full disk in the parent
             err = disk_full_error(e.errno, Path(e.filename).parent if e.filename else Path(request["result"]).parent,

@@ -338,7 +338,8 @@ def check_disk_for_pull(m: Manifest, dest: Path) -> None:
     killed pull already wrote counts as there), or whose files do not fit DIR's when it is on another one
     (copies there instead of hard links)."""
     from .blob_cache import blob_path
-    from .memory import free_bytes, human_bytes
+    from .host import free_bytes
+    from .units import human_bytes
 
     cache_dir = blob_path("0" * 64).parent.parent
     need = sum(missing_bytes(f.sha256, f.size) for f in {f.sha256: f for f in m.files}.values())

@@ -21,6 +21,7 @@ import numpy as np
 
 from .errors import ModelFormatError
 from .paths import cache_root
+from .quiet import quiet_transformers
 
 
 @dataclass
@@ -32,24 +33,12 @@ class Reference:
     usage: dict[str, Any] = field(default_factory=dict)  # the computing child's peak memory (not cached results)
 
 
-def _quiet_transformers() -> None:
-    """transformers' own warnings (and, off a terminal, its progress bars) would surround hive-aot's one
-    error line and fill build logs; what matters is reported by hive-aot itself."""
-    import sys
-
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    if not sys.stderr.isatty():
-        hf_logging.disable_progress_bar()
-
-
 def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     from .native import SentencePieceTokenizer, equivalent_for, read_config
 
-    _quiet_transformers()
+    quiet_transformers()
     if (model_dir / "config.json").is_file() and equivalent_for(read_config(model_dir)) is not None:
         # the repository's own tokenizer class is remote code: its SentencePiece model, run by sentencepiece
         return SentencePieceTokenizer(model_dir)
@@ -68,7 +57,7 @@ def load_model(model_dir: Path, what: str = "the model"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    _quiet_transformers()
+    quiet_transformers()
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(model_dir), dtype=torch.float32, trust_remote_code=False, use_safetensors=True, local_files_only=True
@@ -80,7 +69,8 @@ def load_model(model_dir: Path, what: str = "the model"):
 
 # Part of the cache key: bump when what `compute` produces changes for the same inputs.
 # 2: streamed weights; greedy is pure argmax (a repository's generation_config is not applied).
-REFERENCE_VERSION = 2
+# 3: streamed, the parity texts go through each unit together (one pass over the weights, right-padded).
+REFERENCE_VERSION = 3
 
 
 def _key(content_digest: str, ids: list[list[int]], gen_ids: list[int], n_gen: int) -> str:
@@ -120,32 +110,35 @@ def compute(model_dir: Path, content_digest: str, ids: list[list[int]], gen_ids:
     numbers)."""
     root = cache_root() / "reference" / _key(content_digest, ids, gen_ids, n_gen)
     if not (root / "done.json").is_file():
-        from .isolation import run_isolated
-        from .paths import work_dir
+        from . import meter
 
-        files = files if files is not None else sorted(model_dir.glob("*.safetensors"))
-        root.parent.mkdir(parents=True, exist_ok=True)
-        resident = reference_resident(files)
-        # Computed in a locked work dir (a killed build's is reclaimed like any other), then renamed whole
-        # into the cache: readers never see a partial reference.
-        with work_dir("reference-") as work:
-            tmp = work / "out"
-            tmp.mkdir()
-            args = dict(model_dir=str(model_dir), files=[str(f) for f in files], ids=ids, gen_ids=gen_ids,
-                        n_gen=n_gen, out_dir=str(tmp), resident=resident)
-            if resident:  # fits with margin: in this process, which has torch loaded already
-                from .streamed_model import trim_heap
+        with meter.step("reference"):
+            from .isolation import run_isolated
+            from .paths import work_dir
 
-                compute_into(**args)
-                trim_heap()
-            else:  # streamed: in a child, whose memory goes back when it ends and whose OOM kill is one line
-                run_isolated("pipelines.reference:compute_into", engine="transformers",
-                             step=step or f"the transformers reference of {model_dir.name}", **args)
-            try:
-                os.rename(tmp, root)  # the work root is inside the cache root: one file system
-            except OSError:
-                if not (root / "done.json").is_file():  # else a concurrent builder finished first: same numbers
-                    raise
+            files = files if files is not None else sorted(model_dir.glob("*.safetensors"))
+            root.parent.mkdir(parents=True, exist_ok=True)
+            resident = reference_resident(files)
+            # Computed in a locked work dir (a killed build's is reclaimed like any other), then renamed whole
+            # into the cache: readers never see a partial reference.
+            with work_dir("reference-") as work:
+                tmp = work / "out"
+                tmp.mkdir()
+                args = dict(model_dir=str(model_dir), files=[str(f) for f in files], ids=ids, gen_ids=gen_ids,
+                            n_gen=n_gen, out_dir=str(tmp), resident=resident)
+                if resident:  # fits with margin: in this process, which has torch loaded already
+                    from .streamed_model import trim_heap
+
+                    compute_into(**args)
+                    trim_heap()
+                else:  # streamed: in a child, whose memory goes back when it ends and whose OOM kill is one line
+                    run_isolated("pipelines.reference:compute_into", engine="transformers",
+                                 step=step or f"the transformers reference of {model_dir.name}", **args)
+                try:
+                    os.rename(tmp, root)  # the work root is inside the cache root: one file system
+                except OSError:
+                    if not (root / "done.json").is_file():  # else a concurrent builder finished first: same numbers
+                        raise
     done = json.loads((root / "done.json").read_text())
     return Reference(ids, LazyLogits(root, len(ids)), gen_ids, done["generation_ids"], done.get("usage", {}))
 
@@ -153,7 +146,7 @@ def compute(model_dir: Path, content_digest: str, ids: list[list[int]], gen_ids:
 def reference_resident(files: list[Path]) -> bool:
     """Keep every block loaded after first use (fewer reads, same numbers) only when the fp32 model fits
     the memory budget with a wide margin; otherwise stream block by block."""
-    from .memory import memory_budget
+    from .host import memory_budget
     from .safetensors_io import read_header
 
     fp32 = sum(read_header(f).parameters for f in files) * 4
@@ -168,8 +161,8 @@ def compute_into(model_dir: str, files: list[str], ids: list[list[int]], gen_ids
 
     out = Path(out_dir)
     with StreamedCausalLM(Path(model_dir), [Path(f) for f in files], resident=resident) as lm:
-        for i, seq in enumerate(ids):
-            np.save(out / f"l{i}.npy", lm.logits(seq))
+        for i, logits in enumerate(lm.logits_batch(ids)):  # one pass over the weights when streamed
+            np.save(out / f"l{i}.npy", logits)
         eos = lm.model.config.eos_token_id
         gen = lm.greedy(gen_ids, n_gen, eos=set(eos) if isinstance(eos, list) else {eos} if eos is not None else None)
         loads = lm.loads

@@ -8,201 +8,35 @@ huggingface_hub client itself) and never appears in a message.
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 import re
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
-from .errors import ModelFormatError, SourceError
+from .errors import SourceError
 from .hashing import DigestCache, sha256_file, sha256_json
-from .paths import MODEL_ID_PATTERN, cache_root, check_model_id, confined, model_slug, safe_relpath
+from .paths import cache_root, check_model_id, confined, model_slug, safe_relpath
 from .progress import bar
-
-# What a build may read. Anything else in the repo (pickles, original/, consolidated.*) is left upstream.
-WANTED_PATTERNS = [
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
-    "chat_template.json", "model_index.json", "*.safetensors", "model.safetensors.index.json",
-    "README.md", "LICENSE", "LICENSE.txt",
-]
-EXCLUDED_PATTERNS = ["original/*", "consolidated*.safetensors"]
-PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle"]
-MARKER = ".hive-aot-snapshot.json"
-
-_REPO_RE = re.compile(rf"^({MODEL_ID_PATTERN})(?:@([A-Za-z0-9._/-]+))?\Z")  # \Z: no trailing newline
-_COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")  # a full git commit sha, as the Hub and its cache name commits
-
-
-@dataclass(frozen=True)
-class SourceSpec:
-    kind: str  # "hf" | "local"
-    repo_id: str | None = None
-    revision: str | None = None
-    path: Path | None = None
-
-    @property
-    def uri(self) -> str:
-        if self.kind == "hf":
-            return f"hf://{self.repo_id}" + (f"@{self.revision}" if self.revision else "")
-        return str(self.path)
-
-
-def parse_source(source: str) -> SourceSpec:
-    if source.startswith("hf://"):
-        m = _REPO_RE.match(source[5:])
-        if not m:
-            raise SourceError(f"{source!r} is not hf://owner/repo[@revision]")
-        return SourceSpec("hf", m.group(1), m.group(2))
-    if source.startswith("file://"):
-        source = source[7:]
-    p = Path(source).expanduser()
-    if p.exists() or source.startswith((".", "/", "~")):
-        if not p.is_dir():
-            raise SourceError(f"{source}: not a directory")
-        return SourceSpec("local", path=p.resolve())
-    m = _REPO_RE.match(source)
-    if m:
-        return SourceSpec("hf", m.group(1), m.group(2))
-    raise SourceError(f"{source!r} is neither a directory nor owner/repo[@revision]")
-
-
-@dataclass
-class FileRecord:
-    path: str
-    size: int
-    sha256: str
-
-
-@dataclass
-class Snapshot:
-    model_id: str
-    source: str
-    revision: str
-    commit: str
-    local_dir: str
-    files: list[FileRecord]
-    license: str | None = None
-    gated: bool | str = False
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def dir(self) -> Path:
-        return Path(self.local_dir)
-
-    @property
-    def pinned_source(self) -> str:
-        """A source string that fetches exactly this snapshot again."""
-        if self.source.startswith("hf://"):
-            return f"hf://{self.model_id}@{self.commit}"
-        return self.local_dir
-
-    def file(self, name: str) -> Path | None:
-        if any(f.path == name for f in self.files):
-            return confined(self.dir, name, hf_cache_repo_dir(self.dir))
-        return None
-
-    def has(self, name: str) -> bool:
-        return any(f.path == name for f in self.files)
-
-    def safetensors_files(self) -> list[Path]:
-        fence = hf_cache_repo_dir(self.dir)
-        return [confined(self.dir, f.path, fence) for f in self.files if f.path.endswith(".safetensors")]
-
-    def config(self) -> dict[str, Any]:
-        return load_config(self)
-
-    @property
-    def content_digest(self) -> str:
-        return sha256_json(sorted((f.path, f.sha256) for f in self.files))
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(f.size for f in self.files)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Snapshot":
-        return cls(**{**d, "files": [FileRecord(**f) for f in d["files"]]})
-
-
-def load_config(snap: Snapshot) -> dict[str, Any]:
-    path = snap.file("config.json")
-    if path is None:
-        raise ModelFormatError(f"{snap.model_id}: config.json is missing")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFormatError(f"{snap.model_id}: config.json is not valid JSON ({e})") from None
-    except RecursionError:
-        raise ModelFormatError(f"{snap.model_id}: config.json is nested too deeply to be a model config") from None
-    if not isinstance(cfg, dict):
-        raise ModelFormatError(f"{snap.model_id}: config.json is not a JSON object")
-    return cfg
-
-
-def _matches(name: str, patterns: list[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
-def select_files(names: list[str], model: str) -> list[str]:
-    """The files a build needs; refuses unsafe names and pickle-only repos."""
-    for n in names:
-        safe_relpath(n, what=f"file name in {model}")
-    wanted = sorted(n for n in names if _matches(n, WANTED_PATTERNS) and not _matches(n, EXCLUDED_PATTERNS))
-    if not any(n.endswith(".safetensors") for n in wanted) and "model_index.json" not in wanted:
-        pickles = sorted(n for n in names if _matches(n.rsplit("/", 1)[-1], PICKLE_PATTERNS))
-        if pickles:
-            raise SourceError(
-                f"{model}: only pickle weights ({', '.join(pickles[:3])}); hive-aot never unpickles - "
-                "publish safetensors upstream"
-            )
-        raise SourceError(f"{model}: no *.safetensors weights found")
-    if "config.json" not in wanted and "model_index.json" not in wanted:
-        raise ModelFormatError(f"{model}: config.json is missing")
-    return wanted
-
-
-def index_shards(raw: bytes, files: list[str], model: str) -> list[str]:
-    """The shards a model.safetensors.index.json names; each must be a safe name present in `files`."""
-    try:
-        weight_map = json.loads(raw.decode("utf-8"))["weight_map"]
-        assert isinstance(weight_map, dict)
-    except Exception:
-        raise ModelFormatError(f"{model}: model.safetensors.index.json is malformed (no weight_map object)") from None
-    shards = sorted(set(weight_map.values()), key=str)
-    for shard in shards:
-        if not isinstance(shard, str):
-            raise ModelFormatError(f"{model}: index names a non-string shard")
-        safe_relpath(shard, what="shard named in model.safetensors.index.json")
-        if shard not in files:
-            raise ModelFormatError(f"{model}: model.safetensors.index.json names missing shard {shard!r}")
-    return shards
-
-
-def check_index(root: Path, files: list[str], model: str) -> None:
-    """The shard index may only name shards that exist in this snapshot."""
-    if "model.safetensors.index.json" in files:
-        index_shards((root / "model.safetensors.index.json").read_bytes(), files, model)
-
+# The snapshot's data model (re-exported: most of the engine knows it as sources.*).
+from .snapshot import (EXCLUDED_PATTERNS, MARKER, PICKLE_PATTERNS, WANTED_PATTERNS, FileRecord,  # noqa: F401
+                       Snapshot, SourceSpec, _COMMIT_RE, _REPO_RE, check_index, hf_cache_model_id, hf_cache_repo_dir,
+                       index_shards, load_config, parse_source, select_files)
 
 def _hash_files(root: Path, names: list[str], cache: DigestCache | None = None,
-                within: Path | None = None) -> list[FileRecord]:
+                within: Path | None = None, hashed: bool = True) -> list[FileRecord]:
+    """Size and sha256 of each file (cached by file identity). `hashed=False`: only what the cache already knows;
+    the others get no digest (nothing is read)."""
     total = sum(confined(root, n, within).stat().st_size for n in names)
     out = []
-    with bar(total, "sha256") as pb:
+    with bar(total if hashed else 0, "sha256") as pb:
         for n in names:
             p = confined(root, n, within)  # through a symlink: the blob's bytes, cached by its real path
             if not p.is_file():  # confined() already refused links leading outside
                 raise SourceError(f"refusing {n!r}: not a regular file")
             digest = cache.get(p) if cache is not None else None
-            if digest is None:
+            if digest is None and hashed:
                 digest = sha256_file(p, pb)
                 if cache is not None:
                     cache.put(p, digest)
@@ -224,33 +58,12 @@ def _readme_license(root: Path) -> str | None:
     return lm.group(1).strip() if lm else None
 
 
-def hf_cache_repo_dir(path: Path) -> Path | None:
-    """The `models--org--name` directory when `path` is a snapshot in the Hugging Face cache layout, else None.
-
-    huggingface_hub keeps `models--org--name/snapshots/<commit>/<file>` as relative symlinks to
-    `../../blobs/<hash>`, so such a snapshot's files may resolve anywhere in that one repo tree (never
-    outside it, nor into a sibling `models--x--y`). Any directory at such a path gets this wider fence:
-    it only reaches two levels up, into the tree the snapshot is part of.
-    """
-    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
-        return path.parent.parent
-    return None
+UNHASHED = "local-unhashed"  # the revision of a local snapshot looked at without hashing (plan, check)
 
 
-def hf_cache_model_id(repo_dir: Path) -> str | None:
-    """`models--org--name` -> `org/name`.
-
-    huggingface_hub names the folder `models--` + repo_id with `/` replaced by `--`, and its
-    validate_repo_id refuses `--` inside repo ids, so splitting on `--` is unambiguous. Legacy ids
-    without an org (`models--gpt2`) are not `org/name` model ids here: None (give --model-id).
-    """
-    parts = repo_dir.name.split("--")
-    repo = "/".join(parts[1:])
-    m = _REPO_RE.match(repo)
-    return repo if len(parts) == 3 and m and m.group(2) is None else None
-
-
-def fetch_local(spec: SourceSpec, model_id: str | None) -> Snapshot:
+def fetch_local(spec: SourceSpec, model_id: str | None, hashed: bool = True) -> Snapshot:
+    """A local directory as a snapshot. `hashed=False` reads names, sizes and what the digest cache knows, never
+    the weights' bytes (plan and check read headers only); a build hashes them when it starts."""
     root = spec.path
     assert root is not None
     hf_repo = hf_cache_repo_dir(root)  # None for a plain directory: symlinks must stay inside root
@@ -267,11 +80,12 @@ def fetch_local(spec: SourceSpec, model_id: str | None) -> Snapshot:
     for n in wanted:
         confined(root, n, hf_repo)  # symlinks must stay inside the directory (or its HF cache repo tree)
     check_index(root, wanted, mid)
-    files = _hash_files(root, wanted, DigestCache(), hf_repo)
-    digest = sha256_json(sorted((f.path, f.sha256) for f in files))
+    files = _hash_files(root, wanted, DigestCache(), hf_repo, hashed=hashed)
+    known = all(f.sha256 is not None for f in files)
+    digest = sha256_json(sorted((f.path, f.sha256) for f in files)) if known else None
     # An HF cache snapshot is named by its commit: pin it like `hf://org/name@<commit>` would, so the same
     # files give the same build id; the file digests are still part of it.
-    rev = root.name if hf_repo and _COMMIT_RE.match(root.name) else f"local-{digest}"
+    rev = root.name if hf_repo and _COMMIT_RE.match(root.name) else (f"local-{digest}" if known else UNHASHED)
     return Snapshot(model_id=mid, source=str(root), revision=rev, commit=rev, local_dir=str(root),
                     files=files, license=_readme_license(root), gated=False)
 
@@ -453,6 +267,7 @@ def resolve_revision(source: str, model_id: str | None = None) -> str:
     return info.sha
 
 
-def fetch(source: str, model_id: str | None = None) -> Snapshot:
+def fetch(source: str, model_id: str | None = None, hashed: bool = True) -> Snapshot:
+    """`hashed=False` (plan, check): a local directory's weights are not read (see fetch_local)."""
     spec = parse_source(source)
-    return fetch_hf(spec, model_id) if spec.kind == "hf" else fetch_local(spec, model_id)
+    return fetch_hf(spec, model_id) if spec.kind == "hf" else fetch_local(spec, model_id, hashed=hashed)

@@ -14,127 +14,36 @@ The forward code is the model's own, so the numbers are those of `from_pretraine
 two on every family the project builds). `resident=True` keeps every unit loaded after its first use:
 the same code path, used when the model fits with margin, so repeated passes do not re-read it.
 
-Checkpoint names map onto parameter names one to one, except where transformers 5 fuses per-expert
-MoE weights into stacked tensors (Mixtral, Qwen2/3-MoE): those are stacked here from the per-expert
-tensors, as transformers does when it loads them.
+The same machinery runs an *artifact* unit by unit (what the vLLM and AI 100 validations measure):
+`reader` reads checkpoint tensors a plain widening cannot (FP8 weights times their scales), `transform`
+rewrites each parameter as it is loaded (MXFP6 or fp16 emulation), `layers` keeps only the first N decoder
+layers (a layer slice, for the engines' checks at sizes that do not fit), and `loaded(module)` loads a unit
+for code that calls the units' submodules itself (the AI 100 decoder). Checkpoint names map onto
+parameters through weight_rules.py.
 """
 
 from __future__ import annotations
 
-import re
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
 from .errors import ModelFormatError
 from .safetensors_io import TensorSource
+from .weight_rules import weight_rules
 
 if TYPE_CHECKING:
-    from .native import NativeEquivalent
-
-# Per-expert checkpoint layouts (module under the layer, gate, up, down) that transformers 5 stacks
-# into `<layer>.mlp.experts.gate_up_proj` [E, 2I, H] and `.down_proj` [E, H, I].
-EXPERT_LAYOUTS = (("block_sparse_moe", "w1", "w3", "w2"), ("mlp", "gate_proj", "up_proj", "down_proj"))
-# Bytes of a checkpoint tensor widened to fp32 at a time (and then dropped from the resident set).
-READ_SLICE_BYTES = 16 << 20
-# Whole-module renames between checkpoint and model (Mixtral's router lives in block_sparse_moe; GPT-NeoX's
-# checkpoints name the output embedding embed_out, transformers 5 names it lm_head; Granite MoE checkpoints keep
-# JetMoE's names for their router and stacked experts, as transformers' conversion mapping says).
-MODULE_RENAMES = ((".mlp.", ".block_sparse_moe."), ("lm_head.", "embed_out."),
-                  (".block_sparse_moe.router.weight", ".block_sparse_moe.router.layer.weight"),
-                  (".block_sparse_moe.experts.gate_up_proj", ".block_sparse_moe.input_linear.weight"),
-                  (".block_sparse_moe.experts.down_proj", ".block_sparse_moe.output_linear.weight"))
-
-
-@dataclass(frozen=True)
-class WeightRule:
-    """How one model parameter is made from checkpoint tensors: `sources` read, then `combine`d."""
-
-    sources: tuple[str, ...]
-    combine: Callable[[list], object] | None = None  # None: the single source as it is
-
-    def load(self, read: Callable[[str], object]):
-        parts = [read(s) for s in self.sources]
-        return parts[0] if self.combine is None else self.combine(parts)
-
-
-def _stack_gate_up(n_experts: int):
-    def combine(parts):
-        import torch
-
-        gates, ups = parts[:n_experts], parts[n_experts:]
-        return torch.stack([torch.cat([g, u], dim=0) for g, u in zip(gates, ups)])
-    return combine
-
-
-def _stack(parts):
     import torch
 
-    return torch.stack(parts)
-
-
-def weight_rules(param_names: list[str], checkpoint: set[str], tied: dict[str, str],
-                 native: "tuple[NativeEquivalent, dict] | None" = None) -> dict[str, WeightRule]:
-    """The rule for every parameter; ModelFormatError naming what no checkpoint tensor provides. `native`: the
-    native equivalent of a remote-code architecture and its repository config, whose names it translates."""
-    rules: dict[str, WeightRule] = {}
-    missing = []
-    for name in param_names:
-        rule = _native_rule(name, checkpoint, tied, *native) if native else _rule_for(name, checkpoint, tied)
-        if rule is None:
-            missing.append(name)
-        else:
-            rules[name] = rule
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise ModelFormatError(f"the checkpoint has no tensor for {', '.join(missing[:3])}{more}")
-    return rules
-
-
-def _rule_for(name: str, checkpoint: set[str], tied: dict[str, str]) -> WeightRule | None:
-    candidates = [name]
-    for model_part, ckpt_part in MODULE_RENAMES:
-        if model_part in name:
-            candidates.append(name.replace(model_part, ckpt_part))
-    if "." in name:  # checkpoints saved from the base model lack its prefix (`transformer.`, `model.`)
-        candidates.append(name.split(".", 1)[1])
-    for c in candidates:
-        if c in checkpoint:
-            return WeightRule((c,))
-    m = re.fullmatch(r"(.*)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
-    if m:
-        layer, which = m.groups()
-        for moe, gate, up, down in EXPERT_LAYOUTS:
-            n = 0
-            while f"{layer}.{moe}.experts.{n}.{gate}.weight" in checkpoint:
-                n += 1
-            if n == 0:
-                continue
-            expert = f"{layer}.{moe}.experts.{{}}.{{}}.weight"
-            if which == "down_proj":
-                return WeightRule(tuple(expert.format(e, down) for e in range(n)), _stack)
-            return WeightRule(tuple(expert.format(e, gate) for e in range(n)) + tuple(expert.format(e, up) for e in range(n)),
-                              _stack_gate_up(n))
-    if name in tied:
-        return _rule_for(tied[name], checkpoint, {})
-    return None
-
-
-def _native_rule(name: str, checkpoint: set[str], tied: dict[str, str], eq: "NativeEquivalent",
-                 cfg: dict) -> WeightRule | None:
-    from .native import checkpoint_source
-
-    found = checkpoint_source(eq, name, cfg)
-    if found is not None and found[0] in checkpoint:
-        source, take = found
-        return WeightRule((source,), None if take is None else (lambda parts, take=take: take(parts[0]).contiguous()))
-    if name in tied:
-        return _native_rule(tied[name], checkpoint, {}, eq, cfg)
-    return None
+# Bytes of a checkpoint tensor widened to fp32 at a time (and then dropped from the resident set).
+READ_SLICE_BYTES = 16 << 20
+# (parameter name, the module owning it, its attribute, the tensor as read) -> the tensor to use
+Transform = Callable[[str, Any, str, "torch.Tensor"], "torch.Tensor"]
+# (the checkpoint, a tensor name) -> that tensor as float32, or None where plain widening reads it
+Reader = Callable[[TensorSource, str], "torch.Tensor | None"]
 
 
 @contextmanager
@@ -209,49 +118,96 @@ def trim_heap() -> None:
         pass
 
 
+def read_float32(source: TensorSource, name: str):
+    """One checkpoint tensor as a float32 torch tensor, widened a slice at a time with each slice's mmap pages
+    dropped from the resident set as soon as it is converted (so an embedding matrix never has its file pages
+    and its fp32 copy resident in full at once)."""
+    import torch
+
+    info = source.info(name)
+    kinds = {"BF16": (np.int16, torch.bfloat16), "F16": (np.float16, None), "F32": (np.float32, None),
+             "F64": (np.float64, None)}
+    if info.dtype not in kinds:
+        raise ModelFormatError(f"tensor {name!r} has dtype {info.dtype}: the reference needs float weights")
+    view, torch_view = kinds[info.dtype]
+    raw = source.where[name].raw(name)
+    out = torch.empty(info.shape, dtype=torch.float32)
+    flat = out.view(-1)
+    width = np.dtype(view).itemsize
+    step = READ_SLICE_BYTES // width
+    with warnings.catch_warnings():  # the mapping is read-only; each slice is copied, never written
+        warnings.simplefilter("ignore", UserWarning)
+        for lo in range(0, flat.numel(), step):
+            part = torch.from_numpy(raw[lo * width:(lo + step) * width].view(view))
+            flat[lo:lo + step] = part.view(torch_view) if torch_view is not None else part
+            source.release(name, lo * width, (lo + step) * width)
+    return out
+
+
+def meta_model(model_dir: Path, checkpoint: set[str], layers: int | None = None):
+    """(the causal LM built from `model_dir`'s config with every parameter on the meta device, the rule that
+    makes each of its parameters from the `checkpoint`'s tensors). A remote-code architecture with a native
+    equivalent is built as that (never its own code); `layers` keeps the first N decoder layers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .native import native_config, read_config
+    from .quiet import quiet_transformers
+    from .slicing import slice_transformers_config
+
+    quiet_transformers()
+    try:
+        config, native = native_config(model_dir)
+        if layers is not None:
+            slice_transformers_config(config, layers)
+        with _parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - a config transformers cannot build is malformed input for us
+        raise ModelFormatError(f"transformers cannot build the reference model: {type(e).__name__}: {e}") from None
+    model = model.eval()
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    rules = weight_rules(names, checkpoint, _tied_names(model, config),
+                         (native, read_config(model_dir)) if native is not None else None)
+    return model, rules
+
+
+def _tied_names(model, config) -> dict[str, str]:
+    """Output embedding -> input embedding, for models that tie them (lm_head has no tensor of its own)."""
+    if not getattr(config, "tie_word_embeddings", False) and not getattr(config.get_text_config(), "tie_word_embeddings", False):
+        return {}
+    by_module = {id(m): n for n, m in model.named_modules()}
+    inp, outp = model.get_input_embeddings(), model.get_output_embeddings()
+    if inp is None or outp is None:
+        return {}
+    return {f"{by_module[id(outp)]}.weight": f"{by_module[id(inp)]}.weight"}
+
+
 class StreamedCausalLM:
     """A causal LM from `model_dir`'s config and safetensors, run with one unit resident at a time."""
 
-    def __init__(self, model_dir: Path, files: list[Path], *, resident: bool = False):
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from .native import native_config, read_config
-        from .reference import _quiet_transformers
-
-        _quiet_transformers()
-        if not resident:
-            return_freed_memory()
-        try:
-            # a remote-code architecture with a native equivalent is built as that (never its own code)
-            config, native = native_config(model_dir)
-            with _parameters_on_meta():
-                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
-        except Exception as e:  # noqa: BLE001 - a config transformers cannot build is malformed input for us
-            raise ModelFormatError(f"transformers cannot build the reference model: {type(e).__name__}: {e}") from None
-        self.model = model.eval()
-        self.resident = resident
+    def __init__(self, model_dir: Path, files: list[Path], *, resident: bool = False, layers: int | None = None,
+                 transform: Transform | None = None, reader: Reader | None = None):
+        return_freed_memory()  # a unit's tensors, resident or not, go back to the kernel when they are freed
         self.source = TensorSource(files)
-        names = [n for n, _ in self.model.named_parameters(remove_duplicate=False)]
-        self.rules = weight_rules(names, set(self.source.names()), self._tied_names(config),
-                                  (native, read_config(model_dir)) if native is not None else None)
+        try:
+            self.model, self.rules = meta_model(model_dir, set(self.source.names()), layers)
+        except BaseException:
+            self.source.close()
+            raise
+        self.resident = resident
+        self.transform = transform
+        self.reader = reader
         self.units = _units(self.model)
         self.loads = 0  # units read from disk (a test checks streaming really happened)
         self._loaded: set[str] = set()
+        self._held: set[str] = set()  # units loaded by `loaded()`: their forward hooks keep them
+        self._by_module: dict[int, tuple[Callable, Callable]] = {}
         for name, module, recurse in self.units:
-            module.register_forward_pre_hook(self._loader(name, module, recurse))
+            load, drop = self._loader(name, module, recurse), self._dropper(name, module, recurse)
+            self._by_module[id(module)] = (load, drop)
+            module.register_forward_pre_hook(load)
             if not resident:
-                module.register_forward_hook(self._dropper(name, module, recurse))
-
-    def _tied_names(self, config) -> dict[str, str]:
-        """Output embedding -> input embedding, for models that tie them (lm_head has no tensor of its own)."""
-        if not getattr(config, "tie_word_embeddings", False) and not getattr(config.get_text_config(), "tie_word_embeddings", False):
-            return {}
-        by_module = {id(m): n for n, m in self.model.named_modules()}
-        inp, outp = self.model.get_input_embeddings(), self.model.get_output_embeddings()
-        if inp is None or outp is None:
-            return {}
-        return {f"{by_module[id(outp)]}.weight": f"{by_module[id(inp)]}.weight"}
+                module.register_forward_hook(drop)
 
     def _params(self, prefix: str, module, recurse: bool):
         for pname, _ in list(module.named_parameters(recurse=recurse, remove_duplicate=False)):
@@ -260,34 +216,17 @@ class StreamedCausalLM:
             yield (f"{prefix}.{pname}" if prefix else pname), owner, attr
 
     def _read(self, name: str):
-        """One checkpoint tensor as a float32 torch tensor, widened a slice at a time with each slice's
-        mmap pages dropped from the resident set as soon as it is converted (so an embedding matrix
-        never has its file pages and its fp32 copy resident in full at once)."""
-        import torch
-
-        info = self.source.info(name)
-        kinds = {"BF16": (np.int16, torch.bfloat16), "F16": (np.float16, None), "F32": (np.float32, None),
-                 "F64": (np.float64, None)}
-        if info.dtype not in kinds:
-            raise ModelFormatError(f"tensor {name!r} has dtype {info.dtype}: the reference needs float weights")
-        view, torch_view = kinds[info.dtype]
-        raw = self.source.where[name].raw(name)
-        out = torch.empty(info.shape, dtype=torch.float32)
-        flat = out.view(-1)
-        width = np.dtype(view).itemsize
-        step = READ_SLICE_BYTES // width
-        with warnings.catch_warnings():  # the mapping is read-only; each slice is copied, never written
-            warnings.simplefilter("ignore", UserWarning)
-            for lo in range(0, flat.numel(), step):
-                part = torch.from_numpy(raw[lo * width:(lo + step) * width].view(view))
-                flat[lo:lo + step] = part.view(torch_view) if torch_view is not None else part
-                self.source.release(name, lo * width, (lo + step) * width)
-        return out
+        """One checkpoint tensor as a float32 torch tensor: the reader's, else `read_float32`."""
+        if self.reader is not None:
+            read = self.reader(self.source, name)
+            if read is not None:
+                return read
+        return read_float32(self.source, name)
 
     def _loader(self, prefix: str, module, recurse: bool):
         import torch
 
-        def hook(_module, _args):
+        def hook(_module=None, _args=None):
             if prefix in self._loaded:
                 return
             for full, owner, attr in self._params(prefix, module, recurse):
@@ -295,6 +234,8 @@ class StreamedCausalLM:
                 expected = tuple(owner._parameters[attr].shape)
                 if tuple(value.shape) != expected:
                     raise ModelFormatError(f"tensor for {full} has shape {list(value.shape)}, the config implies {list(expected)}")
+                if self.transform is not None:
+                    value = self.transform(full, owner, attr, value)
                 owner._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
             self._loaded.add(prefix)
             self.loads += 1
@@ -303,12 +244,32 @@ class StreamedCausalLM:
     def _dropper(self, prefix: str, module, recurse: bool):
         import torch
 
-        def hook(_module, _args, _output):
+        def hook(_module=None, _args=None, _output=None):
+            if _module is not None and prefix in self._held:  # a forward inside `loaded()`: kept until it ends
+                return
             for _full, owner, attr in self._params(prefix, module, recurse):
                 p = owner._parameters[attr]
                 owner._parameters[attr] = torch.nn.Parameter(p.to("meta"), requires_grad=False)
             self._loaded.discard(prefix)
         return hook
+
+    @contextmanager
+    def loaded(self, *modules) -> Iterator[None]:
+        """The units `modules` loaded for code that reads them without calling them (their submodules, their
+        weights); dropped again on the way out unless the model is resident. Modules that are not units
+        (nothing of their own to load) are ignored."""
+        hooks = [self._by_module[id(m)] for m in modules if m is not None and id(m) in self._by_module]
+        held = {prefix for prefix, module, _r in self.units if any(id(module) == id(m) for m in modules)}
+        self._held |= held
+        for load, _drop in hooks:
+            load()
+        try:
+            yield
+        finally:
+            self._held -= held
+            if not self.resident:
+                for _load, drop in hooks:
+                    drop()
 
     def logits(self, ids: list[int]) -> np.ndarray:
         """fp32 logits [len(ids), vocab] of one sequence."""
@@ -318,18 +279,45 @@ class StreamedCausalLM:
             out = self.model(torch.tensor([ids], dtype=torch.long), use_cache=False).logits[0]
         return out.float().numpy()
 
+    def logits_batch(self, sequences: list[list[int]]) -> list[np.ndarray]:
+        """fp32 logits of several sequences, each [len(seq), vocab]. Streamed: in one pass over the weights (one
+        read of each unit), right-padded with an attention mask so no real position sees a pad (the padded
+        matrix products round differently from one sequence's, by about 1e-7). Resident: sequence by sequence,
+        the numbers of `logits` exactly."""
+        import torch
+
+        if self.resident:
+            return [self.logits(s) for s in sequences]
+
+        longest = max(len(s) for s in sequences)
+        ids = torch.zeros(len(sequences), longest, dtype=torch.long)
+        mask = torch.zeros(len(sequences), longest, dtype=torch.long)
+        for i, s in enumerate(sequences):
+            ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+            mask[i, :len(s)] = 1
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        return [out[i, :len(s)].float().numpy().copy() for i, s in enumerate(sequences)]
+
     def greedy(self, ids: list[int], n: int, eos: set[int] | None = None) -> list[int]:
         """n tokens by argmax, with the KV cache (one pass over the weights per token). Pure argmax: a
         repository's generation_config (repetition penalty, ...) is not applied, as engines compare
         greedy ids."""
+        return [t for t, _lp, _gap in self.greedy_scored(ids, n, eos)]
+
+    def greedy_scored(self, ids: list[int], n: int, eos: set[int] | None = None) -> list[tuple[int, float, float]]:
+        """Greedy tokens with each one's log-probability and its margin over the runner-up (ties are reported,
+        not failed, by the engines' comparison)."""
         import torch
 
-        out: list[int] = []
+        out: list[tuple[int, float, float]] = []
         with torch.inference_mode():
             res = self.model(torch.tensor([ids], dtype=torch.long), use_cache=True)
             for _ in range(n):
-                nxt = int(res.logits[0, -1].argmax())
-                out.append(nxt)
+                lp = torch.log_softmax(res.logits[0, -1].float(), dim=-1)
+                top2 = torch.topk(lp, 2)
+                nxt = int(top2.indices[0])
+                out.append((nxt, float(top2.values[0]), float(top2.values[0] - top2.values[1])))
                 if eos and nxt in eos or len(out) == n:
                     break
                 res = self.model(torch.tensor([[nxt]], dtype=torch.long), past_key_values=res.past_key_values,
@@ -337,6 +325,11 @@ class StreamedCausalLM:
         return out
 
     def close(self) -> None:
+        """Close the files; units still loaded (a resident model) go back to the meta device, so their memory
+        is returned even while the model object lives on."""
+        for _name, module, _recurse in self.units:
+            if id(module) in self._by_module:
+                self._by_module[id(module)][1]()
         self.source.close()
 
     def __enter__(self) -> "StreamedCausalLM":

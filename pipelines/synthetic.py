@@ -26,10 +26,8 @@ tokenizer trainer peaks higher: about 340 MB of RSS for 128,256 pieces, 10 s).
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
-import random
 import re
 import shutil
 import struct
@@ -45,6 +43,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
+
+# the tokenizer of every synthetic model (re-exported: tests build their small models' tokenizers with it)
+from .spm_tokenizer import spm_merges, spm_vocab, train_spm, write_spm_tokenizer, write_tokenizer  # noqa: F401
 
 GENERATOR_VERSION = 1  # bump when the bytes written for the same arguments change
 CHUNK = 1 << 20  # elements per generated chunk (4 MiB of float32): cache-friendly, cheap per call
@@ -131,6 +132,15 @@ PRESETS: dict[str, tuple[LlamaShape, str]] = {
     "llama3-1b": (LlamaShape(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                              num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
                              max_position_embeddings=8192, tie_word_embeddings=True), "Llama-3.2-1B's shapes"),
+    # The ~1B model of the scale measurements (reference/scale.md): 955,596,800 parameters, 1.91 GB in bf16
+    # (3.82 GB in fp32), untied lm_head; head_dim 128, GQA 16/8.
+    "llama-1b": (LlamaShape(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
+                            num_key_value_heads=8, vocab_size=49152, rope_theta=500000.0,
+                            max_position_embeddings=8192), "the ~1B model of the scale measurements"),
+    # Llama-3-70B's config (for plans: `--sparse` writes its headers only): 70,553,706,496 parameters.
+    "llama3-70b": (LlamaShape(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                              num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                              max_position_embeddings=8192), "Llama-3-70B's shapes"),
     # Llama-3-style layers (head_dim 128, GQA 12/4, SwiGLU 4096) at 1536 wide, 16 deep, Llama-2's vocab:
     # 501,007,872 parameters, 1.00 GB in bf16 (2.00 GB in fp32); the embeddings are 20% of it (13% in the 8B).
     "llama-1g": (LlamaShape(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=12,
@@ -261,105 +271,6 @@ def write_weights(dest: Path, shards: list[Shard], seed: int, dtype: str, thread
                 raise RuntimeError(f"{shard.file}: wrote {os.path.getsize(dest / shard.file)} bytes, expected {shard.size}")
 
 
-# --- tokenizer ------------------------------------------------------------------------------------
-
-_WORDS = (
-    "the of and to in is was for on that with as by at from it this which be are or an have has not but "
-    "history printing press century movable metal type ink screw books cities scholars compare copies "
-    "knowledge water oxygen carbon dioxide light energy plant cells sugar cycle temperature concentration "
-    "train station travels hours arrive question answer number function return value print list range "
-    "quick brown fox jumps over lazy dog hello world how are you today river mountain city market music "
-    "computer program memory model weights layer token language people school garden morning evening"
-).split()
-_SYLLABLES = [c + v for c in "bcdfghjklmnprstvwyz" for v in "aeiou"] + ["th", "sh", "ch", "qu", "str", "pl", "gr", "ng"]
-
-
-def _corpus(vocab: int, seed: int) -> list[str]:
-    """English-like lines plus enough made-up words for a BPE of `vocab` pieces to find merges."""
-    rng = random.Random(seed)
-    invented = sorted({"".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 5)))
-                       for _ in range(max(2000, int(vocab * 2.4)))})
-    words = _WORDS * 20 + invented
-    lines = []
-    for _ in range(max(4000, int(vocab * 1.6))):
-        s = " ".join(rng.choice(words) for _ in range(rng.randint(3, 16)))
-        r = rng.random()
-        if r < 0.5:
-            s = s[0].upper() + s[1:] + rng.choice(".!?;:,")
-        if r < 0.15:
-            s += f" {rng.randint(0, 10 ** rng.randint(1, 8))}"
-        elif r < 0.25:
-            s = f"{rng.choice(words)} = {rng.choice(words)}({rng.randint(0, 99)}, '{rng.choice(words)}')"
-        lines.append(s)
-    return lines
-
-
-def spm_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
-    """BPE merges of a SentencePiece vocabulary (transformers' generate_merges, without importing it)."""
-    merges = []
-    for piece, score in scores.items():
-        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece)) if piece[:i] in vocab and piece[i:] in vocab]
-        merges.extend(sorted(local, key=lambda x: (vocab[x[0]], vocab[x[1]])))
-    merges.sort(key=lambda v: (v[2], len(v[0]), len(v[1])), reverse=True)
-    return [(a, b) for a, b, _ in merges]
-
-
-def train_spm(corpus: list[str], vocab_size: int, *, add_dummy_prefix: bool = True) -> bytes:
-    """A SentencePiece BPE model (byte fallback; Llama-2 settings: identity normalization, whitespace kept)
-    trained on `corpus`, as its serialized proto."""
-    import sentencepiece as spm
-
-    buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(corpus), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
-        byte_fallback=True, character_coverage=1.0, split_digits=True, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, add_dummy_prefix=add_dummy_prefix, allow_whitespace_only_pieces=True,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2,
-    )
-    return buf.getvalue()
-
-
-def spm_vocab(proto: bytes) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """(piece -> id, BPE merges) of a serialized SentencePiece model."""
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor(model_proto=proto)
-    vocab = {sp.id_to_piece(i): i for i in range(sp.vocab_size())}
-    return vocab, spm_merges(vocab, {sp.id_to_piece(i): sp.get_score(i) for i in range(sp.vocab_size())})
-
-
-def write_spm_tokenizer(dest: Path, proto: bytes, *, add_dummy_prefix: bool = True) -> int:
-    """tokenizer.model, tokenizer.json in the layout Llama-2 repos ship (Prepend + Replace normalizer, no
-    pre-tokenizer, loaded as-is by `PreTrainedTokenizerFast`) and tokenizer_config.json. Returns the
-    number of pieces."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
-
-    (dest / "tokenizer.model").write_bytes(proto)
-    vocab, merges = spm_vocab(proto)
-    t = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
-    steps = [normalizers.Prepend("\u2581")] if add_dummy_prefix else []
-    t.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "\u2581")])
-    dec = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-    t.decoder = decoders.Sequence(dec + ([decoders.Strip(" ", 1, 0)] if add_dummy_prefix else []))
-    t.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
-    t.add_special_tokens([AddedToken(s, normalized=False, special=True) for s in ("<unk>", "<s>", "</s>")])
-    t.save(str(dest / "tokenizer.json"))
-    (dest / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-        "model_max_length": 1 << 30,
-    }, indent=2) + "\n")
-    return len(vocab)
-
-
-def write_tokenizer(dest: Path, vocab_size: int, seed: int = 0) -> int:
-    """A SentencePiece BPE with byte fallback trained here to exactly `vocab_size` pieces, written as
-    `write_spm_tokenizer` does. Returns the number of pieces."""
-    if vocab_size < 400:
-        raise ValueError(f"a byte-fallback tokenizer needs at least 400 pieces, not {vocab_size}")
-    return write_spm_tokenizer(dest, train_spm(_corpus(vocab_size, seed), vocab_size))
-
-
 # --- the model directory ----------------------------------------------------------------------------
 
 @dataclass
@@ -393,9 +304,12 @@ def parse_size(text: str | int) -> int:
 
 def generate(out: Path, shape: LlamaShape, *, dtype: str = "bf16", seed: int = 0, max_shard_size: int | str = 4 * GiB,
              tokenizer_vocab: int | None = None, threads: int | None = None, progress: bool = False,
-             name: str = "synthetic") -> Generated:
+             name: str = "synthetic", sparse: bool = False) -> Generated:
     """Write the model directory `out` (which must not exist or be empty), atomically: everything goes to a
-    temporary sibling first, renamed into place when complete; a failure leaves nothing behind."""
+    temporary sibling first, renamed into place when complete; a failure leaves nothing behind.
+
+    `sparse`: real headers, the data sections left as holes (zeros, no disk used): a model of any size for
+    what reads headers only (`hive-aot plan`, `check`); nothing can be built from it."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if sys.byteorder != "little":
@@ -410,7 +324,7 @@ def generate(out: Path, shape: LlamaShape, *, dtype: str = "bf16", seed: int = 0
     total = sum(s.size for s in shards)
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
-    if total + (64 << 20) > free:
+    if not sparse and total + (64 << 20) > free:
         raise OSError(f"{out.parent}: {total / 1e9:.2f} GB needed for the weights, {free / 1e9:.2f} GB free")
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -421,12 +335,15 @@ def generate(out: Path, shape: LlamaShape, *, dtype: str = "bf16", seed: int = 0
             {"_from_model_config": True, "bos_token_id": 1, "eos_token_id": 2}, indent=2) + "\n")
         params = shape.parameters
         (tmp / "README.md").write_text(
-            f"---\nlicense: apache-2.0\n---\nSynthetic Llama ({name}): random weights (normal 0, {INIT_STD}; norms 1.0), "
-            f"seed {seed}, {params:,} parameters in {dtype}. Generated by `python -m pipelines.synthetic`; "
+            f"---\nlicense: apache-2.0\n---\nSynthetic Llama ({name}): "
+            + ("headers only, the data sections are holes (zeros); " if sparse else
+               f"random weights (normal 0, {INIT_STD}; norms 1.0), seed {seed}, ")
+            + f"{params:,} parameters in {dtype}. Generated by `python -m pipelines.synthetic`; "
             "for pipeline tests and benchmarks only, it knows no language.\n")
         (tmp / "synthetic.json").write_text(json.dumps({
             "generator": "pipelines.synthetic", "version": GENERATOR_VERSION, "name": name, "seed": seed, "dtype": dtype,
             "init_std": INIT_STD, "chunk": CHUNK, "parameters": params, "tokenizer_vocab": n_tok, "shape": asdict(shape),
+            **({"sparse": True} if sparse else {}),
         }, indent=2) + "\n")
         if len(shards) > 1:
             weight_map = {t[0]: s.file for s in shards for t in s.tensors}
@@ -435,13 +352,19 @@ def generate(out: Path, shape: LlamaShape, *, dtype: str = "bf16", seed: int = 0
                 "weight_map": dict(sorted(weight_map.items())),
             }, indent=2) + "\n")
         bar = None
-        if progress:
+        if sparse:
+            for shard in shards:
+                with open(tmp / shard.file, "wb") as f:
+                    f.write(struct.pack("<Q", len(shard.header)) + shard.header)
+                    f.truncate(shard.size)
+        elif progress:
             from tqdm import tqdm
 
             bar = tqdm(total=sum(s.data_bytes for s in shards), desc=f"weights {dtype}", unit="B", unit_scale=True,
                        unit_divisor=1024, file=sys.stderr, dynamic_ncols=True)
         try:
-            write_weights(tmp, shards, seed, dtype, threads or max(1, min(4, os.cpu_count() or 1)), bar)
+            if not sparse:
+                write_weights(tmp, shards, seed, dtype, threads or max(1, min(4, os.cpu_count() or 1)), bar)
         finally:
             if bar is not None:
                 bar.close()
@@ -469,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer-vocab", type=int, help="train the tokenizer to fewer pieces than vocab_size")
     ap.add_argument("--tie-word-embeddings", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--sparse", action="store_true",
+                    help="headers only, data sections left as holes: for plan and check at any size")
     args = ap.parse_args(argv)
     overrides = {k: v for k, v in (("num_hidden_layers", args.layers), ("vocab_size", args.vocab),
                                    ("tie_word_embeddings", args.tie_word_embeddings)) if v is not None}
@@ -477,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.preset} ({PRESETS[args.preset][1]}): {shape.parameters:,} parameters, "
               f"{shape.parameters * DTYPES[args.dtype][2] / 1e9:.2f} GB in {args.dtype}", file=sys.stderr)
         res = generate(args.out, shape, dtype=args.dtype, seed=args.seed, max_shard_size=args.max_shard_size,
-                       tokenizer_vocab=args.tokenizer_vocab, threads=args.threads, progress=True, name=args.preset)
+                       tokenizer_vocab=args.tokenizer_vocab, threads=args.threads, progress=True, name=args.preset,
+                       sparse=args.sparse)
     except (ValueError, OSError) as e:
         print(f"synthetic: error: {e}", file=sys.stderr)
         return 1

@@ -154,14 +154,9 @@ def write_test_config(dest_dir: Path, repo_root: Path, *, models: list[dict[str,
 
 # --- SentencePiece (Llama-2 style) tokenizers, trained here --------------------------------------
 
-_SPM_WORDS = (
-    "the of and to in is was for on that with as by at from it this which be are or an have has not but "
-    "history printing press century movable metal type ink screw books cities scholars compare copies "
-    "knowledge water oxygen carbon dioxide light energy plant cells sugar cycle temperature concentration "
-    "train station travels hours arrive question answer number function return value print list range "
-    "quick brown fox jumps over lazy dog hello world how are you today river mountain city market music "
-    "computer program memory model weights layer token language people school garden morning evening"
-).split()
+from pipelines.spm_tokenizer import WORDS  # noqa: E402
+
+_SPM_WORDS = WORDS
 
 
 def spm_corpus(lines: int = 4000, seed: int = 0) -> list[str]:

@@ -64,7 +64,8 @@ def test_mxfp6_emulation_covers_every_constant_matmul_weight(name, tmp_path):
     from onnx import numpy_helper
 
     from pipelines import reference
-    from pipelines.targets.qaic.export import build_decoder, export_decoder
+    from pipelines.targets.qaic.decoder import build_decoder
+    from pipelines.targets.qaic.export import export_decoder
     from pipelines.targets.qaic.quality import fake_mxfp6_weights
 
     def on_grid(w: np.ndarray) -> bool:  # w [..., K]: blocks along the last axis
@@ -78,11 +79,12 @@ def test_mxfp6_emulation_covers_every_constant_matmul_weight(name, tmp_path):
     export_decoder(build_decoder(model), out, ctx_len=16)
     m = onnx.load(str(out))
     weights = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
+    stored_as = {n.output[0]: n.input[0] for n in m.graph.node if n.op_type == "Cast" and n.input[0] in weights}
     checked, dynamic = 0, 0
     for node in m.graph.node:
         if node.op_type not in ("MatMul", "Gemm"):
             continue
-        b = weights.get(node.input[1])
+        b = weights.get(stored_as.get(node.input[1], node.input[1]))  # fp16 matrices are read through a Cast
         if b is None:
             dynamic += 1
             continue
@@ -110,3 +112,23 @@ def test_quality_prediction_of_a_moe_family(tmp_path):
     assert off["positions"] == 44 and off["top1"] == 1.0 and off["max_abs_logit_delta"] < 1e-3
     assert both["max_abs_logit_delta"] > 1e-3 and both["kl"] > 0
     assert both["emulated"] == ["mxfp6 weights", "mxint8 kv cache"]
+
+
+def test_quality_prediction_streams_unit_by_unit_with_the_same_numbers(tmp_path):
+    """Streamed (each weight emulated as it loads, every sequence through a layer before the next is read) the
+    prediction equals the resident one: one pass over the weights whatever the number of sequences."""
+    import random
+
+    from factories import make_tiny_causal_lm
+
+    from pipelines.targets.qaic.quality import predict
+
+    model_dir = make_tiny_causal_lm("gpt2", tmp_path / "gpt2")  # Conv1D weights (MXFP6 along axis 0)
+    rng = random.Random(1)
+    ids = [rng.sample(range(512), 20), rng.sample(range(512), 13), rng.sample(range(512), 17)]
+    resident = predict(model_dir, ids, resident=True)
+    streamed = predict(model_dir, ids, resident=False)
+    for key in ("top1", "kl", "max_abs_logit_delta", "ppl_delta"):
+        assert abs(resident[key] - streamed[key]) <= 1e-5 * max(1.0, abs(resident[key])), key
+    assert streamed["resident"] is False and streamed["unit_loads"] == 2 + 2 + 2  # wte, wpe, 2 blocks, ln_f, lm_head
+    assert 0 < streamed["kl"] and streamed["emulated"] == ["mxfp6 weights", "mxint8 kv cache"]

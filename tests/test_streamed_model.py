@@ -142,3 +142,67 @@ def test_reference_compute_streams_in_a_child_and_caches(families, monkeypatch, 
     assert json.loads((cached[0] / "done.json").read_text())["generation_ids"]
     again = reference.compute(d, "digest-a", ids, GEN_PROMPT, 6, files=files)
     assert again.generation_ids == streamed.generation_ids and again.usage == streamed.usage
+
+
+# --- the same machinery for artifacts: batches, slices, load-time transforms ----------------------------------
+
+@pytest.mark.parametrize("name", ["llama", "mixtral", "gemma2"])  # tied; MoE stacked from experts; soft-capped
+def test_a_batch_of_sequences_streams_once_and_equals_each_alone(families, name):
+    d = families[name]
+    seqs = [IDS, IDS[:7], IDS[3:12]]
+    files = sorted(d.glob("*.safetensors"))
+    with StreamedCausalLM(d, files, resident=True) as lm:
+        alone = [lm.logits(s) for s in seqs]
+    with StreamedCausalLM(d, files) as lm:
+        batch = lm.logits_batch(seqs)
+        assert lm.loads == len(lm.units)  # every unit read once for the whole batch
+    for a, b, s in zip(alone, batch, seqs):
+        assert b.shape == (len(s), a.shape[-1]) and np.abs(a - b).max() <= 1e-5, name  # padding changes nothing real
+
+
+def test_a_layer_slice_is_the_first_layers_with_embeddings_and_head(families):
+    import torch
+
+    d = families["qwen3"]
+    full = reference.load_model(d)
+    full.model.layers = full.model.layers[:1]  # transformers' own model cut after its first layer
+    full.config.num_hidden_layers = 1
+    with torch.inference_mode():
+        expected = full(torch.tensor([IDS])).logits[0].numpy()
+    with StreamedCausalLM(d, sorted(d.glob("*.safetensors")), layers=1) as lm:
+        assert len(lm.model.model.layers) == 1 and lm.model.config.num_hidden_layers == 1
+        got = lm.logits(IDS)
+        assert all("layers.1." not in rule.sources[0] for rule in lm.rules.values())  # nothing read beyond it
+    assert np.abs(got - expected).max() <= 1e-5
+
+
+def test_a_transform_rewrites_each_weight_as_it_loads(families):
+    d = families["llama"]
+    files = sorted(d.glob("*.safetensors"))
+    seen = []
+
+    def zero_the_head(name, owner, attr, value):
+        seen.append(name)
+        return value * 0 if name == "lm_head.weight" else value
+
+    with StreamedCausalLM(d, files, transform=zero_the_head) as lm:
+        assert np.abs(lm.logits(IDS)).max() == 0.0  # the head (tied: its own copy) was zeroed, the embedding not
+        assert "model.embed_tokens.weight" in seen and "lm_head.weight" in seen
+    with StreamedCausalLM(d, files) as lm:
+        assert np.abs(lm.logits(IDS)).max() > 0.0
+
+
+def test_loaded_gives_a_unit_to_code_that_reads_its_weights_and_takes_it_back(families):
+    d = families["qwen2"]
+    with StreamedCausalLM(d, sorted(d.glob("*.safetensors"))) as lm:
+        layer = lm.model.model.layers[0]
+        assert layer.self_attn.q_proj.weight.device.type == "meta"
+        with lm.loaded(layer, None):  # None and modules that are not units are ignored
+            assert layer.self_attn.q_proj.weight.device.type == "cpu" and lm.loads == 1
+        assert layer.self_attn.q_proj.weight.device.type == "meta"
+    with StreamedCausalLM(d, sorted(d.glob("*.safetensors")), resident=True) as lm:
+        layer = lm.model.model.layers[0]
+        with lm.loaded(layer):
+            pass
+        assert layer.self_attn.q_proj.weight.device.type == "cpu"  # resident: kept until the model is closed
+    assert layer.self_attn.q_proj.weight.device.type == "meta"  # closed: its memory went back

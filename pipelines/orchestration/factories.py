@@ -15,7 +15,7 @@ from .. import build as engine
 from ..compat import classify_snapshot
 from ..config import Config, ModelEntry, Recipe
 from ..errors import HiveError, ResourceError
-from ..memory import WHOLE_MODEL_BUILD_KINDS, human_bytes
+from ..units import human_bytes
 from ..parity import profile_markdown
 from ..sources import fetch, resolve_revision
 from .executors import CELERY_QUEUE_TAG, COMPILE_QUEUE
@@ -165,9 +165,10 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
     rid = recipe.id
     akey = artifact_key(rid)
 
-    # A derived recipe (an AI 100 compile) is built from its input's published artifact. A build that loads the
-    # whole model (the ONNX export) shares the large-memory pool with the validations.
-    build_pool = LARGE_MEMORY_POOL if recipe.kind in WHOLE_MODEL_BUILD_KINDS else f"build_{recipe.kind}"
+    # A derived recipe (an AI 100 compile) is built from its input's published artifact. Every kind's build
+    # streams the model (memory about one tensor or layer), so builds have a pool per kind; the validations,
+    # which hold a reference unit and the engines, share the large-memory pool.
+    build_pool = f"build_{recipe.kind}"
 
     @dg.asset(key=akey, ins={"snapshot": dg.AssetIn(SNAPSHOT_KEY), "compatibility": dg.AssetIn(COMPAT_KEY)},
               deps=[published_key(recipe.input)] if recipe.input else None,

@@ -12,7 +12,7 @@ from typing import Iterator
 
 from ..errors import HiveError, IntegrityError, StoreError
 from ..hashing import CHUNK, DigestCache, sha256_file
-from ..memory import disk_full_error, is_disk_full
+from ..host import disk_full_error, is_disk_full
 from ..paths import safe_relpath
 from .base import Entry, Store
 from .layout import blob_key

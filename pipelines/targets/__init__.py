@@ -4,7 +4,8 @@ A target owns everything specific to its kind:
 - **applicability**: which architectures it converts (`supports`), which artifact format it writes
   (`artifact_format`, matched against the `loads:` of the runtime profiles its recipes name);
 - **the build**: files written under a work directory (`build`), with the sha256 of files copied
-  unchanged from the source handed over instead of re-hashed;
+  unchanged from the source handed over instead of re-hashed; the memory and disk each of its steps needs
+  (`plan_steps`, checked against the host before any work);
 - **validation**: its own threshold schema (`Thresholds`, checked when recipes load) and its own
   checks, possibly in another environment (a helper venv) whose engine version enters `toolchain()`
   and so the build id;
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from ..compat.database import Architecture
     from ..config import Recipe, Registry, RuntimeProfile
     from ..manifest import Manifest
+    from ..memory import PlanEnv, StepNeed
     from ..sources import Snapshot
 
 # kind -> "module:class". Importing a target module must stay cheap (engines load inside methods).
@@ -155,6 +157,11 @@ class Target(Protocol):
     kind: ClassVar[str]
     format_version: ClassVar[int]
     Thresholds: ClassVar[type[Thresholds]]
+    build_step: ClassVar[str]  # the name of its build step in the memory plan and the measurements
+
+    @staticmethod
+    def plan_steps(env: "PlanEnv") -> list["StepNeed"]:
+        """Each step's estimated peak memory and disk (memory.py), from the model's facts and the recipe."""
 
     @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]: ...

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
+from ... import meter
 from ...errors import HiveError
 from ...hashing import sha256_file
 from .. import MODEL_DIR, BuildContext, BuiltArtifact, Thresholds, ValidationReport, check_thresholds, gate
@@ -58,6 +59,13 @@ class GgufTarget:
     kind = "gguf"
     format_version = FORMAT_VERSION
     Thresholds = GgufThresholds
+    build_step = "convert"
+
+    @staticmethod
+    def plan_steps(env) -> list:
+        from .plan import plan_steps
+
+        return plan_steps(env)
 
     @staticmethod
     def artifact_format(options: dict[str, Any]) -> str:
@@ -131,14 +139,16 @@ class GgufTarget:
                 from . import imatrix
 
                 imatrix_file = out_dir / f"{name.removesuffix('.gguf')}.imatrix.gguf"
-                imatrix_info = imatrix.compute(snapshot, imatrix_file, step=f"importance matrix of {snapshot.model_id}")
+                with meter.step("imatrix"):
+                    imatrix_info = imatrix.compute(snapshot, imatrix_file, step=f"importance matrix of {snapshot.model_id}")
             report = convert(snapshot.dir, cfg, snapshot.safetensors_files(), tmp, inter,
                              name=snapshot.model_id, options=opts, provenance=provenance, split_max_bytes=split)
             try:
                 # A split intermediate is quantized shard for shard (llama.cpp's keep_split).
-                fallbacks = quantize(out_dir / report.files[0], out, ftype, keep_split=len(report.files) > 1,
-                                     step=f"{ftype.upper()} quantization of {snapshot.model_id}",
-                                     imatrix=imatrix_file if imatrix_info else None)
+                with meter.step("quantize"):
+                    fallbacks = quantize(out_dir / report.files[0], out, ftype, keep_split=len(report.files) > 1,
+                                         step=f"{ftype.upper()} quantization of {snapshot.model_id}",
+                                         imatrix=imatrix_file if imatrix_info else None)
             finally:
                 for f in report.files:
                     (out_dir / f).unlink(missing_ok=True)
@@ -179,7 +189,7 @@ class GgufTarget:
 
 def split_bytes(options: dict[str, Any]) -> int:
     """The recipe's `split_max_size` (e.g. 2G, 45GB) in bytes; 0: one file."""
-    from ...memory import parse_size
+    from ...units import parse_size
 
     value = options.get("split_max_size")
     return 0 if value in (None, 0, False) else parse_size(str(value), "split_max_size")

@@ -99,7 +99,7 @@ def quantize_here(src: str, dst: str, name: str, threads: int, imatrix: str | No
     if rc != 0 or not written or not all(p.is_file() for p in written):
         for p in written:
             p.unlink(missing_ok=True)
-        from ...memory import disk_full_error, out_of_space
+        from ...host import disk_full_error, out_of_space
 
         full = out_of_space(Path(dst).parent)  # llama.cpp says only "iostream error"
         if full is not None:

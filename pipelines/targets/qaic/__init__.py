@@ -28,7 +28,8 @@ from .compile import COMPILE_DIR, CompileOptions
 if TYPE_CHECKING:
     from ...compat.database import Architecture
 
-EXPORT_FORMAT_VERSION = 1
+# 2: weights streamed into page-aligned external data, matrices fp16 behind a Cast by default (weight_dtype)
+EXPORT_FORMAT_VERSION = 2
 BUNDLE_FORMAT_VERSION = 1
 ONNX_DIR = "onnx"
 EXPORT_REPORT = "export.json"
@@ -118,12 +119,23 @@ class QaicExportTarget:
     format_version = EXPORT_FORMAT_VERSION
     Thresholds = ExportThresholds
     intermediate = True  # read by qaic recipes, served by nobody
+    build_step = "export"
+
+    @staticmethod
+    def plan_steps(env) -> list:
+        from .plan import export_steps
+
+        return export_steps(env, encoder=is_encoder(env.config))
 
     @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]:
-        problems = [f"unknown option {k!r}" for k in options if k not in ("batch_index",)]
+        from .export import WEIGHT_DTYPES
+
+        problems = [f"unknown option {k!r}" for k in options if k not in ("batch_index", "weight_dtype")]
         if not isinstance(options.get("batch_index", True), bool):
             problems.append("batch_index must be true or false")
+        if options.get("weight_dtype", "float16") not in WEIGHT_DTYPES:
+            problems.append(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}")
         return problems
 
     @staticmethod
@@ -150,7 +162,8 @@ class QaicExportTarget:
             report = export_encoder(snap.dir, out_dir / ONNX_DIR / "model.onnx")
         else:
             batch_index = bool(ctx.recipe.options.get("batch_index", True))
-            report = export(snap.dir, out_dir / ONNX_DIR / "model.onnx", batch_index=batch_index)
+            report = export(snap.dir, out_dir / ONNX_DIR / "model.onnx", batch_index=batch_index,
+                            weight_dtype=ctx.recipe.options.get("weight_dtype", "float16"))
         files = [f"{ONNX_DIR}/{name}" for name in report.files]
         known = {}
         digests = {f.path: f.sha256 for f in snap.files}
@@ -165,8 +178,7 @@ class QaicExportTarget:
         return BuiltArtifact(root=out_dir, files=files, info={"export": info}, known_digests=known)
 
     def validate(self, ctx: BuildContext, artifact_dir: Path, files: dict[str, str]) -> ValidationReport:
-        from ... import parity, prompts, reference
-        from .export import ort_parity
+        from ... import parity, reference
 
         tok = reference.load_tokenizer(ctx.snapshot.dir)
         onnx_path = artifact_dir / ONNX_DIR / "model.onnx"
@@ -183,24 +195,43 @@ class QaicExportTarget:
                 metrics["ort_top1_agreement"] = r["top1_agreement"]
             details = {"ort": r}
         else:
-            runs = []
-            model = reference.load_model(ctx.snapshot.dir, "the reference model")
-            for text in prompts.PARITY_TEXTS[:2]:
-                ids = list(tok(text).input_ids)[:48]
-                ctx_len = len(ids) + PARITY_DECODE_STEPS + 8
-                runs.append(ort_parity(ctx.snapshot.dir, onnx_path, ids, decode_steps=PARITY_DECODE_STEPS,
-                                       ctx_len=ctx_len, model=model))
-            metrics = {
-                "ort_top1_agreement": min(r["top1_agreement"] for r in runs),
-                "ort_max_abs_delta": parity.round6(max(r["max_abs_logit_delta"] for r in runs)),
-                "ort_steps": sum(r["steps"] for r in runs),
-            }
-            details = {"ort": [{k: v for k, v in r.items() if k != "tokens"} for r in runs]}
+            metrics, details = self._decoder_parity(ctx, tok, onnx_path)
         # Gates on metrics this architecture does not have do not apply (cosine of a decoder, top-1 of an embedder).
         thresholds = thresholds.model_copy(update={f: None for f, info in type(thresholds).model_fields.items()
                                                    if info.json_schema_extra["metric"] not in metrics})
         failures = check_thresholds(metrics, thresholds)
         return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details=details)
+
+    @staticmethod
+    def _decoder_parity(ctx: BuildContext, tok, onnx_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+        """onnxruntime on the export (or, when it does not fit the budget, on a graph of its first layers over the
+        same data file) against the streamed reference of the same layers."""
+        from ... import parity, prompts
+        from ...host import memory_budget
+        from ...memory import model_facts
+        from .export import slice_graph
+        from .ort import ort_parity
+        from .plan import ort_check, reference_resident
+
+        facts, budget = model_facts(ctx.snapshot), memory_budget()[0]
+        weight_dtype = ctx.recipe.options.get("weight_dtype", "float16")
+        check = ort_check(facts, budget, weight_dtype)
+        graph = onnx_path
+        if check.layers is not None:
+            graph = slice_graph(ctx.snapshot.dir, onnx_path, check.layers, onnx_path.with_name(f"slice-{check.layers}.onnx"))
+        ids = [list(tok(text).input_ids)[:48] for text in prompts.PARITY_TEXTS[:2]]
+        ctx_len = max(len(i) for i in ids) + PARITY_DECODE_STEPS + 8
+        resident = reference_resident(facts, check.layers, budget)
+        runs = ort_parity(ctx.snapshot.dir, graph, ids, decode_steps=PARITY_DECODE_STEPS, ctx_len=ctx_len,
+                          layers=check.layers, weight_dtype=weight_dtype, resident=resident)
+        deltas = [r["max_abs_logit_delta"] for r in runs]
+        metrics = {"ort_top1_agreement": min(r["top1_agreement"] for r in runs),
+                   "ort_steps": sum(r["steps"] for r in runs), "finite": all(r["finite"] for r in runs)}
+        if all(d is not None for d in deltas):  # not finite: the gate says it was not measured
+            metrics["ort_max_abs_delta"] = parity.round6(max(deltas))
+        details = {"ort": [{k: v for k, v in r.items() if k != "tokens"} for r in runs], "ort_check": check.to_json(),
+                   "reference": f"transformers fp32, matrices rounded to {weight_dtype} as stored"}
+        return metrics, details
 
     def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]:
         return {}
@@ -213,6 +244,14 @@ class QaicTarget:
     format_version = BUNDLE_FORMAT_VERSION
     Thresholds = QaicThresholds
     input_kinds = ("qaic-export",)
+    build_step = "bundle"
+
+    @staticmethod
+    def plan_steps(env) -> list:
+        from .plan import bundle_steps
+
+        weight_dtype = (env.input_options or {}).get("weight_dtype", "float16")
+        return bundle_steps(env, decoder=env.options.get("task", "generate") != "embedding", weight_dtype=weight_dtype)
 
     @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]:
@@ -286,7 +325,8 @@ class QaicTarget:
         ref = reference.compute(snap.dir, snap.content_digest, ids, reference.encode(tok, [prompts.GENERATION_PROMPT])[0],
                                 prompts.GENERATION_TOKENS, files=snap.safetensors_files(),
                                 step=f"the transformers reference of {snap.model_id}")
-        q = predict(snap.dir, ids, mxfp6=opts.mxfp6, mxint8=opts.mxint8, reference_logits=ref.logits)
+        resident = reference.reference_resident(snap.safetensors_files())
+        q = predict(snap.dir, ids, mxfp6=opts.mxfp6, mxint8=opts.mxint8, reference_logits=ref.logits, resident=resident)
         metrics = {"predicted_top1": q["top1"], "predicted_kl": q["kl"], "predicted_ppl_delta": q["ppl_delta"],
                    "predicted_max_abs_logit_delta": q["max_abs_logit_delta"]}
         failures = check_thresholds(metrics, ctx.recipe.validation)

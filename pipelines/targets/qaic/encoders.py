@@ -101,11 +101,11 @@ def load_encoder(model_dir: Path, *, eager: bool = False):
     import torch
     from transformers import AutoModel, AutoModelForSequenceClassification
 
-    from ... import reference
+    from ...quiet import quiet_transformers
     from ...errors import ModelFormatError
 
     arch = architecture(model_dir)
-    reference._quiet_transformers()
+    quiet_transformers()
     kwargs: dict[str, Any] = {"dtype": torch.float32, "trust_remote_code": False, "use_safetensors": True,
                               "local_files_only": True, "output_loading_info": True}
     if eager:

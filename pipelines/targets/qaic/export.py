@@ -1,36 +1,48 @@
-"""PyTorch -> ONNX for Cloud AI 100, per the AI 100 compile contract (reference/ai100-qpc.md).
+"""PyTorch -> ONNX for Cloud AI 100 (reference/ai100-qpc.md), without the model in memory.
 
-The graph is ours, not transformers' forward: one decoder engine written with standard ONNX ops only
-(opset 17), reading the weights of the transformers model as its family declares them (families.py), so
-that it runs in onnxruntime (parity is checked there) and the compiler sees the shape it expects:
-- inputs `input_ids`, `position_ids` [batch, seq_len] int64, then `past_key.{i}` / `past_value.{i}`
-  [batch, n_kv_heads, ctx_len, head_dim] fp32 per layer; no attention mask;
-- with continuous batching (`batch_index=True`) the past inputs are [full_batch_size, ...] and a last input
-  `batch_index` [batch, 1] int64 names the cache row of each batch row: its new K/V are scattered into that
-  row (ScatterND at (row, head, position)) and its attention reads that row; the retained state is the whole
-  [full_batch_size, ...] cache;
-- outputs `logits` [batch, 1, vocab] for the last valid position (the largest position id), then
-  `past_key.{i}_RetainedState` / `past_value.{i}_RetainedState`: the cache with the new K/V scattered in at
-  `position_ids` (ScatterElements);
-- the causal mask is built in the graph from `position_ids` (a cache slot j is visible to a token at
-  position p when j <= p, and p - j < window in a sliding-window layer); RoPE reads static cos/sin tables by
-  position; weights stay initializers; MoE routing is a static TopK + dense expert sum.
-Weights over `external_data_threshold` (2 GiB) go to one ONNX external-data file beside the model.
+The graph is the retained-state decoder (decoder.py) traced by torch's ONNX exporter over a model whose
+parameters are placeholders (zero pages the kernel never backs) and left out of the trace
+(`export_params=False`): the graph of a 70B model costs its nodes, not its weights. Then every parameter
+streams from the safetensors files into one external-data file beside the model (`model.onnx.data`), a chunk of
+rows at a time, through the folds torch's constant folding would have done on real weights (the transpose of
+every linear weight, an expert's slice of stacked MoE weights, Gemma's 1 + w): the graph multiplies by
+constant initializers, as the compiler needs for `-mxfp6-matmul`.
+
+Precision (`weight_dtype`): matrices are stored in float16 by default, each behind a Cast to float32, so
+the graph still computes in fp32 (onnxruntime runs it) and the file is half the fp32 copy QEfficient writes
+(70B: 141 GB instead of 282 GB). The device computes in fp16 (`-convert-to-fp16` converts every fp32 tensor),
+so fp16 storage loses nothing it would keep; a weight beyond float16's range is refused, as the device could
+not hold it. Vectors (norms, biases) and RoPE tables stay fp32. `weight_dtype: float32` writes QEfficient's
+layout (fp32 initializers, no Cast), for SDKs or tools that expect it.
+
+Stored names are deterministic (the parameter's name plus the folds applied), so a graph of the first N
+layers (`slice_graph`) points at the same bytes of the same data file: onnxruntime checks a slice of the
+published export when the whole does not fit the budget.
 """
 
 from __future__ import annotations
 
-import functools
+import io
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from .families import FAMILY_SPECS, architecture, family_for, unsupported
+import numpy as np
+
+from ...errors import ModelFormatError
+from .decoder import build_decoder
+from .external_data import DataWriter, Weights, stored_dtype, stored_initializers
+from .families import FAMILY_SPECS, architecture, unsupported
 
 OPSET = 17
 FAMILIES = set(FAMILY_SPECS)
-EXTERNAL_DATA_THRESHOLD = 2 * 1024**3  # protobuf's limit for one ONNX file
+WEIGHT_DTYPES = ("float16", "float32")
+DATA_SUFFIX = ".data"
+
+__all__ = ["OPSET", "FAMILIES", "ExportReport", "export", "export_decoder", "slice_graph", "stored_dtype",
+           "build_decoder"]
 
 
 @dataclass
@@ -46,295 +58,14 @@ class ExportReport:
     ctx_len: int = 0  # the cache length of the export sample (ctx_len stays a dynamic axis)
     batch_index: bool = False  # continuous batching: `batch_index` input, past inputs [full_batch_size, ...]
     files: list[str] = field(default_factory=list)  # written, relative to the model's folder: publish all of them
+    weight_dtype: str = "float16"
+    data_bytes: int = 0
+    initializers: int = 0
+    clipped_to_fp16: int = 0  # weight values beyond float16's range, clipped to it (as QEfficient does)
 
 
-def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_len: int | None = None):
-    """The retained-state decoder (a torch module) of a transformers causal LM of a supported family.
-
-    forward(input_ids, position_ids, *past[, batch_index]) -> (logits, *retained); `all_positions = True`
-    returns logits for every position instead of the last valid one (quality prediction). `kv_transform`
-    is applied to the new K/V before they are written to the cache (MXINT8 emulation; never exported).
-    `ctx_len` picks the RoPE mode of length-dependent scalings (longrope, dynamic) for the positions below
-    it: the mode transformers uses for a sequence of that length. transformers switches the mode per
-    sequence (Phi-3 longrope: long factors once a sequence passes original_max_position_embeddings); a
-    static table cannot, so with ctx_len above that length, sequences shorter than it differ from transformers.
-    """
-    return _decoder_class()(model, kv_transform=kv_transform, batch_index=batch_index, ctx_len=ctx_len).eval()
-
-
-@functools.cache
-def _decoder_class():
-    """The engine's nn.Module class (defined on first use: importing this module does not import torch)."""
-    import torch
-    from torch import nn
-    from torch.nn import functional as F
-
-    class RetainedStateDecoder(nn.Module):
-        all_positions = False  # quality prediction scores every position; the exported graph only the last
-
-        def __init__(self, model, *, kv_transform, batch_index, ctx_len):
-            super().__init__()
-            cfg = model.config
-            self.arch, fam = family_for(cfg)
-            self.fam = fam
-            base = getattr(model, fam.base)
-            self.embed = getattr(base, fam.embed)
-            self.pos_embed = getattr(base, fam.positions) if fam.positions else None
-            self.layers = getattr(base, fam.layers)
-            self.final_norm = getattr(base, fam.final_norm)
-            self.lm_head = model.lm_head
-            self.kv_transform = kv_transform
-            self.batch_index = batch_index
-            self.n_heads = int(cfg.num_attention_heads)
-            self.n_kv = int(fam.kv_heads or getattr(cfg, "num_key_value_heads", None) or self.n_heads)
-            self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
-            self.max_positions = int(cfg.max_position_embeddings)
-            self.vocab = int(cfg.vocab_size)
-            n = len(self.layers)
-            self.scales = [float(getattr(getattr(layer, fam.attn), fam.scaling)) if fam.scaling else self.head_dim**-0.5
-                           for layer in self.layers]
-            window = getattr(cfg, "sliding_window", None) if fam.sliding else None
-            types = getattr(cfg, "layer_types", None)
-            self.windows = [window if window and (types is None or types[i] == "sliding_attention") else None
-                            for i in range(n)]
-
-            def conf(name):
-                return None if name is None else getattr(cfg, name, None)
-
-            self.embed_multiplier = conf(fam.embed_multiplier)
-            self.residual_multiplier = conf(fam.residual_multiplier)
-            self.logits_divisor = conf(fam.logits_divisor)
-            self.attn_softcap = conf(fam.attn_softcap)
-            self.final_softcap = conf(fam.final_softcap)
-            if fam.moe is not None:
-                norm = fam.moe.normalize
-                self.moe_normalize = bool(getattr(cfg, norm) if isinstance(norm, str) else norm)
-                self.moe_top_k = int(cfg.num_experts_per_tok)
-            if fam.rotary is not None:
-                cos, sin = self._rope_tables(model, base, ctx_len)
-                self.register_buffer("cos_table", cos, persistent=False)
-                self.register_buffer("sin_table", sin, persistent=False)
-                self.rot_dim = int(cos.shape[-1])  # < head_dim: partial rotary, the rest passes through
-
-        # -- construction helpers ------------------------------------------------------------------
-
-        def _rope_tables(self, model, base, ctx_len):
-            """Static [max_positions, rotary_dim] cos/sin tables, laid out for the family's rotary style."""
-            fam, max_pos = self.fam, self.max_positions
-            with torch.no_grad():
-                if fam.rope_table == "gptj":  # [max_pos, rot] = [sin | cos] per frequency, pairs interleaved
-                    sincos = getattr(self.layers[0], fam.attn).embed_positions[:max_pos].float()
-                    sin, cos = sincos.chunk(2, dim=-1)
-                    return cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
-                rot = base.rotary_emb
-
-                def table(length):
-                    probe = torch.zeros(1, length, self.head_dim)
-                    cos, sin = rot(probe, torch.arange(length).unsqueeze(0))
-                    cos, sin = cos[0].float(), sin[0].float()
-                    if fam.rope_table == "halves":  # GPT-OSS returns one frequency per pair of halves
-                        cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
-                    return cos, sin
-
-                cos, sin = table(max_pos)
-                if ctx_len and ctx_len < max_pos:  # length-dependent RoPE: the mode of a ctx_len sequence below it
-                    c, s = table(ctx_len)
-                    cos, sin = torch.cat((c, cos[ctx_len:])), torch.cat((s, sin[ctx_len:]))
-                return cos, sin
-
-        # -- building blocks ---------------------------------------------------------------------
-
-        def norm(self, module, x):
-            if self.fam.norm == "layer":
-                return F.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)
-            eps = getattr(module, "variance_epsilon", None)
-            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + (module.eps if eps is None else eps))
-            return y * (1.0 + module.weight) if self.fam.norm == "rms_1p" else y * module.weight
-
-        def rotate(self, x, cos, sin):
-            rot = self.rot_dim
-            x_rot, x_pass = (x, None) if rot == self.head_dim else (x[..., :rot], x[..., rot:])
-            if self.fam.rotary == "interleaved":
-                pairs = torch.stack((-x_rot[..., 1::2], x_rot[..., 0::2]), dim=-1)
-                turned = pairs.flatten(-2)
-            else:
-                half = rot // 2
-                turned = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-            out = x_rot * cos + turned * sin
-            return out if x_pass is None else torch.cat((out, x_pass), dim=-1)
-
-        def qkv(self, attn, x):
-            """q [B, S, H, D], k and v [B, S, KV, D] from the family's projections."""
-            fam, bsz, seq = self.fam, x.shape[0], x.shape[1]
-            nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
-            if fam.qkv_layout in ("separate", "split"):
-                if fam.qkv_layout == "separate":
-                    q, k, v = (getattr(attn, name)(x) for name in fam.qkv)
-                else:
-                    q, k, v = getattr(attn, fam.qkv)(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-                if fam.qk_norm == "full":
-                    q, k = self.norm(attn.q_norm, q), self.norm(attn.k_norm, k)
-                q, k, v = q.view(bsz, seq, nh, hd), k.view(bsz, seq, nkv, hd), v.view(bsz, seq, nkv, hd)
-            elif fam.qkv_layout == "per_head":
-                fused = getattr(attn, fam.qkv)(x).view(bsz, seq, nh, 3, hd)
-                q, k, v = fused[..., 0, :], fused[..., 1, :], fused[..., 2, :]
-            elif fam.qkv_layout == "grouped":
-                r = nh // nkv
-                fused = getattr(attn, fam.qkv)(x).view(bsz, seq, nkv, r + 2, hd)
-                q, k, v = fused[:, :, :, :r].reshape(bsz, seq, nh, hd), fused[:, :, :, r], fused[:, :, :, r + 1]
-            else:
-                raise ValueError(f"unknown qkv_layout {fam.qkv_layout!r}")
-            if fam.qk_norm == "head":
-                q, k = self.norm(attn.q_norm, q), self.norm(attn.k_norm, k)
-            return q, k, v
-
-        def write_cache(self, past, new, position_ids, rows):
-            """The cache with `new` [B, KV, S, D] written at position_ids (and at cache rows `rows`), and the
-            [B, KV, ctx, D] cache this batch attends to."""
-            bsz, nkv, seq, hd = new.shape
-            if rows is None:
-                index = position_ids.view(bsz, 1, seq, 1).expand(bsz, nkv, seq, hd)
-                full = past.scatter(2, index, new)  # ScatterElements at position_ids
-                return full, full
-            heads = torch.arange(nkv, dtype=rows.dtype).view(1, nkv, 1)
-            full = past.index_put((rows.view(bsz, 1, 1), heads, position_ids.view(bsz, 1, seq)), new)  # ScatterND
-            return full, full[rows]
-
-        def attention(self, i, attn, x, rope, mask, past_k, past_v, position_ids, rows):
-            bsz, seq = x.shape[0], x.shape[1]
-            q, k, v = self.qkv(attn, x)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            if rope is not None:
-                q, k = self.rotate(q, *rope), self.rotate(k, *rope)
-            if self.kv_transform is not None:  # e.g. MXINT8 emulation of the device's KV cache (never exported)
-                k, v = self.kv_transform(k), self.kv_transform(v)
-            k_full, k_cache = self.write_cache(past_k, k, position_ids, rows)
-            v_full, v_cache = self.write_cache(past_v, v, position_ids, rows)
-            if self.n_kv != self.n_heads:
-                k_cache = k_cache.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-                v_cache = v_cache.repeat_interleave(self.n_heads // self.n_kv, dim=1)
-            scores = torch.matmul(q, k_cache.transpose(2, 3)) * self.scales[i]
-            if self.attn_softcap:
-                scores = torch.tanh(scores / self.attn_softcap) * self.attn_softcap
-            scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
-            if self.fam.sinks:  # one more softmax column per head, dropped after normalization
-                sink = attn.sinks.view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
-                probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
-            else:
-                probs = torch.softmax(scores, dim=-1)
-            out = torch.matmul(probs, v_cache).transpose(1, 2).reshape(bsz, seq, self.n_heads * self.head_dim)
-            return getattr(attn, self.fam.o_proj)(out), k_full, v_full
-
-        def mlp(self, mlp, x):
-            fam = self.fam
-            if fam.moe is not None and hasattr(mlp, fam.moe.experts):
-                return self.moe(mlp, x)
-            spec = fam.mlp
-            act = getattr(mlp, spec.act)
-            proj = [getattr(mlp, name) for name in spec.proj]
-            if spec.kind == "gated":
-                return proj[2](act(proj[0](x)) * proj[1](x))
-            if spec.kind == "gated_fused":
-                gate, up = proj[0](x).chunk(2, dim=-1)
-                return proj[1](up * act(gate))
-            return proj[1](act(proj[0](x)))  # plain
-
-        def moe(self, mlp, x):
-            """Static MoE: TopK routing as transformers computes it, the top-k weights scattered into a dense
-            [tokens, experts] matrix, every expert on every token, summed with those weights."""
-            spec = self.fam.moe
-            tokens = x.reshape(-1, x.shape[-1])
-            router = getattr(mlp, spec.router)
-            logits = F.linear(tokens, router.weight, getattr(router, "bias", None))
-            if spec.scoring == "softmax_topk":
-                top, index = torch.topk(torch.softmax(logits, dim=-1), self.moe_top_k, dim=-1)
-                if self.moe_normalize:
-                    top = top / top.sum(dim=-1, keepdim=True)
-            else:  # topk_softmax
-                top, index = torch.topk(logits, self.moe_top_k, dim=-1)
-                top = torch.softmax(top, dim=-1)
-            weights = torch.zeros_like(logits).scatter(1, index, top)  # [tokens, experts]
-            experts = getattr(mlp, spec.experts)
-            out = None
-            for e in range(experts.num_experts):
-                y = self.expert(experts, e, tokens) * weights[:, e:e + 1]
-                out = y if out is None else out + y
-            return out.view(x.shape)
-
-        def expert(self, experts, e, x):
-            if self.fam.moe.layout == "stacked":
-                gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
-                return F.linear(experts.act_fn(gate) * up, experts.down_proj[e])
-            # gpt_oss: [in, out] weights, gate/up interleaved, clamped SwiGLU with (up + 1)
-            gate_up = torch.matmul(x, experts.gate_up_proj[e]) + experts.gate_up_proj_bias[e]
-            gate = gate_up[..., 0::2].clamp(max=experts.limit)
-            up = gate_up[..., 1::2].clamp(min=-experts.limit, max=experts.limit)
-            glu = gate * torch.sigmoid(gate * experts.alpha)
-            return torch.matmul((up + 1) * glu, experts.down_proj[e]) + experts.down_proj_bias[e]
-
-        # -- the whole decoder ---------------------------------------------------------------------
-
-        def forward(self, input_ids, position_ids, *rest):
-            fam = self.fam
-            past, rows = (rest[:-1], rest[-1].view(-1)) if self.batch_index else (rest, None)
-            bsz, seq = input_ids.shape
-            ctx = past[0].shape[2]
-            h = self.embed(input_ids)
-            if self.embed_multiplier is not None:
-                h = h * self.embed_multiplier
-            if self.pos_embed is not None:
-                h = h + self.pos_embed(position_ids)
-            rope = None
-            if fam.rotary is not None:
-                rope = (self.cos_table[position_ids].unsqueeze(1), self.sin_table[position_ids].unsqueeze(1))
-            # slot j visible to the token at position p iff j <= p (and p - j < window): [B, 1, S, ctx]
-            slots = torch.arange(ctx, dtype=position_ids.dtype).view(1, 1, 1, ctx)
-            pos = position_ids.view(bsz, 1, seq, 1)
-            causal = slots <= pos
-            masks = {w: causal if w is None else causal & (slots > pos - w) for w in set(self.windows)}
-            rm = self.residual_multiplier
-            retained = []
-            for i, layer in enumerate(self.layers):
-                norms = fam.norms
-                x = self.norm(getattr(layer, norms.pre_attn), h) if norms.pre_attn else h
-                a, k_full, v_full = self.attention(i, getattr(layer, fam.attn), x, rope, masks[self.windows[i]],
-                                                   past[2 * i], past[2 * i + 1], position_ids, rows)
-                retained += [k_full, v_full]
-                if norms.post_attn:
-                    a = self.norm(getattr(layer, norms.post_attn), a)
-                if fam.parallel:
-                    m_in = self.norm(getattr(layer, norms.pre_mlp), h) if norms.pre_mlp else x
-                else:
-                    h = h + (a * rm if rm is not None else a)
-                    m_in = self.norm(getattr(layer, norms.pre_mlp), h) if norms.pre_mlp else h
-                m = self.mlp(layer.mlp, m_in)
-                if norms.post_mlp:
-                    m = self.norm(getattr(layer, norms.post_mlp), m)
-                if fam.parallel:
-                    h = h + (a + m if rm is None else (a + m) * rm)
-                else:
-                    h = h + (m * rm if rm is not None else m)
-            h = self.norm(self.final_norm, h)
-            if not self.all_positions:
-                # the last valid position (largest position id) of each row: a one-hot [B, 1, S] MatMul keeps
-                # logits' shape [B, 1, vocab] static for the compiler
-                last = position_ids.argmax(dim=1, keepdim=True)  # [B, 1]
-                pick = (torch.arange(seq, dtype=last.dtype).view(1, seq) == last).to(h.dtype).unsqueeze(1)
-                h = torch.matmul(pick, h)
-            logits = self.lm_head(h)
-            if self.logits_divisor is not None:
-                logits = logits / self.logits_divisor
-            if self.final_softcap:
-                logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-            return (logits, *retained)
-
-    return RetainedStateDecoder
-
-
-def _architecture(model_dir: Path) -> str:
-    """The checkpoint's architecture from config.json, refused before loading any weights when unsupported."""
-    from ...errors import ModelFormatError
-
+def check_architecture(model_dir: Path) -> str:
+    """The checkpoint's architecture from config.json, refused before any work when unsupported."""
     try:
         arch = architecture(json.loads((Path(model_dir) / "config.json").read_text()))
     except (OSError, ValueError, AttributeError) as e:
@@ -344,21 +75,47 @@ def _architecture(model_dir: Path) -> str:
     return arch
 
 
-def export(model_dir: Path, out_path: Path, *, ctx_len: int = 128, batch_index: bool = False,
-           external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> ExportReport:
-    """Export a checkpoint of a supported family (fp32) to `out_path`; weights over `external_data_threshold`
-    bytes go to `<out_path name>.data` beside it. Refuses other architectures (NotApplicableError)."""
-    from ... import reference
+# -- the graph -----------------------------------------------------------------------------------------------
 
-    _architecture(model_dir)
-    model = reference.load_model(model_dir)
-    decoder = build_decoder(model, batch_index=batch_index, ctx_len=ctx_len)
-    return export_decoder(decoder, out_path, ctx_len=ctx_len, external_data_threshold=external_data_threshold)
+def placeholder_model(model_dir: Path, layers: int | None = None):
+    """(the causal LM with zero-page placeholders for parameters, the checkpoint rule of each parameter, the
+    checkpoint). Placeholders are calloc'd numpy zeros: never written, so never resident."""
+    import torch
+
+    from ...safetensors_io import TensorSource
+    from ...streamed_model import meta_model, return_freed_memory
+
+    return_freed_memory()  # large allocations are fresh mmaps: calloc leaves them untouched
+    source = TensorSource(sorted(Path(model_dir).glob("*.safetensors")))
+    model, rules = meta_model(Path(model_dir), set(source.names()), layers)
+    real: dict[int, Any] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.device.type == "meta":
+                if id(p) not in real:
+                    real[id(p)] = torch.nn.Parameter(torch.from_numpy(np.zeros(tuple(p.shape), np.float32)),
+                                                     requires_grad=False)
+                module._parameters[name] = real[id(p)]
+    return model, rules, source
 
 
-def export_decoder(decoder, out_path: Path, *, ctx_len: int = 128,
-                   external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> ExportReport:
-    """Write a `build_decoder` module as the contract's ONNX graph (ctx_len: the sample's cache length)."""
+@contextmanager
+def _shape_inference_without_values() -> Iterator[None]:
+    """torch's exporter infers shapes with the parameters' values, computing every folded weight for real (the
+    whole model in memory, minutes at scale); without them it infers the same shapes from the traced types."""
+    import torch
+
+    original = torch._C._jit_pass_onnx_graph_shape_type_inference
+    torch._C._jit_pass_onnx_graph_shape_type_inference = lambda graph, _params, opset: original(graph, {}, opset)
+    try:
+        yield
+    finally:
+        torch._C._jit_pass_onnx_graph_shape_type_inference = original
+
+
+def trace_graph(decoder, ctx_len: int):
+    """The decoder's ONNX graph with every parameter a graph input named by its path in the decoder."""
+    import onnx
     import torch
 
     layers, n_kv, head_dim, batch_index = len(decoder.layers), decoder.n_kv, decoder.head_dim, decoder.batch_index
@@ -376,149 +133,82 @@ def export_decoder(decoder, out_path: Path, *, ctx_len: int = 128,
         names_in.append("batch_index")
         sample.append(torch.tensor([[2], [0]]))
         axes["batch_index"] = {0: "batch_size"}
+    buf = io.BytesIO()
+    with torch.no_grad(), _shape_inference_without_values():
+        torch.onnx.export(decoder, tuple(sample), buf, input_names=names_in, output_names=names_out,
+                          dynamic_axes=axes, opset_version=OPSET, do_constant_folding=False, dynamo=False,
+                          export_params=False, keep_initializers_as_inputs=True)
+    return onnx.load_from_string(buf.getvalue()), names_in
+
+
+def _report(decoder, out_path: Path, ctx_len: int, writer: DataWriter, n_inits: int, weight_dtype: str) -> ExportReport:
+    return ExportReport(str(out_path), len(decoder.layers), decoder.n_kv, decoder.head_dim, decoder.vocab,
+                        decoder.max_positions, True, architecture=decoder.arch, ctx_len=ctx_len,
+                        batch_index=decoder.batch_index, files=[out_path.name, out_path.name + DATA_SUFFIX],
+                        weight_dtype=weight_dtype, data_bytes=writer.offset, initializers=n_inits,
+                        clipped_to_fp16=writer.clipped)
+
+
+def _write(model, decoder, weights: Weights, out_path: Path, ctx_len: int, weight_dtype: str) -> ExportReport:
+    import onnx
+
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    data_name = out_path.name + ".data"
-    for stale in (out_path, out_path.parent / data_name):
+    data_path = out_path.with_name(out_path.name + DATA_SUFFIX)
+    for stale in (out_path, data_path):
         stale.unlink(missing_ok=True)
-    # fp32 bytes of every distinct tensor the graph holds (the RoPE tables included)
-    seen, n_bytes = set(), 0
-    for t in list(decoder.parameters()) + list(decoder.buffers()):
-        if t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            n_bytes += t.untyped_storage().nbytes() * 4 // t.element_size()
-    external = n_bytes > external_data_threshold
-    kwargs = dict(input_names=names_in, output_names=names_out, dynamic_axes=axes, opset_version=OPSET,
-                  do_constant_folding=True, dynamo=False)
-    with torch.no_grad():
-        if not external:
-            torch.onnx.export(decoder, tuple(sample), str(out_path), **kwargs)
-        else:
-            _export_external(decoder, tuple(sample), out_path, data_name, kwargs)
-    files = [out_path.name] + ([data_name] if external else [])
-    return ExportReport(str(out_path), layers, n_kv, head_dim, decoder.vocab, decoder.max_positions, external,
-                        architecture=decoder.arch, ctx_len=ctx_len, batch_index=batch_index, files=files)
-
-
-def _export_external(decoder, sample, out_path: Path, data_name: str, kwargs: dict) -> None:
-    """Export through a scratch folder (torch writes one file per tensor past 2 GB), then save with every
-    initializer in one external-data file beside the model."""
-    import shutil
-    import tempfile
-
-    import onnx
-    import torch
-
-    scratch = Path(tempfile.mkdtemp(prefix=".export-", dir=out_path.parent))
+    writer = DataWriter(data_path)
     try:
-        torch.onnx.export(decoder, sample, str(scratch / "model.onnx"), **kwargs)
-        m = onnx.load(str(scratch / "model.onnx"), load_external_data=True)
-        onnx.save_model(m, str(out_path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data_name, size_threshold=0)
+        n = stored_initializers(model, decoder, weights, writer=writer, weight_dtype=weight_dtype)
+        writer.close()
+        model.producer_name = "hive-aot"
+        onnx.save_model(model, str(out_path))
+    except BaseException:
+        writer.close()
+        for partial in (out_path, data_path):
+            partial.unlink(missing_ok=True)
+        raise
+    return _report(decoder, out_path, ctx_len, writer, n, weight_dtype)
+
+
+def export(model_dir: Path, out_path: Path, *, ctx_len: int = 128, batch_index: bool = False,
+           weight_dtype: str = "float16") -> ExportReport:
+    """Export a checkpoint of a supported family to `out_path` and `<out_path>.data`, streamed from its
+    safetensors (memory: the graph and a few chunks). Refuses other architectures (NotApplicableError)."""
+    check_architecture(model_dir)
+    model, rules, source = placeholder_model(model_dir)
+    try:
+        decoder = build_decoder(model, batch_index=batch_index, ctx_len=ctx_len)
+        graph, _names = trace_graph(decoder, ctx_len)
+        return _write(graph, decoder, Weights(decoder, model, rules, source), out_path, ctx_len, weight_dtype)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        source.close()
 
 
-# -- onnxruntime ---------------------------------------------------------------------------------------
-
-def _session(onnx_path: Path):
-    import onnxruntime as ort
-
-    return ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+def export_decoder(decoder, out_path: Path, *, ctx_len: int = 128, weight_dtype: str = "float16") -> ExportReport:
+    """Export a `build_decoder` module over a model in memory (its own weights)."""
+    graph, _names = trace_graph(decoder, ctx_len)
+    return _write(graph, decoder, Weights(decoder), out_path, ctx_len, weight_dtype)
 
 
-def _empty_state(sess, rows: int, ctx_len: int) -> dict[str, Any]:
-    import numpy as np
+def slice_graph(model_dir: Path, onnx_path: Path, layers: int, out_path: Path) -> Path:
+    """A graph of the first `layers` layers over the external data of the export at `onnx_path` (no byte is
+    copied): written to `out_path`, which must be in the same directory."""
+    import onnx
 
-    state = {}
-    for i in sess.get_inputs():
-        if i.name.startswith("past_"):
-            _b, kv, _ctx, d = i.shape
-            state[i.name] = np.zeros((rows, kv, ctx_len, d), dtype=np.float32)
-    return state
-
-
-def run_ort(onnx_path: Path, prompt: list[int], decode_steps: int, ctx_len: int) -> dict[str, Any]:
-    """Prefill the prompt, then greedy-decode `decode_steps` tokens feeding the retained state back
-    (a continuous-batching export runs with one cache row, batch_index 0)."""
-    import numpy as np
-
-    sess = _session(onnx_path)
-    state = _empty_state(sess, 1, ctx_len)
-    extra = {"batch_index": np.zeros((1, 1), dtype=np.int64)} if any(
-        i.name == "batch_index" for i in sess.get_inputs()) else {}
-    outputs = [o.name for o in sess.get_outputs()]
-    ids = np.asarray([prompt], dtype=np.int64)
-    pos = np.arange(len(prompt), dtype=np.int64)[None]
-    steps_logits, tokens = [], []
-    for _ in range(decode_steps + 1):
-        res = dict(zip(outputs, sess.run(outputs, {"input_ids": ids, "position_ids": pos, **state, **extra})))
-        logits = res["logits"][0, 0]
-        steps_logits.append(logits)
-        tok = int(logits.argmax())
-        tokens.append(tok)
-        state = {name: res[f"{name}_RetainedState"] for name in state}
-        ids = np.asarray([[tok]], dtype=np.int64)
-        pos = np.asarray([[int(pos[0, -1]) + 1]], dtype=np.int64)
-    return {"logits": steps_logits, "tokens": tokens}
-
-
-def run_ort_continuous(onnx_path: Path, prompts: list[list[int]], slots: list[int], decode_steps: int,
-                       ctx_len: int, full_batch_size: int) -> list[dict[str, Any]]:
-    """Continuous batching on a `batch_index` export: prefill each prompt alone (batch 1) into its cache
-    row `slots[i]` of a [full_batch_size, ...] cache, then greedy-decode all of them together as one batch."""
-    import numpy as np
-
-    sess = _session(onnx_path)
-    state = _empty_state(sess, full_batch_size, ctx_len)
-    outputs = [o.name for o in sess.get_outputs()]
-
-    def step(ids, pos, rows):
-        feed = {"input_ids": ids, "position_ids": pos, "batch_index": np.asarray(rows, dtype=np.int64).reshape(-1, 1)}
-        res = dict(zip(outputs, sess.run(outputs, {**feed, **state})))
-        state.update({name: res[f"{name}_RetainedState"] for name in state})
-        return res["logits"][:, 0]
-
-    results = [{"logits": [], "tokens": []} for _ in prompts]
-    for r, prompt, slot in zip(results, prompts, slots):
-        logits = step(np.asarray([prompt], dtype=np.int64), np.arange(len(prompt), dtype=np.int64)[None], [slot])[0]
-        r["logits"].append(logits)
-        r["tokens"].append(int(logits.argmax()))
-    next_pos = [len(p) for p in prompts]
-    for _ in range(decode_steps):
-        ids = np.asarray([[r["tokens"][-1]] for r in results], dtype=np.int64)
-        logits = step(ids, np.asarray(next_pos, dtype=np.int64)[:, None], slots)
-        for r, lg in zip(results, logits):
-            r["logits"].append(lg)
-            r["tokens"].append(int(lg.argmax()))
-        next_pos = [p + 1 for p in next_pos]
-    return results
-
-
-def reference_logits(model, prompt: list[int], tokens: list[int]):
-    """transformers fp32 logits for the prompt's last position and each fed-back token (teacher-forced)."""
-    import torch
-
-    seq = prompt + tokens[:-1]
-    with torch.inference_mode():
-        return model(torch.tensor([seq])).logits[0, len(prompt) - 1:].float().numpy()
-
-
-def compare(ref, got) -> dict[str, Any]:
-    import numpy as np
-
-    got = np.stack(got)
-    return {"steps": len(got), "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).mean()),
-            "max_abs_logit_delta": float(np.abs(ref - got).max())}
-
-
-def ort_parity(model_dir: Path, onnx_path: Path, prompt: list[int], decode_steps: int = 8,
-               ctx_len: int = 128, model=None) -> dict[str, Any]:
-    """ORT (prefill + decode_steps, retained state fed back) against transformers fp32 on the same ids:
-    transformers scores the prompt followed by ORT's own greedy tokens, teacher-forced in one pass.
-    `model`: the fp32 transformers model when the caller checks several prompts (loaded once)."""
-    from ... import reference
-
-    ort_out = run_ort(onnx_path, prompt, decode_steps, ctx_len)
-    ref = reference_logits(model or reference.load_model(model_dir), prompt, ort_out["tokens"])
-    return {**compare(ref, ort_out["logits"]), "tokens": ort_out["tokens"]}
+    full = onnx.load(str(onnx_path), load_external_data=False)
+    lookup = {t.name: t for t in full.graph.initializer}
+    batch_index = any(i.name == "batch_index" for i in full.graph.input)
+    model, rules, source = placeholder_model(model_dir, layers=layers)
+    try:
+        decoder = build_decoder(model, batch_index=batch_index, ctx_len=16)
+        graph, _names = trace_graph(decoder, 16)
+        stored_initializers(graph, decoder, Weights(decoder, model, rules, source), lookup=lookup)
+    finally:
+        source.close()
+    if Path(out_path).parent.resolve() != Path(onnx_path).parent.resolve():
+        raise ValueError("a slice's graph lives beside the export whose data it reads")
+    onnx.save_model(graph, str(out_path))
+    return Path(out_path)

@@ -19,11 +19,29 @@ def fake_fp16(x):
     return x.half().to(x.dtype)
 
 
+def _blockwise(quantize, w, axis: int, rows: int = 4096):
+    """`quantize` applied to `w` in blocks along `axis` (moved last), a few thousand rows at a time: the MX
+    emulation's temporaries stay small whatever the weight's size (a 128k-vocabulary head is 2 GB in fp32)."""
+    import itertools
+
+    import torch
+
+    moved = w.movedim(axis, -1)
+    if moved.dim() < 2:
+        return quantize(moved)
+    out = torch.empty(moved.shape, dtype=moved.dtype)
+    for idx in itertools.product(*[range(d) for d in moved.shape[:-2]]):
+        src, dst = moved[idx], out[idx]
+        for lo in range(0, src.shape[0], rows):
+            dst[lo:lo + rows] = quantize(src[lo:lo + rows].contiguous())
+    return out.movedim(-1, axis).contiguous()
+
+
 def fake_mxfp6_weights(model, quantize=None) -> int:
-    """Replace every constant MatMul weight of a supported causal LM with its MXFP6 E2M3 quantize-dequantize
-    (or `quantize`, e.g. fake_fp16), in blocks of 32 along its reduction axis (nn.Linear [out, in], Conv1D
-    [in, out], stacked MoE experts); tied weights get a copy, so the embedding (a Gather) stays fp32.
-    Returns how many tensors changed."""
+    """Replace every constant MatMul weight of a supported causal LM in memory with its MXFP6 E2M3
+    quantize-dequantize (or `quantize`, e.g. fake_fp16), in blocks of 32 along its reduction axis (nn.Linear
+    [out, in], Conv1D [in, out], stacked MoE experts); tied weights get a copy, so the embedding (a Gather)
+    stays fp32. Returns how many tensors changed."""
     import torch
 
     from .families import matmul_weights
@@ -33,37 +51,52 @@ def fake_mxfp6_weights(model, quantize=None) -> int:
     found = matmul_weights(model)
     with torch.no_grad():
         for module, name, axis in found:
-            w = getattr(module, name).detach()
-            q = quantize(w.movedim(axis, -1).clone()).movedim(-1, axis).contiguous()
+            q = _blockwise(quantize, getattr(module, name).detach(), axis)
             setattr(module, name, torch.nn.Parameter(q, requires_grad=False))
     return len(found)
 
 
+def mx_transform(model, quantize):
+    """The streamed model's load-time transform that does what fake_mxfp6_weights does, one weight as it loads."""
+    from .families import matmul_weights
+
+    axes = {(id(module), name): axis for module, name, axis in matmul_weights(model)}
+
+    def transform(_name, owner, attr, value):
+        axis = axes.get((id(owner), attr))
+        return value if axis is None else _blockwise(quantize, value, axis)
+    return transform
+
+
 def predict(model_dir: Path, sequences: list[list[int]], *, mxfp6: bool = True, mxint8: bool = True,
-            fp16: bool = True, reference_logits: list[Any] | None = None) -> dict[str, Any]:
+            fp16: bool = True, reference_logits: list[Any] | None = None, resident: bool = True) -> dict[str, Any]:
     """`fp16`: what is not MX is rounded to float16 as the device stores it (False: left fp32, so the
     decoder itself can be compared with transformers). `reference_logits`: the fp32 logits of `sequences`
-    when the caller has them (reference.compute caches them for every artifact kind of a snapshot)."""
+    when the caller has them (reference.compute caches them for every artifact kind of a snapshot).
+    `resident`: keep every unit after its first load (the model fits with margin); else the decoder runs unit
+    by unit, every sequence through a layer before the next one is read (one pass over the weights)."""
     import numpy as np
-    import torch
 
-    from ... import parity, reference
-    from .export import build_decoder
-    from .mx import fake_mxint8
+    from ... import parity
+    from ...streamed_model import StreamedCausalLM, trim_heap
+    from .decoder import build_decoder
+    from .mx import fake_mxfp6, fake_mxint8
 
-    model = reference.load_model(model_dir)
-    with torch.inference_mode():
-        ref = reference_logits or [model(torch.tensor([s])).logits[0].float().numpy() for s in sequences]
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if reference_logits is None:
+        with StreamedCausalLM(Path(model_dir), files, resident=resident) as plain:
+            reference_logits = plain.logits_batch(sequences)
+    with StreamedCausalLM(Path(model_dir), files, resident=resident) as lm:
         # Without MXFP6 the compiler still converts every weight to fp16, and the KV cache is float16.
         if mxfp6 or fp16:
-            fake_mxfp6_weights(model, None if mxfp6 else fake_fp16)
-        decoder = build_decoder(model, kv_transform=fake_mxint8 if mxint8 else (fake_fp16 if fp16 else None),
+            lm.transform = mx_transform(lm.model, fake_mxfp6 if mxfp6 else fake_fp16)
+        decoder = build_decoder(lm.model, kv_transform=fake_mxint8 if mxint8 else (fake_fp16 if fp16 else None),
                                 ctx_len=max(len(s) for s in sequences))
         decoder.all_positions = True
-        got = []
-        for s in sequences:
-            past = [torch.zeros(1, decoder.n_kv, len(s), decoder.head_dim) for _ in range(2 * len(decoder.layers))]
-            got.append(decoder(torch.tensor([s]), torch.arange(len(s)).unsqueeze(0), *past)[0][0].float().numpy())
+        got = run_decoder(lm, decoder, sequences)
+    del decoder
+    trim_heap()
+    ref = reference_logits
     total = parity.merge([parity.compare(r, g) for r, g in zip(ref, got)])
 
     def ppl(all_logits: list[np.ndarray]) -> float:
@@ -78,8 +111,30 @@ def predict(model_dir: Path, sequences: list[list[int]], *, mxfp6: bool = True, 
     return {"positions": total.positions, "top1": round(total.top1_agreement, 6), "kl": float(f"{total.mean_kl:.6g}"),
             "max_abs_logit_delta": float(f"{total.max_abs_logit_delta:.6g}"), "ppl_fp32": round(p_ref, 4),
             "ppl": round(p_got, 4), "ppl_delta": float(f"{(p_got - p_ref) / p_ref:.6g}"),
+            "unit_loads": lm.loads, "resident": resident,
             "emulated": [name for name in ("mxfp6 weights" if mxfp6 else "fp16 weights" if fp16 else None,
                                            "mxint8 kv cache" if mxint8 else "float16 kv cache" if fp16 else None) if name]}
+
+
+def run_decoder(lm, decoder, sequences: list[list[int]]) -> list[Any]:
+    """Every sequence's logits (all positions) through the retained-state decoder over a streamed model, unit
+    by unit: each unit is loaded once and every sequence goes through it (prefill from an empty cache)."""
+    import torch
+
+    with torch.inference_mode():
+        states = []
+        with lm.loaded(decoder.embed, decoder.pos_embed):
+            for s in sequences:
+                ids, pos = torch.tensor([s]), torch.arange(len(s)).unsqueeze(0)
+                h, rope, masks = decoder.begin(ids, pos, len(s))
+                states.append([h, rope, masks, pos])
+        for i, layer in enumerate(decoder.layers):
+            with lm.loaded(layer):
+                for st in states:
+                    empty = torch.zeros(1, decoder.n_kv, st[3].shape[1], decoder.head_dim)
+                    st[0], _k, _v = decoder.layer_step(i, st[0], st[1], st[2], empty, empty, st[3], None)
+        with lm.loaded(decoder.final_norm, decoder.lm_head):
+            return [decoder.end(st[0], st[3])[0].float().numpy() for st in states]
 
 
 def predict_encoder(model_dir: Path, batches: list[list[list[int]]], *, mxfp6: bool = True) -> dict[str, Any]:

@@ -69,20 +69,28 @@ class VllmTarget:
     kind = "vllm"
     format_version = FORMAT_VERSION
     Thresholds = VllmThresholds
+    build_step = "prepare"
 
     @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]:
-        from .prepare import parse_size
+        from ...errors import ConfigError
+        from ...units import parse_size
 
         problems = [f"unknown option {k!r}" for k in options if k not in ("quantization", "max_shard_size")]
         if options.get("quantization", "none") not in QUANTIZATIONS:
             problems.append(f"quantization {options['quantization']!r} is not one of {', '.join(QUANTIZATIONS)}")
         try:
-            if parse_size(options.get("max_shard_size", DEFAULT_MAX_SHARD)) < 1 << 20:
+            if parse_size(options.get("max_shard_size", DEFAULT_MAX_SHARD), "max_shard_size") < 1 << 20:
                 problems.append("max_shard_size must be at least 1MiB")
-        except ValueError:
+        except ConfigError:
             problems.append(f"max_shard_size {options['max_shard_size']!r} is not a size (e.g. 5GB)")
         return problems
+
+    @staticmethod
+    def plan_steps(env) -> list:
+        from .plan import plan_steps
+
+        return plan_steps(env)
 
     @staticmethod
     def artifact_format(options: dict[str, Any]) -> str:
@@ -118,11 +126,16 @@ class VllmTarget:
     def validate(self, ctx: BuildContext, artifact_dir: Path, files: dict[str, str]) -> ValidationReport:
         from .validate import validate_prepared
 
+        from ...host import memory_budget
+        from ...memory import model_facts
+        from .plan import layout
+
         thresholds = ctx.recipe.validation
         digests = sorted(files.items())  # verified when staged: no second read of the artifact
         quantized = ctx.recipe.options.get("quantization", "none") != "none"
+        how = layout(model_facts(ctx.snapshot), memory_budget()[0])  # what the plan of this budget counted
         metrics, details = validate_prepared(ctx, artifact_dir, digests, quantized,
-                                             engine_required=bool(thresholds.require_engine_load))
+                                             engine_required=bool(thresholds.require_engine_load), how=how)
         if not metrics.get("vllm_loaded") and not thresholds.require_engine_load:
             # The engine could not run this tier here (recorded in details.vllm): its gates wait for a host that can.
             thresholds = thresholds.model_copy(update={f: None for f in type(thresholds).model_fields

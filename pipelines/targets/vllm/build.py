@@ -6,14 +6,17 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ...errors import ModelFormatError
+from ...paths import link_or_copy
 from ...progress import bar
 from ...safetensors_io import TensorSource
-from ...paths import link_or_copy
+from ...units import parse_size
 from .. import BuiltArtifact
-from . import fp8 as fp8_mod
+from .fp8 import linear_layers, quantization_config, quantize_rows
 from .prepare import (INDEX, OutTensor, PrepareReport, bf16_tensor, carry_files, check_dtypes, check_finite,
-                      normalize_config, parse_size, plan_shards, reusable_source_shards, shard_names,
+                      normalize_config, plan_shards, reusable_source_shards, row_chunks, shard_names,
                       tensor_order, write_index, write_shard)
 
 if TYPE_CHECKING:
@@ -28,9 +31,9 @@ def meta_model(config_dir: Path):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ... import reference
+    from ...quiet import quiet_transformers
 
-    reference._quiet_transformers()
+    quiet_transformers()
     try:
         cfg = AutoConfig.from_pretrained(str(config_dir), trust_remote_code=False, local_files_only=True)
         with torch.device("meta"):
@@ -83,7 +86,7 @@ def prepare_directory(ctx: "BuildContext", out_dir: Path) -> BuiltArtifact:
     snap, opts = ctx.snapshot, ctx.recipe.options
     cfg = ctx.config
     quantize = opts.get("quantization", "none") == "fp8-dynamic"
-    max_bytes = parse_size(opts.get("max_shard_size", "5GB"))
+    max_bytes = parse_size(opts.get("max_shard_size", "5GB"), "max_shard_size")
     names = [f.path for f in snap.files]
     report = PrepareReport()
     with TensorSource(snap.safetensors_files()) as src:
@@ -94,7 +97,7 @@ def prepare_directory(ctx: "BuildContext", out_dir: Path) -> BuiltArtifact:
         order = tensor_order(src)
         qcfg = None
         if quantize:
-            quantized, kept = fp8_mod.linear_layers(model)
+            quantized, kept = linear_layers(model)
             qset = {f"{m}.weight" for m in quantized}
             outs = []
             for name in order:
@@ -104,17 +107,17 @@ def prepare_directory(ctx: "BuildContext", out_dir: Path) -> BuiltArtifact:
                 else:
                     outs.append(bf16_tensor(src, name))
             report.ignored = sorted(set(kept) | {"lm_head"})
-            qcfg = fp8_mod.quantization_config(report.ignored)
+            qcfg = quantization_config(report.ignored)
         else:
             outs = [bf16_tensor(src, n) for n in order]
         weight_map: dict[str, str] = {}
         if not quantize and reusable_source_shards(src, max_bytes):
             # bf16 already: the source's shards are carried byte for byte, with the snapshot's digests.
             by_path = {f.path: f for f in snap.files}
-            for t in outs:  # carried unchanged, but never with NaN/Inf in it: read once, tensor by tensor
+            for t in outs:  # carried unchanged, but never with NaN/Inf in it: read once, a chunk at a time
                 if t.dtype == "BF16":
-                    t.produce()
-                    src.release(t.name)
+                    for _part in t.chunks():
+                        pass
             for f in src.files:
                 rel = f.path.relative_to(snap.dir).as_posix() if f.path.is_relative_to(snap.dir) else f.path.name
                 link_or_copy(f.path, out_dir / f.path.name)
@@ -155,21 +158,27 @@ def prepare_directory(ctx: "BuildContext", out_dir: Path) -> BuiltArtifact:
 
 
 def _fp8_pair(src: TensorSource, name: str, errors: dict[str, float]) -> list[OutTensor]:
-    """The e4m3 weight and its per-row scale, produced together when the weight is written."""
+    """The e4m3 weight and its per-row scale: the weight quantized a chunk of rows at a time as it is written,
+    the scales gathered meanwhile and written after it."""
     info = src.info(name)
     rows, cols = info.shape
-    cache: dict[str, object] = {}
+    scales: list = []
 
     def weight():
-        data = src.float32(name)
-        check_finite(name, data)
-        q, scale, rel = fp8_mod.quantize_rows(data)
-        cache["scale"] = scale
-        errors[name] = rel
-        return q
+        err = norm = 0.0
+        for lo, hi in row_chunks(src, name):
+            data = src.rows(name, lo, hi)
+            check_finite(name, data)
+            q, scale, e, n = quantize_rows(data)
+            scales.append(scale)
+            err, norm = err + e, norm + n
+            yield q
+            src.release(name)
+        errors[name] = (err / norm) ** 0.5 if norm > 0 else 0.0
 
     def scale():
-        return cache.pop("scale")
+        yield np.concatenate(scales, axis=0) if scales else np.zeros((0, 1), dtype=np.float32)
+        scales.clear()
 
     prefix = name[: -len(".weight")]
     return [OutTensor(name, "F8_E4M3", (rows, cols), rows * cols, weight, source=name),

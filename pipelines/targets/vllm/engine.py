@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import EngineCrashed, EngineFailed, HiveError
+from ...isolation import run_measured
 from ...paths import cache_root, work_dir
 
 RUNNER = Path(__file__).with_name("runner.py")
@@ -96,8 +97,9 @@ def run(job: dict[str, Any], artifact_digests: list[tuple[str, str]], step: str)
     with work_dir("vllm-run-") as tmp:
         job_path, result_path, err_path = tmp / "job.json", tmp / "result.json", tmp / "stderr.log"
         job_path.write_text(json.dumps(job))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+        # The KV cache is sized by the job (kv_cache_memory_bytes: what its sequences need); a
+        # VLLM_CPU_KVCACHE_SPACE in the environment overrides it, as vLLM documents.
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "TOKENIZERS_PARALLELISM": "false",
                # One process, threads unpinned: the engine core and worker in their own processes, each
                # importing vLLM again and pinning OpenMP threads, took 55 s to start here instead of 25 s.
@@ -107,19 +109,19 @@ def run(job: dict[str, Any], artifact_digests: list[tuple[str, str]], step: str)
         env.pop("PYTHONPATH", None)  # the vLLM venv must not see hive-aot's packages
         with open(err_path, "w") as err:
             try:
-                proc = subprocess.run([str(py), str(RUNNER), str(job_path), str(result_path)], cwd=tmp, env=env,
-                                      stdout=err, stderr=subprocess.STDOUT, timeout=START_TIMEOUT_S,
-                                      start_new_session=True)
+                rc, peak = run_measured([str(py), str(RUNNER), str(job_path), str(result_path)], timeout=START_TIMEOUT_S,
+                                        cwd=tmp, env=env, stdout=err, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        start_new_session=True)
             except subprocess.TimeoutExpired:
                 raise EngineFailed(f"{step}: vLLM did not finish within {START_TIMEOUT_S} s "
                                    "(HIVE_AOT_VLLM_TIMEOUT)") from None
         stderr = err_path.read_text(errors="replace")
-        if proc.returncode < 0:
-            sig = signal.Signals(-proc.returncode).name
+        if rc < 0:
+            sig = signal.Signals(-rc).name
             raise EngineCrashed(f"{step}: vLLM ({version()}) died from {sig}: {_error_tail(stderr)}")
-        if proc.returncode != 0 or not result_path.is_file():
-            raise EngineFailed(f"{step}: vLLM ({version()}) failed (exit {proc.returncode}): {_error_tail(stderr)}")
-        result = json.loads(result_path.read_text())
+        if rc != 0 or not result_path.is_file():
+            raise EngineFailed(f"{step}: vLLM ({version()}) failed (exit {rc}): {_error_tail(stderr)}")
+        result = {**json.loads(result_path.read_text()), "peak_rss": peak}
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp_cache = cache.with_suffix(f".{os.getpid()}.tmp")
     tmp_cache.write_text(json.dumps(result))

@@ -1,10 +1,11 @@
 """The portable vLLM directory: HF layout, bf16 (or FP8 W8A8) safetensors shards with an index, the
 config normalized, tokenizer and chat template carried, nothing vLLM does not read.
 
-Streaming: tensors are read one at a time through mmap and written into the output shard at offsets
-planned from the headers, so memory stays about one tensor whatever the model's size. A source whose
-shards are already bf16 (and small enough) keeps its shard files byte for byte: they are linked, not
-rewritten, and their digests come from the snapshot.
+Streaming: tensors are read through mmap a chunk of rows at a time (CHUNK_BYTES of float32) and written
+into the output shard at offsets planned from the headers, so memory stays a few chunks whatever the
+model's size (a 70B model's 4 GiB fp32 embedding is never whole in memory). A source whose shards are
+already bf16 (and small enough) keeps its shard files byte for byte: they are linked, not rewritten, and
+their digests come from the snapshot.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -36,30 +37,38 @@ KEPT_DTYPES = {"I64", "I32", "I16", "BOOL"}  # buffers (position ids, masks): ca
 QUANTIZED_DTYPES = {"I8", "U8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "U16", "U32", "U64"}
 BF16_MAX = 3.3895313892515355e38
 ALIGN = 8  # safetensors pads its header so the data section starts 8-byte aligned
-
-
-def parse_size(v: int | str) -> int:
-    """5GB, 500MB, 1.5GiB or a byte count."""
-    if isinstance(v, int) and not isinstance(v, bool):
-        return v
-    s = str(v).strip().upper().replace(" ", "")
-    units = {"GIB": 1 << 30, "MIB": 1 << 20, "KIB": 1 << 10, "GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
-    for unit, mult in units.items():
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * mult)
-    return int(s)
+CHUNK_BYTES = 64 << 20  # float32 bytes of rows converted at a time (plan.PREPARE_CHUNK_BYTES)
 
 
 @dataclass
 class OutTensor:
-    """One tensor of the output: its dtype/shape and how to produce its bytes from the source."""
+    """One tensor of the output: its dtype/shape and how to produce its bytes from the source, in order, a
+    chunk of rows at a time."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
-    produce: Callable[[], np.ndarray]
+    chunks: Callable[[], Iterator[np.ndarray]]
     source: str | None = None  # source tensor name (for release after writing)
+
+
+def row_chunks(src: TensorSource, name: str, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[int, int]]:
+    """[lo, hi) row ranges of a tensor (along its first axis) of about `chunk_bytes` in float32."""
+    info = src.info(name)
+    rows = info.shape[0] if info.shape else 1
+    per_row = max(1, info.numel // max(rows, 1)) * 4
+    step = max(1, chunk_bytes // per_row)
+    for lo in range(0, rows, step):
+        yield lo, min(rows, lo + step)
+
+
+def raw_chunks(src: TensorSource, name: str, chunk_bytes: int = CHUNK_BYTES) -> Iterator[np.ndarray]:
+    """A tensor's stored bytes, a chunk at a time, each chunk's mmap pages dropped once written."""
+    raw = src.where[name].raw(name)
+    for lo in range(0, len(raw), chunk_bytes):
+        yield raw[lo:lo + chunk_bytes]
+        src.release(name, lo, lo + chunk_bytes)
 
 
 @dataclass
@@ -107,20 +116,20 @@ def check_dtypes(src: TensorSource) -> None:
 def bf16_tensor(src: TensorSource, name: str) -> OutTensor:
     info = src.info(name)
     if info.dtype == "BF16":
-        return OutTensor(name, "BF16", info.shape, info.nbytes, lambda: _checked_raw(src, name), source=name)
+        def checked() -> Iterator[np.ndarray]:  # carried as stored, never with NaN/Inf in it
+            for part in raw_chunks(src, name):
+                check_finite(name, to_float32(part, "BF16"))
+                yield part
+        return OutTensor(name, "BF16", info.shape, info.nbytes, checked, source=name)
     if info.dtype in FLOAT_DTYPES:
-        def produce() -> np.ndarray:
-            data = to_float32(src.where[name].raw(name), info.dtype)
-            check_finite(name, data, BF16_MAX)
-            return to_bf16(data)
-        return OutTensor(name, "BF16", info.shape, info.numel * 2, produce, source=name)
-    return OutTensor(name, info.dtype, info.shape, info.nbytes, lambda: src.where[name].raw(name), source=name)
-
-
-def _checked_raw(src: TensorSource, name: str) -> np.ndarray:
-    raw = src.where[name].raw(name)
-    check_finite(name, to_float32(raw, "BF16"))
-    return raw
+        def converted() -> Iterator[np.ndarray]:
+            for lo, hi in row_chunks(src, name):
+                data = src.rows(name, lo, hi)
+                check_finite(name, data, BF16_MAX)
+                yield to_bf16(data)
+                src.release(name)
+        return OutTensor(name, "BF16", info.shape, info.numel * 2, converted, source=name)
+    return OutTensor(name, info.dtype, info.shape, info.nbytes, lambda: raw_chunks(src, name), source=name)
 
 
 def plan_shards(tensors: list[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
@@ -136,7 +145,7 @@ def plan_shards(tensors: list[OutTensor], max_bytes: int) -> list[list[OutTensor
 
 
 def write_shard(path: Path, tensors: list[OutTensor], src: TensorSource, metadata: dict[str, str]) -> None:
-    """Header from the planned sizes, then each tensor's bytes in order (one tensor in memory at a time)."""
+    """Header from the planned sizes, then each tensor's bytes in order (a chunk in memory at a time)."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for t in tensors:
@@ -148,12 +157,14 @@ def write_shard(path: Path, tensors: list[OutTensor], src: TensorSource, metadat
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for t in tensors:
-            data = t.produce()
-            buf = np.ascontiguousarray(data).view(np.uint8).tobytes()
-            if len(buf) != t.nbytes:
-                raise AssertionError(f"{t.name}: produced {len(buf)} bytes, planned {t.nbytes}")
-            f.write(buf)
-            del data, buf
+            written = 0
+            for part in t.chunks():
+                buf = memoryview(np.ascontiguousarray(part)).cast("B")
+                f.write(buf)
+                written += len(buf)
+                del part, buf
+            if written != t.nbytes:
+                raise AssertionError(f"{t.name}: produced {written} bytes, planned {t.nbytes}")
             if t.source is not None and t.source in src:
                 src.release(t.source)
 

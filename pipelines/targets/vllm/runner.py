@@ -16,6 +16,29 @@ import sys
 import time
 
 
+def skip_input_embedding_packing() -> None:
+    """vLLM's CPU backend gives every vocab-parallel layer a oneDNN matmul handle holding a packed copy of its
+    weight, the input embedding included, which only ever gathers rows: a vocabulary x hidden copy nothing uses
+    (4 GiB at 70B in fp32). The input embedding keeps its weight and skips that; the head (and a head tied to the
+    embedding) is packed as vLLM does. Where the layout of vLLM's modules differs, nothing is changed."""
+    try:
+        from vllm.model_executor.layers import vocab_parallel_embedding as vpe
+    except ImportError:
+        return
+    method = getattr(vpe, "UnquantizedEmbeddingMethod", None)
+    original = getattr(method, "process_weights_after_loading", None)
+    if original is None or getattr(original, "_hive_aot", False):
+        return
+
+    def process_weights_after_loading(self, layer):
+        if type(layer) is vpe.VocabParallelEmbedding:  # an input embedding, not a (subclassed) head
+            return None
+        return original(self, layer)
+
+    process_weights_after_loading._hive_aot = True
+    method.process_weights_after_loading = process_weights_after_loading
+
+
 def main() -> int:
     job_path, result_path = sys.argv[1], sys.argv[2]
     with open(job_path) as f:
@@ -23,6 +46,8 @@ def main() -> int:
     t0 = time.time()
     import vllm
     from vllm import LLM, SamplingParams
+
+    skip_input_embedding_packing()
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=job["model_dir"], dtype=job["dtype"], max_model_len=job["max_model_len"], enforce_eager=True,
@@ -31,8 +56,11 @@ def main() -> int:
               **job.get("engine_args", {}))
     t_load = time.time()
 
-    scored = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["sequences"]],
-                          SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    # One sequence at a time: prompt logprobs cost [tokens x vocab] per sequence in flight (a 128k vocabulary's
+    # for every parity text at once would be most of the engine's memory on a small model).
+    scored = [llm.generate([TokensPrompt(prompt_token_ids=ids)],
+                           SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+              for ids in job["sequences"]]
     sequences = []
     for ids, out in zip(job["sequences"], scored):
         rows = []

@@ -1,13 +1,17 @@
-"""Validate a prepared vLLM directory, on the same token ids, three ways:
+"""Validate a prepared vLLM directory, on the same token ids, three ways, within the memory budget:
 
 1. **The artifact in transformers, fp32**, against the transformers fp32 reference of the source: what
-   the bf16 rounding (or FP8 quantization) cost. FP8 is evaluated as vLLM computes it: weights
-   dequantized from the stored e4m3 bytes and scales, activations quantized per token to e4m3 in
-   front of every quantized layer.
-2. **The artifact in vLLM** (the vLLM venv, `engine.py`), fp32, against the same artifact in
-   transformers fp32: teacher-forced top-1 and logprobs on the parity texts, greedy continuations
-   compared token by token, and the ids vLLM's tokenizer gives. Both sides in fp32, so differences
-   are the engine's, not the precision's (bf16 on both sides diverges on real models after a few tokens).
+   the bf16 rounding (or FP8 quantization) cost. Run unit by unit from the published files
+   (artifact_model.py: resident when the fp32 model fits with margin, else streamed in a child process):
+   FP8 as vLLM computes it, weights dequantized from the stored e4m3 bytes and scales, activations
+   quantized per token in front of every quantized layer. Every weight is compared with the source's as it
+   streams (`max_weight_rel_error`).
+2. **The artifact in vLLM** (the vLLM venv, `engine.py`), fp32, against transformers fp32 on the same
+   files: teacher-forced top-1 and logprobs on the parity texts, greedy continuations compared token by
+   token, and the ids vLLM's tokenizer gives. Both sides in fp32, so differences are the engine's, not the
+   precision's. The whole artifact when vLLM's process fits the budget, else a layer slice of the real files
+   (engine_check.py), compared with transformers and the source's reference on the same slice; the record
+   says which (`engine_check`).
 3. **Tokenizer**: the artifact's tokenizer gives the source's ids.
 
 A greedy divergence where the reference's two best tokens are within `TIE_MARGIN` (log-probability)
@@ -16,110 +20,62 @@ is a numerical tie, not an engine error: it is reported, not failed.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ... import parity, prompts, reference
-from ...errors import HiveError, ModelFormatError
-from . import engine
+from ...errors import HiveError
+from ...memory import model_facts
+from ...paths import work_dir
+from .engine import NoEngine
+from .engine import run as run_engine
+from .engine import version as engine_version
+from .engine_check import kv_cache_bytes, write_slice
 
 if TYPE_CHECKING:
     from .. import BuildContext
+    from .plan import ValidationLayout
 
 TIE_MARGIN = 1e-3
 
 
-def load_fp32(artifact_dir: Path, quantized: bool, source_files: list[Path]) -> tuple[Any, dict[str, float]]:
-    """The artifact as a transformers fp32 model, and (FP8) each quantized weight's relative error against
-    the source weight. FP8: dequantized weights plus per-token activation quantization hooks (what vLLM's
-    W8A8 kernels compute, up to accumulation order)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+def evaluate(model_dir: Path, files: list[Path], source_files: list[Path] | None, sequences: list[list[int]],
+             greedy_prompts: list[list[int]], *, resident: bool, layers: int | None = None,
+             weight_only: bool = False, step: str, keep: Path | None = None) -> dict[str, Any]:
+    """The artifact (or its first `layers` layers) in transformers: logits of `sequences` (and W8A16 ones with
+    `weight_only`), greedy continuations, weight errors. The whole artifact resident runs in this process (it
+    fits with margin); anything else in a child, whose memory goes back when it ends, so the parent stays at
+    its tokenizers and logits while the engine runs beside it. `keep`: a directory the logits stay in, read
+    back memory-mapped (the parent holds no copy while the engine runs); else they are loaded."""
+    from ...isolation import run_isolated
+    from ...streamed_model import trim_heap
+    from .artifact_model import evaluate_into
 
-    if not quantized:
-        return reference.load_model(artifact_dir, "the prepared directory"), {}
-    from ...safetensors_io import TensorSource
-    from .fp8 import E4M3_MAX, dequantize
-
-    reference._quiet_transformers()
-
-    cfg = AutoConfig.from_pretrained(str(artifact_dir), trust_remote_code=False, local_files_only=True)
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config
-    model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=False, dtype=torch.float32).eval()
-    state, quantized_modules, errors = {}, set(), {}
-    with TensorSource(sorted(artifact_dir.glob("*.safetensors"))) as src, TensorSource(source_files) as original:
-        for name in src.names():
-            info = src.info(name)
-            if name.endswith(".weight_scale"):
-                continue
-            if info.dtype == "F8_E4M3":
-                prefix = name[: -len(".weight")]
-                scale = np.array(src.float32(prefix + ".weight_scale"))  # copies: the mmap closes after
-                raw = np.array(src.where[name].raw(name)).reshape(info.shape)
-                deq = dequantize(raw, scale)
-                w = np.array(original.float32(name))
-                norm = float(np.linalg.norm(w))
-                errors[name] = float(np.linalg.norm(w - deq)) / norm if norm else 0.0
-                original.release(name)
-                state[name] = torch.from_numpy(deq)
-                quantized_modules.add(prefix)
-            else:
-                state[name] = torch.from_numpy(np.array(src.float32(name)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {n for n in missing if n.endswith("lm_head.weight")}
-    if set(missing) - tied or unexpected:
-        raise ModelFormatError(f"FP8 artifact does not match its model class: missing {sorted(set(missing) - tied)[:3]}, "
-                               f"unexpected {sorted(unexpected)[:3]}")
-    if tied:
-        model.tie_weights()
-
-    def fake_quant(_module, args):
-        if not model.quantize_activations:
-            return None
-        x = args[0]
-        scale = (x.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=1e-12)
-        q = (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(x.dtype)
-        return (q * scale,) + tuple(args[1:])
-
-    for name, module in model.named_modules():
-        if name in quantized_modules:
-            module.register_forward_pre_hook(fake_quant)
-    model.quantize_activations = True  # W8A8; False computes W8A16 (weights only), as vLLM does without FP8 kernels
-    return model, errors
-
-
-def teacher_forced(model, ids: list[list[int]]) -> list[np.ndarray]:
-    import torch
-
-    with torch.inference_mode():
-        return [model(torch.tensor([seq], dtype=torch.long)).logits[0].float().numpy() for seq in ids]
-
-
-def greedy(model, prompt: list[int], n: int) -> dict[str, Any]:
-    """Greedy continuation without stopping at EOS (as vLLM with ignore_eos), with each step's logprob of the
-    chosen token and the gap to the runner-up (ties are reported, not failed)."""
-    import torch
-
-    ids, lps, gaps = [], [], []
-    with torch.inference_mode():
-        out = model(torch.tensor([prompt]), use_cache=True)
-        for _ in range(n):
-            lp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
-            top2 = torch.topk(lp, 2)
-            tok = int(top2.indices[0])
-            ids.append(tok)
-            lps.append(float(top2.values[0]))
-            gaps.append(float(top2.values[0] - top2.values[1]))
-            out = model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
-    return {"ids": ids, "logprobs": lps, "gaps": gaps}
+    with work_dir("vllm-eval-") as tmp:
+        work = keep or tmp
+        args = dict(model_dir=str(model_dir), files=[str(f) for f in files],
+                    source_files=[str(f) for f in source_files] if source_files else None, sequences=sequences,
+                    greedy_prompts=greedy_prompts, greedy_tokens=prompts.GREEDY_TOKENS, out_dir=str(work),
+                    resident=resident, layers=layers, weight_only=weight_only)
+        if resident and layers is None:
+            evaluate_into(**args)
+            trim_heap()
+        else:
+            run_isolated("pipelines.targets.vllm.artifact_model:evaluate_into", engine="transformers", step=step, **args)
+        done = json.loads((work / "done.json").read_text())
+        mode = "r" if keep is not None else None
+        done["logits"] = [np.load(work / f"l{i}.npy", mmap_mode=mode) for i in range(len(sequences))]
+        if weight_only:
+            done["w8a16_logits"] = [np.load(work / f"w{i}.npy", mmap_mode=mode) for i in range(len(sequences))]
+    return done
 
 
 def compare_engine(tf_logits: list[np.ndarray], ids: list[list[int]], tf_greedy: list[dict[str, Any]],
                    result: dict[str, Any], ref_logits: list[np.ndarray]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """vLLM (runner result) against transformers on the same artifact and ids; and its top-1 against the
+    """vLLM (runner result) against transformers on the same files and ids; and its top-1 against the
     source's fp32 reference (end to end: what serving from this artifact in vLLM gives)."""
     agree = total = ref_agree = 0
     max_delta = 0.0
@@ -153,7 +109,10 @@ def compare_engine(tf_logits: list[np.ndarray], ids: list[list[int]], tf_greedy:
 
 
 def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tuple[str, str]], quantized: bool,
-                      engine_required: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+                      engine_required: bool, how: "ValidationLayout") -> tuple[dict[str, Any], dict[str, Any]]:
+    """`how`: what this budget affords (plan.layout): the artifact resident or streamed in a child, the engine
+    on the whole artifact or a slice, the slice's layers resident or streamed."""
+    check, resident = how.check, how.resident
     snapshot = ctx.snapshot
     src_tok = reference.load_tokenizer(snapshot.dir)
     art_tok = reference.load_tokenizer(artifact_dir)
@@ -162,63 +121,100 @@ def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tup
     greedy_prompts = reference.encode(src_tok, prompts.GREEDY_PROMPTS)
     ref = reference.compute(snapshot.dir, snapshot.content_digest, ids, gen_prompt, prompts.GENERATION_TOKENS,
                             files=snapshot.safetensors_files(), step=f"the transformers reference of {snapshot.model_id}")
-
-    model, weight_errors = load_fp32(artifact_dir, quantized, snapshot.safetensors_files())
-    tf_logits = teacher_forced(model, ids)
-    per_prompt = [parity.compare(r, a) for r, a in zip(ref.logits, tf_logits)]
+    shards = sorted(artifact_dir.glob("*.safetensors"))
+    whole = check.layers is None
+    # A source whose shards were carried unchanged (bf16 already): the artifact's weights are the source's files,
+    # byte for byte, so its logits are the reference's. Streaming it again would only repeat the reference.
+    source_digests = sorted(f.sha256 for f in snapshot.files if f.path.endswith(".safetensors"))
+    identical = not quantized and sorted(d for p, d in digests if p.endswith(".safetensors")) == source_digests
+    if identical and not whole:
+        art = {"logits": list(ref.logits), "greedy": [], "weight_errors": {}, "unit_loads": 0}
+    else:
+        # The whole artifact in transformers (greedy too when the engine checks the whole artifact: same files).
+        # W8A16 (informational, not gated) costs a second pass over the weights: only when they are resident.
+        art = evaluate(artifact_dir, shards, snapshot.safetensors_files(), ids, greedy_prompts if whole else [],
+                       resident=resident, weight_only=quantized and resident,
+                       step=f"the prepared directory of {ctx.model_id} in transformers")
+    per_prompt = [parity.compare(r, a) for r, a in zip(ref.logits, art["logits"])]
     total = parity.merge(per_prompt)
-    tf_greedy = [greedy(model, p, prompts.GREEDY_TOKENS) for p in greedy_prompts]
-    weight_only = None
-    if quantized:
-        # Where a platform has no FP8 activation kernels (CUDA sm75-sm86, XPU by default) vLLM runs W8A16:
-        # weights dequantized, activations 16-bit. Reported beside the W8A8 numbers the gate uses.
-        model.quantize_activations = False
-        weight_only = parity.merge([parity.compare(r, a) for r, a in zip(ref.logits, teacher_forced(model, ids))])
-    del model
 
     src_ids = [list(src_tok(t).input_ids) for t in prompts.TOKENIZER_TEXTS]
     art_ids = [list(art_tok(t).input_ids) for t in prompts.TOKENIZER_TEXTS]
     mismatches = [{"text": t, "source": a[:24], "artifact": b[:24]}
                   for t, a, b in zip(prompts.TOKENIZER_TEXTS, src_ids, art_ids) if a != b]
-
+    errors = art["weight_errors"]
     metrics: dict[str, Any] = {
         "positions": total.positions, "top1_agreement": parity.round6(total.top1_agreement), "mean_kl": parity.round6(total.mean_kl),
         "max_kl": parity.round6(total.max_kl), "max_abs_logit_delta": parity.round6(total.max_abs_logit_delta), "finite": total.finite,
+        "max_weight_rel_error": parity.round6(max(errors.values(), default=0.0)),
     }
+    worst = max(errors, key=errors.get) if errors else None
     details: dict[str, Any] = {
-        "reference": "transformers fp32 of the source", "prompt_set_version": prompts.VERSION,
+        **how.to_json(), "reference": "transformers fp32 of the source", "prompt_set_version": prompts.VERSION,
         "artifact_in_transformers": "fp32" + (", FP8 weights dequantized, activations quantized per token" if quantized else ""),
+        "artifact_run": ("identical to the source (its shards are the source's files): the reference's logits"
+                         if identical and not whole else "resident" if resident
+                         else f"streamed unit by unit ({art.get('unit_loads')} unit loads)"),
+        "weights_compared": len(errors), "worst_weight": worst,
         "per_prompt": [p.rounded() for p in per_prompt],
     }
-    if weight_only is not None:
-        details["w8a16"] = weight_only.rounded()
-        metrics["max_weight_rel_error"] = parity.round6(max(weight_errors.values(), default=0.0))
+    if quantized:
+        # Where a platform has no FP8 activation kernels (CUDA sm75-sm86, XPU by default) vLLM runs W8A16:
+        # weights dequantized, activations 16-bit. Reported beside the W8A8 numbers the gate uses.
+        details["w8a16"] = (parity.merge([parity.compare(r, a) for r, a in zip(ref.logits, art["w8a16_logits"])]).rounded()
+                            if "w8a16_logits" in art else "not computed: the artifact streamed (a second pass)")
+
+    if not whole:  # the engine checks a slice: the whole artifact's logits are done with; free them first
+        art.pop("logits"), art.pop("w8a16_logits", None)
+        from ...streamed_model import trim_heap
+
+        trim_heap()
     step = f"vLLM validation of {ctx.model_id} ({ctx.recipe.id})"
-    cfg = ctx.config
-    max_len = max(len(s) for s in ids + greedy_prompts) + prompts.GREEDY_TOKENS + 8
-    job = {"model_dir": str(artifact_dir), "dtype": "float32", "max_model_len": max_len, "sequences": ids,
-           "generation_prompts": greedy_prompts, "generation_tokens": prompts.GREEDY_TOKENS,
-           "tokenizer_texts": prompts.TOKENIZER_TEXTS}
-    if cfg.get("sliding_window") and ctx.compatibility.family == "gemma":
-        job["engine_args"] = {"disable_sliding_window": True}
-    try:
-        result = engine.run(job, digests, step)
-    except engine.NoEngine:
-        raise
-    except HiveError as e:  # EngineFailed / EngineCrashed: one line already
-        if engine_required:
+    with work_dir("vllm-engine-") as work:
+        if whole:
+            engine_dir, tf_logits, tf_greedy, ref_logits = artifact_dir, art["logits"], art["greedy"], list(ref.logits)
+            job_digests = digests
+        else:
+            # A layer slice of the real files, compared with transformers and the source on the same slice.
+            engine_dir = work / "slice"
+            write_slice(artifact_dir, check.layers, engine_dir)
+            (work / "tf").mkdir()
+            (work / "ref").mkdir()
+            sl = evaluate(engine_dir, [engine_dir / "model.safetensors"], None, ids, greedy_prompts, layers=check.layers,
+                          resident=how.slice_resident, keep=work / "tf",
+                          step=f"a {check.layers}-layer slice of {ctx.model_id} in transformers")
+            tf_logits, tf_greedy = sl["logits"], sl["greedy"]
+            ref_logits = tf_logits if identical else evaluate(  # identical files: the same slice
+                snapshot.dir, snapshot.safetensors_files(), None, ids, [], layers=check.layers,
+                resident=how.slice_resident, keep=work / "ref",
+                step=f"the reference of the first {check.layers} layers of {ctx.model_id}")["logits"]
+            job_digests = sorted(digests) + [("slice_layers", str(check.layers))]
+        max_len = max(len(s) for s in ids + greedy_prompts) + prompts.GREEDY_TOKENS + 8
+        job = {"model_dir": str(engine_dir), "dtype": "float32", "max_model_len": max_len, "sequences": ids,
+               "generation_prompts": greedy_prompts, "generation_tokens": prompts.GREEDY_TOKENS,
+               "tokenizer_texts": prompts.TOKENIZER_TEXTS,
+               "engine_args": {"kv_cache_memory_bytes": kv_cache_bytes(model_facts(snapshot), check.layers, max_len)}}
+        if ctx.config.get("sliding_window") and ctx.compatibility.family == "gemma":
+            job["engine_args"]["disable_sliding_window"] = True
+        try:
+            result = run_engine(job, job_digests, step)
+        except NoEngine:
             raise
-        metrics["vllm_loaded"] = 0.0
-        details["vllm"] = {"status": "not loaded on this host", "engine": engine.version(), "reason": str(e),
-                           "check_on": "a GPU host: bench/gpu_vllm.sh"}
-        vllm_ids = None
-    else:
-        em, ed = compare_engine(tf_logits, ids, tf_greedy, result, ref.logits)
-        metrics.update(em)
-        details["vllm"] = {"status": "loaded", "dtype": "float32", **ed}
-        if ed.get("engine"):  # the engine this artifact was checked in: pull compares it with a serving container's
-            details["engines"] = {"vllm": str(ed["engine"]).split("+")[0]}
-        vllm_ids = result["tokenized"]
+        except HiveError as e:  # EngineFailed / EngineCrashed: one line already
+            if engine_required:
+                raise
+            metrics["vllm_loaded"] = 0.0
+            details["vllm"] = {"status": "not loaded on this host", "engine": engine_version(), "reason": str(e),
+                               "check_on": "a GPU host: bench/gpu_vllm.sh"}
+            vllm_ids = None
+        else:
+            em, ed = compare_engine(tf_logits, ids, tf_greedy, result, ref_logits)
+            metrics.update(em)
+            details["vllm"] = {"status": "loaded", "dtype": "float32", "checked": check.mode,
+                               **({"layers": check.layers} if check.layers else {}), **ed}
+            if ed.get("engine"):  # the engine this artifact was checked in: pull compares it with a serving container's
+                details["engines"] = {"vllm": str(ed["engine"]).split("+")[0]}
+            vllm_ids = result["tokenized"]
     if vllm_ids is not None:
         mismatches += [{"text": t, "transformers": a[:24], "vllm": b[:24]}
                        for t, a, b in zip(prompts.TOKENIZER_TEXTS, art_ids, vllm_ids) if a != b]
@@ -226,3 +222,4 @@ def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tup
     metrics["token_parity"] = parity.round6(1 - len(mismatches) / compared)
     details["tokenizer_mismatches"] = mismatches
     return metrics, details
+

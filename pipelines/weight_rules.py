@@ -1,0 +1,119 @@
+"""How each parameter of a transformers model is made from checkpoint tensors.
+
+Checkpoint names map onto parameter names one to one, except where a checkpoint keeps a module under
+another name (`MODULE_RENAMES`), was saved from the base model (no `model.` prefix), ties the output
+embedding to the input one, or stores per-expert MoE weights that transformers 5 fuses into stacked
+tensors (Mixtral, Qwen2/3-MoE: stacked here as transformers stacks them when it loads them). A
+remote-code architecture with a native equivalent (native.py) translates its names through that.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from .errors import ModelFormatError
+
+if TYPE_CHECKING:
+    from .native import NativeEquivalent
+
+# Per-expert checkpoint layouts (module under the layer, gate, up, down) that transformers 5 stacks
+# into `<layer>.mlp.experts.gate_up_proj` [E, 2I, H] and `.down_proj` [E, H, I].
+EXPERT_LAYOUTS = (("block_sparse_moe", "w1", "w3", "w2"), ("mlp", "gate_proj", "up_proj", "down_proj"))
+# Bytes of a checkpoint tensor widened to fp32 at a time (and then dropped from the resident set).
+READ_SLICE_BYTES = 16 << 20
+# Whole-module renames between checkpoint and model (Mixtral's router lives in block_sparse_moe; GPT-NeoX's
+# checkpoints name the output embedding embed_out, transformers 5 names it lm_head; Granite MoE checkpoints keep
+# JetMoE's names for their router and stacked experts, as transformers' conversion mapping says).
+MODULE_RENAMES = ((".mlp.", ".block_sparse_moe."), ("lm_head.", "embed_out."),
+                  (".block_sparse_moe.router.weight", ".block_sparse_moe.router.layer.weight"),
+                  (".block_sparse_moe.experts.gate_up_proj", ".block_sparse_moe.input_linear.weight"),
+                  (".block_sparse_moe.experts.down_proj", ".block_sparse_moe.output_linear.weight"))
+
+
+@dataclass(frozen=True)
+class WeightRule:
+    """How one model parameter is made from checkpoint tensors: `sources` read, then `combine`d."""
+
+    sources: tuple[str, ...]
+    combine: Callable[[list], object] | None = None  # None: the single source as it is
+
+    def load(self, read: Callable[[str], object]):
+        parts = [read(s) for s in self.sources]
+        return parts[0] if self.combine is None else self.combine(parts)
+
+
+def _stack_gate_up(n_experts: int):
+    def combine(parts):
+        import torch
+
+        gates, ups = parts[:n_experts], parts[n_experts:]
+        return torch.stack([torch.cat([g, u], dim=0) for g, u in zip(gates, ups)])
+    return combine
+
+
+def _stack(parts):
+    import torch
+
+    return torch.stack(parts)
+
+
+def weight_rules(param_names: list[str], checkpoint: set[str], tied: dict[str, str],
+                 native: "tuple[NativeEquivalent, dict] | None" = None) -> dict[str, WeightRule]:
+    """The rule for every parameter; ModelFormatError naming what no checkpoint tensor provides. `native`: the
+    native equivalent of a remote-code architecture and its repository config, whose names it translates."""
+    rules: dict[str, WeightRule] = {}
+    missing = []
+    for name in param_names:
+        rule = _native_rule(name, checkpoint, tied, *native) if native else _rule_for(name, checkpoint, tied)
+        if rule is None:
+            missing.append(name)
+        else:
+            rules[name] = rule
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelFormatError(f"the checkpoint has no tensor for {', '.join(missing[:3])}{more}")
+    return rules
+
+
+def _rule_for(name: str, checkpoint: set[str], tied: dict[str, str]) -> WeightRule | None:
+    candidates = [name]
+    for model_part, ckpt_part in MODULE_RENAMES:
+        if model_part in name:
+            candidates.append(name.replace(model_part, ckpt_part))
+    if "." in name:  # checkpoints saved from the base model lack its prefix (`transformer.`, `model.`)
+        candidates.append(name.split(".", 1)[1])
+    for c in candidates:
+        if c in checkpoint:
+            return WeightRule((c,))
+    m = re.fullmatch(r"(.*)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
+    if m:
+        layer, which = m.groups()
+        for moe, gate, up, down in EXPERT_LAYOUTS:
+            n = 0
+            while f"{layer}.{moe}.experts.{n}.{gate}.weight" in checkpoint:
+                n += 1
+            if n == 0:
+                continue
+            expert = f"{layer}.{moe}.experts.{{}}.{{}}.weight"
+            if which == "down_proj":
+                return WeightRule(tuple(expert.format(e, down) for e in range(n)), _stack)
+            return WeightRule(tuple(expert.format(e, gate) for e in range(n)) + tuple(expert.format(e, up) for e in range(n)),
+                              _stack_gate_up(n))
+    if name in tied:
+        return _rule_for(tied[name], checkpoint, {})
+    return None
+
+
+def _native_rule(name: str, checkpoint: set[str], tied: dict[str, str], eq: "NativeEquivalent",
+                 cfg: dict) -> WeightRule | None:
+    from .native import checkpoint_source
+
+    found = checkpoint_source(eq, name, cfg)
+    if found is not None and found[0] in checkpoint:
+        source, take = found
+        return WeightRule((source,), None if take is None else (lambda parts, take=take: take(parts[0]).contiguous()))
+    if name in tied:
+        return _native_rule(tied[name], checkpoint, {}, eq, cfg)
+    return None
