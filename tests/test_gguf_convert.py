@@ -328,8 +328,8 @@ def test_q4_k_m_through_the_target(smollm2_dir, tmp_path, config):
     target = p.target
     art = target.build(p.context, out_dir)
     assert art.files == ["q4km-model-Q4_K_M.gguf"]
-    assert sorted(p.name for p in out_dir.iterdir()) == art.files  # the intermediate is gone
-    assert art.info["intermediate"] == "bf16" and art.info["outtype"] == "Q4_K_M"
+    assert sorted(p.name for p in out_dir.iterdir()) == art.files
+    assert art.info["intermediate"] is None and art.info["outtype"] == "Q4_K_M"  # quantized as it streamed
     r = gguf.GGUFReader(str(out_dir / art.files[0]))
     assert field(r, "general.file_type") == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
     counts = Counter(t.tensor_type for t in r.tensors)
@@ -480,7 +480,8 @@ def test_values_beyond_float16_range_are_refused_for_f16_only(tiny_llama, tmp_pa
 
 
 def test_nan_blocks_the_kquant_intermediate_too(tiny_llama, tmp_path):
-    """The k-quant path converts to a lossless intermediate first: the refusal must stop it before libllama runs."""
+    """A k-quant (quantized as it streams, or through a lossless intermediate) is refused the same way, and leaves
+    no partial file behind."""
     from pipelines.config import Config
     from pipelines.targets.gguf import GgufTarget
 
@@ -495,7 +496,7 @@ def test_nan_blocks_the_kquant_intermediate_too(tiny_llama, tmp_path):
     out_dir.mkdir()
     with pytest.raises(ModelFormatError, match=r"tensor model\.norm\.weight has 1 non-finite"):
         GgufTarget().build(p.context, out_dir)
-    assert list(out_dir.iterdir()) == []  # no intermediate left behind
+    assert list(out_dir.iterdir()) == []  # no partial GGUF (or intermediate) left behind
 
 
 @pytest.mark.parametrize("change,message", [

@@ -7,6 +7,7 @@ for, not a fallback) and each is loaded and run in llama.cpp against the transfo
 
 from __future__ import annotations
 
+import filecmp
 from pathlib import Path
 
 import gguf
@@ -100,6 +101,11 @@ def test_llama_cpp_ftypes(wide, f16_source, tmp_path, ftype):
     assert summary["fallbacks"] == [], summary  # rows of 256 and 512: no tensor falls back
     t = types(out)
     assert t["blk.0.attn_q.weight"] == KQUANTS[ftype], t["blk.0.attn_q.weight"].name
+    # Straight from the safetensors (tensor_quant.py), through f16 as the intermediate was: libllama's bytes.
+    direct = tmp_path / f"{ftype}-direct.gguf"
+    report = convert(wide.dir, wide.config(), wide.safetensors_files(), direct, "f16", name=wide.model_id, ftype=ftype)
+    assert report.quantization == {"tensors": sum(q not in (Q.F32, Q.F16) for q in t.values()), "fallbacks": []}
+    assert filecmp.cmp(out, direct, shallow=False), ftype
     runs_in_llama_cpp(wide, out, 0.5)
 
 

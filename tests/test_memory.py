@@ -29,6 +29,7 @@ from pipelines.errors import ConfigError, DiskFull, ResourceError
 from pipelines.memory import (FP32, GIB, MIB, PlanEnv, facts_from_tensors, human_bytes, plan_build, reference_memory,
                               reference_need)
 from pipelines.targets import target_for
+from pipelines.targets.gguf import tensor_quant
 from pipelines.targets.gguf.plan import gguf_bytes
 from pipelines.units import parse_size
 from pipelines.safetensors_io import DTYPE_BITS, TensorInfo
@@ -165,11 +166,17 @@ def test_plan_of_llama3_8b_from_a_sparse_snapshot(llama3_8b, project_config, ple
 
     q4 = _plan(llama3_8b, project_config, "gguf-q4_k_m")
     steps = {s.step: s for s in q4.steps}
-    assert list(steps) == ["convert", "quantize", "publish", "reference", "validate"]
+    # quantized as it streams (tensor_quant.py): only the output on disk, the converter's row slices in memory
+    assert list(steps) == ["convert", "publish", "reference", "validate"] and q4.fits()
     inter, out = gguf_bytes(q4.facts, "bf16"), gguf_bytes(q4.facts, "Q4_K_M")
+    assert steps["convert"].disk == out and steps["convert"].memory < GIB
+    # Where libllama lacks llama-ext.h (or with an imatrix): the bf16 intermediate, then libllama's quantizer.
+    with monkeypatch.context() as m:
+        m.setattr(tensor_quant, "unavailable", lambda: "this libllama lacks llama_quant_compute_types")
+        steps = {s.step: s for s in _plan(llama3_8b, project_config, "gguf-q4_k_m").steps}
+    assert list(steps) == ["convert", "quantize", "publish", "reference", "validate"]
     assert steps["convert"].disk == inter and steps["quantize"].disk == inter + out
     assert steps["quantize"].mapped == inter and steps["quantize"].memory < 5 * GIB  # 2 fp32 copies of 1.96 GiB
-    assert q4.fits()
 
     for rid in ("vllm-bf16", "vllm-fp8", "qaic-export", "qaic-mxfp6", "qaic-fp16"):
         plan = _plan(llama3_8b, project_config, rid)
@@ -195,6 +202,9 @@ def test_plan_of_llama3_8b_from_a_sparse_snapshot(llama3_8b, project_config, ple
 def test_disk_need_counts_the_intermediate_and_blobs_kept_on_the_same_file_system(llama3_8b, project_config,
                                                                                   monkeypatch, tmp_path):
     monkeypatch.setattr(memory, "free_bytes", lambda path: 10 * GIB)
+    direct = plan_build(fake_plan(llama3_8b, project_config.recipe("gguf-q4_k_m")), LocalStore(tmp_path / "store"))
+    assert direct.problems() == []  # quantized as it streams: 4.6 GiB of output, no intermediate
+    monkeypatch.setattr(tensor_quant, "unavailable", lambda: "this libllama lacks llama_quant_compute_types")
     q4 = plan_build(fake_plan(llama3_8b, project_config.recipe("gguf-q4_k_m")), LocalStore(tmp_path / "store"))
     convert, quantize = q4.problems()  # the bf16 intermediate, then the intermediate and the Q4_K_M output at once
     assert convert.startswith("step 'convert' needs 14.9 GiB of disk in ") and convert.endswith("which has 10.0 GiB free")
@@ -328,7 +338,7 @@ def test_plan_command_shows_every_step_and_exits_7_when_a_build_would_be_refused
     (plan,) = doc["plans"]
     # published: unknown (None) unless the source's digests are cached: a plan reads headers only
     assert doc["fits"] is True and plan["fits"] is True and plan["published"] in (False, None)
-    assert [s["step"] for s in plan["steps"]] == ["convert", "quantize", "publish", "reference", "validate"]
+    assert [s["step"] for s in plan["steps"]] == ["convert", "publish", "reference", "validate"]  # no intermediate
     assert all(s["memory"] > 0 for s in plan["steps"]) and plan["model"]["vocab_size"] == 49152
     human = hive(*args, env={"HIVE_AOT_MEMORY_BUDGET": "100M"})
     assert human.returncode == 7
@@ -499,10 +509,11 @@ def test_disk_full_while_converting_is_one_line_and_leaves_nothing(tiny_llama, r
     assert store_contents(store) == []
 
 
-@pytest.mark.parametrize("recipe, step", [("vllm-fp8", "prepare"), ("qaic-export", "export")])
+@pytest.mark.parametrize("recipe, step", [("vllm-fp8", "prepare"), ("qaic-export", "export"), ("gguf-q4_k_m", "convert")])
 def test_disk_full_while_quantizing_or_exporting_is_one_line_and_leaves_nothing(recipe, step, tiny_llama, registry,
                                                                                   tmp_path, own_cache, roomy_plan):
-    """The work root fills up while FP8 shards or the ONNX export's external data are written."""
+    """The work root fills up while FP8 shards, the ONNX export's external data or a k-quant GGUF (quantized as
+    it streams, written at each tensor's offset) are written."""
     roomy_plan()
     store = tmp_path / "store"
     with small_filesystem(own_cache / "work", 2 * MIB) as work:
@@ -534,8 +545,11 @@ def test_disk_full_in_the_store_removes_the_partial_blob(tiny_llama, registry, t
     assert not any((own_cache / "work").iterdir())
 
 
-def test_disk_full_in_the_quantizer_child_is_one_line(tiny_llama, registry, tmp_path, own_cache, roomy_plan):
-    """libllama's quantizer (a child process) runs out of room after the intermediate was written."""
+def test_disk_full_in_the_quantizer_child_is_one_line(tiny_llama, registry, tmp_path, own_cache, roomy_plan,
+                                                      monkeypatch):
+    """libllama's quantizer (a child process) runs out of room after the intermediate was written (the path a
+    k-quant takes with an importance matrix, or where libllama lacks llama-ext.h: forced here)."""
+    monkeypatch.setattr(tensor_quant, "unavailable", lambda: "forced by the test")
     store = tmp_path / "store"
     f16 = build_and_publish(str(tiny_llama), "gguf-f16", Config.load(registry), str(tmp_path / "sizes"), MODEL)
     intermediate = f16.files[0]["size"]  # the bf16 intermediate has the f16 file's layout

@@ -114,6 +114,7 @@ class GgufTarget:
         }
 
     def build(self, ctx: BuildContext, out_dir: Path) -> BuiltArtifact:
+        from .tensor_quant import direct as quantized_as_it_streams
         from .convert import convert
         from .quantize import quantize
 
@@ -127,10 +128,20 @@ class GgufTarget:
         # Where the file came from, in the file itself (libllama's quantizer copies these keys).
         provenance = {"source_commit": snapshot.commit, "model_id": snapshot.model_id, "recipe": recipe.id,
                       **({"build_id": ctx.build_id} if ctx.build_id else {})}
-        if ftype:
-            # k-quants: a lossless intermediate in the source precision, then libllama's quantizer.
-            dtypes = {t for f in snapshot.safetensors_files() for t in _float_dtypes(f)}
-            inter = LOSSLESS.get(dtypes.pop(), "f32") if len(dtypes) == 1 else "f32"
+        dtypes = {t for f in snapshot.safetensors_files() for t in _float_dtypes(f)} if ftype else set()
+        lossless = LOSSLESS.get(dtypes.pop(), "f32") if len(dtypes) == 1 else "f32"
+        if ftype and quantized_as_it_streams(opts):
+            # k-quants straight from the source: libllama's types and ggml's quantizer on each row slice, the same
+            # bytes as the lossless intermediate quantized by libllama, without the intermediate on disk.
+            report = convert(snapshot.dir, cfg, snapshot.safetensors_files(), out, lossless, ftype=ftype,
+                             name=snapshot.model_id, options=opts, provenance=provenance, split_max_bytes=split)
+            files = list(report.files)
+            info = {**report.__dict__, "outtype": ftype.upper(), "intermediate": None}
+            info["quantization_fallbacks"] = info.pop("quantization")
+        elif ftype:
+            # k-quants with an importance matrix (or a libllama without llama-ext.h): a lossless intermediate in
+            # the source precision, then libllama's quantizer (it maps the matrix's entries to tensors by name).
+            inter = lossless
             tmp = out_dir / f".intermediate-{inter}.gguf"
             files = []
             imatrix_info = None

@@ -11,14 +11,12 @@ streams by, and a refused conversion leaves no partial file behind.
 
 from __future__ import annotations
 
-import os
 import re
 import tempfile
-from collections import Counter, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterator
 
 import gguf
 import numpy as np
@@ -28,6 +26,10 @@ from ...progress import bar
 from ...safetensors_io import TensorSource
 from .families import Family, HParams, Rule, family_for, is_ignored
 from .families.spec import IDENTITY as _IDENTITY
+from .ftypes import FTYPES
+from .tensor_quant import NUMPY_TYPES, quantize_rows, round_to
+from .tensor_quant import apply as assign_quantized_types
+from .tensor_writer import Layout, TensorWriter, encode_threads, in_order, llama_cpp_order
 from .vocab import build_vocab, write_vocab
 
 Q = gguf.GGMLQuantizationType
@@ -48,7 +50,6 @@ OUTTYPES: dict[str, tuple[Q, F]] = {
     "q5_1": (Q.Q5_1, F.MOSTLY_Q5_1),
 }
 SLICE_BYTES = 16 << 20  # float32 bytes per streamed row slice
-MAX_ENCODE_THREADS = 4  # beyond this the writer (one file, in order) is the bottleneck
 OUTPUT_KEPT = {Q.Q4_0: Q.Q8_0, Q.Q4_1: Q.Q8_0, Q.Q5_0: Q.Q8_0, Q.Q5_1: Q.Q8_0}
 
 
@@ -57,6 +58,7 @@ class Output:
     name: str
     shape: tuple[int, ...]
     qtype: Q
+    lossless: Q | None = None  # quantized straight from the source: the type the intermediate would have had
 
 
 @dataclass
@@ -83,6 +85,7 @@ class ConvertReport:
     metadata: dict[str, Any] = field(default_factory=dict)
     fallbacks: dict[str, int] = field(default_factory=dict)  # "Q4_0->F16": matrices whose rows are not whole blocks
     files: list[str] = field(default_factory=list)  # the file, or its shards in order
+    quantization: dict[str, Any] | None = None  # written as a k-quant (ftype): the quantizer's summary
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -205,6 +208,8 @@ def _encode(data: np.ndarray, qtype: Q) -> np.ndarray:
     if qtype == Q.F16:
         with np.errstate(over="ignore"):  # overflow to Inf is detected (and refused) by the caller
             return np.ascontiguousarray(data, dtype=np.float16)
+    if qtype.name not in NUMPY_TYPES:  # k-quants: ggml's own quantizer
+        return quantize_rows(data, qtype)
     return gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype)
 
 
@@ -217,31 +222,6 @@ def _nonfinite(data: np.ndarray) -> int:
     if np.isfinite(data).all():
         return 0
     return int(data.size - np.count_nonzero(np.isfinite(data)))
-
-
-class _TensorWriter:
-    """Writes one tensor's data slice by slice where GGUFWriter.write_tensor_data wants it whole: the same
-    alignment padding before and after, the same bookkeeping (the writer's tensor infos, in order)."""
-
-    def __init__(self, writer: gguf.GGUFWriter, out: Output):
-        file_id = next(i for i, infos in enumerate(writer.tensors) if infos)
-        first = next(iter(writer.tensors[file_id]))
-        if first != out.name:
-            raise RuntimeError(f"GGUF tensor data out of order: writing {out.name}, header expects {first}")
-        self.writer, self.fout = writer, writer.fout[file_id]
-        self.nbytes = writer.tensors[file_id].pop(first).nbytes
-        self.written = 0
-        writer.write_padding(self.fout, self.fout.tell())
-
-    def write(self, encoded: np.ndarray) -> None:
-        encoded.tofile(self.fout)
-        self.written += encoded.nbytes
-
-    def close(self) -> None:
-        if self.written != self.nbytes:
-            raise RuntimeError(f"GGUF tensor data is {self.written} bytes, its header says {self.nbytes}")
-        self.writer.write_padding(self.fout, self.nbytes)
-        self.writer.state = gguf.gguf_writer.WriterState.WEIGHTS
 
 
 def _row_slices(rows: int, row_floats: int) -> Iterator[tuple[int, int]]:
@@ -257,6 +237,8 @@ def _checked(data: np.ndarray, out: Output, what: str, model: str) -> np.ndarray
         # counted in the slice at hand (the first bad one): the rest of the tensor is not read
         raise ModelFormatError(f"{model}: tensor {what} has {bad} non-finite value(s) (NaN/Inf) out of "
                                f"{int(np.prod(out.shape))}; refusing to convert corrupt weights")
+    if out.lossless is not None and out.qtype != out.lossless:
+        data = round_to(data, out.lossless)
     encoded = _encode(data, out.qtype)
     if out.qtype == Q.F16 and not np.isfinite(encoded).all():
         # finite bf16/f32 values beyond float16's range (65504) would be written as +-Inf
@@ -265,33 +247,7 @@ def _checked(data: np.ndarray, out: Output, what: str, model: str) -> np.ndarray
     return encoded
 
 
-def encode_threads() -> int:
-    """Threads that widen and encode slices while the main thread writes (numpy releases the GIL in both)."""
-    return max(1, min(MAX_ENCODE_THREADS, os.cpu_count() or 1))
-
-
-def _in_order(jobs: Iterable[Callable[[], Any]], done: Callable[[Any], None], threads: int) -> None:
-    """Run `jobs` on `threads` threads and hand their results to `done` in order. At most threads + 1 results
-    are in flight, so memory grows by a few slices, never by a tensor; the first failure stops the rest."""
-    if threads <= 1:
-        for job in jobs:
-            done(job())
-        return
-    with ThreadPoolExecutor(threads, thread_name_prefix="gguf-encode") as pool:
-        pending: deque[Future] = deque()
-        try:
-            for job in jobs:
-                pending.append(pool.submit(job))
-                if len(pending) > threads:
-                    done(pending.popleft().result())
-            while pending:
-                done(pending.popleft().result())
-        finally:
-            for f in pending:
-                f.cancel()
-
-
-def _stream_rows(tensors: TensorSource, hf: str, transform, hp: HParams, sink: _TensorWriter, out: Output,
+def _stream_rows(tensors: TensorSource, hf: str, transform, hp: HParams, sink: TensorWriter, out: Output,
                  model: str, pb) -> None:
     """A rowwise transform (or one expert of a stack) through 16 MiB row slices of the mapped source, read,
     widened and encoded on worker threads, written here in order."""
@@ -314,18 +270,19 @@ def _stream_rows(tensors: TensorSource, hf: str, transform, hp: HParams, sink: _
         tensors.release(hf, lo * row_bytes, hi * row_bytes)
         pb.update((hi - lo) * row_bytes)
 
-    _in_order((job(lo, hi) for lo, hi in _row_slices(rows, row_floats)), write, encode_threads())
+    in_order((job(lo, hi) for lo, hi in _row_slices(rows, row_floats)), write, encode_threads())
 
 
-def _write_step(step: Step, tensors: TensorSource, hp: HParams, writer: gguf.GGUFWriter, model: str, pb) -> None:
+def _write_step(step: Step, tensors: TensorSource, hp: HParams, writer: gguf.GGUFWriter, model: str, pb,
+                layout: Layout | None = None) -> None:
     rule = step.rule
     if rule is None:  # computed by the family
-        sink = _TensorWriter(writer, step.outputs[0])
+        sink = TensorWriter(writer, step.outputs[0], layout)
         sink.write(_checked(step.data, step.outputs[0], step.outputs[0].name, model))
         sink.close()
         return
     if rule.transform.rowwise or rule.transform.stack:
-        sink = _TensorWriter(writer, step.outputs[0])
+        sink = TensorWriter(writer, step.outputs[0], layout)
         identity = rule.transform if rule.transform.rowwise else _IDENTITY
         for hf in step.inputs:  # a stack is its experts one after the other
             _stream_rows(tensors, hf, identity, hp, sink, step.outputs[0], model, pb)
@@ -337,12 +294,12 @@ def _write_step(step: Step, tensors: TensorSource, hp: HParams, writer: gguf.GGU
     for out, data in zip(step.outputs, results):
         if tuple(data.shape) != out.shape:
             raise RuntimeError(f"{rule.transform.name} made {out.name} {list(data.shape)}, planned {list(out.shape)}")
-        sink = _TensorWriter(writer, out)
+        sink = TensorWriter(writer, out, layout)
         if data.ndim <= 1:
             sink.write(_checked(data, out, step.inputs[0], model))
         else:  # encoded slice by slice: never a second whole copy
             flat = data.reshape(-1, data.shape[-1])
-            _in_order((lambda lo=lo, hi=hi: _checked(flat[lo:hi], out, step.inputs[0], model)
+            in_order((lambda lo=lo, hi=hi: _checked(flat[lo:hi], out, step.inputs[0], model)
                        for lo, hi in _row_slices(flat.shape[0], flat.shape[-1])), sink.write, encode_threads())
         sink.close()
     del results
@@ -387,10 +344,12 @@ def _general_metadata(writer: gguf.GGUFWriter, model_dir: Path, model_id: str) -
 
 def convert(model_dir: Path, cfg: dict[str, Any], safetensors: list[Path], out_path: Path, outtype: str,
             *, name: str, options: dict[str, Any] | None = None,
-            provenance: dict[str, str] | None = None, split_max_bytes: int = 0) -> ConvertReport:
+            provenance: dict[str, str] | None = None, split_max_bytes: int = 0, ftype: str | None = None) -> ConvertReport:
     """HF safetensors -> one GGUF file, or llama.cpp-loadable shards `<stem>-0000i-of-0000n.gguf` of at most
     `split_max_bytes` of tensor data each (the report's `files`; llama.cpp loads them all from the first).
-    `provenance` (source commit, build id) is written as `hive_aot.*` keys."""
+    `provenance` (source commit, build id) is written as `hive_aot.*` keys. `ftype` (a llama.cpp file type,
+    Q4_K_M): each tensor quantized as it streams, to what libllama's quantizer makes of `outtype`, the source's
+    lossless type (tensor_quant.py)."""
     if outtype not in OUTTYPES:
         raise ModelFormatError(f"GGUF outtype {outtype!r} is not written directly (use one of {', '.join(OUTTYPES)})")
     options = options or {}
@@ -408,10 +367,14 @@ def convert(model_dir: Path, cfg: dict[str, Any], safetensors: list[Path], out_p
     with TensorSource(safetensors) as tensors:
         plan = plan_tensors(family, hp, tensors, outtype)
         outputs = [o for step in plan for o in step.outputs]
+        quantization = assign_quantized_types(outputs, family.gguf_arch, key_values, ftype,
+                                              FTYPES[ftype.upper()], name) if ftype else None
         writer = gguf.GGUFWriter(str(out_path), family.gguf_arch, split_max_size=split_max_bytes)
         started = False
         try:
-            for o in outputs:
+            # A k-quant is laid out as libllama's quantizer lays it out; its tensors are still written in the
+            # plan's order (the one that streams), each at its offset.
+            for o in sorted(outputs, key=lambda o: llama_cpp_order(o.name)) if ftype else outputs:
                 raw = o.qtype not in (Q.F32, Q.F16)
                 byte_shape = gguf.quant_shape_to_byte_shape(o.shape, o.qtype) if raw else o.shape
                 nbytes = int(np.prod(byte_shape)) * {Q.F32: 4, Q.F16: 2}.get(o.qtype, 1)
@@ -420,19 +383,24 @@ def convert(model_dir: Path, cfg: dict[str, Any], safetensors: list[Path], out_p
             general = _general_metadata(writer, model_dir, name)
             for key, (value, kind) in key_values.items():
                 _add(writer, key, value, kind)
-            writer.add_file_type(int(OUTTYPES[outtype][1]))
-            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+            if not ftype:
+                writer.add_file_type(int(OUTTYPES[outtype][1]))
+                writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
             write_vocab(writer, vocab, model_dir)
             for key, value in sorted((provenance or {}).items()):
                 writer.add_string(f"hive_aot.{key}", value)
+            if ftype:  # where libllama's quantizer puts them: last
+                writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+                writer.add_file_type(FTYPES[ftype.upper()])
             started = True  # from here on out_path holds our partial output
             writer.write_header_to_file(path=out_path)
             writer.write_kv_data_to_file()
             writer.write_ti_data_to_file()
+            layout = Layout(writer) if ftype else None
             total = sum(step.source_bytes for step in plan)
             with bar(total, f"gguf {outtype}") as pb:
                 for step in plan:
-                    _write_step(step, tensors, hp, writer, name, pb)
+                    _write_step(step, tensors, hp, writer, name, pb, layout)
         except BaseException:
             # Never leave a half-written GGUF behind: a caller (or a later publish) could take it for a model.
             writer.close()
@@ -446,7 +414,8 @@ def convert(model_dir: Path, cfg: dict[str, Any], safetensors: list[Path], out_p
             architecture=arch, gguf_arch=family.gguf_arch, family=family.name, outtype=outtype, tensors=len(outputs),
             tensor_types=dict(Counter(o.qtype.name for o in outputs)), parameters=tensors.parameters,
             vocab=vocab.info, metadata=general,
-            fallbacks=_fallbacks(outputs, OUTTYPES[outtype][0]), files=files,
+            fallbacks={} if ftype else _fallbacks(outputs, OUTTYPES[outtype][0]), files=files,
+            quantization=quantization,
         )
 
 

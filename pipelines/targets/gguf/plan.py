@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from ...memory import BASE_PYTHON, BASE_TORCH, FP32, MIB, SMALL_FILES, StepNeed, human_bytes
 from ...units import parse_size
+from .tensor_quant import direct as quantized_as_it_streams
 
 if TYPE_CHECKING:
     from ...memory import ModelFacts, PlanEnv
@@ -112,16 +113,19 @@ def plan_steps(env: "PlanEnv") -> list[StepNeed]:
     split = parse_size(str(opts["split_max_size"]), "split_max_size") if opts.get("split_max_size") else 0
     if split:
         # Shards hold whole tensors, packed in order (a tensor larger than the limit gets a shard of its own),
-        # each with its own header. A k-quant keeps its lossless intermediate's shards, so they count.
-        lossless = lossless_gguf_type(facts) if ftype else None
-        shards = gguf_shards(facts, lossless or opts.get("outtype", "f16"), split)
+        # each with its own header. A k-quant made through an intermediate keeps the intermediate's shards.
+        lossless = lossless_gguf_type(facts) if ftype and not quantized_as_it_streams(opts) else None
+        shards = gguf_shards(facts, lossless or ftype or opts.get("outtype", "f16"), split)
         out += (shards - 1) * GGUF_SHARD_HEADER
         detail += f"; about {shards} shard(s) of at most {human_bytes(split)}"
     if opts.get("imatrix"):
         # The streamed transformers model over the calibration text: the reference's memory, a small file.
         steps.append(StepNeed("imatrix", reference.memory, disk=SMALL_FILES, where=work,
                               detail=f"the streamed fp32 model over the calibration text ({reference.detail})"))
-    if ftype:
+    if ftype and quantized_as_it_streams(opts):
+        steps.append(StepNeed("convert", mem, disk=out, where=work, detail=(
+            f"{detail}; each tensor quantized to {str(ftype).upper()} as it streams (no intermediate)")))
+    elif ftype:
         inter_type = lossless_gguf_type(facts)
         inter = gguf_bytes(facts, inter_type)
         steps.append(StepNeed("convert", mem, disk=inter, where=work,
