@@ -84,3 +84,16 @@ def test_quantize_rows_refuses_rows_that_are_not_whole_blocks():
         tensor_quant.quantize_rows(np.zeros((2, 64), np.float32), Q.Q4_K)
     rows = tensor_quant.quantize_rows(np.ones((3, 256), np.float32), Q.Q4_K)
     assert rows.shape == (3, gguf.GGML_QUANT_SIZES[Q.Q4_K][1])
+
+
+def test_a_type_that_needs_an_importance_matrix_is_refused_before_ggml_would_abort(monkeypatch, tiny_llama, tmp_path):
+    from pipelines.errors import HiveError
+
+    monkeypatch.setattr(tensor_quant, "assign_types", lambda shape, tensors, ftype, step: [
+        int(Q.IQ2_XXS) if len(s) == 2 else None for _, s, _ in tensors])  # as if llama.cpp chose IQ2_XXS
+    cfg = json.loads((tiny_llama / "config.json").read_text())
+    out = tmp_path / "refused.gguf"
+    with pytest.raises(HiveError, match=r"type IQ2_XXS in Q4_K_M, which needs an importance matrix"):
+        convert(tiny_llama, cfg, sorted(tiny_llama.glob("*.safetensors")), out, "f32", name="test/tq", ftype="Q4_K_M")
+    assert not out.exists()
+

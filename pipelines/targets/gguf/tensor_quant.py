@@ -184,6 +184,12 @@ def apply(outputs: list, arch: str, key_values: dict[str, tuple[Any, type]], fty
         if t is not None and t != int(out.qtype):
             out.lossless, out.qtype = out.qtype, gguf.GGMLQuantizationType(t)
             quantized.append(out)
+    needs = [o for o in quantized if o.qtype.name not in NUMPY_TYPES and _needs_imatrix(int(o.qtype))]
+    if needs:  # ggml would abort the process on these without one
+        from ...errors import HiveError
+
+        raise HiveError(f"{model}: llama.cpp gives {needs[0].name} type {needs[0].qtype.name} in {name}, which needs an "
+                        "importance matrix: set the recipe option imatrix: calibration")
     prepare(o.qtype for o in quantized)
     summary = fallbacks([(o.shape, int(o.qtype)) for o in quantized], name)
     if summary:
@@ -227,6 +233,13 @@ def _ggml_base() -> ctypes.CDLL:
     base.ggml_quantize_chunk.restype = ctypes.c_size_t
     base.ggml_quantize_init.argtypes, base.ggml_quantize_init.restype = [ctypes.c_int], None
     return base
+
+
+def _needs_imatrix(gtype: int) -> bool:
+    base = _ggml_base()
+    base.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
+    base.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
+    return bool(base.ggml_quantize_requires_imatrix(gtype))
 
 
 @lru_cache(maxsize=None)
