@@ -45,6 +45,7 @@ SYMBOLS = {
 }
 # gguf-py's numpy quantizers give ggml's reference bytes for these (and the converter's q8_0 uses them).
 SUPERBLOCK = 256  # the k-quants' block of weights
+GGML_LOG_LEVEL_ERROR = 4
 NUMPY_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
@@ -145,6 +146,15 @@ def assign_types_here(shape: dict[str, Any], tensors: list[list], ftype: int) ->
     base.ggml_free.argtypes, base.ggml_free.restype = [ctypes.c_void_p], None
     llama.llama_model_free.argtypes, llama.llama_model_free.restype = [ctypes.c_void_p], None
 
+    import sys
+
+    @llama_cpp.llama_log_callback
+    def errors_only(level: int, text: bytes, _user_data) -> None:
+        # llama.cpp warns once per fallback tensor (about 180 lines for a small model): apply() sums them up
+        if level == GGML_LOG_LEVEL_ERROR:
+            sys.stderr.write(text.decode("utf-8", "replace"))
+
+    llama_cpp.llama_log_set(errors_only, ctypes.c_void_p(0))
     desc = _Desc(shape["architecture"].encode(), *(int(shape[k]) for k, _ in _Desc._fields_[1:]))
     model = fn["from_metadata"](ctypes.byref(desc))
     params = llama_cpp.llama_model_quantize_default_params()
