@@ -39,23 +39,53 @@ def host_available_memory() -> int:
     return min(available, cgroup) if cgroup is not None else available
 
 
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+# (directory under the mount, limit file, usage file, memory.stat key of reclaimable page cache)
+_CGROUP_FILES = {"v2": ("", "memory.max", "memory.current", "inactive_file"),
+                 "v1": ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
+
+
+def _own_memory_cgroups() -> list[tuple[str, Path]]:
+    """(version, directory) of this process's memory cgroup and of each of its ancestors, nearest first: a limit
+    set on a parent (a container's) binds too. Where /proc/self/cgroup cannot be read, the mount's root."""
+    found: list[tuple[str, Path]] = []
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        version = "v2" if controllers == "" else "v1" if "memory" in controllers.split(",") else None
+        if version is None:
+            continue
+        base = CGROUP_ROOT / _CGROUP_FILES[version][0]
+        d = base / path.strip().lstrip("/")
+        while True:
+            found.append((version, d))
+            if d == base or base not in d.parents:
+                break
+            d = d.parent
+    return found or [("v2", CGROUP_ROOT), ("v1", CGROUP_ROOT / "memory")]
+
+
 def _cgroup_available() -> int | None:
-    """limit - usage + inactive file cache of this process's memory cgroup (v2, else v1); None without a limit."""
-    for limit_file, usage_file, stat_key in (("memory.max", "memory.current", "inactive_file"),
-                                            ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes",
-                                             "total_inactive_file")):
-        root = Path("/sys/fs/cgroup")
+    """The least of limit - usage + inactive file cache over this process's memory cgroup and its ancestors (v2 or
+    v1); None where none of them has a limit."""
+    best: int | None = None
+    for version, d in _own_memory_cgroups():
+        _, limit_file, usage_file, stat_key = _CGROUP_FILES[version]
         try:
-            raw = (root / limit_file).read_text().strip()
+            raw = (d / limit_file).read_text().strip()
             if raw == "max" or int(raw) >= 1 << 60:  # no limit (v1 writes a huge number)
-                return None
-            limit, usage = int(raw), int((root / usage_file).read_text().strip())
-            stat = (root / limit_file).with_name("memory.stat").read_text()
+                continue
+            limit, usage = int(raw), int((d / usage_file).read_text().strip())
+            stat = (d / "memory.stat").read_text()
             inactive = next((int(v) for k, v in (ln.split() for ln in stat.splitlines() if ln.strip()) if k == stat_key), 0)
-            return max(limit - usage + inactive, 0)
         except (OSError, ValueError):
             continue
-    return None
+        available = max(limit - usage + inactive, 0)
+        best = available if best is None else min(best, available)
+    return best
 
 
 def memory_budget() -> tuple[int, str]:

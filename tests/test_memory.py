@@ -285,6 +285,28 @@ def test_host_budget_is_what_the_host_has(monkeypatch):
     assert source == "memory available on this host" and 0 < budget <= total
 
 
+def test_host_budget_is_capped_by_the_processs_own_nested_cgroup():
+    """A build started inside a child memory cgroup with a limit (the bench's --cgroup-limit, a Kubernetes pod's
+    container cgroup below the node's) takes that limit as its budget, not the mount root's (found by the 8B
+    bench: its builds planned against 22.6 GiB inside a 12 GiB cgroup)."""
+    own = next((ln.split(":", 2)[2] for ln in Path("/proc/self/cgroup").read_text().splitlines()
+                if ln.split(":", 2)[1] == "memory"), None)  # cgroup v1 here; v2 has the same rule
+    parent = Path("/sys/fs/cgroup/memory") / own.lstrip("/") if own else None
+    if parent is None or not os.access(parent, os.W_OK):
+        pytest.skip("needs a writable cgroup v1 memory hierarchy (root in a container that delegates it)")
+    child = parent / f"hive-budget-{uuid.uuid4().hex[:8]}"
+    child.mkdir()
+    try:
+        (child / "memory.limit_in_bytes").write_text(str(3 * GIB))
+        env = {k: v for k, v in os.environ.items() if k != "HIVE_AOT_MEMORY_BUDGET"}
+        proc = subprocess.run([sys.executable, "-c", "from pipelines import host; print(host.memory_budget()[0])"],
+                              cwd=REPO, capture_output=True, text=True, check=True, env={**env, "PYTHONPATH": str(REPO)},
+                              preexec_fn=lambda: (child / "tasks").write_text(str(os.getpid())))
+        assert 2 * GIB < int(proc.stdout) <= 3 * GIB, proc.stdout
+    finally:
+        child.rmdir()
+
+
 # --- the CLI: refusal before work, plan, skipped builds ----------------------------------------------------
 
 def hive(*args: str, env: dict[str, str] | None = None, preexec=None) -> subprocess.CompletedProcess:
