@@ -239,6 +239,9 @@ def _checked(data: np.ndarray, out: Output, what: str, model: str) -> np.ndarray
                                f"{int(np.prod(out.shape))}; refusing to convert corrupt weights")
     if out.lossless is not None and out.qtype != out.lossless:
         data = round_to(data, out.lossless)
+        if out.lossless == Q.F16 and not np.isfinite(data).all():  # as the f16 intermediate would have refused it
+            raise ModelFormatError(f"{model}: tensor {what} holds values beyond float16's range (65504): use a bf16 "
+                                   "or f32 source for this model")
     encoded = _encode(data, out.qtype)
     if out.qtype == Q.F16 and not np.isfinite(encoded).all():
         # finite bf16/f32 values beyond float16's range (65504) would be written as +-Inf
