@@ -188,6 +188,20 @@ def test_split_outputs_load_in_llama_cpp(wide, tmp_path):
     assert summary["files"] == [f.replace("F16", "Q4_K_M") for f in report.files]
     runs_in_llama_cpp(wide, q.parent / summary["files"][0], 0.5)
 
+    # Quantized as it streams (tensor_quant.py), split: each shard laid out in libllama's order and written at
+    # its tensors' offsets holds the same tensors, byte for byte, as the unsplit file, and llama.cpp loads it.
+    d = tmp_path / "direct"
+    d.mkdir()
+    shards = convert(wide.dir, wide.config(), wide.safetensors_files(), d / "m-Q4_K_M.gguf", "f16", name=wide.model_id,
+                     ftype="Q4_K_M", split_max_bytes=1 << 20).files
+    one = convert(wide.dir, wide.config(), wide.safetensors_files(), d / "one.gguf", "f16", name=wide.model_id,
+                  ftype="Q4_K_M").files[0]
+    assert len(shards) > 1
+    whole_tensors = {t.name: bytes(t.data) for t in gguf.GGUFReader(str(d / one)).tensors}
+    split_tensors = {t.name: bytes(t.data) for f in shards for t in gguf.GGUFReader(str(d / f)).tensors}
+    assert split_tensors == whole_tensors
+    runs_in_llama_cpp(wide, d / shards[0], 0.5)
+
 
 def test_split_option():
     problems = GgufTarget.option_problems
