@@ -40,7 +40,7 @@ export HIVE_AOT_SMOLLM2_DIR := $(CURDIR)/$(DEMO_MODEL)
 export HIVE_AOT_LLAMA_WHEELS := $(LLAMA_WHEELS)
 export HIVE_AOT_LLAMA_CPU_LEVEL := $(LLAMA_CPU_LEVEL)
 
-.PHONY: setup system-packages demo test test-fast ui bench lock clean
+.PHONY: setup system-packages demo test test-random test-fast ui bench lock clean
 
 PROJECT_STAMP := .venvs/.project-$(MAIN_HASH)
 
@@ -127,6 +127,10 @@ demo: setup
 
 test: setup
 	.venv/bin/python tests/run.py
+
+# The whole suite in random order (pytest-randomly; the seed is printed first): order-independence check.
+test-random: setup
+	.venv/bin/python tests/run.py --random
 
 test-fast: setup
 	.venv/bin/python -m pytest -q -m "not slow" -x

@@ -11,6 +11,7 @@ from processes import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/factories.py and friends
 
+from durations import known_durations  # noqa: E402
 from factories import make_llama  # noqa: E402
 
 pytest_plugins = ["hf_mirror", "s3_server"]  # olah HF mirror, SeaweedFS S3 (tests/*.py)
@@ -64,3 +65,14 @@ def config():
     from pipelines.config import Config
 
     return Config.load(REPO_ROOT / "registry.yaml")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Longest test files first (each file's tests keep their order): `make test` runs files on two xdist
+    workers (`--dist loadfile`), and a long file handed out last would finish alone while the other worker
+    idles. In a random-order run (pytest-randomly active) the shuffled order stands."""
+    if config.pluginmanager.has_plugin("randomly"):
+        return
+    durations = known_durations()
+    unknown = max(durations.values(), default=0.0)  # a new file: early rather than last
+    items.sort(key=lambda item: -durations.get(item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1], unknown))

@@ -13,6 +13,7 @@ from typing import Any
 
 import gguf
 
+from gguf_reader import FastGGUFReader
 from pipelines.sources import fetch
 from pipelines.targets.gguf.convert import ALWAYS_F32, convert
 from pipelines.targets.gguf.validate import validate_gguf
@@ -46,7 +47,7 @@ def check_family(model_dir: Path, tmp_path: Path, gguf_arch: str, *,
             assert metrics["mean_kl"] < 1e-3, metrics
         else:
             assert metrics["mean_kl"] <= 0.01, metrics
-        reader = gguf.GGUFReader(str(path))
+        reader = FastGGUFReader(str(path))
         assert reader.fields["general.architecture"].contents() == gguf_arch
         types = {t.name: t.tensor_type for t in reader.tensors}
         # norms stay f32 whatever their rank (per-head norms are [heads, head_dim]), as llama.cpp's converter keeps them
@@ -67,7 +68,7 @@ def field(reader: gguf.GGUFReader, key: str):
 
 
 def tensors(path: Path) -> dict[str, gguf.ReaderTensor]:
-    return {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    return {t.name: t for t in FastGGUFReader(str(path)).tensors}
 
 
 def convert_only(model_dir: Path, out: Path, options: dict[str, Any] | None = None):

@@ -1,4 +1,10 @@
-"""`make test`: run the whole pytest suite, then print a timing summary.
+"""`make test`: run the whole pytest suite on xdist workers, then print a timing summary.
+
+Files, not tests, are spread over the workers (`--dist loadfile`): a file's module fixtures (a family's tiny
+models, a built store) are built once. The longest files go first (tests/conftest.py orders them by the last
+run's times, which this script records). `--random` runs in random order instead (pytest-randomly; the seed
+is printed at the top, `-p randomly -p "randomly_seed=N"` replays it). HIVE_AOT_TEST_WORKERS sets the number of
+workers (default 2; 0 runs in this process).
 
 pytest's exit code 5 ("no tests collected") is a failure here: a green run must have run tests.
 """
@@ -6,44 +12,92 @@ pytest's exit code 5 ("no tests collected") is a failure here: a green run must 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from durations import durations_cache, known_durations  # noqa: E402
+
+SLOWEST = 10
+
+
+def pytest_args(argv: list[str]) -> list[str]:
+    random_order = "--random" in argv
+    args = [a for a in argv if a != "--random"]
+    workers = int(os.environ.get("HIVE_AOT_TEST_WORKERS", "2"))
+    if workers > 0:
+        args = ["-n", str(workers), "--dist", "loadfile", "--no-loadscope-reorder", *args]
+    if not random_order:
+        args = ["-p", "no:randomly", *args]
+    return args
+
+
+def summarize(report: Path) -> tuple[dict[str, int], dict[str, float], list[tuple[float, str]], list[str]]:
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    per_file: dict[str, float] = {}
+    cases: list[tuple[float, str]] = []
+    fault_loops: list[str] = []
+    root = ET.parse(report).getroot()
+    for suite in root.iter("testsuite"):
+        for k in counts:
+            counts[k] += int(suite.get(k, 0))
+    for prop in root.iter("property"):
+        if prop.get("name") == "fault_loop":
+            fault_loops.append(prop.get("value", ""))
+    for case in root.iter("testcase"):
+        parts = (case.get("classname") or "?").split(".")
+        name = next((p for p in parts if p.startswith("test_")), parts[-1]) + ".py"
+        secs = float(case.get("time", 0))
+        per_file[name] = per_file.get(name, 0.0) + secs
+        cases.append((secs, f"{name}::{case.get('name')}"))
+    return counts, per_file, sorted(cases, reverse=True)[:SLOWEST], fault_loops
+
+
+def record_durations(per_file: dict[str, float]) -> None:
+    """Merge this run's per-file times into the cache the next run orders files by."""
+    merged = {**known_durations(), **{k: round(v, 1) for k, v in per_file.items()}}
+    path = durations_cache()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(dict(sorted(merged.items())), indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"(test durations not recorded: {e})", file=sys.stderr)
 
 
 def main() -> int:
     report = Path(tempfile.mkdtemp(prefix="hive-aot-test-")) / "report.xml"
     t0 = time.time()
-    rc = subprocess.call([sys.executable, "-m", "pytest", "-q", f"--junitxml={report}", *sys.argv[1:]])
+    rc = subprocess.call([sys.executable, "-m", "pytest", "-q", f"--junitxml={report}", *pytest_args(sys.argv[1:])])
     wall = time.time() - t0
-    per_file: dict[str, float] = {}
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
-    fault_loops: list[str] = []
-    if report.is_file():
-        import xml.etree.ElementTree as ET
-
-        root = ET.parse(report).getroot()
-        for suite in root.iter("testsuite"):
-            for k in counts:
-                counts[k] += int(suite.get(k, 0))
-        for prop in root.iter("property"):
-            if prop.get("name") == "fault_loop":
-                fault_loops.append(prop.get("value", ""))
-        for case in root.iter("testcase"):
-            parts = (case.get("classname") or "?").split(".")
-            f = next((p for p in parts if p.startswith("test_")), parts[-1])
-            per_file[f] = per_file.get(f, 0.0) + float(case.get("time", 0))
-    print("\n== timing summary ==")
-    for name, secs in sorted(per_file.items(), key=lambda kv: -kv[1]):
-        print(f"  {secs:8.1f}s  {name}")
+    try:
+        summary = summarize(report) if report.is_file() else None
+    except ET.ParseError as e:  # pytest died before writing it (a full disk, a killed controller)
+        print(f"make test: the junit report {report} is unreadable ({e}): no summary", file=sys.stderr)
+        summary = None
+    if summary is not None:
+        counts, per_file, slowest, fault_loops = summary
+        print("\n== timing summary: seconds per file (summed over its tests) ==")
+        for name, secs in sorted(per_file.items(), key=lambda kv: -kv[1]):
+            print(f"  {secs:8.1f}s  {name}")
+        print(f"== the {SLOWEST} slowest tests ==")
+        for secs, name in slowest:
+            print(f"  {secs:8.1f}s  {name}")
+        if fault_loops:
+            print("== fault loops ==")
+            for line in fault_loops:
+                print(f"  {line}")
+        if per_file:
+            record_durations(per_file)
     print(f"  {wall:8.1f}s  total wall time (pytest incl. session fixtures)")
-    if fault_loops:
-        print("== fault loops ==")
-        for line in fault_loops:
-            print(f"  {line}")
-    print(json.dumps({"pytest_exit": rc, **counts}))
+    print(json.dumps({"pytest_exit": rc, "wall_s": round(wall, 1), **counts}))
     if rc == 5 or counts["tests"] == 0:
         print("make test: no tests ran - failing", file=sys.stderr)
         return 1

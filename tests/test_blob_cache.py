@@ -25,7 +25,7 @@ import pytest
 from pipelines.blob_cache import TransferStats, blob_path, fetch_blob, missing_bytes, parts_of, reclaim_partials
 from pipelines.errors import IntegrityError, StoreError
 from pipelines.hashing import sha256_file
-from pipelines.store import blob_key, open_store
+from pipelines.store import open_store
 
 PART = 64 << 10
 
@@ -110,6 +110,23 @@ def test_a_store_blob_shorter_than_its_manifest_is_refused_and_leaves_nothing(fr
     assert not any(p.is_file() for p in (fresh_cache / "blobs").rglob("*"))
 
 
+def _wait_for_lock_waiters(lock: Path, count: int, timeout: float = 30) -> None:
+    """Until `count` flock requests wait on `lock` (the kernel lists each blocked one in /proc/locks as
+    `N: -> FLOCK ... MAJ:MIN:INODE ...`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            inode = os.stat(lock).st_ino
+            waiting = sum(1 for line in Path("/proc/locks").read_text().splitlines()
+                          if "->" in line and line.split()[6].rsplit(":", 1)[-1] == str(inode))
+        except FileNotFoundError:
+            waiting = 0
+        if waiting >= count:
+            return
+        assert time.monotonic() < deadline, f"{waiting} of {count} fetches wait on {lock.name}"
+        time.sleep(0.005)
+
+
 def test_concurrent_fetches_of_one_digest_download_it_once(fresh_cache, tmp_path):
     store = open_store(str(tmp_path / "store"))
     digest, size = _blob(store, tmp_path, 5 * PART)
@@ -121,7 +138,8 @@ def test_concurrent_fetches_of_one_digest_download_it_once(fresh_cache, tmp_path
                                                                            part_bytes=PART))) for s in stats]
     for t in threads:
         t.start()
-    time.sleep(0.5)  # the first holds the digest's lock, the others wait on it
+    # the first holds the digest's lock (and waits at the gate), the five others wait for the lock
+    _wait_for_lock_waiters(blob_path(digest).with_name(f".{digest}.lock"), 5)
     gate.set()
     for t in threads:
         t.join(60)
@@ -170,11 +188,12 @@ def _kill_after_parts(proc: subprocess.Popen, state: Path, parts: int) -> bool:
         try:
             done = len(json.loads(state.read_text())["done"])
         except (OSError, ValueError, KeyError):
-            continue
+            done = 0  # not written yet (or mid-rename)
         if done >= parts:
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=60)
             return True
+        time.sleep(0.001)  # a poll that yields the core to the pull it watches
     return False
 
 

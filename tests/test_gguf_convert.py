@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from factories import copy_model, edit_config, make_llama, make_spm_llama, rewrite_safetensors
+from gguf_reader import FastGGUFReader
 from pipelines.build import plan
 from pipelines.errors import ModelFormatError
 from pipelines.sources import fetch
@@ -95,7 +96,7 @@ def test_general_metadata_is_named_after_the_repository_not_the_snapshot_directo
     out = tmp_path / "named.gguf"
     cfg = json.loads((d / "config.json").read_text())
     report = convert(d, cfg, sorted(d.glob("*.safetensors")), out, "f16", name="SomeOrg/Cool-Model-7B-Instruct")
-    r = gguf.GGUFReader(str(out))
+    r = FastGGUFReader(str(out))
     general = {k: field(r, k) for k in r.fields if k.startswith("general.") and k not in
                ("general.architecture", "general.file_type", "general.quantization_version", "general.type")}
     assert general["general.name"] == "Cool Model 7B Instruct"
@@ -128,7 +129,7 @@ def test_tied_llama_f16_parity_and_metadata(tiny_llama, tmp_path):
     assert report.vocab["pre"] == "smollm" and report.vocab["pre_detection"].startswith("hash:")
     assert report.tensor_types == {"F16": 15, "F32": 5}  # 2 layers x 7 matrices + token_embd; 5 norms
 
-    r = gguf.GGUFReader(str(out))
+    r = FastGGUFReader(str(out))
     assert field(r, "general.architecture") == "llama"
     assert field(r, "general.file_type") == int(gguf.LlamaFileType.MOSTLY_F16)
     assert field(r, "llama.block_count") == 2
@@ -157,11 +158,11 @@ def test_untied_lm_head_becomes_output_weight(model, tmp_path):
     out = tmp_path / "untied.gguf"
     report, metrics, _ = convert_and_validate(d, out)
     assert_f16_parity(metrics)
-    types = tensor_types(gguf.GGUFReader(str(out)))
+    types = tensor_types(FastGGUFReader(str(out)))
     assert types["output.weight"] == Q.F16
     assert report.tensors == 21 and report.tensor_types == {"F16": 16, "F32": 5}
     # the lm_head really is a different matrix here, so output.weight cannot be a copy of token_embd
-    r = gguf.GGUFReader(str(out))
+    r = FastGGUFReader(str(out))
     data = {t.name: np.asarray(t.data) for t in r.tensors}
     assert not np.array_equal(data["output.weight"], data["token_embd.weight"])
 
@@ -173,7 +174,7 @@ def test_mistral(model, tmp_path):
     report, metrics, _ = convert_and_validate(d, out)
     assert_f16_parity(metrics)
     assert report.architecture == "MistralForCausalLM"
-    assert field(gguf.GGUFReader(str(out)), "general.architecture") == "llama"
+    assert field(FastGGUFReader(str(out)), "general.architecture") == "llama"
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +196,7 @@ def test_attention_bias(bias_model, tmp_path):
     out = tmp_path / "bias.gguf"
     report, metrics, _ = convert_and_validate(bias_model, out)
     assert_f16_parity(metrics)
-    types = tensor_types(gguf.GGUFReader(str(out)))
+    types = tensor_types(FastGGUFReader(str(out)))
     for bid in range(2):
         for t in ("attn_q", "attn_k", "attn_v", "attn_output"):
             assert types[f"blk.{bid}.{t}.bias"] == Q.F32
@@ -222,7 +223,7 @@ def test_head_dim_differs_from_hidden_over_heads(model, tmp_path):
     out = tmp_path / "head-dim.gguf"
     _, metrics, _ = convert_and_validate(d, out)
     assert_f16_parity(metrics)
-    r = gguf.GGUFReader(str(out))
+    r = FastGGUFReader(str(out))
     assert field(r, "llama.attention.key_length") == 32
     assert field(r, "llama.attention.value_length") == 32
     assert field(r, "llama.rope.dimension_count") == 32
@@ -253,7 +254,7 @@ def test_llama3_rope_scaling(llama3_model, tmp_path, spelling):
     out = tmp_path / "llama3.gguf"
     report, metrics, _ = convert_and_validate(d, out)
     assert_f16_parity(metrics)
-    r = gguf.GGUFReader(str(out))
+    r = FastGGUFReader(str(out))
     freqs = {t.name: np.asarray(t.data) for t in r.tensors}["rope_freqs.weight"]
     assert tensor_types(r)["rope_freqs.weight"] == Q.F32
     assert freqs.shape == (16 // 2,)
@@ -270,7 +271,7 @@ def test_llama3_rope_freqs_matter(llama3_model, tmp_path, monkeypatch):
                         lambda arch: dataclasses.replace(original(arch), extra_tensors=lambda hp: {}))
     out = tmp_path / "llama3-no-freqs.gguf"
     _, metrics, _ = convert_and_validate(llama3_model, out)
-    assert "rope_freqs.weight" not in tensor_types(gguf.GGUFReader(str(out)))
+    assert "rope_freqs.weight" not in tensor_types(FastGGUFReader(str(out)))
     assert metrics["top1_agreement"] < 0.5
     assert metrics["mean_kl"] > 0.1
 
@@ -291,7 +292,7 @@ def test_q8_0_parity(tiny_llama, tmp_path):
     assert metrics["top1_agreement"] >= 0.8
     assert metrics["mean_kl"] < 0.01
     assert report.tensor_types == {"Q8_0": 15, "F32": 5}
-    r = gguf.GGUFReader(str(out))
+    r = FastGGUFReader(str(out))
     assert field(r, "general.file_type") == int(gguf.LlamaFileType.MOSTLY_Q8_0)
     assert field(r, "general.quantization_version") == gguf.GGML_QUANT_VERSION
     assert tensor_types(r)["token_embd.weight"] == Q.Q8_0
@@ -304,7 +305,7 @@ def test_bf16_parity(tiny_llama, tmp_path):
     assert metrics["top1_agreement"] >= 0.95
     assert metrics["mean_kl"] < 1e-3
     assert report.tensor_types == {"BF16": 15, "F32": 5}
-    r = gguf.GGUFReader(str(out))
+    r = FastGGUFReader(str(out))
     assert field(r, "general.file_type") == int(gguf.LlamaFileType.MOSTLY_BF16)
     # the source is bf16: a bf16 GGUF holds exactly the source bits
     from pipelines.safetensors_io import SafetensorsFile
@@ -330,7 +331,7 @@ def test_q4_k_m_through_the_target(smollm2_dir, tmp_path, config):
     assert art.files == ["q4km-model-Q4_K_M.gguf"]
     assert sorted(p.name for p in out_dir.iterdir()) == art.files
     assert art.info["intermediate"] is None and art.info["outtype"] == "Q4_K_M"  # quantized as it streamed
-    r = gguf.GGUFReader(str(out_dir / art.files[0]))
+    r = FastGGUFReader(str(out_dir / art.files[0]))
     assert field(r, "general.file_type") == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
     counts = Counter(t.tensor_type for t in r.tensors)
     assert counts[Q.Q4_K] > 0 and counts[Q.Q6_K] > 0, counts
@@ -408,7 +409,7 @@ def test_unknown_bpe_pre_tokenizer_explicit_fallback_is_recorded(unknown_pre_mod
     _, report = run_convert(unknown_pre_model, out, options={"bpe_pre_fallback": "gpt-2"})
     assert report.vocab["pre"] == "gpt-2"
     assert report.vocab["pre_detection"].startswith("fallback:")
-    assert field(gguf.GGUFReader(str(out)), "tokenizer.ggml.pre") == "gpt-2"
+    assert field(FastGGUFReader(str(out)), "tokenizer.ggml.pre") == "gpt-2"
 
 
 def _untouched_vocab_row(model_dir: Path) -> int:
@@ -600,7 +601,7 @@ def test_qwen2_f16_parity_and_metadata(qwen2_model, tmp_path):
     report, metrics, _ = convert_and_validate(qwen2_model, out, options={"bpe_pre_fallback": "qwen2"})
     assert_f16_parity(metrics)
     assert report.vocab["pre_detection"].startswith("fallback:")
-    r = gguf.GGUFReader(str(out))
+    r = FastGGUFReader(str(out))
     assert field(r, "general.architecture") == "qwen2" and field(r, "tokenizer.ggml.pre") == "qwen2"
     assert field(r, "qwen2.block_count") == 2 and field(r, "qwen2.attention.head_count_kv") == 2
     assert tensor_types(r)["blk.0.attn_q.bias"] == Q.F32

@@ -24,6 +24,7 @@ import pytest
 
 from factories import copy_model, edit_config, make_causal_lm
 from gguf_family_check import check_family, convert_and_validate, convert_only, field, tensors
+from gguf_reader import FastGGUFReader
 from pipelines.errors import ModelFormatError
 from pipelines.targets.gguf import convert as convert_mod
 from pipelines.targets.gguf.families import llama as llama_family
@@ -104,7 +105,7 @@ def shape(t: gguf.ReaderTensor) -> tuple[int, ...]:
 
 def assert_specifics(name: str, path: Path) -> None:
     """What is special to each family, read back from the f16 file."""
-    r = gguf.GGUFReader(str(path))
+    r = FastGGUFReader(str(path))
     t = {x.name: x for x in r.tensors}
     a = field(r, "general.architecture")
     if name == "olmo":

@@ -19,6 +19,7 @@ import pytest
 
 from factories import copy_model, edit_config, make_causal_lm
 from gguf_family_check import check_family, convert_and_validate, convert_only, field, tensors
+from gguf_reader import FastGGUFReader
 from pipelines.errors import ModelFormatError
 from pipelines.targets.gguf import GgufTarget
 from pipelines.targets.gguf import convert as convert_mod
@@ -91,7 +92,7 @@ def test_family_parity(name, model, tmp_path):
     report = results["f16"][0]
     assert report.architecture == arch
     path = tmp_path / f"{d.name}-f16.gguf"
-    r = gguf.GGUFReader(str(path))
+    r = FastGGUFReader(str(path))
     t = tensors(path)
     a = gguf_arch
     if name == "gemma":
@@ -179,7 +180,7 @@ def test_gemma3_local_rope_base_matters(model, tmp_path, monkeypatch):
     monkeypatch.setattr(convert_mod, "family_for", without_local_base)
     out = tmp_path / "gemma3-no-swa-base.gguf"
     _, metrics, _ = convert_and_validate(d, out, "f16")
-    assert "gemma3.rope.freq_base_swa" not in gguf.GGUFReader(str(out)).fields
+    assert "gemma3.rope.freq_base_swa" not in FastGGUFReader(str(out)).fields
     assert metrics["finite"] is True
     assert metrics["mean_kl"] > 0.01, metrics
 

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from factories import TINY_CAUSAL_LMS, copy_model, edit_config, make_causal_lm
-from gguf_family_check import check_family, convert_and_validate, convert_only, field, tensors
+from gguf_family_check import check_family, convert_and_validate, convert_only, field
+from gguf_reader import FastGGUFReader
 from pipelines.errors import ModelFormatError
 from pipelines.targets.gguf import convert as convert_mod
 from pipelines.targets.gguf.families import falcon as falcon_family
@@ -107,7 +108,7 @@ def assert_broken(metrics: dict) -> None:
 
 def assert_specifics(case: str, path: Path, report) -> None:
     """What is special to each family and layout, read back from the f16 file."""
-    r = gguf.GGUFReader(str(path))
+    r = FastGGUFReader(str(path))
     t = {x.name: x for x in r.tensors}
     if case == "gpt2":
         # learned positions sized by n_positions; Conv1D [in, out] matrices transposed to [out, in]
@@ -169,7 +170,7 @@ def test_other_layout_parity(case, model, tmp_path):
     assert metrics["finite"] is True and metrics["positions"] > 200, metrics
     assert metrics["token_parity"] == 1.0, details["tokenizer_mismatches"]
     assert metrics["top1_agreement"] >= 0.99 and metrics["mean_kl"] < 1e-3, metrics
-    assert gguf.GGUFReader(str(out)).fields["general.architecture"].contents() == CASES[case][3]
+    assert FastGGUFReader(str(out)).fields["general.architecture"].contents() == CASES[case][3]
     assert_specifics(case, out, report)
 
 

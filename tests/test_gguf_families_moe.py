@@ -25,6 +25,7 @@ import pytest
 
 from factories import copy_model, edit_config, make_causal_lm
 from gguf_family_check import check_family, convert_and_validate, convert_only, field, tensors
+from gguf_reader import FastGGUFReader
 from pipelines.errors import ModelFormatError
 from pipelines.targets.gguf import convert as convert_mod
 
@@ -83,7 +84,7 @@ def test_family_parity(name, model, tmp_path):
     report = results["f16"][0]
     assert report.architecture == arch
     path = tmp_path / f"{d.name}-f16.gguf"
-    r = gguf.GGUFReader(str(path))
+    r = FastGGUFReader(str(path))
     t = tensors(path)
     if name == "mistral":
         assert report.family == "llama"
@@ -132,7 +133,7 @@ def test_granite_multipliers_matter(model, tmp_path, monkeypatch):
     monkeypatch.setattr(convert_mod, "family_for", without_multipliers)
     out = tmp_path / "granite-no-multipliers.gguf"
     _, metrics, _ = convert_and_validate(model("granite"), out, "f16")
-    assert "granite.residual_scale" not in gguf.GGUFReader(str(out)).fields
+    assert "granite.residual_scale" not in FastGGUFReader(str(out)).fields
     assert metrics["finite"] is True
     assert metrics["mean_kl"] > 0.1
 
@@ -191,7 +192,7 @@ def test_imatrix_covers_stacked_experts_from_the_tokens_routed_to_each(name, mod
     out = tmp_path / f"{name}.imatrix.gguf"
     summary = imatrix.compute(snap, out)
     assert summary["missing"] == [], summary
-    r = gguf.GGUFReader(str(out))
+    r = FastGGUFReader(str(out))
     stored = {t.name: t.data for t in r.tensors}
     cfg = json.loads((d / "config.json").read_text())
     n_exp, k = cfg.get("num_local_experts") or cfg["num_experts"], cfg["num_experts_per_tok"]

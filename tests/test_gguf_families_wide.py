@@ -22,12 +22,12 @@ import dataclasses
 import json
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 
 from factories import copy_model, edit_config, make_causal_lm, rewrite_safetensors
 from gguf_family_check import check_family, convert_and_validate, convert_only, field, tensors
+from gguf_reader import FastGGUFReader
 from pipelines import streamed_model
 from pipelines.errors import ModelFormatError
 from pipelines.targets.gguf import convert as convert_mod
@@ -100,7 +100,7 @@ def test_family_parity(name, model, tmp_path):
     report = results["f16"][0]
     assert report.architecture == arch and report.family == name
     path = tmp_path / f"{d.name}-f16.gguf"
-    r = gguf.GGUFReader(str(path))
+    r = FastGGUFReader(str(path))
     t = tensors(path)
     if name == "cohere2":
         assert field(r, "cohere2.logit_scale") == pytest.approx(0.25)
@@ -162,7 +162,7 @@ def test_cohere2_sliding_pattern_matters(model, tmp_path, monkeypatch):
         fam, params=tuple(p for p in fam.params if p.key != pattern)))
     out = tmp_path / "cohere2-no-pattern.gguf"
     _, metrics, _ = convert_and_validate(model("cohere2"), out, "f16")
-    assert "cohere2.attention.sliding_window_pattern" not in gguf.GGUFReader(str(out)).fields
+    assert "cohere2.attention.sliding_window_pattern" not in FastGGUFReader(str(out)).fields
     assert metrics["finite"] is True
     assert metrics["mean_kl"] > 1e-3, metrics
     assert metrics["top1_agreement"] < 0.95, metrics  # its logits are flat: top-1 shows it plainly
@@ -174,7 +174,7 @@ def test_glm4_partial_rotary_factor_matters(model, tmp_path, monkeypatch):
     monkeypatch.setattr(glm4_mod, "rotary_factor", lambda hp: 1.0)
     out = tmp_path / "glm4-full-rotary.gguf"
     _, metrics, _ = convert_and_validate(model("glm4"), out, "f16")
-    assert field(gguf.GGUFReader(str(out)), "glm4.rope.dimension_count") == 16
+    assert field(FastGGUFReader(str(out)), "glm4.rope.dimension_count") == 16
     assert metrics["finite"] is True
     assert metrics["mean_kl"] > 1e-3, metrics
     monkeypatch.undo()
@@ -187,7 +187,7 @@ def test_glm4_partial_rotary_factor_matters(model, tmp_path, monkeypatch):
     assert transformers.AutoConfig.from_pretrained(d).rope_parameters["partial_rotary_factor"] == 0.5
     out = tmp_path / "glm4-no-factor.gguf"
     convert_only(d, out)
-    assert field(gguf.GGUFReader(str(out)), "glm4.rope.dimension_count") == 8
+    assert field(FastGGUFReader(str(out)), "glm4.rope.dimension_count") == 8
 
 
 def test_granitemoe_gate_up_order_matters(model, tmp_path, monkeypatch):
@@ -224,7 +224,7 @@ def test_hunyuan_alpha_base_matters(model, tmp_path, monkeypatch):
     monkeypatch.setattr(hunyuan_mod, "alpha", lambda hp: None)
     out = tmp_path / "hunyuan-unscaled.gguf"
     _, metrics, _ = convert_and_validate(model("hunyuan_dense"), out, "f16")
-    assert field(gguf.GGUFReader(str(out)), "hunyuan-dense.rope.freq_base") == pytest.approx(10000.0)
+    assert field(FastGGUFReader(str(out)), "hunyuan-dense.rope.freq_base") == pytest.approx(10000.0)
     assert metrics["finite"] is True
     assert metrics["mean_kl"] > 1e-3, metrics
 
@@ -280,7 +280,7 @@ def test_hunyuan_single_expert_is_dense(model, tmp_path):
     edit_config(d, num_experts=1)
     out = tmp_path / "hunyuan-one-expert.gguf"
     convert_only(d, out)
-    assert "hunyuan-dense.expert_count" not in gguf.GGUFReader(str(out)).fields
+    assert "hunyuan-dense.expert_count" not in FastGGUFReader(str(out)).fields
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -310,7 +310,7 @@ def test_imatrix_covers_every_expert(name, model):
     out = d.parent / f"{name}.imatrix.gguf"
     summary = imatrix.compute(fetch(str(d), f"test/{name}"), out)
     assert summary["missing"] == [], summary
-    stored = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(out)).tensors}
+    stored = {t.name: np.asarray(t.data) for t in FastGGUFReader(str(out)).tensors}
     k = CASES[name][2]["num_experts_per_tok"]
     for tensor in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
         counts = stored[f"blk.0.{tensor}.weight.counts"].reshape(-1)

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from factories import make_llama
+from gguf_reader import FastGGUFReader
 from pipelines.sources import fetch
 from pipelines.targets.gguf.convert import convert
 from pipelines.targets.gguf.quantize import quantize
@@ -48,7 +49,7 @@ def kv(reader: gguf.GGUFReader) -> dict:
 
 
 def compare(reference: Path, ours: Path) -> dict[str, list[str]]:
-    ref_reader, our_reader = gguf.GGUFReader(str(reference)), gguf.GGUFReader(str(ours))
+    ref_reader, our_reader = FastGGUFReader(str(reference)), FastGGUFReader(str(ours))
     ref = {t.name: t for t in ref_reader.tensors}
     got = {t.name: t for t in our_reader.tensors}
     assert set(ref) == set(got)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from factories import make_llama
+from gguf_reader import FastGGUFReader
 from pipelines.errors import HiveError
 from pipelines.sources import fetch
 from pipelines.targets.gguf import GgufTarget, imatrix
@@ -48,7 +49,7 @@ def imatrix_file(wide, tmp_path_factory):
 
 
 def types(path: Path) -> dict[str, Q]:
-    return {t.name: t.tensor_type for t in gguf.GGUFReader(str(path)).tensors}
+    return {t.name: t.tensor_type for t in FastGGUFReader(str(path)).tensors}
 
 
 def runs_in_llama_cpp(snap, path: Path, max_kl: float) -> dict:
@@ -132,7 +133,7 @@ def test_imatrix_is_the_mean_square_of_each_matrix_input(wide, imatrix_file):
         np.testing.assert_allclose(values[name], expect.numpy(), rtol=1e-4)
     assert values["blk.0.ffn_down.weight"].shape == (512,)  # the FFN's inner width: the down projection's input
     # the file is llama.cpp's imatrix layout
-    r = gguf.GGUFReader(str(path))
+    r = FastGGUFReader(str(path))
     assert r.fields["general.type"].contents() == "imatrix"
     assert r.fields["imatrix.chunk_count"].contents() == -(-len(ids) // imatrix.CHUNK_TOKENS)
 
@@ -171,7 +172,7 @@ def test_split_outputs_load_in_llama_cpp(wide, tmp_path):
     assert sorted(p.name for p in out.parent.iterdir()) == report.files and not out.exists()
     tensors = 0
     for i, f in enumerate(report.files):
-        r = gguf.GGUFReader(str(out.parent / f))
+        r = FastGGUFReader(str(out.parent / f))
         assert r.fields["split.no"].contents() == i and r.fields["split.count"].contents() == len(report.files)
         data = sum(int(t.n_bytes) for t in r.tensors)
         assert data <= 8 << 20 or len(r.tensors) == 1  # one tensor larger than the limit gets a shard of its own
@@ -197,8 +198,8 @@ def test_split_outputs_load_in_llama_cpp(wide, tmp_path):
     one = convert(wide.dir, wide.config(), wide.safetensors_files(), d / "one.gguf", "f16", name=wide.model_id,
                   ftype="Q4_K_M").files[0]
     assert len(shards) > 1
-    whole_tensors = {t.name: bytes(t.data) for t in gguf.GGUFReader(str(d / one)).tensors}
-    split_tensors = {t.name: bytes(t.data) for f in shards for t in gguf.GGUFReader(str(d / f)).tensors}
+    whole_tensors = {t.name: bytes(t.data) for t in FastGGUFReader(str(d / one)).tensors}
+    split_tensors = {t.name: bytes(t.data) for f in shards for t in FastGGUFReader(str(d / f)).tensors}
     assert split_tensors == whole_tensors
     runs_in_llama_cpp(wide, d / shards[0], 0.5)
 

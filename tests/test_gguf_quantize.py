@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-import gguf
 import pytest
 
+from gguf_reader import FastGGUFReader
 from pipelines.errors import HiveError
 from pipelines.sources import fetch
 from pipelines.targets.gguf.convert import convert
@@ -33,7 +33,7 @@ def test_k_quant_fallbacks_are_one_line_and_counted(f32_gguf, tmp_path, capfd):
     assert len(lines) == 1 and lines[0].startswith("llama.cpp Q4_K_M: ")
     # the recorded counts agree with the file: Q4_K_M itself never picks q5_0, so every q5_0 tensor is a
     # fallback; other types (q8_0) may also be chosen directly, so at least that many
-    types = Counter(t.tensor_type.name.lower() for t in gguf.GGUFReader(str(out)).tensors)
+    types = Counter(t.tensor_type.name.lower() for t in FastGGUFReader(str(out)).tensors)
     fallbacks = summary["fallbacks"]
     assert fallbacks and all(f["from"] in ("q4_K", "q5_K", "q6_K") for f in fallbacks)
     by_target = Counter()
@@ -41,7 +41,7 @@ def test_k_quant_fallbacks_are_one_line_and_counted(f32_gguf, tmp_path, capfd):
         by_target[f["to"]] += f["tensors"]
     assert by_target["q5_0"] == types["q5_0"] > 0
     assert all(n <= types[t] for t, n in by_target.items())
-    assert summary["tensors"] == len(gguf.GGUFReader(str(f32_gguf)).tensors)
+    assert summary["tensors"] == len(FastGGUFReader(str(f32_gguf)).tensors)
     assert f"{sum(by_target.values())} of {summary['tensors']} tensors fell back" in lines[0]
 
 

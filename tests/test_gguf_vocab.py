@@ -23,6 +23,7 @@ import pytest
 import sentencepiece as spm
 
 from factories import copy_model, make_spm_llama
+from gguf_reader import FastGGUFReader
 from pipelines import prompts
 from pipelines.errors import ModelFormatError
 from pipelines.sources import fetch
@@ -85,7 +86,7 @@ def tokenizations(model_dir: Path, gguf_path: Path, texts: list[str]):
 
 
 def assert_spm_metadata(out: Path, vocab_size: int, add_space_prefix: bool, sp_size: int) -> None:
-    r = gguf.GGUFReader(str(out))
+    r = FastGGUFReader(str(out))
     assert field(r, "tokenizer.ggml.model") == "llama"
     assert field(r, "tokenizer.ggml.pre") == "default"
     assert bool(field(r, "tokenizer.ggml.add_space_prefix")) is add_space_prefix
@@ -207,7 +208,7 @@ def test_bpe_token_ids_match_llama_cpp(tiny_llama, tmp_path):
     snap = fetch(str(tiny_llama), "test/tiny-llama")
     out = tmp_path / "bpe.gguf"
     convert(snap.dir, snap.config(), snap.safetensors_files(), out, "f16", name=snap.model_id)
-    assert field(gguf.GGUFReader(str(out)), "tokenizer.ggml.pre") == "smollm"
+    assert field(FastGGUFReader(str(out)), "tokenizer.ggml.pre") == "smollm"
     hf = AutoTokenizer.from_pretrained(str(tiny_llama))
     llm = Llama(model_path=str(out), vocab_only=True, verbose=False)
     try:
@@ -317,7 +318,7 @@ def test_byte_fallback_bpe_without_tokenizer_model(byte_fallback_model, tmp_path
     out = tmp_path / "bf.gguf"
     report = convert(snap.dir, snap.config(), snap.safetensors_files(), out, "f16", name=snap.model_id)
     assert report.vocab["tokenizer"] == "bpe-byte-fallback"
-    r = gguf.GGUFReader(str(out))
+    r = FastGGUFReader(str(out))
     assert field(r, "tokenizer.ggml.model") == "llama"
     assert field(r, "tokenizer.ggml.add_space_prefix") is add_dummy_prefix
     types = field(r, "tokenizer.ggml.token_type")

@@ -1,9 +1,11 @@
 """Fault loops on a real store (local directory and SeaweedFS S3), on a tiny artifact:
 
-- `hive-aot build` killed (SIGKILL to its whole process group, as a container kill does) at random points of the
-  whole build-and-publish window, 20 times per store kind: after every kill no ref names a manifest that is
-  missing or that does not match the sha256 the ref records, and no manifest names a missing or short blob;
-  a last build completes; then `gc` leaves no work directory, partial or temporary behind.
+- `hive-aot build` killed (SIGKILL to its whole process group, as a container kill does) at the store's own
+  events (`pipelines/store/faults.py`: a blob, the staging record, the manifest, each ref, half-written and
+  just visible), 20 times per store kind, each kill meeting what the ones before it left: after every kill no
+  ref names a manifest that is missing or that does not match the sha256 the ref records, and no manifest
+  names a missing or short blob; a last build completes; then `gc` leaves no work directory, partial or
+  temporary behind.
 - 6 publishers of one build at once, and 6 pullers on one cache at once: all succeed, the manifest is written
   once in identical bytes, the blob is downloaded once.
 - wrong credentials, a missing bucket, an unknown model or tag: one line each, and no secret in it.
@@ -14,11 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +26,7 @@ import pytest
 from factories import make_spm_llama, write_test_config
 from pipelines.manifest import Manifest
 from pipelines.store import blob_key, open_store
+from pipelines.store.faults import EVENTS_ENV, KILL_ENV
 
 REPO = Path.cwd()
 MODEL = "test-org/faulty"
@@ -64,44 +65,45 @@ def _build_cmd(model: dict, uri: str, recipe: str = "gguf-f16") -> list[str]:
             MODEL, "--store", uri, "--registry", str(model["registry"]), "--json"]
 
 
+def _events_of_a_build(model: dict, env: dict[str, str], store: str, tmp_path: Path) -> list[str]:
+    """The store events (`pipelines/store/faults.py`) of one whole build into an empty store, in order."""
+    record = tmp_path / "events.txt"
+    full = subprocess.run(_build_cmd(model, store), env={**env, EVENTS_ENV: str(record)}, capture_output=True,
+                          text=True, timeout=300)
+    assert full.returncode == 0, full.stderr
+    return record.read_text().split()
+
+
 @pytest.mark.parametrize("kind", ["local", "s3"])
 def test_killed_publishers_never_leave_a_ref_to_nothing(kind, model, tmp_path, request, record_property):
     uri = _store_uri(kind, tmp_path, request)  # first: the S3 server's AWS_* variables go into env below
     cache = tmp_path / "cache"
     env = {**os.environ, "HIVE_AOT_CACHE": str(cache)}
-    rng = random.Random(11 if kind == "local" else 12)
-    # a whole run into a store of its own sets the window the kills are drawn from: the second one, whose
-    # reference comes from the cache, as it does for every trial after the first
-    for calibration in ("calibration-cold", "calibration-warm"):
-        t0 = time.monotonic()
-        full = subprocess.run(_build_cmd(model, str(tmp_path / calibration)), env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert full.returncode == 0, full.stderr
-        window = time.monotonic() - t0
-    kills, published, stores = 0, 0, [uri]
+    events = _events_of_a_build(model, env, f"{uri}-calibration", tmp_path)
+    areas = {e.split(":", 1)[1].split("#")[0] for e in events}
+    assert {"blobs", "staging", "manifests", "refs"} <= areas, events
+    # Every trial kills the build (SIGKILL to its process group) at the next event of a whole build's sequence,
+    # in order, in the same store: each kill meets the state the kills before it left (a blob uploaded, a
+    # candidate staged, a manifest without refs, one ref of two) and must keep the store consistent from there.
+    # An event the resumed build no longer reaches (its blob is already there) lets it finish: published, and
+    # the sequence goes on in a fresh store.
+    kills, published, stores, at = 0, 0, [uri], 0
+    killed_at: list[str] = []
     while kills < PUBLISHER_KILLS:
-        # half the kills anywhere in the run, half in its last fifth (staging, validation's end, publish)
-        at = rng.uniform(0.2, window) if kills % 2 == 0 else rng.uniform(0.8 * window, 1.05 * window)
-        started = time.monotonic()
-        proc = subprocess.Popen(_build_cmd(model, stores[-1]), env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
-        try:
-            proc.wait(timeout=at)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
+        event = events[at % len(events)]
+        at += 1
+        proc = subprocess.run(_build_cmd(model, stores[-1]), env={**env, KILL_ENV: event}, capture_output=True,
+                              text=True, timeout=300, start_new_session=True)
+        if proc.returncode == -signal.SIGKILL:
             kills += 1
-        else:  # it finished first: published; the next trials go to a fresh store (else every build is skipped)
-            out, err = proc.communicate()
-            assert proc.returncode == 0, err[-2000:]
+            killed_at.append(event)
+        else:
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            assert json.loads(proc.stdout)["state"] in ("published", "skipped")
             published += 1
             stores.append(f"{uri}-{published}")
-            if json.loads(out)["state"] == "published":
-                # a build resuming a killed one's uploads is quicker than the calibration: aim at its length
-                window = min(window, time.monotonic() - started)
         check_store(stores[-1])
-        if published >= 30:
-            pytest.fail(f"the build keeps finishing before the kill ({kills} kills, window {window:.1f} s)")
+        assert at < 3 * PUBLISHER_KILLS, f"only {kills} of {at} trials were killed: {killed_at}"
     for s in stores:  # a last build of every store completes, from whatever the kills left
         done = subprocess.run(_build_cmd(model, s), env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
@@ -115,8 +117,12 @@ def test_killed_publishers_never_leave_a_ref_to_nothing(kind, model, tmp_path, r
     assert left_work == [], left_work  # the killed builds' scratch directories were reclaimed
     leftovers = [p for p in Path(stores[-1]).rglob(".*")] if kind == "local" else []
     assert leftovers == [], leftovers
-    summary = (f"publisher kills ({kind}): {kills} over a {window:.1f} s build-and-publish window, {published} builds "
-               "finished first; invariants held after each, gc left no work dir")
+    # every kind of point was hit: a blob and a record half-written and just visible, a manifest without its refs
+    hit = {e.split("#")[0] for e in killed_at}
+    assert {"temp:blobs", "done:blobs", "temp:manifests", "done:manifests", "done:refs"} <= hit, killed_at
+    summary = (f"publisher kills ({kind}): {kills} at store events ({len(events)} in a whole build: "
+               f"{', '.join(sorted(set(e.split('#')[0] for e in events)))}), {published} builds finished; "
+               "invariants held after each, gc left no work dir")
     record_property("fault_loop", summary)  # tests/run.py prints it in make test's summary
     print(summary)
 

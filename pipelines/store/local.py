@@ -15,6 +15,7 @@ from ..hashing import CHUNK, DigestCache, sha256_file
 from ..host import disk_full_error, is_disk_full
 from ..paths import safe_relpath
 from .base import Entry, Store
+from .faults import store_event
 from .layout import blob_key
 
 
@@ -28,6 +29,9 @@ class LocalStore(Store):
             return self.root / safe_relpath(key, what="store key")
         except HiveError as e:
             raise StoreError(str(e)) from None
+
+    def _key_of(self, path: Path) -> str:
+        return path.relative_to(self.root).as_posix()
 
     def _io_error(self, what: str, e: OSError, where: Path | None = None) -> HiveError:
         if is_disk_full(e):  # a DiskFull (ResourceError) line: the build names its step around it
@@ -69,7 +73,9 @@ class LocalStore(Store):
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(tmp, 0o644)
+            store_event("temp", self._key_of(dest))
             os.replace(tmp, dest)
+            store_event("done", self._key_of(dest))
         except OSError as e:
             raise self._io_error(f"write {dest.name}", e, dest.parent) from None
         finally:
@@ -123,7 +129,8 @@ class LocalStore(Store):
         try:
             self._path(key).unlink()
         except FileNotFoundError:
-            pass
+            return
+        store_event("delete", key)
 
     def adopt_file(self, key: str, path: Path, sha256: str, hashed: bool = False) -> None:
         if not self._link_into_place(path, self._path(key), None if hashed else sha256):
@@ -174,7 +181,9 @@ class LocalStore(Store):
                 os.fsync(f.fileno())  # the build wrote it without fsync: durable before it becomes a blob
             if st.st_mode & 0o777 != 0o644:
                 os.chmod(tmp, 0o644)
+            store_event("temp", self._key_of(dest))
             os.replace(tmp, dest)
+            store_event("done", self._key_of(dest))
         except OSError as e:
             raise self._io_error(f"write {dest.name}", e, dest.parent) from None
         finally:

@@ -16,6 +16,7 @@ from ..errors import HiveError, IntegrityError, StoreError
 from ..hashing import sha256_file
 from ..paths import safe_relpath
 from .base import Entry, Store
+from .faults import store_event
 from .layout import blob_key
 
 CHUNK = 64 * 1024 * 1024
@@ -73,10 +74,12 @@ class S3Store(Store):
 
     def write_bytes(self, key: str, data: bytes) -> None:
         k = self._key(key)
+        store_event("temp", key)
         try:
             self.client.put_object(Bucket=self.bucket, Key=k, Body=data)
         except Exception as e:  # noqa: BLE001
             raise self._error(f"write {key}", e) from None
+        store_event("done", key)
 
     def _head(self, key: str) -> dict | None:
         k = self._key(key)
@@ -130,17 +133,21 @@ class S3Store(Store):
         except Exception as e:  # noqa: BLE001
             if not self._missing(e):
                 raise self._error(f"delete {key}", e) from None
+            return
+        store_event("delete", key)
 
     def upload_file(self, key: str, path: Path, sha256: str) -> None:
         # Verified before the PUT: S3 has no rename, so what lands under a digest must already match it.
         k = self._key(key)
         if sha256_file(path) != sha256:
             raise IntegrityError(f"{path.name}: content does not match sha256 {sha256[:12]} (changed while uploading?)")
+        store_event("temp", key)
         try:
             self.client.upload_file(str(path), self.bucket, k, Config=self.transfer,
                                     ExtraArgs={"Metadata": {"sha256": sha256}})
         except Exception as e:  # noqa: BLE001
             raise self._error(f"upload {key}", e) from None
+        store_event("done", key)
 
     def iter_range(self, key: str, start: int, length: int) -> Iterator[bytes]:
         if length <= 0:
