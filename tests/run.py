@@ -3,7 +3,7 @@
 Files, not tests, are spread over the workers (`--dist loadfile`): a file's module fixtures (a family's tiny
 models, a built store) are built once. The longest files go first (tests/conftest.py orders them by the last
 run's times, which this script records). `--random` runs in random order instead (pytest-randomly; the seed
-is printed at the top, `-p randomly -p "randomly_seed=N"` replays it). HIVE_AOT_TEST_WORKERS sets the number of
+is printed first, `--random --randomly-seed=N` replays it). HIVE_AOT_TEST_WORKERS sets the number of
 workers (default 2; 0 runs in this process).
 
 pytest's exit code 5 ("no tests collected") is a failure here: a green run must have run tests.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,11 @@ SLOWEST = 10
 def pytest_args(argv: list[str]) -> list[str]:
     random_order = "--random" in argv
     args = [a for a in argv if a != "--random"]
+    if random_order and not any(a.startswith("--randomly-seed") for a in args):
+        # chosen here and printed first: pytest -q hides pytest-randomly's own header line
+        seed = random.randrange(1 << 32)
+        print(f"random order, seed {seed} (replay: tests/run.py --random --randomly-seed={seed})", flush=True)
+        args.append(f"--randomly-seed={seed}")
     workers = int(os.environ.get("HIVE_AOT_TEST_WORKERS", "2"))
     if workers > 0:
         args = ["-n", str(workers), "--dist", "loadfile", "--no-loadscope-reorder", *args]
