@@ -210,7 +210,8 @@ def _load_yaml(path: Path) -> Any:
     except OSError as e:
         raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
     try:
-        return yaml.safe_load(text)
+        # libyaml's safe loader when PyYAML has it: a tenth of the time, in every CLI process's registry and recipes
+        return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506 - safe loaders
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""

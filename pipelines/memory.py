@@ -229,17 +229,24 @@ def unit_text(facts: ModelFacts) -> str:
     return f"{name}, {human_bytes(n * FP32)} in fp32"
 
 
-def reference_memory(facts: ModelFacts) -> tuple[int, str]:
+def reference_memory(facts: ModelFacts, parent: int = BASE_TORCH) -> tuple[int, str]:
     """The fp32 reference streamed one unit at a time: the base process, two units resident, the activations of
-    the parity texts (BATCH_TOKENS, padded) and their logits."""
+    the parity texts (BATCH_TOKENS, padded) and their logits; `parent`: the building process meanwhile (torch
+    imported, unless its kind's build never needs it there)."""
     unit_name, unit = largest_unit(facts)
     activations = BATCH_TOKENS * facts.hidden_size * FP32 * ACTIVATION_COPIES  # the parity texts in one batch
     logits = BATCH_TOKENS * facts.vocab_size * FP32 * REFERENCE_LOGIT_COPIES
-    total = BASE_TORCH + int(REFERENCE_UNIT_COPIES * unit * FP32) + activations + logits + BASE_TORCH
+    total = BASE_TORCH + int(REFERENCE_UNIT_COPIES * unit * FP32) + activations + logits + parent
     detail = (f"a child: torch {human_bytes(BASE_TORCH)} + {REFERENCE_UNIT_COPIES:g} x {unit_name} {human_bytes(unit * FP32)} "
               f"fp32 + activations {human_bytes(activations)} + logits {human_bytes(logits)}; the parent waiting "
-              f"{human_bytes(BASE_TORCH)}")
+              f"{human_bytes(parent)}")
     return total, detail
+
+
+def reference_in_process(fp32_bytes: int, budget: int) -> bool:
+    """The reference keeps every block after its first use, in the building process (torch imported there),
+    only when the fp32 model fits the budget with a wide margin; otherwise it streams in a child."""
+    return fp32_bytes * 3 // 2 + GIB < budget
 
 
 def reference_need(snapshot: Snapshot) -> int:
@@ -369,18 +376,19 @@ class PlanEnv:
         return base + copies * size, (f"{base_name} {human_bytes(base)} + {copies} x tensor {human_bytes(size)} fp32 "
                                       f"({name})")
 
-    def reference(self) -> StepNeed:
-        mem, detail = reference_memory(self.facts)
+    def reference(self, parent: int = BASE_TORCH) -> StepNeed:
+        mem, detail = reference_memory(self.facts, parent)
         return StepNeed("reference", mem, disk=reference_cache_bytes(self.facts), where=self.refs, detail=detail,
                         unit=unit_text(self.facts))
 
-    def publish(self, size: int, new_blobs: bool = True) -> StepNeed:
+    def publish(self, size: int, new_blobs: bool = True, base: int = BASE_STEP) -> StepNeed:
+        """`base`: the building process by then (torch imported, unless its kind's build never needs it there)."""
         # Hard links on the work root's file system; a copy on another one; nothing local for S3.
         if self.store is None:
-            return StepNeed("publish", BASE_STEP, disk=0, where=self.work, detail="uploaded to S3 from the work root")
+            return StepNeed("publish", base, disk=0, where=self.work, detail="uploaded to S3 from the work root")
         if not new_blobs:
-            return StepNeed("publish", BASE_STEP, disk=0, where=self.store, detail="its files are blobs of the input already")
-        return StepNeed("publish", BASE_STEP, disk=0 if self.linkable else size, where=self.store, kept=size,
+            return StepNeed("publish", base, disk=0, where=self.store, detail="its files are blobs of the input already")
+        return StepNeed("publish", base, disk=0 if self.linkable else size, where=self.store, kept=size,
                         detail=("hard links into the store (same file system)" if self.linkable
                                 else f"a copy of {human_bytes(size)} into the store"))
 

@@ -74,11 +74,10 @@ REFERENCE_VERSION = 3
 
 
 def _key(content_digest: str, ids: list[list[int]], gen_ids: list[int], n_gen: int) -> str:
-    import torch
-    import transformers
+    from importlib.metadata import version  # the installed versions, without importing torch for them
 
-    payload = json.dumps([REFERENCE_VERSION, content_digest, ids, gen_ids, n_gen, transformers.__version__,
-                          torch.__version__])
+    payload = json.dumps([REFERENCE_VERSION, content_digest, ids, gen_ids, n_gen, version("transformers"),
+                          version("torch")])
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -147,10 +146,10 @@ def reference_resident(files: list[Path]) -> bool:
     """Keep every block loaded after first use (fewer reads, same numbers) only when the fp32 model fits
     the memory budget with a wide margin; otherwise stream block by block."""
     from .host import memory_budget
+    from .memory import reference_in_process
     from .safetensors_io import read_header
 
-    fp32 = sum(read_header(f).parameters for f in files) * 4
-    return fp32 * 3 // 2 + (1 << 30) < memory_budget()[0]
+    return reference_in_process(sum(read_header(f).parameters for f in files) * 4, memory_budget()[0])
 
 
 def compute_into(model_dir: str, files: list[str], ids: list[list[int]], gen_ids: list[int], n_gen: int,

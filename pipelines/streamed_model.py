@@ -286,7 +286,7 @@ class StreamedCausalLM:
         the numbers of `logits` exactly."""
         import torch
 
-        if self.resident:
+        if self.resident or not sequences:
             return [self.logits(s) for s in sequences]
 
         longest = max(len(s) for s in sequences)

@@ -50,6 +50,14 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_small_vocab_dir(smollm2_dir, tmp_path_factory) -> Path:
+    """SmolLM2's tokenizer cut to its first 2,048 tokens (`factories.make_small_bpe_tokenizer`; read-only)."""
+    from factories import make_small_bpe_tokenizer
+
+    return make_small_bpe_tokenizer(tmp_path_factory.mktemp("tokenizers") / "smollm2-2k", smollm2_dir)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(smollm2_dir, tmp_path_factory) -> Path:
     """A 2-layer random Llama with tied embeddings and SmolLM2's real BPE tokenizer (read-only: copy to modify)."""
     return make_llama(tmp_path_factory.mktemp("models") / "tiny-llama", smollm2_dir)

@@ -17,7 +17,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 def make_llama(dest: Path, tokenizer_dir: Path, *, arch: str = "LlamaForCausalLM", tie: bool = True,
                dtype: str = "bfloat16", seed: int = 0, **overrides: Any) -> Path:
-    """A 2-layer Llama/Mistral with SmolLM2's BPE tokenizer (vocab 49152)."""
+    """A 2-layer Llama/Mistral with the tokenizer of `tokenizer_dir` and its config's vocab_size (SmolLM2's BPE:
+    49152; `make_small_bpe_tokenizer`'s cut: 2048)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
@@ -34,6 +35,38 @@ def make_llama(dest: Path, tokenizer_dir: Path, *, arch: str = "LlamaForCausalLM
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, dest / name)
+    return dest
+
+
+# SmolLM2's byte-level BPE cut to its first 2,048 tokens: its 17 special tokens, its 235 single characters and its
+# first 1,796 merges (SmolLM2 numbers each merge's result by the merge's rank), so the cut is a whole, smaller BPE
+# with the same pre-tokenizer. A tiny model's parameters, logits and GGUF vocabulary are almost all vocabulary (49,152
+# x hidden 64), so the GGUF family tests run on the cut one; the full one's pre-tokenizer check stays tested on it.
+SMALL_BPE_VOCAB = 2048
+# llama.cpp's name for SmolLM2's pre-tokenizer: the full vocabulary's check hash maps to it. The cut vocabulary's
+# check ids differ, so its conversions name the pre-tokenizer explicitly (the recipe option `bpe_pre_fallback`).
+SMOLLM2_PRE = "smollm"
+
+
+def make_small_bpe_tokenizer(dest: Path, tokenizer_dir: Path, size: int = SMALL_BPE_VOCAB) -> Path:
+    """SmolLM2's tokenizer files with the vocabulary cut to ids < size and the merges to those that make them;
+    config.json gives the size (make_llama reads it)."""
+    spec = json.loads((tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    bpe = spec["model"]
+    unmerged = len(bpe["vocab"]) - len(bpe["merges"])  # special tokens and single characters come first
+    vocab = {token: i for token, i in bpe["vocab"].items() if i < size}
+    merges = bpe["merges"][:size - unmerged]
+    for rank, pair in enumerate(merges):
+        joined = "".join(pair.split(" ") if isinstance(pair, str) else pair)
+        assert vocab.get(joined) == unmerged + rank, f"merge {rank} does not make token {unmerged + rank}"
+    assert all(t["id"] < size for t in spec["added_tokens"])
+    bpe["vocab"], bpe["merges"] = vocab, merges
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    for name in TOKENIZER_FILES:
+        if name != "tokenizer.json" and (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, dest / name)
+    (dest / "config.json").write_text(json.dumps({"vocab_size": size}))
     return dest
 
 

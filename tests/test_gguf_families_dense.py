@@ -4,9 +4,10 @@ against transformers fp32 (`gguf_family_check.check_family`), plus what is speci
 controls for the transforms and keys that matter, the layouts llama.cpp cannot run (refused in one line), and
 the streamed reference of each new architecture against `from_pretrained`.
 
-The SmolLM2 BPE tokenizer (vocab 49152) is copied into every model; transformers 5 reads it for all these model
-types with its generic tokenizer class, whose pre-tokenizer llama.cpp recognises, so no `bpe_pre_fallback` is
-needed. Sliding windows are 16 tokens, shorter than every parity prompt (55-83 tokens), so they are exercised.
+SmolLM2's BPE tokenizer cut to 2,048 tokens is copied into every model and each conversion names its pre-tokenizer
+(`gguf_family_check`); transformers 5 reads the full tokenizer for all these model types with its generic class,
+whose pre-tokenizer llama.cpp recognises by its hash (`test_full_smollm2_vocabulary_is_recognised`). Sliding
+windows are 16 tokens, shorter than every parity prompt (85-133 tokens of the cut vocabulary), so they are exercised.
 Nemotron's LayerNorm1P weights are shifted to around 0 as a trained model stores them (it scales by 1 + w;
 transformers initialises w to 1, which doubles every norm and, with relu^2, makes a random model's logits so
 sharp that q8_0 rounding alone costs KL 0.016).
@@ -22,8 +23,9 @@ import gguf
 import numpy as np
 import pytest
 
-from factories import copy_model, edit_config, make_causal_lm
-from gguf_family_check import check_family, convert_and_validate, convert_only, field, tensors
+from factories import SMALL_BPE_VOCAB, copy_model, edit_config, make_causal_lm
+from gguf_family_check import (assert_full_vocab_recognised, check_family, convert_and_validate, convert_only, field,
+                               tensors)
 from gguf_reader import FastGGUFReader
 from pipelines.errors import ModelFormatError
 from pipelines.targets.gguf import convert as convert_mod
@@ -31,7 +33,7 @@ from pipelines.targets.gguf.families import llama as llama_family
 from pipelines.targets.gguf.families.llama import PERMUTE_K, PERMUTE_Q
 from pipelines.targets.gguf.families.spec import IDENTITY, PLUS_ONE
 
-VOCAB = 49152
+VOCAB = SMALL_BPE_VOCAB  # SmolLM2's tokenizer cut to 2,048 tokens (gguf_family_check)
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False,
             bos_token_id=1, eos_token_id=2, pad_token_id=None)
@@ -48,9 +50,9 @@ CASES = {
     "nemotron": ("NemotronConfig", "NemotronForCausalLM",
                  dict(TINY, hidden_act="relu2", attention_bias=True, mlp_bias=True), "nemotron",
                  {"seed": 1, "center_norms": True}),
-    # 4 layers: layer 3 is a NoPE layer
+    # 4 layers: layer 3 is a NoPE layer; seed 1: seed 0's random logits sit at near-ties (f16 top-1 0.984 at KL 1.5e-5)
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(TINY, num_hidden_layers=4, tie_word_embeddings=True),
-                "smollm3", {}),
+                "smollm3", {"seed": 1}),
     # Llama 3.1 frequency scaling at a 64-token original context, so the rope_freqs tensor acts on the prompts
     "arcee": ("ArceeConfig", "ArceeForCausalLM", dict(TINY, rope_parameters=LLAMA3_ROPE), "arcee", {}),
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM",
@@ -79,7 +81,7 @@ def _center_norms(model_dir: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_dir, tmp_path_factory):
+def model(smollm2_small_vocab_dir, tmp_path_factory):
     """Build (once per module) the tiny model of a case."""
     built: dict[str, Path] = {}
     root = tmp_path_factory.mktemp("gguf-dense-models")
@@ -87,7 +89,7 @@ def model(smollm2_dir, tmp_path_factory):
     def build(name: str) -> Path:
         if name not in built:
             cfg_cls, model_cls, params, _, opts = CASES[name]
-            d = make_causal_lm(cfg_cls, model_cls, params, root / name, tokenizer_dir=smollm2_dir,
+            d = make_causal_lm(cfg_cls, model_cls, params, root / name, tokenizer_dir=smollm2_small_vocab_dir,
                                seed=opts.get("seed", 0))
             if opts.get("center_norms"):
                 _center_norms(d)
@@ -156,6 +158,17 @@ def assert_specifics(name: str, path: Path) -> None:
         assert "output.weight" not in t  # tied by default
     else:
         raise AssertionError(f"no specifics for {name}")
+
+
+# one case per config class: transformers picks the tokenizer class by model type
+FULL_VOCAB_CASES = {case[0]: case[2] for case in reversed(CASES.values())}
+
+
+@pytest.mark.parametrize("config_class", sorted(FULL_VOCAB_CASES))
+def test_full_smollm2_vocabulary_is_recognised(config_class, smollm2_dir, tmp_path):
+    """The cut vocabulary's conversions name the pre-tokenizer; the full one needs no name, for each model type."""
+    params = {k: v for k, v in FULL_VOCAB_CASES[config_class].items() if v is not None}
+    assert_full_vocab_recognised(config_class, params, smollm2_dir, tmp_path)
 
 
 @pytest.mark.parametrize("name", FAMILY_CASES)

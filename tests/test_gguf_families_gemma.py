@@ -3,9 +3,10 @@ converted to f16 and q8_0 and validated in llama.cpp against transformers fp32
 (`gguf_family_check.check_family`), plus what is special to each family, negative controls for the
 transforms that matter, and the layouts llama.cpp cannot run.
 
-The SmolLM2 BPE tokenizer is copied into every model (vocab 49152). Norm weights are randomized around 1
-(Gemma's around 0: it scales by 1 + w), so a missing or wrong norm transform shows in the parity numbers.
-Sliding windows are 16 tokens, shorter than every parity prompt (55-83 tokens), so they are exercised.
+SmolLM2's BPE tokenizer cut to 2,048 tokens is copied into every model (`gguf_family_check`). Norm weights are
+randomized around 1 (Gemma's around 0: it scales by 1 + w), so a missing or wrong norm transform shows in the
+parity numbers.
+Sliding windows are 16 tokens, shorter than every parity prompt (85-133 tokens), so they are exercised.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from pathlib import Path
 import gguf
 import pytest
 
-from factories import copy_model, edit_config, make_causal_lm
-from gguf_family_check import check_family, convert_and_validate, convert_only, field, tensors
+from factories import SMALL_BPE_VOCAB, copy_model, edit_config, make_causal_lm
+from gguf_family_check import (assert_full_vocab_recognised, check_family, convert_and_validate, convert_only, field,
+                               tensors)
 from gguf_reader import FastGGUFReader
 from pipelines.errors import ModelFormatError
 from pipelines.targets.gguf import GgufTarget
@@ -26,7 +28,7 @@ from pipelines.targets.gguf import convert as convert_mod
 from pipelines.targets.gguf.convert import convert
 from pipelines.targets.gguf.families.spec import IDENTITY, PLUS_ONE
 
-VOCAB = 49152
+VOCAB = SMALL_BPE_VOCAB  # SmolLM2's tokenizer cut to 2,048 tokens (gguf_family_check)
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False,
             bos_token_id=1, eos_token_id=2)
@@ -66,7 +68,7 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_dir, tmp_path_factory):
+def model(smollm2_small_vocab_dir, tmp_path_factory):
     """Build (once per module) the tiny model of a case."""
     built: dict[str, Path] = {}
     root = tmp_path_factory.mktemp("gguf-gemma-models")
@@ -74,13 +76,24 @@ def model(smollm2_dir, tmp_path_factory):
     def build(name: str) -> Path:
         if name not in built:
             cfg_cls, model_cls, params, *_ = CASES[name]
-            built[name] = make_causal_lm(cfg_cls, model_cls, params, root / name, tokenizer_dir=smollm2_dir)
+            built[name] = make_causal_lm(cfg_cls, model_cls, params, root / name, tokenizer_dir=smollm2_small_vocab_dir)
         return built[name]
 
     return build
 
 
 
+
+
+# one case per config class: transformers picks the tokenizer class by model type
+FULL_VOCAB_CASES = {case[0]: case[2] for case in reversed(CASES.values())}
+
+
+@pytest.mark.parametrize("config_class", sorted(FULL_VOCAB_CASES))
+def test_full_smollm2_vocabulary_is_recognised(config_class, smollm2_dir, tmp_path):
+    """The cut vocabulary's conversions name the pre-tokenizer; the full one needs no name, for each model type."""
+    params = {k: v for k, v in FULL_VOCAB_CASES[config_class].items() if v is not None}
+    assert_full_vocab_recognised(config_class, params, smollm2_dir, tmp_path)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -4,10 +4,11 @@ and validated in llama.cpp against transformers fp32 (`gguf_family_check.check_f
 special to each family (negative controls for the transforms that reorder weights) and the layouts
 llama.cpp cannot run (refused in one line).
 
-The SmolLM2 BPE tokenizer (vocab 49152) is copied into every model; transformers 5 reads it for all these
-model types with its own GPT-2 style tokenizer class, whose pre-tokenizer llama.cpp recognises, so no
-`bpe_pre_fallback` is needed. Model directories never contain "phi3" / "phi-3": llama.cpp gives a model so
-named Phi-3's token attributes by name (general.name), which need a "</s>" token this vocabulary lacks.
+SmolLM2's BPE tokenizer cut to 2,048 tokens is copied into every model and each conversion names its
+pre-tokenizer (`gguf_family_check`); transformers 5 reads the full tokenizer for all these model types with a
+class whose pre-tokenizer llama.cpp recognises by its hash (`test_full_smollm2_vocabulary_is_recognised`).
+Model directories never contain "phi3" / "phi-3": llama.cpp gives a model so named Phi-3's token attributes by
+name (general.name), which need a "</s>" token this vocabulary lacks.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import gguf
 import numpy as np
 import pytest
 
-from factories import TINY_CAUSAL_LMS, copy_model, edit_config, make_causal_lm
-from gguf_family_check import check_family, convert_and_validate, convert_only, field
+from factories import SMALL_BPE_VOCAB, TINY_CAUSAL_LMS, copy_model, edit_config, make_causal_lm
+from gguf_family_check import (assert_full_vocab_recognised, check_family, convert_and_validate, convert_only,
+                               field)
 from gguf_reader import FastGGUFReader
 from pipelines.errors import ModelFormatError
 from pipelines.targets.gguf import convert as convert_mod
@@ -30,7 +32,7 @@ from pipelines.targets.gguf.families import gptneox as gptneox_family
 from pipelines.targets.gguf.families import starcoder as starcoder_family
 from pipelines.targets.gguf.families.spec import IDENTITY
 
-VOCAB = 49152
+VOCAB = SMALL_BPE_VOCAB  # SmolLM2's tokenizer cut to 2,048 tokens (gguf_family_check)
 IDS = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)  # SmolLM2's <|im_start|> / <|im_end|>
 TINY = dict(IDS, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2)
@@ -40,7 +42,7 @@ NEOX = dict(IDS, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num
 
 
 def tiny(name: str, **overrides):
-    """A TINY_CAUSAL_LMS entry at the SmolLM2 vocabulary, with 512 positions (the prompts are ~100 tokens)."""
+    """A TINY_CAUSAL_LMS entry at the cut SmolLM2 vocabulary, with 512 positions (the prompts are 85-133 tokens)."""
     cfg_cls, model_cls, params = TINY_CAUSAL_LMS[name]
     positions = {"n_positions": 512} if "n_positions" in params else {"max_position_embeddings": 512}
     return cfg_cls, model_cls, {**params, **IDS, **positions, **overrides}
@@ -75,7 +77,7 @@ LAYOUT_CASES = ["gptneox_sequential", "falcon_mqa", "starcoder_mha", "phi3_longr
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_dir, tmp_path_factory):
+def model(smollm2_small_vocab_dir, tmp_path_factory):
     """Build (once per module) the tiny model of a case."""
     built: dict[str, Path] = {}
     root = tmp_path_factory.mktemp("gguf-gpt-models")
@@ -84,7 +86,7 @@ def model(smollm2_dir, tmp_path_factory):
         if case not in built:
             cfg_cls, model_cls, params, _ = CASES[case]
             built[case] = make_causal_lm(cfg_cls, model_cls, params, root / f"tiny-{case.replace('phi3', 'phi-mini')}",
-                                         tokenizer_dir=smollm2_dir)
+                                         tokenizer_dir=smollm2_small_vocab_dir)
         return built[case]
 
     return build
@@ -153,6 +155,17 @@ def assert_specifics(case: str, path: Path, report) -> None:
         assert field(r, "phi3.rope.scaling.attn_factor") == pytest.approx(np.sqrt(1 + np.log(2) / np.log(256)))
     else:
         raise AssertionError(f"no specifics for {case}")
+
+
+# one case per config class: transformers picks the tokenizer class by model type
+FULL_VOCAB_CASES = {case[0]: case[2] for case in reversed(CASES.values())}
+
+
+@pytest.mark.parametrize("config_class", sorted(FULL_VOCAB_CASES))
+def test_full_smollm2_vocabulary_is_recognised(config_class, smollm2_dir, tmp_path):
+    """The cut vocabulary's conversions name the pre-tokenizer; the full one needs no name, for each model type."""
+    params = {k: v for k, v in FULL_VOCAB_CASES[config_class].items() if v is not None}
+    assert_full_vocab_recognised(config_class, params, smollm2_dir, tmp_path)
 
 
 @pytest.mark.parametrize("case", FAMILY_CASES)

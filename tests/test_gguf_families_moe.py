@@ -2,9 +2,11 @@
 random models: converted to f16 and q8_0 and validated in llama.cpp against transformers fp32
 (`gguf_family_check.check_family`), plus what is special to each family and the layouts llama.cpp cannot run.
 
-The SmolLM2 BPE tokenizer is copied into every model. transformers 5 reads it as Qwen2Tokenizer for the
-Qwen model types (qwen2's own pre-tokenizer regex, whose check hash llama.cpp does not know for this
-vocabulary), so those cases name the pre-tokenizer explicitly (`bpe_pre_fallback`: "qwen2", recorded).
+SmolLM2's BPE tokenizer cut to 2,048 tokens is copied into every model, and every conversion names its
+pre-tokenizer, "smollm" (`gguf_family_check`). transformers 5 reads the tokenizer with its generic class for the
+Qwen model types too, so the full vocabulary is recognised by its hash for all of them
+(`test_full_smollm2_vocabulary_is_recognised`), and qwen2's pre-tokenizer would be wrong (it splits "\n\n"
+differently: token parity catches it).
 
 Random MoE routers: with the dense cases' weights (initializer_range 0.2) a random router's top-2 often sits near
 a tie that the rounding of f16 / q8_0 activations flips (measured: Mixtral f16 top-1 0.996 but q8_0 KL 0.031,
@@ -23,17 +25,17 @@ import gguf
 import numpy as np
 import pytest
 
-from factories import copy_model, edit_config, make_causal_lm
-from gguf_family_check import check_family, convert_and_validate, convert_only, field, tensors
+from factories import SMALL_BPE_VOCAB, copy_model, edit_config, make_causal_lm
+from gguf_family_check import (assert_full_vocab_recognised, check_family, convert_and_validate, convert_only, field,
+                               tensors)
 from gguf_reader import FastGGUFReader
 from pipelines.errors import ModelFormatError
 from pipelines.targets.gguf import convert as convert_mod
 
-VOCAB = 49152
+VOCAB = SMALL_BPE_VOCAB  # SmolLM2's tokenizer cut to 2,048 tokens (gguf_family_check)
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False,
             bos_token_id=1, eos_token_id=2)
-QWEN_PRE = {"bpe_pre_fallback": "qwen2"}
 
 # name: (config class, model class, config, gguf arch, convert options, router scale)
 MOE = dict(TINY, initializer_range=0.1)
@@ -46,18 +48,18 @@ CASES = {
                 "llama", None, 4.0),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
                   dict(MOE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                       shared_expert_intermediate_size=96, norm_topk_prob=False), "qwen2moe", QWEN_PRE, 4.0),
+                       shared_expert_intermediate_size=96, norm_topk_prob=False), "qwen2moe", None, 4.0),
     # head_dim 32 with hidden 64 / 4 heads (16): Qwen3 sets head_dim on its own (Qwen3-4B: 128 vs 2560/32)
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(TINY, head_dim=32, tie_word_embeddings=True), "qwen3",
-              QWEN_PRE, 1.0),
+              None, 1.0),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(MOE, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                       norm_topk_prob=True), "qwen3moe", QWEN_PRE, 4.0),
+                       norm_topk_prob=True), "qwen3moe", None, 4.0),
 }
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_dir, tmp_path_factory):
+def model(smollm2_small_vocab_dir, tmp_path_factory):
     """Build (once per module) the tiny model of a case."""
     built: dict[str, Path] = {}
     root = tmp_path_factory.mktemp("gguf-moe-models")
@@ -65,7 +67,7 @@ def model(smollm2_dir, tmp_path_factory):
     def build(name: str) -> Path:
         if name not in built:
             cfg_cls, model_cls, params, *_, router_scale = CASES[name]
-            built[name] = make_causal_lm(cfg_cls, model_cls, params, root / name, tokenizer_dir=smollm2_dir,
+            built[name] = make_causal_lm(cfg_cls, model_cls, params, root / name, tokenizer_dir=smollm2_small_vocab_dir,
                                          router_scale=router_scale)
         return built[name]
 
@@ -73,6 +75,17 @@ def model(smollm2_dir, tmp_path_factory):
 
 
 
+
+
+# one case per config class: transformers picks the tokenizer class by model type
+FULL_VOCAB_CASES = {case[0]: case[2] for case in reversed(CASES.values())}
+
+
+@pytest.mark.parametrize("config_class", sorted(FULL_VOCAB_CASES))
+def test_full_smollm2_vocabulary_is_recognised(config_class, smollm2_dir, tmp_path):
+    """The cut vocabulary's conversions name the pre-tokenizer; the full one needs no name, for each model type."""
+    params = {k: v for k, v in FULL_VOCAB_CASES[config_class].items() if v is not None}
+    assert_full_vocab_recognised(config_class, params, smollm2_dir, tmp_path)
 
 
 @pytest.mark.parametrize("name", list(CASES))

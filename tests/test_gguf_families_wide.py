@@ -4,8 +4,9 @@ converted to f16 and q8_0 and validated in llama.cpp against transformers fp32
 control per family for the transform or key that matters, the layouts llama.cpp cannot run (one-line
 refusals), and the streamed reference against `from_pretrained` for each architecture.
 
-The SmolLM2 BPE tokenizer is copied into every model; none of these model types makes transformers read it
-with another pre-tokenizer, so no `bpe_pre_fallback` is needed. The MoE models are built as in
+SmolLM2's BPE tokenizer cut to 2,048 tokens is copied into every model and each conversion names its
+pre-tokenizer (`gguf_family_check`); none of these model types makes transformers read the full tokenizer with
+another pre-tokenizer (`test_full_smollm2_vocabulary_is_recognised`). The MoE models are built as in
 test_gguf_families_moe.py (weights 0.1, router weights scaled 4x, so the routers are decisive): OLMoE's
 router is `mlp.gate`, which `make_causal_lm(router_scale=...)` scales; Granite MoE's is
 `block_sparse_moe.router`, scaled here after building. Sliding windows are 16 tokens, shorter than every
@@ -25,8 +26,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from factories import copy_model, edit_config, make_causal_lm, rewrite_safetensors
-from gguf_family_check import check_family, convert_and_validate, convert_only, field, tensors
+from factories import SMALL_BPE_VOCAB, copy_model, edit_config, make_causal_lm, rewrite_safetensors
+from gguf_family_check import (assert_full_vocab_recognised, check_family, convert_and_validate, convert_only, field,
+                               tensors)
 from gguf_reader import FastGGUFReader
 from pipelines import streamed_model
 from pipelines.errors import ModelFormatError
@@ -35,7 +37,7 @@ from pipelines.targets.gguf.families import glm4 as glm4_mod
 from pipelines.targets.gguf.families import hunyuan_dense as hunyuan_mod
 from pipelines.targets.gguf.families.spec import A, accept
 
-VOCAB = 49152
+VOCAB = SMALL_BPE_VOCAB  # SmolLM2's tokenizer cut to 2,048 tokens (gguf_family_check)
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False,
             bos_token_id=1, eos_token_id=2)
@@ -72,7 +74,7 @@ def _scale_granitemoe_router(d: Path, scale: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_dir, tmp_path_factory):
+def model(smollm2_small_vocab_dir, tmp_path_factory):
     """Build (once per module) the tiny model of a case."""
     built: dict[str, Path] = {}
     root = tmp_path_factory.mktemp("gguf-wide-models")
@@ -81,7 +83,7 @@ def model(smollm2_dir, tmp_path_factory):
         if name not in built:
             cfg_cls, model_cls, params, _, router_scale = CASES[name]
             params = {k: v for k, v in params.items() if v is not None}
-            d = make_causal_lm(cfg_cls, model_cls, params, root / name, tokenizer_dir=smollm2_dir,
+            d = make_causal_lm(cfg_cls, model_cls, params, root / name, tokenizer_dir=smollm2_small_vocab_dir,
                                router_scale=router_scale)
             if name == "granitemoe":  # its router is not `mlp.gate`: make_causal_lm left it alone
                 _scale_granitemoe_router(d, router_scale)
@@ -89,6 +91,17 @@ def model(smollm2_dir, tmp_path_factory):
         return built[name]
 
     return build
+
+
+# one case per config class: transformers picks the tokenizer class by model type
+FULL_VOCAB_CASES = {case[0]: case[2] for case in reversed(CASES.values())}
+
+
+@pytest.mark.parametrize("config_class", sorted(FULL_VOCAB_CASES))
+def test_full_smollm2_vocabulary_is_recognised(config_class, smollm2_dir, tmp_path):
+    """The cut vocabulary's conversions name the pre-tokenizer; the full one needs no name, for each model type."""
+    params = {k: v for k, v in FULL_VOCAB_CASES[config_class].items() if v is not None}
+    assert_full_vocab_recognised(config_class, params, smollm2_dir, tmp_path)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -3,6 +3,13 @@
 The model is a 2-layer Llama with hidden 256 and FFN 512: with hidden 64 every k-quant would fall back to
 a legacy type and prove nothing. Each file's tensor types are read back with GGUFReader (the type asked
 for, not a fallback) and each is loaded and run in llama.cpp against the transformers reference.
+
+Its tokenizer is SmolLM2's BPE cut to its first 2,048 tokens (`smollm2_small_vocab_dir`; 2048 rows are whole
+256-superblocks too): on the full 49,152 the embedding and output matrices were 95% of the weights and of
+every conversion, quantization and llama.cpp run. llama.cpp does not know the cut vocabulary's check hash, so
+every conversion here (and the recipe) names SmolLM2's pre-tokenizer (`bpe_pre_fallback`), as the GGUF family
+tests do; token-id parity with llama.cpp shows the name is right. The split sizes are scaled to the smaller
+files (f16 about 4.3 MiB): 1 MiB shards for the f16, 256 KiB for the streamed Q4_K_M.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import gguf
 import numpy as np
 import pytest
 
-from factories import make_llama
+from factories import SMOLLM2_PRE, make_llama
 from gguf_reader import FastGGUFReader
 from pipelines.errors import HiveError
 from pipelines.sources import fetch
@@ -24,11 +31,13 @@ from pipelines.targets.gguf.quantize import quantize
 from pipelines.targets.gguf.validate import validate_gguf
 
 Q = gguf.GGMLQuantizationType
+# the cut vocabulary's check hash is unknown to llama.cpp: every conversion names SmolLM2's pre-tokenizer
+PRE = {"bpe_pre_fallback": SMOLLM2_PRE}
 
 
 @pytest.fixture(scope="module")
-def wide(smollm2_dir, tmp_path_factory):
-    d = make_llama(tmp_path_factory.mktemp("quant-types") / "llama-256", smollm2_dir, hidden_size=256,
+def wide(smollm2_small_vocab_dir, tmp_path_factory):
+    d = make_llama(tmp_path_factory.mktemp("quant-types") / "llama-256", smollm2_small_vocab_dir, hidden_size=256,
                    intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, tie=False,
                    initializer_range=0.05)
     return fetch(str(d), "test/llama-256")
@@ -37,7 +46,7 @@ def wide(smollm2_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def f16_source(wide, tmp_path_factory):
     out = tmp_path_factory.mktemp("f16") / "llama-256-f16.gguf"
-    convert(wide.dir, wide.config(), wide.safetensors_files(), out, "f16", name=wide.model_id)
+    convert(wide.dir, wide.config(), wide.safetensors_files(), out, "f16", name=wide.model_id, options=PRE)
     return out
 
 
@@ -68,7 +77,7 @@ DIRECT = {"f32": (Q.F32, 1e-6), "bf16": (Q.BF16, 1e-3), "q4_0": (Q.Q4_0, 0.05), 
 def test_direct_outtypes(wide, tmp_path, outtype):
     qtype, max_kl = DIRECT[outtype]
     out = tmp_path / f"{outtype}.gguf"
-    report = convert(wide.dir, wide.config(), wide.safetensors_files(), out, outtype, name=wide.model_id)
+    report = convert(wide.dir, wide.config(), wide.safetensors_files(), out, outtype, name=wide.model_id, options=PRE)
     t = types(out)
     matrices = [n for n in t if n.endswith(".weight") and "norm" not in n and n != "output.weight"]
     assert matrices and {t[n] for n in matrices} == {qtype}, {n: t[n].name for n in matrices}
@@ -79,12 +88,13 @@ def test_direct_outtypes(wide, tmp_path, outtype):
     print(f"{outtype}: {metrics}")
 
 
-def test_direct_legacy_type_falls_back_on_rows_that_are_not_whole_blocks(smollm2_dir, tmp_path):
+def test_direct_legacy_type_falls_back_on_rows_that_are_not_whole_blocks(smollm2_small_vocab_dir, tmp_path):
     """hidden 48: q4_0's 32-blocks do not divide the rows, those matrices are f16 and the report says how many."""
-    d = make_llama(tmp_path / "llama-48", smollm2_dir, hidden_size=48, intermediate_size=64, num_attention_heads=3,
-                   num_key_value_heads=1)
+    d = make_llama(tmp_path / "llama-48", smollm2_small_vocab_dir, hidden_size=48, intermediate_size=64,
+                   num_attention_heads=3, num_key_value_heads=1)
     snap = fetch(str(d), "test/llama-48")
-    report = convert(snap.dir, snap.config(), snap.safetensors_files(), tmp_path / "q4.gguf", "q4_0", name=snap.model_id)
+    report = convert(snap.dir, snap.config(), snap.safetensors_files(), tmp_path / "q4.gguf", "q4_0",
+                     name=snap.model_id, options=PRE)
     t = types(tmp_path / "q4.gguf")
     assert t["blk.0.ffn_gate.weight"] == Q.F16 and t["blk.0.ffn_down.weight"] == Q.Q4_0  # rows 48 vs 64
     assert report.fallbacks == {"Q4_0->F16": sum(1 for n, q in t.items() if q == Q.F16)}
@@ -104,7 +114,8 @@ def test_llama_cpp_ftypes(wide, f16_source, tmp_path, ftype):
     assert t["blk.0.attn_q.weight"] == KQUANTS[ftype], t["blk.0.attn_q.weight"].name
     # Straight from the safetensors (tensor_quant.py), through f16 as the intermediate was: libllama's bytes.
     direct = tmp_path / f"{ftype}-direct.gguf"
-    report = convert(wide.dir, wide.config(), wide.safetensors_files(), direct, "f16", name=wide.model_id, ftype=ftype)
+    report = convert(wide.dir, wide.config(), wide.safetensors_files(), direct, "f16", name=wide.model_id,
+                     options=PRE, ftype=ftype)
     assert report.quantization == {"tensors": sum(q not in (Q.F32, Q.F16) for q in t.values()), "fallbacks": []}
     assert filecmp.cmp(out, direct, shallow=False), ftype
     runs_in_llama_cpp(wide, out, 0.5)
@@ -162,12 +173,12 @@ def test_recipe_options_for_the_imatrix():
 
 
 def test_split_outputs_load_in_llama_cpp(wide, tmp_path):
-    """f16 split at 8 MiB of tensor data per shard, then Q4_K_M quantized shard for shard: both load from
-    their first shard in llama.cpp and give the unsplit numbers."""
+    """f16 split at 1 MiB of tensor data per shard (the whole file is about 4.3 MiB), then Q4_K_M quantized shard
+    for shard: both load from their first shard in llama.cpp and give the unsplit numbers."""
     out = tmp_path / "split" / "m-F16.gguf"
     out.parent.mkdir()
-    report = convert(wide.dir, wide.config(), wide.safetensors_files(), out, "f16", name=wide.model_id,
-                     split_max_bytes=8 << 20)
+    report = convert(wide.dir, wide.config(), wide.safetensors_files(), out, "f16", name=wide.model_id, options=PRE,
+                     split_max_bytes=1 << 20)
     assert len(report.files) >= 3 and report.files[0] == "m-F16-00001-of-%05d.gguf" % len(report.files)
     assert sorted(p.name for p in out.parent.iterdir()) == report.files and not out.exists()
     tensors = 0
@@ -175,11 +186,11 @@ def test_split_outputs_load_in_llama_cpp(wide, tmp_path):
         r = FastGGUFReader(str(out.parent / f))
         assert r.fields["split.no"].contents() == i and r.fields["split.count"].contents() == len(report.files)
         data = sum(int(t.n_bytes) for t in r.tensors)
-        assert data <= 8 << 20 or len(r.tensors) == 1  # one tensor larger than the limit gets a shard of its own
+        assert data <= 1 << 20 or len(r.tensors) == 1  # one tensor larger than the limit gets a shard of its own
         tensors += len(r.tensors)
     assert tensors == report.tensors
     whole = tmp_path / "whole.gguf"
-    convert(wide.dir, wide.config(), wide.safetensors_files(), whole, "f16", name=wide.model_id)
+    convert(wide.dir, wide.config(), wide.safetensors_files(), whole, "f16", name=wide.model_id, options=PRE)
     split_metrics = runs_in_llama_cpp(wide, out.parent / report.files[0], 1e-3)
     assert split_metrics == runs_in_llama_cpp(wide, whole, 1e-3)
 
@@ -194,9 +205,9 @@ def test_split_outputs_load_in_llama_cpp(wide, tmp_path):
     d = tmp_path / "direct"
     d.mkdir()
     shards = convert(wide.dir, wide.config(), wide.safetensors_files(), d / "m-Q4_K_M.gguf", "f16", name=wide.model_id,
-                     ftype="Q4_K_M", split_max_bytes=1 << 20).files
+                     options=PRE, ftype="Q4_K_M", split_max_bytes=1 << 18).files
     one = convert(wide.dir, wide.config(), wide.safetensors_files(), d / "one.gguf", "f16", name=wide.model_id,
-                  ftype="Q4_K_M").files[0]
+                  options=PRE, ftype="Q4_K_M").files[0]
     assert len(shards) > 1
     whole_tensors = {t.name: bytes(t.data) for t in FastGGUFReader(str(d / one)).tensors}
     split_tensors = {t.name: bytes(t.data) for f in shards for t in FastGGUFReader(str(d / f)).tensors}
@@ -227,7 +238,7 @@ def test_recipe_with_imatrix_and_split_publishes_shards_and_the_imatrix(wide, tm
     registry = write_test_config(cfg_dir, Path.cwd())
     (cfg_dir / "recipes" / "gguf-q4_k_m-split.yaml").write_text(yaml.safe_dump({
         "id": "gguf-q4_k_m-split", "kind": "gguf", "options": {"ftype": "Q4_K_M", "imatrix": "calibration",
-                                                               "split_max_size": "8M"},
+                                                               "split_max_size": "1M", **PRE},
         "runtime_profiles": ["llm-llamacpp-cpu"], "validation": LENIENT_VALIDATION}))
     result = build_and_publish(str(wide.dir), "gguf-q4_k_m-split", Config.load(registry), str(tmp_path / "store"),
                                "test-org/llama-256")
@@ -244,5 +255,5 @@ def test_recipe_with_imatrix_and_split_publishes_shards_and_the_imatrix(wide, tm
     import re
 
     convert_step = next(s for s in result.memory_plan["steps"] if s["step"] == "convert")
-    planned = re.search(r"about (\d+) shard\(s\) of at most 8.0 MiB", convert_step["detail"])
+    planned = re.search(r"about (\d+) shard\(s\) of at most 1.0 MiB", convert_step["detail"])
     assert planned and int(planned.group(1)) in (len(shards) - 1, len(shards)), (convert_step["detail"], shards)

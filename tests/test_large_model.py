@@ -1,9 +1,10 @@
-"""A model whose fp32 copy does not fit the memory budget (synthetic `llama-1g`: Llama-3-style layers, 16 deep, 501M
-parameters, 1.0 GB in bf16, 2.0 GB in fp32), built for every kind with a 3 GiB budget, through the CLI as a user
-runs it. At that budget nothing may hold the fp32 model with the margin residency needs (1.5x + 1 GiB), and vLLM
-at fp32 (its weights, 0.6 GiB of process, two head copies) cannot take the whole artifact: every step streams and
-every engine sees a slice, as at 8B and 70B. (The ~1B model of the scale measurements took twice as long for
-the same decisions.)
+"""A model whose fp32 copy does not fit the memory budget (synthetic, Llama-3-style layers: hidden 1024, 12 deep,
+207M parameters, 0.41 GB in bf16, 0.83 GB in fp32), built for every kind with a 2 GiB budget, through the CLI as a
+user runs it. At that budget nothing may hold the fp32 model with the margin residency needs (1.5x + 1 GiB), and
+vLLM at fp32 (its weights, 0.6 GiB of process, two head copies) cannot take the whole artifact: every step streams
+and vLLM sees a slice, as at 8B and 70B. onnxruntime takes this export whole (1.2 GiB planned); its slice is
+chosen at 70B (test_real_sizes) and run in test_qaic_export. (The 501M-parameter `llama-1g` at a 3 GiB budget,
+where onnxruntime saw a slice too, took 2.4x as long: 848 s against 360 s in one process on a busy host.)
 
 Each build records, beside its memory plan, what every step really used (all its processes together: the CLI,
 the reference's and the streamed artifact's children, the vLLM engine). The tests hold every step under the
@@ -30,8 +31,11 @@ from pipelines.synthetic import generate, preset
 
 REPO = Path.cwd()
 GIB = 1 << 30
-BUDGET = "3G"
-MODEL = "synthetic/llama-1g"
+BUDGET, BUDGET_BYTES = "2G", 2 * GIB
+MODEL = "synthetic/llama-207m"
+LAYERS = 12
+SHAPE = preset("llama-1g", hidden_size=1024, intermediate_size=2816, num_hidden_layers=LAYERS, num_attention_heads=8,
+               num_key_value_heads=4)
 # Random weights have flat logits: 4-bit and MX formats flip top-1 choices a trained model keeps (the shipped
 # gates are calibrated on the demo model); these gates keep every other check.
 GATES = {**TEST_GATES, "qaic-mxfp6": {"min_predicted_top1": 0.3, "max_predicted_kl": 0.5}}
@@ -41,10 +45,11 @@ SMALL_STEP = 512 << 20  # steps this small are the CLI's own baseline: the ratio
 @pytest.fixture(scope="module")
 def large_model(tmp_path_factory) -> Iterator[Path]:
     root = tmp_path_factory.mktemp("large")
-    model = generate(root / "llama-1g", preset("llama-1g"), tokenizer_vocab=8000)
-    assert 1.9e9 < 4 * model.parameters < 2.1e9  # fp32: over the 3 GiB budget's residency bound (1.5x + 1 GiB)
+    model = generate(root / "llama-207m", SHAPE, tokenizer_vocab=8000)
+    fp32 = 4 * model.parameters
+    assert fp32 * 1.5 + GIB > BUDGET_BYTES and fp32 < BUDGET_BYTES  # over the residency bound, not the budget
     yield Path(model.path)
-    shutil.rmtree(root, ignore_errors=True)  # 1 GB; pytest keeps the last runs' temporary directories
+    shutil.rmtree(root, ignore_errors=True)  # 0.4 GB; pytest keeps the last runs' temporary directories
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +85,8 @@ def check_measured_against_plan(res: dict) -> dict[str, tuple[float, float]]:
     print(res["recipe"], table, res.get("step_seconds"))
     assert set(measured) <= set(plan), (set(measured) - set(plan))  # every measured step was planned
     for step, used in measured.items():
-        assert used <= 3 * GIB, (step, table)
-        assert steps[step]["memory"] <= 3 * GIB, (step, table)  # the plan let the build run
+        assert used <= BUDGET_BYTES, (step, table)
+        assert steps[step]["memory"] <= BUDGET_BYTES, (step, table)  # the plan let the build run
         if max(used, plan[step]) >= SMALL_STEP:
             assert used / 1.5 <= plan[step] <= 1.5 * used, (step, table)
     return table
@@ -105,14 +110,15 @@ def test_vllm_fp8_quantizes_in_chunks_and_checks_a_slice_in_vllm(build_large):
     assert res["state"] == "published"
     v, m = res["validation"], res["validation"]["metrics"]
     assert 0 < m["max_weight_rel_error"] < 0.05 and v["weights_compared"] > 100  # every weight, as it streamed
-    assert v["artifact_run"] == "streamed unit by unit (19 unit loads)"  # one pass over the 19 units
+    units = LAYERS + 3  # the layers, the embedding, the final norm, the head
+    assert v["artifact_run"] == f"streamed unit by unit ({units} unit loads)"  # one pass over the units
     assert v["engine_check"]["mode"] == "slice" and v["vllm"]["checked"] == "slice"
     assert m["vllm_loaded"] == 1.0 and m["vllm_positions"] > 500
     assert v["w8a16"].startswith("not computed")  # a second pass, for resident artifacts only
     check_measured_against_plan(res)
 
 
-def test_qaic_mxfp6_exports_streamed_checks_a_slice_in_onnxruntime_and_predicts_unit_by_unit(build_large):
+def test_qaic_mxfp6_exports_streamed_checks_in_onnxruntime_and_predicts_unit_by_unit(build_large):
     res = build_large("qaic-mxfp6")
     assert res["state"] == "compile_pending"  # no Apps SDK here: the export bundle is published
     export = res["input"]
@@ -122,10 +128,11 @@ def test_qaic_mxfp6_exports_streamed_checks_a_slice_in_onnxruntime_and_predicts_
     m = res["validation"]["metrics"]
     assert 0 < m["predicted_kl"] and 0.3 <= m["predicted_top1"] < 1.0
     q = res["validation"]["mxfp6"]
-    assert q["resident"] is False and q["unit_loads"] == 16 + 3  # one pass: 16 layers, embedding, norm, head
+    assert q["resident"] is False and q["unit_loads"] == LAYERS + 3  # one pass: the layers, embedding, norm, head
 
 
-def test_gguf_f16_reference_streams_below_40_percent_of_fp32(build_large, large_model):
+def test_gguf_f16_convert_and_reference_stream_below_40_percent_of_fp32(build_large, large_model):
+    from pipelines.memory import BASE_TORCH
     from pipelines.safetensors_io import read_header
 
     res = build_large("gguf-f16")
@@ -143,5 +150,6 @@ def test_gguf_f16_reference_streams_below_40_percent_of_fp32(build_large, large_
     usage = [d["usage"] for d in done if not d["usage"].get("resident", True)]
     assert len(usage) == 1, done
     print(f"reference peak RSS {usage[0]['peak_rss'] / 2**20:.0f} MiB = {usage[0]['peak_rss'] / fp32:.1%} of fp32")
-    assert usage[0]["peak_rss"] < 0.40 * fp32
-    assert usage[0]["unit_loads"] >= 19 * 2  # every pass re-read the 19 units: it streamed
+    # beyond its interpreter with torch (most of the process at this size), under 40% of the fp32 model
+    assert usage[0]["peak_rss"] - BASE_TORCH < 0.40 * fp32
+    assert usage[0]["unit_loads"] >= (LAYERS + 3) * 2  # every pass re-read every unit: it streamed

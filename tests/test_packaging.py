@@ -6,10 +6,15 @@
   `build` / `onboard` each say in one line which extra they need.
 The venvs reuse the pinned wheels: the compiled llama-cpp-python from `make setup`'s cache
 ($HIVE_AOT_LLAMA_WHEELS), everything else through pip's cache and requirements/constraints.txt.
+Each venv is fresh and gets the wheel by pip, but its dependencies (for `[build]`, torch and the rest:
+two minutes of installing) come from a venv cached beside `make setup`'s, keyed by what the wheel
+requires, the extra, the constraints and the interpreter, and seen through a .pth file: pip resolves the
+requirement against them and must install nothing but hive-aot.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -79,13 +84,69 @@ def test_wheel_carries_every_data_file_the_package_reads(wheel):
         assert z.read("pipelines/defaults/registry.yaml") == (REPO / "registry.yaml").read_bytes()
 
 
-def _venv(root: Path, name: str, requirement: str, env: dict[str, str], extra: list[str] = ()) -> Path:
+CONSTRAINTS = REPO / "requirements" / "constraints.txt"
+# Cached venvs live with `make setup`'s (Makefile: CACHE/venvs, keyed by a hash of what defines them).
+CACHED_VENVS = Path.home() / ".cache" / "hive-aot" / "venvs"
+
+
+def _site_packages(venv: Path) -> Path:
+    return venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
+def _venv(root: Path, name: str, requirement: str, env: dict[str, str], extra: list[str] = (),
+          dependencies: Path | None = None) -> Path:
+    """A fresh venv with `requirement` installed by pip. `dependencies`: a site-packages directory the venv sees
+    after its own (a .pth file), which pip counts as installed when it resolves the requirement: it must
+    find every dependency there and install hive-aot alone."""
     venv = root / name
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    proc = _run([str(venv / "bin" / "pip"), "install", "-q", "-c", str(REPO / "requirements" / "constraints.txt"),
-                 *extra, requirement], cwd=root, env=env)
+    if dependencies is not None:
+        # site.addsitedir, not a bare path line: it also runs the .pth files of the packages installed there
+        (_site_packages(venv) / "hive_aot_test_dependencies.pth").write_text(
+            f"import site; site.addsitedir({str(dependencies)!r})\n")
+    proc = _run([str(venv / "bin" / "pip"), "install", "-q", "-c", str(CONSTRAINTS), *extra, requirement],
+                cwd=root, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if dependencies is not None:
+        assert _installed(venv) - {"pip", "setuptools"} == {"hive_aot"}, proc.stdout
     return venv / "bin" / "hive-aot"
+
+
+def _installed(venv: Path) -> set[str]:
+    """The distributions installed in the venv itself (not those it sees through a .pth file)."""
+    return {p.name.split("-", 1)[0].lower() for p in _site_packages(venv).glob("*.dist-info")}
+
+
+def _dependencies(wheel: Path, extra: str | None, env: dict[str, str], pip_args: list[str] = ()) -> Path:
+    """The site-packages of a venv holding what the wheel (with `extra`) requires and not hive-aot itself: built
+    once per key (the wheel's Requires-Dist lines, the extra, the constraints, the wheels pip_args' --find-links
+    offers, the interpreter) by installing the wheel and uninstalling hive-aot, then renamed into place in one
+    step (a concurrent session building the same key keeps whichever lands first: they are the same)."""
+    with zipfile.ZipFile(wheel) as z:
+        (metadata,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        requires = [ln for ln in z.read(metadata).decode().splitlines() if ln.startswith("Requires-Dist:")]
+    pip_args = list(pip_args)
+    links = pip_args[pip_args.index("--find-links") + 1] if "--find-links" in pip_args else None
+    offered = sorted(p.name for p in Path(links).iterdir()) if links else []
+    key = hashlib.sha256(json.dumps([requires, extra, CONSTRAINTS.read_text(), pip_args, offered, sys.version,
+                                     sys.base_prefix]).encode()).hexdigest()[:16]
+    layer = CACHED_VENVS / f"test-{extra or 'base'}-dependencies-{key}"
+    if not layer.is_dir():
+        building = CACHED_VENVS / f"{layer.name}.{os.getpid()}.tmp"
+        shutil.rmtree(building, ignore_errors=True)
+        CACHED_VENVS.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "venv", str(building)], check=True, timeout=300)
+        pip = str(building / "bin" / "pip")
+        requirement = f"{wheel}[{extra}]" if extra else str(wheel)
+        for args in (["install", "-q", "-c", str(CONSTRAINTS), *pip_args, requirement],
+                     ["uninstall", "-q", "-y", "hive-aot"]):
+            proc = _run([pip, *args], cwd=building, env=env, timeout=1800)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        try:
+            building.rename(layer)
+        except OSError:  # another session's landed first
+            shutil.rmtree(building)
+    return _site_packages(layer)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +165,7 @@ HEAVY = ("torch", "transformers", "numpy", "dagster")
 
 def test_base_install_pulls_and_names_the_missing_extra(wheel, outside, published_store, tiny_llama, tmp_path):
     cwd, env = outside
-    hive = _venv(tmp_path, "client", str(wheel), env)
+    hive = _venv(tmp_path, "client", str(wheel), env, dependencies=_dependencies(wheel, None, env))
     for heavy in HEAVY:  # the light client really has none of them
         site = subprocess.run([str(hive.parent / "python"), "-c", f"import {heavy}"], capture_output=True)
         assert site.returncode != 0, heavy
@@ -135,8 +196,9 @@ def test_build_extra_checks_and_builds_outside_the_checkout(wheel, outside, tiny
     wheels = os.environ.get("HIVE_AOT_LLAMA_WHEELS")
     if not wheels or not Path(wheels).is_dir():
         pytest.fail("HIVE_AOT_LLAMA_WHEELS (the compiled llama-cpp-python) is not set: run through `make test`")
-    hive = _venv(tmp_path, "factory", f"{wheel}[build]", env,
-                 ["--find-links", wheels, "--only-binary", "llama-cpp-python"])
+    pip_args = ["--find-links", wheels, "--only-binary", "llama-cpp-python"]
+    hive = _venv(tmp_path, "factory", f"{wheel}[build]", env, pip_args,
+                 dependencies=_dependencies(wheel, "build", env, pip_args))
     check = _run([str(hive), "check", str(tiny_llama), "--model-id", MODEL, "--hardware", "cpu", "--json"],
                  cwd=cwd, env=env)
     assert check.returncode == 0, check.stderr

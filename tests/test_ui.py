@@ -72,10 +72,13 @@ def running_ui(tmp_path: Path, registry: Path):
         log.close()
 
 
-@pytest.fixture
-def dagster_ui(tmp_path):
-    with running_ui(tmp_path, REPO / "registry.yaml") as port:
-        yield port
+@pytest.fixture(scope="module")
+def dagster_ui(tmp_path_factory, tiny_llama) -> tuple[int, Path]:
+    """One `dg dev` for the module (a start costs half a minute of CPU): the packaged registry and recipes plus
+    an f32 GGUF recipe and the onboarding test's model. Yields (port, its directory)."""
+    root = tmp_path_factory.mktemp("ui")
+    with running_ui(root, _ui_registry(root, tiny_llama)) as port:
+        yield port, root
 
 
 def _repository(port: int) -> tuple[str, str]:
@@ -85,13 +88,13 @@ def _repository(port: int) -> tuple[str, str]:
 
 
 def test_ui_serves_assets_checks_and_partitions(dagster_ui):
-    port = dagster_ui
+    port, _ = dagster_ui
     data = _graphql(port, "{ assetNodes { assetKey { path } hasAssetChecks partitionDefinition { type } } }")
     nodes = {"/".join(n["assetKey"]["path"]): n for n in data["assetNodes"]}
     assert {"snapshot", "compatibility", "artifact/gguf-f16", "published/gguf-q4_k_m"} <= set(nodes)
     assert nodes["artifact/gguf-f16"]["hasAssetChecks"] is True
     assert nodes["snapshot"]["partitionDefinition"]["type"] == "DYNAMIC"
-    assert _add_partition(port, "test/ui-model") == "test/ui-model"
+    assert _add_partition(port, "test/ui-partition") == "test/ui-partition"
 
 
 def _add_partition(port: int, key: str) -> str:
@@ -144,78 +147,78 @@ def _ui_registry(tmp_path: Path, model: Path) -> Path:
     return path
 
 
-def test_onboard_from_the_ui_then_read_it_in_a_browser(tmp_path, tiny_llama):
+def test_onboard_from_the_ui_then_read_it_in_a_browser(dagster_ui):
     """GraphQL as the UI drives it (add the partition, launch the model's assets, wait, read the check and the
     staleness), then headless Chromium on the asset lineage, the artifact's partition page and its check,
     asserting on what a person sees there; screenshots are saved."""
     from webdriver import Browser, browser_missing
 
-    with running_ui(tmp_path, _ui_registry(tmp_path, tiny_llama)) as port:
-        assert _add_partition(port, MODEL) == MODEL
-        loc, repo = _repository(port)
-        keys = [["snapshot"], ["compatibility"], ["artifact", "gguf-f32"], ["published", "gguf-f32"]]
-        launched = _graphql(port, """mutation($p: ExecutionParams!) { launchRun(executionParams: $p) {
-            __typename ... on LaunchRunSuccess { run { runId } } ... on PythonError { message } } }""", {"p": {
-            "selector": {"repositoryLocationName": loc, "repositoryName": repo, "jobName": "onboard",
-                         "assetSelection": [{"path": k} for k in keys]},
-            "executionMetadata": {"tags": [{"key": "dagster/partition", "value": MODEL}]}}})["launchRun"]
-        assert launched["__typename"] == "LaunchRunSuccess", launched
-        run_id = launched["run"]["runId"]
-        deadline = time.time() + 600
-        while True:
-            status = _graphql(port, "query($id: ID!) { runOrError(runId: $id) { ... on Run { status } } }",
-                              {"id": run_id})["runOrError"]["status"]
-            if status in ("SUCCESS", "FAILURE", "CANCELED"):
-                break
-            assert time.time() < deadline, f"run {run_id} still {status}"
-            time.sleep(2)
-        assert status == "SUCCESS", (tmp_path / "dg-dev.log").read_text()[-3000:]
+    port, root = dagster_ui
+    assert _add_partition(port, MODEL) == MODEL
+    loc, repo = _repository(port)
+    keys = [["snapshot"], ["compatibility"], ["artifact", "gguf-f32"], ["published", "gguf-f32"]]
+    launched = _graphql(port, """mutation($p: ExecutionParams!) { launchRun(executionParams: $p) {
+        __typename ... on LaunchRunSuccess { run { runId } } ... on PythonError { message } } }""", {"p": {
+        "selector": {"repositoryLocationName": loc, "repositoryName": repo, "jobName": "onboard",
+                     "assetSelection": [{"path": k} for k in keys]},
+        "executionMetadata": {"tags": [{"key": "dagster/partition", "value": MODEL}]}}})["launchRun"]
+    assert launched["__typename"] == "LaunchRunSuccess", launched
+    run_id = launched["run"]["runId"]
+    deadline = time.time() + 600
+    while True:
+        status = _graphql(port, "query($id: ID!) { runOrError(runId: $id) { ... on Run { status } } }",
+                          {"id": run_id})["runOrError"]["status"]
+        if status in ("SUCCESS", "FAILURE", "CANCELED"):
+            break
+        assert time.time() < deadline, f"run {run_id} still {status}"
+        time.sleep(2)
+    assert status == "SUCCESS", (root / "dg-dev.log").read_text()[-3000:]
 
-        (check,) = _graphql(port, """query($p: String) { assetCheckExecutions(assetKey: {path: ["artifact", "gguf-f32"]},
-            checkName: "numerical_parity", partition: $p, limit: 1) { status partition runId
-            evaluation { success description } } }""", {"p": MODEL})["assetCheckExecutions"]
-        assert check["status"] == "SUCCEEDED" and check["evaluation"]["success"] and check["runId"] == run_id
-        stale = _graphql(port, """query($p: String) { assetNodes(assetKeys: [{path: ["published", "gguf-f32"]},
-            {path: ["artifact", "gguf-f16"]}]) { assetKey { path } staleStatus(partition: $p) } }""", {"p": MODEL})
-        status_of = {"/".join(n["assetKey"]["path"]): n["staleStatus"] for n in stale["assetNodes"]}
-        assert status_of == {"published/gguf-f32": "FRESH", "artifact/gguf-f16": "MISSING"}
-        meta = _graphql(port, """query($p: String!) { assetNodes(assetKeys: [{path: ["artifact", "gguf-f32"]}]) {
-            assetMaterializations(partitions: [$p], limit: 1) { metadataEntries { label
-            ... on TextMetadataEntry { text } } } } }""", {"p": MODEL})
-        entries = {e["label"]: e.get("text") for e in meta["assetNodes"][0]["assetMaterializations"][0]["metadataEntries"]}
-        build_id = entries["build_id"]
-        assert len(build_id) == 64
+    (check,) = _graphql(port, """query($p: String) { assetCheckExecutions(assetKey: {path: ["artifact", "gguf-f32"]},
+        checkName: "numerical_parity", partition: $p, limit: 1) { status partition runId
+        evaluation { success description } } }""", {"p": MODEL})["assetCheckExecutions"]
+    assert check["status"] == "SUCCEEDED" and check["evaluation"]["success"] and check["runId"] == run_id
+    stale = _graphql(port, """query($p: String) { assetNodes(assetKeys: [{path: ["published", "gguf-f32"]},
+        {path: ["artifact", "gguf-f16"]}]) { assetKey { path } staleStatus(partition: $p) } }""", {"p": MODEL})
+    status_of = {"/".join(n["assetKey"]["path"]): n["staleStatus"] for n in stale["assetNodes"]}
+    assert status_of == {"published/gguf-f32": "FRESH", "artifact/gguf-f16": "MISSING"}
+    meta = _graphql(port, """query($p: String!) { assetNodes(assetKeys: [{path: ["artifact", "gguf-f32"]}]) {
+        assetMaterializations(partitions: [$p], limit: 1) { metadataEntries { label
+        ... on TextMetadataEntry { text } } } } }""", {"p": MODEL})
+    entries = {e["label"]: e.get("text") for e in meta["assetNodes"][0]["assetMaterializations"][0]["metadataEntries"]}
+    build_id = entries["build_id"]
+    assert len(build_id) == 64
 
-        why = browser_missing()
-        if why:
-            pytest.skip(f"browser part: {why}")
-        SCREENSHOTS.mkdir(exist_ok=True)
-        base = f"http://127.0.0.1:{port}"
-        browser = Browser()
-        try:
-            browser.open(f"{base}/assets/artifact/gguf-f32?view=lineage")
-            # a fresh profile gets Dagster's "Join the Dagster community" dialog over the page: dismiss it
-            browser.wait_for_text("Join the Dagster community", timeout=60)
-            assert browser.click_text("Skip")
-            # the artifact between its sources and its publish step (group "publish"), its check passed
-            text = browser.wait_for_text("snapshot", "compatibility", "sources", "publish", "gguf-f32", "2 / 2 Passed")
-            assert "Join the Dagster community" not in text
-            browser.screenshot(SCREENSHOTS / "ui-lineage.png")
+    why = browser_missing()
+    if why:
+        pytest.skip(f"browser part: {why}")
+    SCREENSHOTS.mkdir(exist_ok=True)
+    base = f"http://127.0.0.1:{port}"
+    browser = Browser()
+    try:
+        browser.open(f"{base}/assets/artifact/gguf-f32?view=lineage")
+        # a fresh profile gets Dagster's "Join the Dagster community" dialog over the page: dismiss it
+        browser.wait_for_text("Join the Dagster community", timeout=60)
+        assert browser.click_text("Skip")
+        # the artifact between its sources and its publish step (group "publish"), its check passed
+        text = browser.wait_for_text("snapshot", "compatibility", "sources", "publish", "gguf-f32", "2 / 2 Passed")
+        assert "Join the Dagster community" not in text
+        browser.screenshot(SCREENSHOTS / "ui-lineage.png")
 
-            browser.open(f"{base}/assets/artifact/gguf-f32?view=partitions&partition={MODEL.replace('/', '%2F')}")
-            text = browser.wait_for_text(MODEL, "Materialized", "build_id", build_id, "size", "MiB", "store_uri")
-            browser.screenshot(SCREENSHOTS / "ui-partition.png")
+        browser.open(f"{base}/assets/artifact/gguf-f32?view=partitions&partition={MODEL.replace('/', '%2F')}")
+        text = browser.wait_for_text(MODEL, "Materialized", "build_id", build_id, "size", "MiB", "store_uri")
+        browser.screenshot(SCREENSHOTS / "ui-partition.png")
 
-            browser.open(f"{base}/assets/artifact/gguf-f32?view=checks")
-            # two blocking checks, both passed; the integrity one says what it verified
-            browser.wait_for_text("Checks (2)", "integrity", "numerical_parity", "every blob intact")
-            assert browser.click_text("numerical_parity")
-            text = browser.wait_for_text("numerical_parity", "This is a blocking asset check", "Passed", MODEL,
-                                         "top1_agreement", "mean_kl", "max_abs_logit_delta", "parity")
-            # the parity table: one row per prompt, the columns the check writes
-            assert "prompt\ttop1_agreement\tmean_kl\tmax_abs_logit_delta" in text
-            browser.screenshot(SCREENSHOTS / "ui-check.png")
-        finally:
-            browser.close()
+        browser.open(f"{base}/assets/artifact/gguf-f32?view=checks")
+        # two blocking checks, both passed; the integrity one says what it verified
+        browser.wait_for_text("Checks (2)", "integrity", "numerical_parity", "every blob intact")
+        assert browser.click_text("numerical_parity")
+        text = browser.wait_for_text("numerical_parity", "This is a blocking asset check", "Passed", MODEL,
+                                     "top1_agreement", "mean_kl", "max_abs_logit_delta", "parity")
+        # the parity table: one row per prompt, the columns the check writes
+        assert "prompt\ttop1_agreement\tmean_kl\tmax_abs_logit_delta" in text
+        browser.screenshot(SCREENSHOTS / "ui-check.png")
+    finally:
+        browser.close()
     for name in ("ui-lineage.png", "ui-partition.png", "ui-check.png"):
         assert (SCREENSHOTS / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -159,10 +159,11 @@ def compute(snapshot, out_path: Path, *, text: str | None = None, step: str | No
 
     from ...isolation import run_isolated
     from ...paths import cache_root, link_or_copy, work_dir
-    from ...reference import encode, load_tokenizer
+    from ...reference import encode
+    from ...tokenizer_cache import CachedTokenizer
 
     text = text if text is not None else calibration_text()
-    tok = load_tokenizer(snapshot.dir)
+    tok = CachedTokenizer(snapshot.dir)
     ids = encode(tok, [text])[0]
     if len(ids) < 16:
         raise HiveError(f"the calibration text is {len(ids)} tokens: too short for an importance matrix")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ...memory import BASE_PYTHON, BASE_TORCH, FP32, MIB, SMALL_FILES, StepNeed, human_bytes
+from ...memory import BASE_PYTHON, BASE_TORCH, FP32, MIB, SMALL_FILES, StepNeed, human_bytes, reference_in_process
 from ...units import parse_size
 from .tensor_quant import direct as quantized_as_it_streams
 
@@ -18,7 +18,11 @@ if TYPE_CHECKING:
     from ...memory import ModelFacts, PlanEnv
 
 BASE_LLAMA_QUANTIZE = 307 * MIB  # libllama's quantizer child (its own interpreter + llama.cpp)
-BASE_LLAMA_EVAL = 410 * MIB  # llama.cpp's evaluator child (interpreter + llama.cpp + its graph)
+# llama.cpp's evaluator child (interpreter, numpy, libllama and its graph), beside its logits and KV cache counted
+# on their own: measured 125 MiB beyond the mapped file for SmolLM2-135M's f16 and Q4_1 GGUFs, of which ~55 MiB
+# were its logits at the prompts' real length. (410 MiB until the validating parent stopped importing torch,
+# whose 0.3 GiB hid how far over this was: the plan was 1.9x what a 207M model's validation used.)
+BASE_LLAMA_EVAL = 96 * MIB
 # The converter (convert.py) streams rowwise rules through row slices (SLICE_BYTES of fp32, widened and encoded on
 # worker threads: a few in flight, each with its encoded copy) and holds whole only the tensors of a rule whose
 # transform needs all of them (a Q/K permutation, a fused QKV split): those and their result.
@@ -101,7 +105,10 @@ def plan_steps(env: "PlanEnv") -> list[StepNeed]:
     facts, opts, work = env.facts, env.options, env.work
     largest = env.largest
     steps: list[StepNeed] = []
-    reference = env.reference()
+    # The building process imports torch only to compute a reference that fits in it: a streamed reference runs in
+    # a child, the tokenizer's answers come from a cache or a child, conversion and llama.cpp need neither.
+    parent_base = BASE_TORCH if reference_in_process(facts.fp32_bytes, env.budget) else BASE_PYTHON
+    reference = env.reference(parent_base)
     validation_logits = VALIDATE_CTX * facts.vocab_size * FP32
     ftype = opts.get("ftype")
     out = gguf_bytes(facts, ftype or opts.get("outtype", "f16"))
@@ -137,7 +144,7 @@ def plan_steps(env: "PlanEnv") -> list[StepNeed]:
             f"intermediate mapped and the {str(ftype).upper()} output on disk at once")))
     else:
         steps.append(StepNeed("convert", mem, disk=out, where=work, detail=detail))
-    steps += [env.publish(out), reference]
+    steps += [env.publish(out, base=parent_base), reference]
     kv = VALIDATE_CTX * facts.layers * facts.kv_heads * facts.head_dim * 2 * KV_BYTES
     # llama.cpp's CPU backend repacks quantized weights (Q4_0, Q4_K, IQ4_NL, ...) into interleaved rows
     # in anonymous memory: measured at 8B, Q4_K_M's evaluator held 3.9 GiB anon for a 4.6 GiB file.
@@ -145,11 +152,11 @@ def plan_steps(env: "PlanEnv") -> list[StepNeed]:
     quantized = str(ftype or opts.get("outtype", "f16")).lower() not in LOSSLESS_GGUF_TYPES
     repacked = out if quantized and out <= GGUF_REPACK_MAX_BYTES else 0
     child = BASE_LLAMA_EVAL + kv + validation_logits * LLAMA_LOGIT_COPIES + repacked
-    parent = BASE_TORCH + validation_logits * PARENT_LOGIT_COPIES
+    parent = parent_base + validation_logits * PARENT_LOGIT_COPIES
     steps.append(StepNeed("validate", child + parent, mapped=out, disk=env.placed(out) + validation_logits, where=work,
                           detail=(f"llama.cpp {human_bytes(BASE_LLAMA_EVAL)} + KV cache {human_bytes(kv)} + "
                                   f"{LLAMA_LOGIT_COPIES} x logits {human_bytes(validation_logits)}"
                                   + (f" + repacked weights {human_bytes(repacked)}" if repacked else "")
-                                  + f"; parent torch {human_bytes(BASE_TORCH)} + {PARENT_LOGIT_COPIES} x logits; "
+                                  + f"; parent {human_bytes(parent_base)} + {PARENT_LOGIT_COPIES} x logits; "
                                   "the GGUF mapped")))
     return steps

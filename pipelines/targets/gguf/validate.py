@@ -9,9 +9,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ... import parity, prompts, reference
+from ...tokenizer_cache import CachedTokenizer
 
 if TYPE_CHECKING:
     from ...sources import Snapshot
+
+
+PROBE_TEXT = "a"  # does the tokenizer put BOS in front of a text?
 
 
 def _reference_tokenizer(snapshot: "Snapshot", tok):
@@ -28,7 +32,7 @@ def _reference_tokenizer(snapshot: "Snapshot", tok):
 
     sp = sentencepiece.SentencePieceProcessor()
     sp.LoadFromFile(str(spm_path))
-    probe = list(tok("a").input_ids)
+    probe = list(tok(PROBE_TEXT).input_ids)
     bos = [tok.bos_token_id] if tok.bos_token_id is not None and probe[:1] == [tok.bos_token_id] else []
     return (lambda text: bos + list(sp.encode(text))), "sentencepiece"
 
@@ -39,6 +43,15 @@ def _reference_tokenizer(snapshot: "Snapshot", tok):
 # bounded by the page cache). Decided by the artifact's size, never by the host's memory, so a build's
 # validation numbers are the same on every host.
 REPACK_MAX_BYTES = 8 << 30
+# llama.cpp's worker threads spin at a barrier after every op: on a small model, whose ops take microseconds,
+# more threads than the work needs only wait for each other's time slices (a 2-layer test model's 20 prompt
+# evaluations: 1.6 s on one thread, 13 s on two, on a busy 2-core host). One thread per this many bytes of
+# GGUF, up to the CPUs this process may run on; thread count does not change llama.cpp's results.
+BYTES_PER_THREAD = 256 << 20
+
+
+def validation_threads(gguf_bytes: int) -> int:
+    return max(1, min(len(os.sched_getaffinity(0)), gguf_bytes // BYTES_PER_THREAD + 1))
 
 
 def _without_repacking() -> None:
@@ -69,7 +82,7 @@ def run_llama_cpp(gguf_path: str, sequences: list[list[int]], texts: list[str], 
         _without_repacking()
     n_ctx = max(len(s) for s in sequences + [generation_prompt]) + generation_tokens + 8
     llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True, use_mmap=True,
-                verbose=False, seed=0, n_threads=os.cpu_count() or 1)
+                verbose=False, seed=0, n_threads=validation_threads(Path(gguf_path).stat().st_size))
     try:
         for i, seq in enumerate(sequences):
             llm.reset()
@@ -96,7 +109,12 @@ def validate_gguf(snapshot: "Snapshot", gguf_path: Path, step: str | None = None
     from ...isolation import run_isolated
     from ...paths import work_dir
 
-    tok = reference.load_tokenizer(snapshot.dir)
+    # The tokenizer's answers, every question at once. This process holds torch only where its plan counts it
+    # (a reference that fits in it, gguf/plan.py): otherwise what the cache lacks is asked in a child.
+    here = reference.reference_resident(snapshot.safetensors_files())
+    tok = CachedTokenizer(snapshot.dir)
+    tok.prepare(texts=[*prompts.PARITY_TEXTS, prompts.GENERATION_PROMPT, *prompts.TOKENIZER_TEXTS, PROBE_TEXT],
+                here=here)
     ids = reference.encode(tok, prompts.PARITY_TEXTS)
     gen_prompt = reference.encode(tok, [prompts.GENERATION_PROMPT])[0]
     ref = reference.compute(snapshot.dir, snapshot.content_digest, ids, gen_prompt, prompts.GENERATION_TOKENS,
@@ -121,6 +139,7 @@ def validate_gguf(snapshot: "Snapshot", gguf_path: Path, step: str | None = None
     token_parity = 1 - len(mismatches) / len(prompts.TOKENIZER_TEXTS)
 
     gen = out["generated"]
+    tok.prepare(decodes=[gen, ref.generation_ids], here=here)
     agree = 0
     for a, b in zip(gen, ref.generation_ids):
         if a != b:

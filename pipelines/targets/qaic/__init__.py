@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from ...errors import NotApplicableError
+from ...tokenizer_cache import CachedTokenizer
 from .. import BuildContext, BuiltArtifact, Thresholds, ValidationReport, check_thresholds, gate
 from .compile import COMPILE_DIR, CompileOptions
 
@@ -178,9 +179,9 @@ class QaicExportTarget:
         return BuiltArtifact(root=out_dir, files=files, info={"export": info}, known_digests=known)
 
     def validate(self, ctx: BuildContext, artifact_dir: Path, files: dict[str, str]) -> ValidationReport:
-        from ... import parity, reference
+        from ... import parity
 
-        tok = reference.load_tokenizer(ctx.snapshot.dir)
+        tok = CachedTokenizer(ctx.snapshot.dir)
         onnx_path = artifact_dir / ONNX_DIR / "model.onnx"
         thresholds = ctx.recipe.validation
         if is_encoder(ctx.config):
@@ -310,7 +311,7 @@ class QaicTarget:
             return ValidationReport(passed=False, failures=problems, metrics={})
         from ... import prompts, reference
 
-        tok = reference.load_tokenizer(ctx.snapshot.dir)
+        tok = CachedTokenizer(ctx.snapshot.dir)
         if not opts.retained_state:
             from .quality import predict_encoder
 

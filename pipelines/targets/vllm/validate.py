@@ -30,6 +30,7 @@ from ... import parity, prompts, reference
 from ...errors import HiveError
 from ...memory import model_facts
 from ...paths import work_dir
+from ...tokenizer_cache import CachedTokenizer
 from .engine import NoEngine
 from .engine import run as run_engine
 from .engine import version as engine_version
@@ -108,14 +109,21 @@ def compare_engine(tf_logits: list[np.ndarray], ids: list[list[int]], tf_greedy:
     return metrics, details
 
 
+def _artifact_run(identical: bool, whole: bool, resident: bool, unit_loads: int | None) -> str:
+    ran = "resident" if resident else f"streamed unit by unit ({unit_loads} unit loads)"
+    if not identical:
+        return ran
+    carried = "identical to the source (its shards are the source's files): the reference's logits"
+    return f"{carried}; greedy continuations {ran}" if whole else carried
+
+
 def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tuple[str, str]], quantized: bool,
                       engine_required: bool, how: "ValidationLayout") -> tuple[dict[str, Any], dict[str, Any]]:
     """`how`: what this budget affords (plan.layout): the artifact resident or streamed in a child, the engine
     on the whole artifact or a slice, the slice's layers resident or streamed."""
     check, resident = how.check, how.resident
     snapshot = ctx.snapshot
-    src_tok = reference.load_tokenizer(snapshot.dir)
-    art_tok = reference.load_tokenizer(artifact_dir)
+    src_tok, art_tok = CachedTokenizer(snapshot.dir), CachedTokenizer(artifact_dir)
     ids = reference.encode(src_tok, prompts.PARITY_TEXTS)
     gen_prompt = reference.encode(src_tok, [prompts.GENERATION_PROMPT])[0]
     greedy_prompts = reference.encode(src_tok, prompts.GREEDY_PROMPTS)
@@ -130,11 +138,14 @@ def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tup
     if identical and not whole:
         art = {"logits": list(ref.logits), "greedy": [], "weight_errors": {}, "unit_loads": 0}
     else:
-        # The whole artifact in transformers (greedy too when the engine checks the whole artifact: same files).
+        # The whole artifact in transformers (greedy too when the engine checks the whole artifact: same files);
+        # identical shards only for the greedy continuations, their logits being the reference's.
         # W8A16 (informational, not gated) costs a second pass over the weights: only when they are resident.
-        art = evaluate(artifact_dir, shards, snapshot.safetensors_files(), ids, greedy_prompts if whole else [],
-                       resident=resident, weight_only=quantized and resident,
+        art = evaluate(artifact_dir, shards, snapshot.safetensors_files(), [] if identical else ids,
+                       greedy_prompts if whole else [], resident=resident, weight_only=quantized and resident,
                        step=f"the prepared directory of {ctx.model_id} in transformers")
+        if identical:
+            art["logits"] = list(ref.logits)
     per_prompt = [parity.compare(r, a) for r, a in zip(ref.logits, art["logits"])]
     total = parity.merge(per_prompt)
 
@@ -152,9 +163,7 @@ def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tup
     details: dict[str, Any] = {
         **how.to_json(), "reference": "transformers fp32 of the source", "prompt_set_version": prompts.VERSION,
         "artifact_in_transformers": "fp32" + (", FP8 weights dequantized, activations quantized per token" if quantized else ""),
-        "artifact_run": ("identical to the source (its shards are the source's files): the reference's logits"
-                         if identical and not whole else "resident" if resident
-                         else f"streamed unit by unit ({art.get('unit_loads')} unit loads)"),
+        "artifact_run": _artifact_run(identical, whole, resident, art.get("unit_loads")),
         "weights_compared": len(errors), "worst_weight": worst,
         "per_prompt": [p.rounded() for p in per_prompt],
     }
