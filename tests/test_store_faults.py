@@ -6,8 +6,9 @@
   ref names a manifest that is missing or that does not match the sha256 the ref records, and no manifest
   names a missing or short blob; a last build completes; then `gc` leaves no work directory, partial or
   temporary behind.
-- 6 publishers of one build at once, and 6 pullers on one cache at once: all succeed, the manifest is written
-  once in identical bytes, the blob is downloaded once.
+- 6 publishers of one build at once (each with its own cache, holding the model's reference as a host that
+  built it before would), and 6 pullers on one cache at once: all succeed, the manifest is written once in
+  identical bytes, the blob is downloaded once.
 - wrong credentials, a missing bucket, an unknown model or tag: one line each, and no secret in it.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -127,12 +129,33 @@ def test_killed_publishers_never_leave_a_ref_to_nothing(kind, model, tmp_path, r
     print(summary)
 
 
+@pytest.fixture(scope="module")
+def warm_cache(model, tmp_path_factory) -> Path:
+    """A cache holding the model's transformers reference and tokenizer answers, from one build into a scratch
+    store: each concurrent publisher starts from a copy, as a host that built this model before would, so the
+    six of them contend for the store, not for two cores computing six references."""
+    root = tmp_path_factory.mktemp("warm")
+    env = {**os.environ, "HIVE_AOT_CACHE": str(root / "cache")}
+    built = subprocess.run(_build_cmd(model, str(root / "store")), env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert built.returncode == 0, built.stderr
+    assert {p.name for p in (root / "cache").iterdir()} >= {"reference", "tokenizer-answers"}
+    return root / "cache"
+
+
+def _cache_copy(warm: Path, dest: Path) -> Path:
+    for part in ("reference", "tokenizer-answers"):
+        shutil.copytree(warm / part, dest / part)
+    return dest
+
+
 @pytest.mark.parametrize("kind", ["local", "s3"])
-def test_six_publishers_of_one_build_and_six_pullers_of_one_blob(kind, model, tmp_path, request):
+def test_six_publishers_of_one_build_and_six_pullers_of_one_blob(kind, model, warm_cache, tmp_path, request):
     uri = _store_uri(kind, tmp_path, request)
     env = {**os.environ, "HIVE_AOT_CACHE": str(tmp_path / "cache")}
-    procs = [subprocess.Popen(_build_cmd(model, uri), env={**env, "HIVE_AOT_CACHE": str(tmp_path / f"cache-{i}")},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(6)]
+    caches = [_cache_copy(warm_cache, tmp_path / f"cache-{i}") for i in range(6)]
+    procs = [subprocess.Popen(_build_cmd(model, uri), env={**env, "HIVE_AOT_CACHE": str(cache)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cache in caches]
     results = [(p.wait(timeout=600), p.stdout.read(), p.stderr.read()) for p in procs]
     assert all(rc == 0 for rc, _, _ in results), [err[-500:] for rc, _, err in results if rc]
     docs = [json.loads(out) for _, out, _ in results]
