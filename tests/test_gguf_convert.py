@@ -3,6 +3,11 @@
 Every parity test converts a 2-layer model, loads the GGUF in llama.cpp and compares logits with
 transformers on the same token ids (`validate_gguf`). Negative controls show the metrics do fail
 when the conversion is wrong (no Q/K permutation, no rope_freqs), so the thresholds mean something.
+
+The variants run on SmolLM2's BPE cut to 2,048 tokens (`smollm2_small_vocab_dir`: a tiny model's weights,
+logits and GGUF vocabulary are otherwise almost all vocabulary) and name its pre-tokenizer
+(`bpe_pre_fallback`); the full 49,152-token vocabulary, recognised by its check hash, is converted and
+checked in the tied-Llama parity test, the metadata test, the NaN-embedding build and the error tests.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import gguf
 import numpy as np
 import pytest
 
-from factories import copy_model, edit_config, make_llama, make_spm_llama, rewrite_safetensors
+from factories import SMALL_BPE_VOCAB, SMOLLM2_PRE, copy_model, edit_config, make_llama, make_spm_llama, rewrite_safetensors
 from gguf_reader import FastGGUFReader
 from pipelines.build import plan
 from pipelines.errors import ModelFormatError
@@ -39,7 +44,10 @@ Q = gguf.GGMLQuantizationType
 # --- helpers ---------------------------------------------------------------------------------------
 
 def run_convert(model_dir: Path, out: Path, outtype: str = "f16", options: dict | None = None):
+    """`options` default: the cut vocabulary's pre-tokenizer named where the model has it (none otherwise)."""
     snap = fetch(str(model_dir), f"test/{model_dir.name}")
+    if options is None and snap.config().get("vocab_size") == SMALL_BPE_VOCAB:
+        options = {"bpe_pre_fallback": SMOLLM2_PRE}
     report = convert(snap.dir, snap.config(), snap.safetensors_files(), out, outtype, name=snap.model_id,
                      options=options)
     return snap, report
@@ -71,17 +79,24 @@ def assert_f16_parity(metrics: dict, *, min_top1: float = 0.98) -> None:
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_dir, tmp_path_factory):
-    """Build (once per module) a tiny SmolLM2-tokenizer Llama variant by name."""
+def model(smollm2_dir, smollm2_small_vocab_dir, tmp_path_factory):
+    """Build (once per module) a tiny Llama variant by name, with the cut SmolLM2 vocabulary (`full_vocab`: the
+    whole one)."""
     built: dict[str, Path] = {}
     root = tmp_path_factory.mktemp("gguf-convert-models")
 
-    def build(name: str, **kwargs) -> Path:
+    def build(name: str, full_vocab: bool = False, **kwargs) -> Path:
         if name not in built:
-            built[name] = make_llama(root / name, smollm2_dir, **kwargs)
+            built[name] = make_llama(root / name, smollm2_dir if full_vocab else smollm2_small_vocab_dir, **kwargs)
         return built[name]
 
     return build
+
+
+@pytest.fixture(scope="module")
+def small_llama(model) -> Path:
+    """tiny_llama's weights' shapes (tied, hidden 64) on the cut vocabulary."""
+    return model("tied")
 
 
 def test_general_metadata_is_named_after_the_repository_not_the_snapshot_directory(tiny_llama, tmp_path):
@@ -276,18 +291,18 @@ def test_llama3_rope_freqs_matter(llama3_model, tmp_path, monkeypatch):
     assert metrics["mean_kl"] > 0.1
 
 
-def test_q_k_permutation_matters(tiny_llama, tmp_path, monkeypatch):
+def test_q_k_permutation_matters(small_llama, tmp_path, monkeypatch):
     """Negative control: without llama.cpp's rotary pair layout the GGUF loads but is garbage."""
     monkeypatch.setattr(llama_family, "permute_qk", lambda w, n_head: w)
-    _, metrics, _ = convert_and_validate(tiny_llama, tmp_path / "unpermuted.gguf")
+    _, metrics, _ = convert_and_validate(small_llama, tmp_path / "unpermuted.gguf")
     assert metrics["finite"] is True  # it loads and runs: only parity can catch this
     assert metrics["top1_agreement"] < 0.5
     assert metrics["mean_kl"] > 0.1
 
 
-def test_q8_0_parity(tiny_llama, tmp_path):
+def test_q8_0_parity(small_llama, tmp_path):
     out = tmp_path / "q8.gguf"
-    report, metrics, _ = convert_and_validate(tiny_llama, out, "q8_0")
+    report, metrics, _ = convert_and_validate(small_llama, out, "q8_0")
     assert metrics["finite"] is True and metrics["token_parity"] == 1.0
     assert metrics["top1_agreement"] >= 0.8
     assert metrics["mean_kl"] < 0.01
@@ -298,9 +313,9 @@ def test_q8_0_parity(tiny_llama, tmp_path):
     assert tensor_types(r)["token_embd.weight"] == Q.Q8_0
 
 
-def test_bf16_parity(tiny_llama, tmp_path):
+def test_bf16_parity(small_llama, tmp_path):
     out = tmp_path / "bf16.gguf"
-    report, metrics, _ = convert_and_validate(tiny_llama, out, "bf16")
+    report, metrics, _ = convert_and_validate(small_llama, out, "bf16")
     assert metrics["finite"] is True and metrics["token_parity"] == 1.0
     assert metrics["top1_agreement"] >= 0.95
     assert metrics["mean_kl"] < 1e-3
@@ -310,7 +325,7 @@ def test_bf16_parity(tiny_llama, tmp_path):
     # the source is bf16: a bf16 GGUF holds exactly the source bits
     from pipelines.safetensors_io import SafetensorsFile
 
-    with SafetensorsFile(tiny_llama / "model.safetensors") as f:
+    with SafetensorsFile(small_llama / "model.safetensors") as f:
         src = f.raw("model.layers.0.mlp.up_proj.weight").view(np.uint16).reshape(128, 64).copy()
     got = next(t for t in r.tensors if t.name == "blk.0.ffn_up.weight")
     assert np.array_equal(np.asarray(got.data).view(np.uint16).reshape(128, 64), src)
@@ -430,7 +445,7 @@ def test_nan_in_an_embedding_row_no_prompt_touches_is_refused_by_build(model, tm
     from pipelines.build import build_and_publish
     from pipelines.config import Config
 
-    d = copy_model(model("untied", tie=False), tmp_path / "nan-embed")
+    d = copy_model(model("untied-full-vocab", full_vocab=True, tie=False), tmp_path / "nan-embed")
     row = _untouched_vocab_row(d)
 
     def poison(tensors):
@@ -586,10 +601,10 @@ def test_conversion_streams_tensors(streaming_model, tmp_path):
 # --- Qwen2: Llama layout with q/k/v biases, NEOX rope (no permutation) ----------------------------
 
 @pytest.fixture(scope="module")
-def qwen2_model(smollm2_dir, tmp_path_factory):
+def qwen2_model(smollm2_small_vocab_dir, tmp_path_factory):
     from factories import make_qwen2
 
-    return make_qwen2(tmp_path_factory.mktemp("qwen2") / "tiny-qwen2", smollm2_dir)
+    return make_qwen2(tmp_path_factory.mktemp("qwen2") / "tiny-qwen2", smollm2_small_vocab_dir)
 
 
 def test_qwen2_f16_parity_and_metadata(qwen2_model, tmp_path):
@@ -597,7 +612,7 @@ def test_qwen2_f16_parity_and_metadata(qwen2_model, tmp_path):
     # transformers reads these tokenizer files as Qwen2Tokenizer, whose check hash llama.cpp does not
     # know for this vocabulary: the pre-tokenizer is named explicitly and recorded as a fallback.
     with pytest.raises(ModelFormatError, match="pre-tokenizer not recognised"):
-        run_convert(qwen2_model, tmp_path / "no-fallback.gguf")
+        run_convert(qwen2_model, tmp_path / "no-fallback.gguf", options={})
     report, metrics, _ = convert_and_validate(qwen2_model, out, options={"bpe_pre_fallback": "qwen2"})
     assert_f16_parity(metrics)
     assert report.vocab["pre_detection"].startswith("fallback:")
