@@ -46,10 +46,10 @@ Q = gguf.GGMLQuantizationType
 def run_convert(model_dir: Path, out: Path, outtype: str = "f16", options: dict | None = None):
     """`options` default: the cut vocabulary's pre-tokenizer named where the model has it (none otherwise)."""
     snap = fetch(str(model_dir), f"test/{model_dir.name}")
-    if options is None and snap.config().get("vocab_size") == SMALL_BPE_VOCAB:
+    cfg = snap.config()
+    if options is None and cfg.get("vocab_size") == SMALL_BPE_VOCAB:
         options = {"bpe_pre_fallback": SMOLLM2_PRE}
-    report = convert(snap.dir, snap.config(), snap.safetensors_files(), out, outtype, name=snap.model_id,
-                     options=options)
+    report = convert(snap.dir, cfg, snap.safetensors_files(), out, outtype, name=snap.model_id, options=options)
     return snap, report
 
 
