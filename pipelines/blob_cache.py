@@ -12,28 +12,39 @@ part list; the next pull of that digest fetches only the parts not listed, then 
 (a resumed blob that does not verify is fetched once more from scratch before failing), so nothing
 incomplete or unverified is ever visible under the digest's name. Concurrent pulls of one digest on a host
 serialize on its lock: the second finds the blob complete and downloads nothing. A partial whose
-downloader died is reclaimed once it is older than a day (or by `gc`), and only while holding its lock.
+downloader died is reclaimed once it is older than a day (or by `gc`), and only while holding its lock;
+so are part lists without their partial, their temporaries and free lock files.
+
+A cache shared between users is writable by others, and what it holds is untrusted input: nothing here
+follows a symlink (a link planted at a partial, part list, lock or blob is removed, never written through),
+an entry that is not a regular file (a FIFO, a socket) is removed before use, a directory where a file
+belongs is a one-line error, and part lists are read with a size bound and checked field by field.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import stat
+import tempfile
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import IntegrityError
+from .errors import HiveError, IntegrityError
 from .hashing import sha256_file
-from .paths import cache_root, exclusive_lock, lock_is_free, release_lock, try_lock
+from .paths import cache_root, exclusive_lock, lock_is_free, read_small_file, release_lock, try_lock
 from .store import Store, blob_key
 
 FILE_MODE = 0o644
 PART_BYTES = 64 << 20  # bytes per ranged read: a killed pull loses at most this much per worker
 PART_SIZE_ENV = "HIVE_AOT_PULL_PART_SIZE"  # e.g. 16M: smaller parts lose less to a kill, cost more requests
+MIN_PART_BYTES = 64 << 10  # below this, requests cost more than a kill could lose (1 byte: 15 s for 256 KiB)
+MAX_PART_LIST_BYTES = 64 << 20  # far above any real part list (a 10 GB blob in 64 KiB parts lists ~1 MB)
 PART_WORKERS = 8  # ranged reads in flight per blob
 PARTIAL_MAX_AGE_S = 24 * 3600.0  # a dead pull's partial waits this long for a pull to resume it
 STATE_VERSION = 1
@@ -67,20 +78,88 @@ def _sidecar(blob: Path, suffix: str) -> Path:
     return blob.with_name(f".{blob.name}.{suffix}")
 
 
+def _lstat(path: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _regular_or_absent(path: Path) -> os.stat_result | None:
+    """The lstat of `path` when it is a regular file; None when absent, or after removing a symlink, FIFO or
+    socket found there (never a file of ours: removing the entry does not touch what a link points to). A
+    directory is an OSError, which the pull reports in one line."""
+    st = _lstat(path)
+    if st is None or stat.S_ISREG(st.st_mode):
+        return st
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "a directory is where the blob cache keeps a file", str(path))
+    path.unlink()
+    return None
+
+
 def _complete(path: Path, digest: str, size: int) -> bool:
     # A cache hit is re-hashed: pulled files are hard links to cached blobs, so a file edited in a serving
     # directory would otherwise poison every later pull of the same digest.
-    return path.is_file() and path.stat().st_size == size and sha256_file(path) == digest
+    st = _lstat(path)
+    return st is not None and stat.S_ISREG(st.st_mode) and st.st_size == size and sha256_file(path) == digest
 
 
 def _ensure_mode(path: Path) -> None:
     """Give a cached blob the served mode (blobs cached by older versions were 0600); a blob we may not chmod
-    (another user's cache) keeps its mode, and pull copies it instead of linking."""
-    if path.stat().st_mode & 0o777 != FILE_MODE:
-        try:
-            os.chmod(path, FILE_MODE)
-        except PermissionError:
-            pass
+    (another user's cache) keeps its mode, and pull copies it instead of linking. Through an fd opened without
+    following links: a symlink swapped in must not chmod a file elsewhere."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_mode & 0o777 != FILE_MODE:
+            os.fchmod(fd, FILE_MODE)
+    except PermissionError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _cache_dirs(dest: Path) -> None:
+    """blobs/sha256/<2 hex>/ under the cache root as real directories: a symlinked level would put every
+    write below it somewhere else (it is removed and made again; a file there is an error)."""
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    level = root
+    for part in dest.parent.relative_to(root).parts:
+        level = level / part
+        st = _lstat(level)
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            level.unlink()
+            st = None
+        if st is None:
+            try:
+                level.mkdir()
+            except FileExistsError:  # another pull made it meanwhile
+                pass
+            st = os.lstat(level)
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, "the blob cache expects a directory here", str(level))
+
+
+def _read_part_list(path: Path) -> dict:
+    """A part list as a dict (empty when absent or unusable: the download then starts over). Bounded, never
+    through a link, and any shape but an object of the expected fields counts as unusable."""
+    try:
+        doc = json.loads(read_small_file(path, MAX_PART_LIST_BYTES, follow_symlinks=False))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(doc, dict) or not isinstance(doc.get("done", []), list):
+        return {}
+    return doc
+
+
+def _done_parts(saved: dict, count: int) -> set[int]:
+    done = saved.get("done", [])
+    return {i for i in done if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count}
 
 
 def parts_of(size: int, part_bytes: int) -> list[tuple[int, int]]:
@@ -92,42 +171,61 @@ def missing_bytes(digest: str, size: int) -> int:
     """Bytes a pull of this blob still has to write into the cache: none when it is there (by size: the
     verification comes with the pull), the parts a killed pull did not finish otherwise."""
     dest = blob_path(digest)
-    if dest.is_file() and dest.stat().st_size == size:
+    st = _lstat(dest)
+    if st is not None and stat.S_ISREG(st.st_mode) and st.st_size == size:
         return 0
     partial, state = _sidecar(dest, "partial"), _sidecar(dest, "parts")
-    if not partial.is_file():
+    st = _lstat(partial)
+    if st is None or not stat.S_ISREG(st.st_mode):
         return size
-    try:
-        saved = json.loads(state.read_text())
-        parts = parts_of(size, int(saved["part_bytes"]))
-        # the partial is allocated sparse: its unwritten parts still take disk when they come
-        return size - sum(parts[int(i)][1] for i in saved.get("done", []) if int(i) < len(parts))
-    except (OSError, ValueError, TypeError, KeyError, IndexError):
+    saved = _read_part_list(state)
+    part_bytes = saved.get("part_bytes")
+    if not isinstance(part_bytes, int) or isinstance(part_bytes, bool) or part_bytes < MIN_PART_BYTES:
         return size
+    parts = parts_of(size, part_bytes)
+    # the partial is allocated sparse: its unwritten parts still take disk when they come
+    return size - sum(parts[i][1] for i in _done_parts(saved, len(parts)))
 
 
 def part_bytes_setting() -> int:
     from .units import parse_size
 
     value = os.environ.get(PART_SIZE_ENV)
-    return max(1, parse_size(value, PART_SIZE_ENV)) if value else PART_BYTES
+    return max(MIN_PART_BYTES, parse_size(value, PART_SIZE_ENV)) if value else PART_BYTES
 
 
 def fetch_blob(store: Store, digest: str, size: int, progress=None, *, stats: TransferStats | None = None,
                part_bytes: int | None = None, workers: int = PART_WORKERS) -> Path:
     """The blob `digest` in the local cache, complete and verified: fetched from `store`, or resumed from a
     killed pull's partial, or found there."""
-    part_bytes = part_bytes or part_bytes_setting()
     dest = blob_path(digest)
-    stats = stats if stats is not None else TransferStats()
+    try:
+        return _fetch(store, digest, size, dest, progress, stats if stats is not None else TransferStats(),
+                      part_bytes or part_bytes_setting(), workers)
+    except (HiveError, KeyboardInterrupt):
+        raise
+    except OSError as e:  # the cache's file system, or what a shared cache holds: one line, the partial kept
+        from .host import disk_full_cause, disk_full_error
+
+        code = disk_full_cause(e, dest.parent)
+        if code is not None:
+            raise disk_full_error(code, dest.parent, subject=f"pull of blob {digest[:12]}",
+                                  outcome="what was downloaded is kept, and the next pull resumes it") from None
+        raise HiveError(f"blob cache: cannot use {e.filename or dest} ({e.strerror or type(e).__name__}); "
+                        f"the next pull resumes what was downloaded") from None
+
+
+def _fetch(store: Store, digest: str, size: int, dest: Path, progress, stats: TransferStats, part_bytes: int,
+           workers: int) -> Path:
     if _complete(dest, digest, size):
         stats.add(cached=1)
         if progress is not None:
             progress.update(size)
         _ensure_mode(dest)
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    _cache_dirs(dest)
     with exclusive_lock(_sidecar(dest, "lock")):
+        _regular_or_absent(dest)  # a link or FIFO under the digest's name is not a blob
         if _complete(dest, digest, size):  # another pull of this digest finished while we waited
             stats.add(cached=1)
             if progress is not None:
@@ -150,20 +248,22 @@ def _download(store: Store, digest: str, size: int, dest: Path, progress, stats:
     key = blob_key(digest)
     done: set[int] = set()
     state = {"version": STATE_VERSION, "digest": digest, "size": size, "part_bytes": part_bytes}
-    if resume and partial.is_file() and partial.stat().st_size == size:
-        try:
-            saved = json.loads(state_file.read_text())
-            if {k: saved.get(k) for k in state} == state:
-                done = {int(i) for i in saved.get("done", [])}
-        except (OSError, ValueError, TypeError):
-            done = set()
+    found = _regular_or_absent(partial)
+    _regular_or_absent(state_file)
+    if found is not None and found.st_nlink != 1:  # a hard link to a file elsewhere is never resumed into
+        partial.unlink()
+        found = None
+    parts = parts_of(size, part_bytes)
+    if resume and found is not None and found.st_size == size:
+        saved = _read_part_list(state_file)
+        if {k: saved.get(k) for k in state} == state:
+            done = _done_parts(saved, len(parts))
     if not done:
         state_file.unlink(missing_ok=True)
-    fd = os.open(partial, os.O_RDWR | os.O_CREAT | (0 if done else os.O_TRUNC), 0o600)
+    fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (0 if done else os.O_TRUNC), 0o600)
     try:
         os.ftruncate(fd, size)
-        parts = parts_of(size, part_bytes)
-        kept = sum(parts[i][1] for i in done if i < len(parts))
+        kept = sum(parts[i][1] for i in done)
         stats.add(resumed=kept)
         if progress is not None and kept:
             progress.update(kept)
@@ -230,45 +330,75 @@ def _discard(partial: Path, state: Path) -> None:
 
 
 def _write_state(path: Path, doc: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc))
-    os.replace(tmp, path)
+    # a fresh, exclusively created temporary (never a fixed name a link could be planted at), renamed over
+    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(doc))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def reclaim_partials(max_age_s: float = PARTIAL_MAX_AGE_S, keep: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """Remove what dead pulls left in the cache: partials older than `max_age_s` that no pull is resuming
-    (their lock is free), and the random-named partials of older versions, which cannot be resumed. A digest
-    in `keep` (the pull about to resume it) is left alone. Returns the removed partials' names."""
-    removed = []
+    (their lock is free) with their part lists, part lists and part-list temporaries whose partial is gone,
+    lock files nobody holds, and the random-named partials of older versions, which cannot be resumed. A
+    digest in `keep` (the pull about to resume it) is left alone. Returns the removed entries' names."""
+    removed: list[str] = []
     root = cache_root() / "blobs" / "sha256"
+    if not root.is_dir() or root.is_symlink():
+        return removed
     now = time.time()
-    for partial in sorted(root.glob("*/.*.partial")):
-        digest = partial.name[1:-len(".partial")]
-        if "." in digest:  # `.<digest12>.<random>.partial` (before resumable pulls): flock on the file itself
-            if lock_is_free(partial):
-                partial.unlink(missing_ok=True)
-                removed.append(partial.name)
+    digests: dict[Path, str] = {}  # one directory entry per digest with leftovers: its blob path
+    for entry in sorted(root.glob("*/.*")):
+        name = entry.name[1:]
+        if name.endswith(".partial") and "." in name[:-len(".partial")]:
+            # `.<digest12>.<random>.partial` (before resumable pulls): flock on the file itself
+            if entry.is_file() and not entry.is_symlink() and lock_is_free(entry):
+                entry.unlink(missing_ok=True)
+                removed.append(entry.name)
             continue
-        blob = partial.with_name(digest)
-        state, lock = _sidecar(blob, "parts"), _sidecar(blob, "lock")
-        try:
-            age = now - max(partial.stat().st_mtime, state.stat().st_mtime if state.exists() else 0.0)
-        except FileNotFoundError:
-            continue
-        if digest in keep or age <= max_age_s:
-            continue
-        if not lock.exists():
-            lock.touch()
-        fd = try_lock(lock)
-        if fd is None:
-            continue  # a live pull holds it
-        try:
-            partial.unlink(missing_ok=True)
-            state.unlink(missing_ok=True)
-            removed.append(partial.name)
-        finally:
-            release_lock(lock, fd)
+        digest = name.split(".", 1)[0]
+        if digest not in keep and len(digest) == 64:
+            digests[entry.with_name(digest)] = digest
+    for blob in digests:
+        removed += _reclaim_leftovers(blob, now, max_age_s)
     return removed
+
+
+def _reclaim_leftovers(blob: Path, now: float, max_age_s: float) -> list[str]:
+    partial, state, lock = _sidecar(blob, "partial"), _sidecar(blob, "parts"), _sidecar(blob, "lock")
+    temporaries = list(blob.parent.glob(f".{blob.name}.parts.*.tmp"))
+    leftovers = [p for p in (partial, state, *temporaries) if _lstat(p) is not None]
+    ages = [now - st.st_mtime for st in (_lstat(p) for p in leftovers) if st is not None]
+    if ages and min(ages) <= max_age_s:
+        return []  # a recent write: its pull may be alive, or may resume soon
+    if _lstat(lock) is None and not leftovers:
+        return []
+    had_lock = _lstat(lock) is not None
+    fd = _take_free_lock(lock)
+    if fd is None:
+        return []  # a live pull holds it
+    try:
+        for p in leftovers:
+            p.unlink(missing_ok=True)
+        return [p.name for p in leftovers] + ([lock.name] if had_lock else [])
+    finally:
+        release_lock(lock, fd)
+
+
+def _take_free_lock(lock: Path) -> int | None:
+    """The digest's lock taken without waiting (made if absent), or None while a live pull holds it. A link or
+    FIFO at the lock's name is no lock: it is removed first."""
+    if _lstat(lock) is not None:
+        _regular_or_absent(lock)
+    try:
+        os.close(os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE))
+    except FileExistsError:
+        pass
+    return try_lock(lock)
 
 
 __all__ = ["PART_BYTES", "TransferStats", "blob_path", "fetch_blob", "missing_bytes", "parts_of", "reclaim_partials"]

@@ -30,7 +30,7 @@ from .paths import reclaim_work, work_dir
 from .signing import signature_key, signing_key, write_signature
 from .planning import Plan, plan, recipe_hardware  # noqa: F401 - re-exported: the engine's entry points
 from .store import Store, blob_key, manifest_key, open_store, ref_key, staging_key
-from .store.layout import PROFILES_KEY, publish_tags, ref_document
+from .store.layout import PROFILES_KEY, check_binding, publish_tags, ref_document
 from .targets import InputArtifact, ValidationReport
 
 
@@ -75,7 +75,11 @@ def published_manifest(p: Plan, store: Store) -> Manifest | None:
     """The manifest already published for this build id, if any (then the build is skipped)."""
     key = manifest_key(p.model_id, p.recipe.id, p.build_id)
     raw = store.read_bytes(key)
-    return None if raw is None else Manifest.parse(raw, f"{store.uri}: {key}")
+    if raw is None:
+        return None
+    m = Manifest.parse(raw, f"{store.uri}: {key}")
+    check_binding(m, key, p.model_id, store.uri)  # a manifest moved there is no reason to skip the build
+    return m
 
 
 def _result(p: Plan, store: Store, state: str, manifest: Manifest, skipped: bool) -> BuildResult:

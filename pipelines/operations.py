@@ -14,7 +14,7 @@ from .errors import HiveError
 from .manifest import Manifest
 from .paths import model_slug
 from .store import manifest_key, open_store, ref_key
-from .store.layout import BUNDLE_TAG_PREFIX, ref_document
+from .store.layout import BUNDLE_TAG_PREFIX, check_binding, ref_document
 
 
 def find_build(store, model_id: str, build_id: str, recipe: str | None = None) -> tuple[str, Manifest]:
@@ -33,8 +33,7 @@ def find_build(store, model_id: str, build_id: str, recipe: str | None = None) -
     if raw is None:
         raise HiveError(f"{model_id}: manifest {key} disappeared while reading it")
     m = Manifest.parse(raw, f"{store.uri}: {key}")
-    if m.model.id != model_id or m.build_id != build_id:
-        raise HiveError(f"{store.uri}: {key} describes {m.model.id}@{m.build_id[:12]}: the store is damaged")
+    check_binding(m, key, model_id, store.uri)
     return key.split("/")[2], m
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from contextlib import contextmanager
@@ -72,8 +74,7 @@ def exclusive_lock(lock: Path, mode: int = 0o644) -> Iterator[int]:
     the inode it locked; otherwise its lock is on a removed file and it starts over. OSErrors (a directory
     that cannot hold the file) reach the caller."""
     while True:
-        # Read-only suffices for flock, so a lock file left by a killed process of another user still opens.
-        fd = os.open(lock, os.O_RDONLY | os.O_CREAT, mode)
+        fd = _open_lock_file(lock, mode)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             if os.fstat(fd).st_ino == os.stat(lock).st_ino:
@@ -98,14 +99,41 @@ def exclusive_lock(lock: Path, mode: int = 0o644) -> Iterator[int]:
         os.close(fd)
 
 
+_LOCK_OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _open_lock_file(lock: Path, mode: int) -> int:
+    """An fd on the regular file `lock`, created if absent. Read-only suffices for flock, so a lock file left by
+    a killed process of another user still opens. A shared cache is writable by others: a symlink planted there
+    must not make us create or chmod a file elsewhere, and a FIFO must not block the open, so anything but a
+    regular file is removed (it was never a lock of ours) and the open starts over; a directory is an error."""
+    for _ in range(8):
+        try:
+            fd = os.open(lock, _LOCK_OPEN | os.O_CREAT, mode)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            os.unlink(lock)  # a symlink: removing it touches only the link
+            continue
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            return fd
+        os.close(fd)
+        if os.path.isdir(lock) and not os.path.islink(lock):
+            raise IsADirectoryError(errno.EISDIR, "a directory is where a lock file belongs", str(lock))
+        os.unlink(lock)
+    raise OSError(errno.EAGAIN, "the lock file keeps being replaced", str(lock))
+
+
 def try_lock(lock: Path) -> int | None:
     """The fd of an exclusive flock on `lock` taken without waiting, or None when a live process holds it (or
     the file is gone). Release with release_lock."""
     try:
-        fd = os.open(lock, os.O_RDONLY)
+        fd = os.open(lock, _LOCK_OPEN)
     except OSError:
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise IsADirectoryError(errno.EISDIR, "not a lock file")
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         if os.fstat(fd).st_ino == os.stat(lock).st_ino:
             return fd
@@ -127,7 +155,7 @@ def release_lock(lock: Path, fd: int) -> None:
 def lock_is_free(path: Path) -> bool:
     """Whether no live process holds an flock on `path` (the kernel releases a dead process's locks)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, _LOCK_OPEN)
     except OSError:
         return False
     try:
@@ -206,3 +234,19 @@ def link_or_copy(src: Path, dest: Path) -> None:
         except OSError:
             pass
     shutil.copyfile(src, dest)
+
+
+def read_small_file(path: Path, limit: int, *, follow_symlinks: bool = True) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes. Key files, recipes and registries come from
+    paths a user (or a template) names: /dev/zero would fill memory, a FIFO would block forever at open, so
+    the file is opened without blocking, must be regular, and is read no further than the limit. ValueError
+    (one line) for anything else; OSError as the system reports it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_symlinks else os.O_NOFOLLOW))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("is not a regular file")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"is larger than {limit} bytes")
+    return data

@@ -28,7 +28,7 @@ from .paths import check_model_id, exclusive_lock, model_slug, safe_relpath
 from .progress import bar
 from .signing import trusted_keys, verify
 from .store import Store, manifest_key, open_store, ref_key
-from .store.layout import BUNDLE_TAG_PREFIX, PROFILES_KEY, is_digest
+from .store.layout import BUNDLE_TAG_PREFIX, PROFILES_KEY, check_binding, is_digest
 from .targets import MODEL_DIR, serve_command
 
 MARKER = "hive-aot.json"
@@ -59,9 +59,7 @@ def load_manifest(store: Store, key: str, expected_sha: str | None, model_id: st
     if expected_sha and hashlib.sha256(raw).hexdigest() != expected_sha:
         raise IntegrityError(f"{store.uri}: manifest {key} does not match the sha256 its ref records")
     m = Manifest.parse(raw, f"{store.uri}: manifest {key}")
-    # The key is derived from the model id, but a tampered or colliding store path must not serve another model.
-    if m.model.id != model_id:
-        raise IntegrityError(f"{store.uri}: manifest {key} is for model {m.model.id!r}, not {model_id!r}")
+    check_binding(m, key, model_id, store.uri)
     return m
 
 
@@ -292,7 +290,7 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
     if keys:  # tampering, not only damage: the manifest's exact bytes must carry a trusted signature
         mkey = manifest_key(model_id, chosen.recipe, m.build_id)
         raw = store.read_bytes(mkey) or b""
-        if Manifest.parse(raw, f"{store.uri}: manifest {mkey}").build_id != m.build_id:
+        if Manifest.parse(raw, f"{store.uri}: manifest {mkey}") != m:  # what is verified is what is served
             raise IntegrityError(f"{store.uri}: manifest {mkey} changed while pulling")
         signed_by = verify(store, mkey, raw, keys)
     else:

@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, IntegrityError
+from .paths import read_small_file
 
 SIGNING_KEY_ENV = "HIVE_AOT_SIGNING_KEY"
 TRUSTED_KEYS_ENV = "HIVE_AOT_TRUSTED_KEYS"
 ALGORITHM = "ed25519"
+MAX_KEY_FILE_BYTES = 64 * 1024  # a PEM Ed25519 key is ~120 bytes; /dev/zero as a key file must not fill memory
 
 
 def signature_key(manifest_key: str) -> str:
@@ -51,9 +53,11 @@ def _read_pem(path: str, what: str, private: bool):
     from cryptography.hazmat.primitives.asymmetric import ed25519
 
     try:
-        data = Path(path).read_bytes()
+        data = read_small_file(Path(path), MAX_KEY_FILE_BYTES)
     except OSError as e:
         raise ConfigError(f"{what} {path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    except ValueError as e:
+        raise ConfigError(f"{what} {path}: {e}") from None
     try:
         key = (serialization.load_pem_private_key(data, password=None) if private
                else serialization.load_pem_public_key(data))
@@ -73,9 +77,22 @@ def signing_key():
 
 
 def trusted_keys(paths: str | None = None) -> dict[str, Any]:
-    """key id -> public key, from `paths` (comma-separated) or $HIVE_AOT_TRUSTED_KEYS; empty: not verifying."""
-    spec = paths if paths is not None else os.environ.get(TRUSTED_KEYS_ENV, "")
-    keys = [_read_pem(p.strip(), TRUSTED_KEYS_ENV, private=False) for p in spec.split(",") if p.strip()]
+    """key id -> public key, from `paths` (comma-separated) or $HIVE_AOT_TRUSTED_KEYS; empty: not verifying.
+
+    Fails closed: a value that is given but names no key file ("", ",", spaces: a templating slip, or
+    `--trusted-keys ""` meant to override a set variable) is refused, never read as "verify nothing". Only
+    an absent flag with the variable unset or empty turns verification off."""
+    if paths is None:
+        spec, source = os.environ.get(TRUSTED_KEYS_ENV, ""), TRUSTED_KEYS_ENV
+        if spec == "":
+            return {}
+    else:
+        spec, source = paths, "--trusted-keys"
+    names = [p.strip() for p in spec.split(",") if p.strip()]
+    if not names:
+        raise ConfigError(f"{source} is set to {spec[:40]!r}, which names no public key file: refusing to pull "
+                          f"unverified (unset it to pull without signatures)")
+    keys = [_read_pem(name, source, private=False) for name in names]
     return {key_id(k): k for k in keys}
 
 
@@ -106,7 +123,7 @@ def verify(store, manifest_key: str, manifest_bytes: bytes, keys: dict[str, Any]
         kid, sig = doc["key_id"], base64.b64decode(doc["signature"], validate=True)
         if doc.get("algorithm") != ALGORITHM:
             raise ValueError(doc.get("algorithm"))
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise IntegrityError(f"{where}: its signature file is malformed") from None
     key = keys.get(kid)
     if key is None:

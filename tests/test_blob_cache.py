@@ -166,12 +166,14 @@ def test_reclaim_takes_dead_old_partials_keeps_young_live_and_resumed_ones(fresh
         assert holder.stdout.readline().strip() == "locked"
         removed = reclaim_partials(keep={digests[3]})
         # young (digests[0]), held by a live pull (2) and about to be resumed (3) stay; only 1 goes
-        assert removed == [f".{digests[1]}.partial"]
+        assert sorted(removed) == [f".{digests[1]}.partial", f".{digests[1]}.parts"]
         assert missing_bytes(digests[0], 2 * PART) == PART and missing_bytes(digests[3], 2 * PART) == PART
     finally:
         holder.kill()
         holder.wait(timeout=30)
-    assert sorted(reclaim_partials(max_age_s=0)) == sorted(f".{d}.partial" for d in (digests[0], digests[2], digests[3]))
+    removed = reclaim_partials(max_age_s=0)
+    assert sorted(n for n in removed if n.endswith(".partial")) == sorted(f".{d}.partial" for d in (digests[0], digests[2], digests[3]))
+    assert f".{digests[2]}.lock" in removed  # the killed holder's lock file
     assert not any(p.name.startswith(".") for p in (fresh_cache / "blobs").rglob("*"))
 
 

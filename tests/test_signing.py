@@ -95,3 +95,48 @@ def test_a_bad_key_file_is_one_line_without_its_content(signed, tmp_path):
     with pytest.raises(ConfigError) as ei:
         pull(MODEL, CPU, tmp_path / "x", store_uri=str(signed["store"]), trusted=str(bad))
     assert "is not a PEM public key" in str(ei.value) and "c2VjcmV0" not in str(ei.value) and "\n" not in str(ei.value)
+
+
+def _copy_signed(store: Path, src_recipe: str, build_id: str, dst_recipe: str, dst_build: str) -> None:
+    """What an attacker with write access can do without the key: copy a signed manifest and its signature
+    under another recipe or build id, and point that recipe's ref at it with the sha256 fixed."""
+    src = next(store.glob(f"manifests/*/{src_recipe}/{build_id}.json"))
+    slug = src.parent.parent.name
+    dst = store / "manifests" / slug / dst_recipe / f"{dst_build}.json"
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    sig = store / signature_key(str(src.relative_to(store)))
+    dst_sig = store / signature_key(str(dst.relative_to(store)))
+    dst_sig.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(sig, dst_sig)
+    ref = store / "refs" / slug / dst_recipe / "latest"
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    ref.write_text(json.dumps({"build_id": dst_build, "manifest": str(dst.relative_to(store)),
+                               "manifest_sha256": hashlib.sha256(dst.read_bytes()).hexdigest()}))
+
+
+def test_a_signed_manifest_copied_under_another_build_id_is_refused(signed, tmp_path):
+    """Red team round two, item 1: build v1's signed manifest under v2's key was served for MODEL and MODEL@v2."""
+    store = tmp_path / "store"
+    shutil.copytree(signed["store"], store)
+    v1, v2 = signed["build"].build_id, "e" * 64
+    _copy_signed(store, "gguf-f16", v1, "gguf-f16", v2)
+    for spec in (MODEL, f"{MODEL}@{v2}"):
+        with pytest.raises(IntegrityError, match=f"is for build '{v1}', not '{v2}'"):
+            pull(spec, CPU, tmp_path / "m", recipe="gguf-f16", store_uri=str(store), trusted=str(signed["pub"]))
+    assert not (tmp_path / "m").exists()
+    # the genuine build still pulls by its own id
+    assert pull(f"{MODEL}@{v1}", CPU, tmp_path / "ok", store_uri=str(store), trusted=str(signed["pub"]))["build_id"] == v1
+
+
+def test_a_signed_manifest_copied_under_another_recipe_is_refused(signed, tmp_path, capsys):
+    """Item 2: a signed gguf-f16 manifest and its signature under gguf-q8_0 were served as gguf-q8_0."""
+    store = tmp_path / "store"
+    shutil.copytree(signed["store"], store)
+    b = signed["build"].build_id
+    _copy_signed(store, "gguf-f16", b, "gguf-q8_0", b)
+    assert main(["pull", MODEL, "--target", CPU, "--recipe", "gguf-q8_0", "--dest", str(tmp_path / "q"),
+                 "--store", str(store), "--trusted-keys", str(signed["pub"])]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is for recipe 'gguf-f16', not 'gguf-q8_0'" in err, err
+    assert not (tmp_path / "q").exists()

@@ -37,6 +37,19 @@ def manifest_key(model_id: str, recipe: str, build_id: str) -> str:
     return f"manifests/{model_slug(model_id)}/{recipe}/{check_digest(build_id)}.json"
 
 
+def check_binding(m: "Manifest", key: str, model_id: str, where: str) -> None:
+    """A manifest describes exactly what its key names: model, recipe and build id. A signature covers the
+    manifest's bytes, not where it is stored, so a signed manifest of build v1 copied under v2's key (or a
+    gguf-f16 one under gguf-q8_0) would otherwise be served as what was asked for."""
+    parts = key.split("/")  # manifests/<slug>/<recipe>/<build id>.json
+    recipe, build_id = (parts[2], parts[3].removesuffix(".json")) if len(parts) == 4 else (None, None)
+    for what, found, wanted in (("model", m.model.id, model_id), ("recipe", m.recipe.id, recipe),
+                                ("build", m.build_id, build_id)):
+        if found != wanted:
+            raise IntegrityError(f"{where}: manifest {key} is for {what} {str(found)[:80]!r}, not {wanted!r}: "
+                                 f"it was copied or moved there (refusing to serve it)")
+
+
 def ref_key(model_id: str, recipe: str, tag: str) -> str:
     if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", tag):
         raise IntegrityError(f"{tag!r} is not a valid tag")

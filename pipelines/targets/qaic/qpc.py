@@ -20,7 +20,7 @@ from ...manifest import FileEntry, Manifest
 from ...paths import work_dir
 from ...signing import write_signature
 from ...store import Store, manifest_key, ref_key
-from ...store.layout import BUNDLE_TAG_PREFIX, publish_tags
+from ...store.layout import BUNDLE_TAG_PREFIX, check_binding, publish_tags
 from . import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
 from .bundle import COMMAND_FILE
 from .compile import COMPILE_DIR, QPC_DIR, CompileOptions, Sdk, command, compile_files, fill, find_sdk, no_sdk_reason, run
@@ -85,6 +85,7 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
     existing = store.read_bytes(key)
     if existing is not None:
         m = Manifest.parse(existing, f"{store.uri}: {key}")
+        check_binding(m, key, model_id, store.uri)
         if all(store.blob_intact(f.sha256, f.size) for f in m.files):
             _write_refs(store, m, move=False)
             return BuildResult(build_id=build_id, model_id=model_id, recipe=recipe_id, manifest=where, skipped=True,
