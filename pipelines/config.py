@@ -27,9 +27,10 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationEr
 
 from .errors import ConfigError, HiveError
 from .paths import check_model_id
+from .store.layout import RECIPE_ID_RE as STORE_RECIPE_ID_RE
 from .targets import KINDS, Thresholds, target_class
 
-RECIPE_ID_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+RECIPE_ID_RE = re.compile(rf"^{STORE_RECIPE_ID_RE.pattern}$")  # one grammar with the store's keys
 
 
 class _Strict(BaseModel):

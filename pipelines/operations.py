@@ -14,7 +14,7 @@ from .errors import HiveError
 from .manifest import Manifest
 from .paths import model_slug
 from .store import manifest_key, open_store, ref_key
-from .store.layout import BUNDLE_TAG_PREFIX, check_binding, ref_document
+from .store.layout import BUNDLE_TAG_PREFIX, check_binding, check_recipe_id, ref_document
 
 
 def find_build(store, model_id: str, build_id: str, recipe: str | None = None) -> tuple[str, Manifest]:
@@ -68,10 +68,12 @@ def retire(model_id: str, *, recipe: str | None = None, store_uri: str | None = 
     from .paths import check_model_id
 
     check_model_id(model_id)
+    if recipe is not None:  # '' or '.' must not widen the scope to every recipe of the model
+        check_recipe_id(recipe)
     store = open_store(store_uri)
     store.check_exists()
     slug = model_slug(model_id)
-    scope = f"{slug}/{recipe}/" if recipe else f"{slug}/"
+    scope = f"{slug}/{recipe}/" if recipe is not None else f"{slug}/"
     refs, manifests = store.list(f"refs/{scope}"), store.list(f"manifests/{scope}")
     if not refs and not manifests:
         raise HiveError(f"{model_id}: nothing published" + (f" for {recipe}" if recipe else "") + f" in {store.uri}")

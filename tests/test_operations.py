@@ -100,3 +100,15 @@ def test_retire_takes_the_model_off_the_store_and_gc_takes_its_blobs(store, tmp_
     assert all((Path(s) / "blobs" / "sha256" / d[:2] / d).is_file() for d in other_blobs)
     with pytest.raises(HiveError, match=f"{MODEL}: nothing published in"):
         retire(MODEL, store_uri=s)
+
+
+@pytest.mark.parametrize("recipe", ["", ".", "./.", "..", "gguf-f16/..", "GGUF-F16"])
+def test_retire_of_a_recipe_that_is_no_recipe_id_retires_nothing(store, recipe, capsys):
+    """Red team round two, item 7: `--recipe ''`, '.' or './.' retired every recipe of the model."""
+    s = str(store["store"])
+    before = sorted(p.relative_to(s).as_posix() for p in Path(s).rglob("*") if p.is_file())
+    capsys.readouterr()
+    assert main(["retire", MODEL, "--recipe", recipe, "--store", s]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a recipe id" in err, err
+    assert sorted(p.relative_to(s).as_posix() for p in Path(s).rglob("*") if p.is_file()) == before

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -140,3 +141,48 @@ def test_a_signed_manifest_copied_under_another_recipe_is_refused(signed, tmp_pa
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is for recipe 'gguf-f16', not 'gguf-q8_0'" in err, err
     assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("given", [",", "  ", " , ,", ""])
+def test_trusted_keys_that_name_no_key_fail_closed(signed, given, tmp_path, monkeypatch, capsys):
+    """Item 4: trusted keys given as "," or spaces, or `--trusted-keys ""` over a set variable, verified nothing."""
+    store = str(signed["store"])
+    monkeypatch.setenv("HIVE_AOT_TRUSTED_KEYS", str(signed["pub"]))
+    capsys.readouterr()
+    assert main(["pull", MODEL, "--target", CPU, "--recipe", "gguf-q8_0", "--dest", str(tmp_path / "a"),
+                 "--store", store, "--trusted-keys", given]) == 1  # the flag over the set variable
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "names no public key file" in err, err
+    if given:  # the variable itself holding only separators
+        monkeypatch.setenv("HIVE_AOT_TRUSTED_KEYS", given)
+        with pytest.raises(ConfigError, match="HIVE_AOT_TRUSTED_KEYS is set to .* names no public key file"):
+            pull(MODEL, CPU, tmp_path / "b", recipe="gguf-q8_0", store_uri=store)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    monkeypatch.setenv("HIVE_AOT_TRUSTED_KEYS", "")  # set but empty: not verifying, as unset
+    assert pull(MODEL, CPU, tmp_path / "c", recipe="gguf-q8_0", store_uri=store)["signed_by"] is None
+
+
+@pytest.mark.parametrize("special", ["/dev/zero", "fifo", "dir"])
+def test_a_key_path_that_is_no_regular_file_is_one_line(signed, special, tmp_path):
+    """Item 12: `--trusted-keys /dev/zero` grew to 21 GB; a FIFO would block forever."""
+    path = special
+    if special == "fifo":
+        path = str(tmp_path / "key.fifo")
+        os.mkfifo(path)
+    elif special == "dir":
+        path = str(tmp_path)
+    with pytest.raises(ConfigError) as ei:
+        pull(MODEL, CPU, tmp_path / "x", store_uri=str(signed["store"]), trusted=path)
+    assert "\n" not in str(ei.value) and path in str(ei.value), ei.value
+
+
+@pytest.mark.parametrize("content", [b"[]", b'"x"', b"[" * 50_000 + b"]" * 50_000, b'{"key_id": [], "signature": 1}',
+                                     b"\xff\xfe", b'{"algorithm": "ed25519", "key_id": "k", "signature": "!!"}'])
+def test_a_damaged_signature_file_is_one_line(signed, content, tmp_path):
+    """Item 11: a damaged signature file was a traceback in some shapes."""
+    store = tmp_path / "store"
+    shutil.copytree(signed["store"], store)
+    mpath = next(store.glob(f"manifests/*/gguf-f16/{signed['build'].build_id}.json"))
+    (store / signature_key(str(mpath.relative_to(store)))).write_bytes(content)
+    with pytest.raises(IntegrityError, match="its signature file is malformed"):
+        pull(MODEL, CPU, tmp_path / "m", recipe="gguf-f16", store_uri=str(store), trusted=str(signed["pub"]))

@@ -8,7 +8,7 @@ import re
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
-from ..errors import IntegrityError
+from ..errors import HiveError, IntegrityError
 from ..paths import model_slug
 
 if TYPE_CHECKING:
@@ -33,8 +33,20 @@ def blob_key(digest: str) -> str:
     return f"blobs/sha256/{digest[:2]}/{digest}"
 
 
+# The grammar config.py holds recipe ids to (a key level: never empty, '.', '..' or with a slash).
+RECIPE_ID_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+
+
+def check_recipe_id(recipe: str) -> str:
+    if not isinstance(recipe, str) or RECIPE_ID_RE.fullmatch(recipe) is None:
+        shown = repr(recipe)[:80]
+        raise HiveError(f"{shown} is not a recipe id (lowercase letters, digits, '.', '_' and '-', starting with a "
+                        f"letter or digit)")
+    return recipe
+
+
 def manifest_key(model_id: str, recipe: str, build_id: str) -> str:
-    return f"manifests/{model_slug(model_id)}/{recipe}/{check_digest(build_id)}.json"
+    return f"manifests/{model_slug(model_id)}/{check_recipe_id(recipe)}/{check_digest(build_id)}.json"
 
 
 def check_binding(m: "Manifest", key: str, model_id: str, where: str) -> None:
@@ -53,7 +65,7 @@ def check_binding(m: "Manifest", key: str, model_id: str, where: str) -> None:
 def ref_key(model_id: str, recipe: str, tag: str) -> str:
     if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", tag):
         raise IntegrityError(f"{tag!r} is not a valid tag")
-    return f"refs/{model_slug(model_id)}/{recipe}/{tag}"
+    return f"refs/{model_slug(model_id)}/{check_recipe_id(recipe)}/{tag}"
 
 
 BUNDLE_TAG_PREFIX = "bundle-"  # tags of artifacts that stop short of their recipe's format (export bundles)
