@@ -247,6 +247,8 @@ def cmd_pull(args) -> int:
         human += "\n  env: " + " ".join(f"{k}={v}" for k, v in sorted(res["env"].items()))
     if res.get("serve"):
         human += f"\n  serve: {res['serve']}"
+    if res.get("serve_refused"):
+        human += f"\n  hive-aot serve would refuse it: {res['serve_refused']}"
     _emit(args, res, human)
     return EXIT_OK
 
@@ -255,12 +257,12 @@ def cmd_serve(args) -> int:
     from .serve import serve
 
     res = serve(args.model, args.target, Path(args.dest), extra_args=args.server_args, dry_run=args.dry_run,
-                recipe=args.recipe,
-                tag=args.tag, store_uri=args.store, registry=args.registry, strict=args.strict,
-                trusted=args.trusted_keys)
+                allow_remote_code=args.allow_remote_code, recipe=args.recipe, tag=args.tag, store_uri=args.store,
+                registry=args.registry, strict=args.strict, trusted=args.trusted_keys)
     import shlex
 
-    _emit(args, res, f"would exec: {shlex.join(res['exec'])}")  # only reached with --dry-run
+    env = "".join(f"{k}={shlex.quote(v)} " for k, v in sorted(res["exec_env"].items()))
+    _emit(args, res, f"would exec: {env}{shlex.join(res['exec'])}")  # only reached with --dry-run
     return EXIT_OK
 
 
@@ -406,6 +408,8 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--strict", action="store_true", help="refuse an engine version other than the validated one")
     sp.add_argument("--trusted-keys", help="Ed25519 public key PEM file(s): require a signed manifest")
     sp.add_argument("--dry-run", action="store_true", help="pull, then print the command instead of running it")
+    sp.add_argument("--allow-remote-code", action="store_true",
+                    help="run --trust-remote-code servers from an unsigned manifest (a signed one needs no flag)")
     common(sp)
     sp.set_defaults(func=cmd_serve)
 

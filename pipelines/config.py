@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -27,10 +26,8 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationEr
 
 from .errors import ConfigError, HiveError
 from .paths import check_model_id
-from .store.layout import RECIPE_ID_RE as STORE_RECIPE_ID_RE
+from .store.layout import RECIPE_ID_RE  # one grammar for recipe ids here and in the store's keys
 from .targets import KINDS, Thresholds, target_class
-
-RECIPE_ID_RE = re.compile(rf"^{STORE_RECIPE_ID_RE.pattern}$")  # one grammar with the store's keys
 
 
 class _Strict(BaseModel):
@@ -167,7 +164,7 @@ class Recipe(_Strict):
     @field_validator("id")
     @classmethod
     def _recipe_id(cls, v: str) -> str:
-        if not RECIPE_ID_RE.match(v):
+        if not RECIPE_ID_RE.fullmatch(v):
             raise ValueError(f"{v!r} must be lowercase letters, digits, '.', '_' or '-'")
         return v
 

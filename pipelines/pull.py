@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shlex
 import shutil
 import stat
 import tempfile
@@ -29,7 +28,7 @@ from .progress import bar
 from .signing import trusted_keys, verify
 from .store import Store, manifest_key, open_store, ref_key
 from .store.layout import BUNDLE_TAG_PREFIX, PROFILES_KEY, check_binding, is_digest
-from .targets import MODEL_DIR, serve_command
+from .serve_policy import serving_summary
 
 MARKER = "hive-aot.json"
 # Serving processes often run as another user than the puller: what a pull leaves is world-readable.
@@ -313,7 +312,7 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
     # Held from the "already present" check to the swap: a second pull of DIR waits, then finds it complete.
     with _dest_lock(dest):
         if _present(dest, m):
-            return {**_summary(marker_doc, dest, m), "already_present": True, "auto_target": auto,
+            return {**serving_summary(marker_doc, dest, m, signed=signed_by is not None), "already_present": True, "auto_target": auto,
                     "engines": engines, "warnings": warnings, "signed_by": signed_by}
         # what dead pulls left in the cache, except the partials this pull resumes
         reclaim_partials(keep={f.sha256 for f in m.files})
@@ -325,7 +324,7 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
             _assemble(dest, m, blobs, marker_doc)
         except OSError as e:
             raise _cannot_write(dest, e) from None
-    return {**_summary(marker_doc, dest, m), "already_present": False, "auto_target": auto,
+    return {**serving_summary(marker_doc, dest, m, signed=signed_by is not None), "already_present": False, "auto_target": auto,
             "engines": engines, "warnings": warnings, "signed_by": signed_by,
             "transfer": {"fetched_bytes": stats.fetched, "resumed_bytes": stats.resumed,
                          "cached_blobs": stats.cached_blobs}}
@@ -440,17 +439,3 @@ def _present(dest: Path, m: Manifest) -> bool:
         with suppress(OSError):  # a read-only DIR stays valid; it is just re-hashed next time
             _write_marker(dest, {**doc, "stamps": fresh})
     return True
-
-
-def _summary(doc: dict[str, Any], dest: Path, m: Manifest) -> dict[str, Any]:
-    """What a serving container needs next: the files, and the serve command of the chosen runtime profile
-    exactly as the manifest describes it (with the pulled directory filled in)."""
-    files = [str(dest / f.path) for f in m.files]
-    serving = doc["serving"]
-    argv = serve_command(serving, str(dest))
-    if argv is None and m.format == "gguf" and "command" not in serving:  # manifests from before serving profiles
-        argv = ["llama-server", "-m", files[0], "-c", str(serving.get("n_ctx", 4096))]
-    return {"model_id": doc["model_id"], "build_id": m.build_id, "recipe": doc["recipe"],
-            "runtime_profile": doc["runtime_profile"]["id"], "dest": str(dest), "files": files,
-            "size": m.total_size, "serve": shlex.join(argv) if argv else None, "serve_argv": argv,
-            "env": {k: str(v).replace(MODEL_DIR, str(dest)) for k, v in (serving.get("env") or {}).items()}, "image": serving.get("image") or doc["runtime_profile"].get("image")}

@@ -21,18 +21,27 @@ from .errors import HiveError
 
 
 def serve(model: str, target: str, dest: Path, *, extra_args: Sequence[str] = (), dry_run: bool = False,
-          **pull_options: Any) -> dict[str, Any]:
-    """Pull, then exec the server (never returns unless `dry_run`, which returns what it would run)."""
+          allow_remote_code: bool = False, **pull_options: Any) -> dict[str, Any]:
+    """Pull, then exec the server (never returns unless `dry_run`, which returns what it would run). Only
+    what serve_policy allows runs: the kind's own server, its own arguments and environment."""
     from .pull import pull
+    from .serve_policy import ServeRefused, check
 
     res = pull(model, target, dest, **pull_options)
-    argv = res.get("serve_argv")
-    if not argv:
+    if not res.get("serve_argv") and not res.get("serve_refused"):
         raise HiveError(f"{res['model_id']} {res['recipe']}: its manifest has no serve command for "
                         f"{res['runtime_profile']}")
+    try:
+        if res.get("serve_refused") and not (allow_remote_code and res.get("serve_refused_remote_code")):
+            raise ServeRefused(res["serve_refused"])  # also what the summary could not show (a malformed env)
+        program, argv, env_add = check(res.get("serve_argv"), res.get("env"), res["dest"],
+                                       remote_code_allowed=allow_remote_code or res.get("signed_by") is not None)
+    except ServeRefused as e:
+        raise ServeRefused(f"{res['model_id']} {res['recipe']} (build {res['build_id'][:12]}): {e}; the model is "
+                           f"pulled into {res['dest']}") from None
     argv = [*argv, *extra_args]
-    env = {**os.environ, **res.get("env", {})}
-    plan = {**res, "exec": argv, "exec_env": res.get("env", {}), "uid": os.geteuid()}
+    env = {**os.environ, **env_add}
+    plan = {**res, "exec": argv, "exec_program": program, "exec_env": env_add, "uid": os.geteuid()}
     if dry_run:
         return plan
     for w in res.get("warnings", []):
@@ -44,7 +53,9 @@ def serve(model: str, target: str, dest: Path, *, extra_args: Sequence[str] = ()
           f"{res['runtime_profile']}: exec {shlex.join(argv)}", file=sys.stderr, flush=True)
     _default_signals()
     try:
-        os.execvpe(argv[0], argv, env)
+        if os.sep in program:  # pinned by the operator: that file, not a PATH lookup
+            os.execve(program, argv, env)
+        os.execvpe(program, argv, env)
     except FileNotFoundError:
         raise HiveError(f"cannot start {argv[0]}: not found on PATH (is this the {res['runtime_profile']} serving "
                         f"image?); the model is pulled into {res['dest']}") from None

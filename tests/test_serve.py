@@ -181,3 +181,102 @@ def test_the_images_run_the_entrypoint_as_an_unprivileged_user(image):
     assert 'ENTRYPOINT ["/usr/local/bin/hive-aot-entrypoint"]' in text
     assert "COPY --chmod=755 deploy/serving/entrypoint.sh /usr/local/bin/hive-aot-entrypoint" in text
     assert re.search(r"pip install --no-cache-dir hive-aot\b", text)
+
+
+def _rewrite_serving(src: Path, dst: Path, **fields) -> None:
+    """What anyone with write access to an unsigned store can do: change the profile's serving fields and fix
+    the sha256 the ref records."""
+    import hashlib
+    import shutil
+
+    shutil.copytree(src, dst)
+    mpath = next(dst.glob("manifests/*/gguf-f16/*.json"))
+    doc = json.loads(mpath.read_text())
+    doc["serving"]["llm-llamacpp-cpu"].update(fields)
+    raw = (json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    mpath.write_bytes(raw)
+    ref = next(dst.glob("refs/*/gguf-f16/latest"))
+    r = json.loads(ref.read_text())
+    r["manifest_sha256"] = hashlib.sha256(raw).hexdigest()
+    ref.write_text(json.dumps(r))
+
+
+GOOD = ["llama-server", "-m", "{model_dir}/PLACEHOLDER", "-c", "512"]
+HOSTILE = {  # red team round two, items 5 and 11: each of these ran, or ended in a traceback
+    "sh -c": {"command": ["sh", "-c", "touch {model_dir}/../PWNED"]},
+    "python -c": {"command": ["python3", "-c", "open('PWNED', 'w')"]},
+    "a shipped script": {"command": ["{model_dir}/PLACEHOLDER"]},
+    "a path as argv0": {"command": ["/usr/bin/llama-server", "-m", "{model_dir}/PLACEHOLDER"]},
+    "an unknown flag": {"command": GOOD + ["--lora", "{model_dir}/PLACEHOLDER"]},
+    "a model outside": {"command": ["llama-server", "-m", "/etc/passwd"]},
+    "an option as value": {"command": ["llama-server", "-c", "--lora"]},
+    "remote code unsigned": {"command": ["vllm", "serve", "{model_dir}", "--trust-remote-code"]},
+    "vllm elsewhere": {"command": ["vllm", "serve", "/tmp", "--dtype", "auto"]},
+    "LD_PRELOAD": {"command": GOOD, "env": {"LD_PRELOAD": "{model_dir}/PLACEHOLDER"}},
+    "env key with =": {"command": GOOD, "env": {"A=B": "1"}},
+    "empty env key": {"command": GOOD, "env": {"": "1"}},
+    "NUL in env": {"command": GOOD, "env": {"HF_HUB_OFFLINE": "1\u0000"}},
+    "env as a list": {"command": GOOD, "env": ["LD_PRELOAD=/x.so"]},
+    "empty argv0": {"command": [""]},
+    "NUL in argv": {"command": ["llama-server", "-m", "{model_dir}/PLACEHOLDER\u0000"]},
+    "argv too long": {"command": ["llama-server"] + ["-c", "1"] * 300},
+    "a string command": {"command": "sh -c id"},
+    "a number in argv": {"command": ["llama-server", "-c", 512]},
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_serve_runs_only_the_kinds_own_server_with_its_own_arguments(case, store, tmp_path, capsys):
+    from pipelines.cli import main
+
+    fields = json.loads(json.dumps(HOSTILE[case]).replace("PLACEHOLDER", _gguf_name(store)))
+    hostile = tmp_path / "store"
+    _rewrite_serving(store, hostile, **fields)
+    capsys.readouterr()
+    rc = main(["serve", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "m"), "--store", str(hostile),
+               "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and "hive-aot: error: " in err and "Traceback" not in err, err
+    assert not (tmp_path / "PWNED").exists() and not Path("PWNED").exists()
+    # pull itself still pulls (the files are verified), and says that serve would refuse the command
+    assert main(["pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "p"), "--store",
+                 str(hostile), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["serve_refused"]
+
+
+def _gguf_name(store: Path) -> str:
+    doc = json.loads(next(store.glob("manifests/*/gguf-f16/*.json")).read_text())
+    return doc["files"][0]["path"]
+
+
+def test_the_operator_pins_the_engine_and_allows_env_names(store, tmp_path, capsys, monkeypatch):
+    from pipelines.cli import main
+
+    hostile = tmp_path / "store"
+    _rewrite_serving(store, hostile, env={"OMP_NUM_THREADS": "4"})
+    pinned = _server_bin(tmp_path) / "llama-server"
+    monkeypatch.setenv("HIVE_AOT_SERVE_PROGRAMS", f"llama-server={pinned}")
+    monkeypatch.setenv("HIVE_AOT_SERVE_ENV", "OMP_NUM_THREADS")
+    capsys.readouterr()
+    assert main(["serve", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "m"), "--store",
+                 str(hostile), "--dry-run", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["exec_program"] == str(pinned) and doc["exec_env"] == {"OMP_NUM_THREADS": "4"}
+    monkeypatch.delenv("HIVE_AOT_SERVE_ENV")
+    assert main(["serve", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "n"), "--store",
+                 str(hostile), "--dry-run"]) == 1
+    assert "sets OMP_NUM_THREADS for llama-server, which hive-aot never sets" in capsys.readouterr().err
+
+
+def test_remote_code_from_an_unsigned_manifest_needs_the_operators_flag(store, tmp_path, capsys):
+    from pipelines.cli import main
+
+    hostile = tmp_path / "store"
+    _rewrite_serving(store, hostile, command=["vllm", "serve", "{model_dir}", "--trust-remote-code"])
+    args = ["serve", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "m"), "--store", str(hostile),
+            "--dry-run", "--json"]
+    capsys.readouterr()
+    assert main(args) == 1
+    assert "--allow-remote-code" in capsys.readouterr().err
+    assert main([*args, "--allow-remote-code"]) == 0
+    assert json.loads(capsys.readouterr().out)["exec"][-1] == "--trust-remote-code"

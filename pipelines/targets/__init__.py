@@ -181,6 +181,9 @@ class Target(Protocol):
 
     def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]: ...
 
+    # the programs its serving commands run, with the arguments and environment they may carry
+    server_programs: ClassVar[tuple[ServerProgram, ...]]
+
 
 _TARGETS: dict[str, Any] = {}
 
@@ -200,6 +203,21 @@ def target_for(kind: str) -> Target:
 
 
 MODEL_DIR = "{model_dir}"  # placeholder in serving commands; pull substitutes the pulled directory
+
+
+@dataclass(frozen=True)
+class ServerProgram:
+    """What a serving container may exec for a kind's artifacts, whatever a store's manifest says
+    (serve_policy.py checks the recorded command against it). `options`: flag -> "switch" (no value),
+    "value" (one plain word) or "model-path" (a path inside the pulled directory). `remote_code`: the flags
+    that make the server run code shipped with the model. `env`: names the manifest may set, each "value"
+    or "model-path"."""
+
+    name: str
+    positionals: tuple[str, ...] = ()
+    options: dict[str, str] = field(default_factory=dict)
+    remote_code: frozenset[str] = frozenset()
+    env: dict[str, str] = field(default_factory=dict)
 
 
 def serve_command(description: dict[str, Any], model_dir: str) -> list[str] | None:

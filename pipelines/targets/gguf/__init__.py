@@ -14,7 +14,8 @@ from pydantic import Field
 from ... import meter
 from ...errors import HiveError
 from ...hashing import sha256_file
-from .. import MODEL_DIR, BuildContext, BuiltArtifact, Thresholds, ValidationReport, check_thresholds, gate
+from .. import (MODEL_DIR, BuildContext, BuiltArtifact, ServerProgram, Thresholds, ValidationReport, check_thresholds,
+                gate)
 
 if TYPE_CHECKING:
     from ...compat.database import Architecture
@@ -55,8 +56,13 @@ class GgufThresholds(Thresholds):
     require_token_parity: bool = Field(default=True, json_schema_extra=gate("token_parity", "tokenizer id parity", ".3f"))
 
 
+# llama-server with what serving() writes: the model file, the context and the threads.
+LLAMA_SERVER = ServerProgram(name="llama-server", options={"-m": "model-path", "-c": "value", "-t": "value"})
+
+
 class GgufTarget:
     kind = "gguf"
+    server_programs = (LLAMA_SERVER,)
     format_version = FORMAT_VERSION
     Thresholds = GgufThresholds
     build_step = "convert"

@@ -25,6 +25,7 @@ from ...errors import NotApplicableError
 from ...tokenizer_cache import CachedTokenizer
 from .. import BuildContext, BuiltArtifact, Thresholds, ValidationReport, check_thresholds, gate
 from .compile import COMPILE_DIR, CompileOptions
+from .server import QAIC_SERVER
 
 if TYPE_CHECKING:
     from ...compat.database import Architecture
@@ -120,6 +121,7 @@ class QaicExportTarget:
     format_version = EXPORT_FORMAT_VERSION
     Thresholds = ExportThresholds
     intermediate = True  # read by qaic recipes, served by nobody
+    server_programs = ()
     build_step = "export"
 
     @staticmethod
@@ -242,6 +244,7 @@ class QaicTarget:
     """A compile recipe. Its build is the export bundle; the QPC is compiled from that bundle (qpc.py)."""
 
     kind = "qaic"
+    server_programs = (QAIC_SERVER,)
     format_version = BUNDLE_FORMAT_VERSION
     Thresholds = QaicThresholds
     input_kinds = ("qaic-export",)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from .. import BuildContext, BuiltArtifact, Thresholds, ValidationReport, check_thresholds, gate
+from .server import VLLM_SERVER
 
 if TYPE_CHECKING:
     from ...compat.database import Architecture
@@ -70,6 +71,7 @@ class VllmTarget:
     format_version = FORMAT_VERSION
     Thresholds = VllmThresholds
     build_step = "prepare"
+    server_programs = (VLLM_SERVER,)
 
     @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]:

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 
 TIER_OF = {"none": "bf16", "fp8-dynamic": "fp8-dynamic"}
 
-
 def _flags(args: dict[str, Any]) -> list[str]:
     out = []
     for key, value in args.items():

@@ -1,0 +1,18 @@
+"""What a vllm-qaic serving container may run for a compiled QPC (serve_policy.py checks manifests against it).
+
+Kept apart from serving.py so that pull and serve import nothing heavy.
+"""
+
+from __future__ import annotations
+
+from .. import MODEL_DIR, ServerProgram
+
+# vLLM on AI 100: the flags engine_args writes; the QPC's path points into the pulled directory.
+QAIC_SERVER = ServerProgram(
+    name="vllm", positionals=("serve", MODEL_DIR),
+    options={f"--{flag}": kind for flag, kind in {
+        "served-model-name": "value", "task": "value", "max-model-len": "value", "max-num-seqs": "value",
+        "max-seq-len-to-capture": "value", "device-group": "value", "quantization": "value",
+        "kv-cache-dtype": "value", "trust-remote-code": "switch"}.items()},
+    remote_code=frozenset({"--trust-remote-code"}),
+    env={"HF_HUB_OFFLINE": "value", "VLLM_QAIC_QPC_PATH": "model-path"})
