@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import meter
+from . import meter, staging_lease
 from .config import Config
 from .errors import DiskFull, HiveError, IntegrityError, StoreError, ValidationFailed
 from .hashing import sha256_file
@@ -272,7 +272,8 @@ def validate_staged(p: Plan, store: Store) -> ValidationReport:
     _state, manifest = _staged(store, p)
     resource_plan(p, store).check(steps=("reference", "validate"), outcome="nothing was published")
     try:
-        with work_dir(f"validate-{p.build_id[:12]}-") as work, meter.step("validate"):
+        with staging_lease.held(store, staging_key(p.build_id)), work_dir(f"validate-{p.build_id[:12]}-") as work, \
+                meter.step("validate"):
             try:
                 materialize_blobs(store, manifest.files, work)
                 report = p.target.validate(p.context, work, {f.path: f.sha256 for f in manifest.files})
@@ -330,6 +331,7 @@ def publish_staged(p: Plan, store: Store, config: Config | None = None) -> Build
         raise ValidationFailed(f"build {p.build_id[:12]} is {state}, not validated: refusing to publish")
     mkey = manifest_key(p.model_id, p.recipe.id, p.build_id)
     store.write_bytes(mkey, manifest.to_bytes())
+    _refuse_missing_blobs(store, p, manifest, mkey)  # from here on, every gc keeps them (staging_lease.py)
     write_signature(store, mkey, manifest.to_bytes())  # before the refs, when a signing key is configured
     ref = _ref_doc(p, manifest)
     commit_tag, latest_tag = publish_tags(manifest.model.commit, p.pending(manifest))
@@ -339,6 +341,19 @@ def publish_staged(p: Plan, store: Store, config: Config | None = None) -> Build
     if config is not None:
         publish_profiles(store, config)
     return _result(p, store, "published", manifest, skipped=False)
+
+
+def _refuse_missing_blobs(store: Store, p: Plan, manifest: Manifest, mkey: str) -> None:
+    """The manifest is written but no ref names it yet: if a blob it names is gone (a gc took a candidate whose
+    lease had run out), take the manifest and the candidate back and fail, rather than publish it."""
+    gone = [f for f in manifest.files if store.size(blob_key(f.sha256)) != f.size]
+    if not gone:
+        return
+    store.delete(mkey)
+    store.delete(staging_key(p.build_id))
+    raise StoreError(f"{store.uri}: build {p.build_id[:12]} of {p.model_id} ({p.recipe.id}) lost {len(gone)} blob(s) "
+                     f"before publishing ({gone[0].path}: {gone[0].sha256[:12]}; a gc ran while it was staged?): "
+                     f"nothing was published, build it again")
 
 
 def publish_profiles(store: Store, config: Config) -> None:

@@ -355,3 +355,56 @@ def test_auto_map_builds_when_reviewed_and_never_imports_its_code(tiny_llama, tm
     assert res.state == "published", res.validation
     assert not sentinel.exists()
     assert os.path.isfile(tmp_path / "store" / f"manifests/test-org--remote/gguf-f16/{res.build_id}.json")
+
+
+def test_gc_during_a_build_never_leaves_a_manifest_naming_a_gone_blob(tiny_llama, tconfig, tmp_path, monkeypatch):
+    """Red team round two, item 6: `gc --min-age 0` between staging and publishing deleted the staged build's
+    blobs, and the build then published a manifest naming them (exit 0)."""
+    import os
+    import time
+
+    from pipelines import staging_lease
+    from pipelines.inventory import gc
+    from pipelines.store import blob_key, staging_key
+
+    store = open_store(str(tmp_path / "store"))
+    p = plan(str(tiny_llama), "gguf-f16", tconfig, "test-org/gc-race")
+    stage(p, store)
+    # a validating builder keeps its record fresh: here, gc runs in the middle of the validation
+    monkeypatch.setattr(staging_lease, "LEASE_REFRESH_S", 0.05)
+    real_validate = p.target.validate
+
+    def validate_while_gc_runs(*args, **kwargs):
+        time.sleep(0.2)  # at least one refresh
+        assert gc(str(tmp_path / "store"), min_age_s=0)["blobs"] == []
+        return real_validate(*args, **kwargs)
+
+    monkeypatch.setattr(p.target, "validate", validate_while_gc_runs)
+    assert validate_staged(p, store).passed
+    monkeypatch.undo()
+    assert store.read_json(staging_key(p.build_id))["state"] == "validated"  # the refresh never put back "staged"
+    # a gc that took the blobs anyway (a lease that ran out: a validation elsewhere that never refreshed it)
+    files = store.read_json(staging_key(p.build_id))["manifest"]["files"]
+    store.delete(blob_key(files[0]["sha256"]))
+    with pytest.raises(StoreError, match=r"lost 1 blob\(s\) before publishing .* nothing was published"):
+        publish_staged(p, store, tconfig)
+    assert _visible(store.root) == []  # no manifest, no ref, no candidate
+
+
+def test_gc_takes_a_dead_builders_record_only_after_the_lease(tiny_llama, tconfig, tmp_path):
+    import os
+    import time
+
+    from pipelines import staging_lease
+    from pipelines.inventory import gc
+    from pipelines.store import staging_key
+
+    store = open_store(str(tmp_path / "store"))
+    p = plan(str(tiny_llama), "gguf-f16", tconfig, "test-org/gc-lease")
+    stage(p, store)
+    record = store.root / staging_key(p.build_id)
+    assert gc(str(tmp_path / "store"), min_age_s=0)["staging"] == []  # within the lease whatever --min-age says
+    old = time.time() - staging_lease.LEASE_S - 60
+    os.utime(record, (old, old))
+    res = gc(str(tmp_path / "store"), min_age_s=0)
+    assert res["staging"] == [f"staging/{p.build_id}.json"] and len(res["blobs"]) == 1 and not record.exists()
