@@ -360,7 +360,6 @@ def test_auto_map_builds_when_reviewed_and_never_imports_its_code(tiny_llama, tm
 def test_gc_during_a_build_never_leaves_a_manifest_naming_a_gone_blob(tiny_llama, tconfig, tmp_path, monkeypatch):
     """Red team round two, item 6: `gc --min-age 0` between staging and publishing deleted the staged build's
     blobs, and the build then published a manifest naming them (exit 0)."""
-    import os
     import time
 
     from pipelines import staging_lease
