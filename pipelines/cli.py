@@ -58,7 +58,7 @@ def cmd_check(args) -> int:
         model_id, revision, commit = repo.model_id, repo.revision, repo.commit
         extra = {"bytes_fetched": repo.bytes_fetched, "repo_weights_bytes": repo.repo_bytes}
     else:
-        snap = fetch(args.source, args.model_id, hashed=False)  # headers only: a build hashes the weights
+        snap = fetch(args.source, args.model_id, hashed=False, weights_required=False)  # headers only
         compat = classify_snapshot(snap, config.recipes.values(), hardware=args.hardware, registry=config.registry,
                                    reviewed=config.reviewed(snap.model_id))
         model_id, revision, commit = snap.model_id, snap.revision, snap.commit
@@ -224,7 +224,7 @@ def cmd_qaic_compile(args) -> int:
 def cmd_pull(args) -> int:
     from .pull import pull
 
-    res = pull(args.model, args.target, Path(args.dest), recipe=args.recipe, tag=args.tag, store_uri=args.store,
+    res = pull(args.model, args.target, _dest(args.dest), recipe=args.recipe, tag=args.tag, store_uri=args.store,
                registry=args.registry, strict=args.strict, trusted=args.trusted_keys)
     for w in res.get("warnings", []):
         print(f"hive-aot: warning: {w}", file=sys.stderr)
@@ -253,10 +253,16 @@ def cmd_pull(args) -> int:
     return EXIT_OK
 
 
+def _dest(given: str) -> Path:
+    if not given.strip():  # Path("") is ".": a pull would replace the current directory's contents
+        raise HiveError("--dest is empty: name the directory to pull into (e.g. --dest /models/model)")
+    return Path(given)
+
+
 def cmd_serve(args) -> int:
     from .serve import serve
 
-    res = serve(args.model, args.target, Path(args.dest), extra_args=args.server_args, dry_run=args.dry_run,
+    res = serve(args.model, args.target, _dest(args.dest), extra_args=args.server_args, dry_run=args.dry_run,
                 allow_remote_code=args.allow_remote_code, recipe=args.recipe, tag=args.tag, store_uri=args.store,
                 registry=args.registry, strict=args.strict, trusted=args.trusted_keys)
     import shlex

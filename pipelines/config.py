@@ -20,11 +20,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
 from .errors import ConfigError, HiveError
+from .yaml_file import load_yaml
 from .paths import check_model_id
 from .store.layout import RECIPE_ID_RE  # one grammar for recipe ids here and in the store's keys
 from .targets import KINDS, Thresholds, target_class
@@ -200,22 +200,6 @@ def _format_validation_error(path: Path, err: ValidationError) -> str:
     return f"{path}: " + "; ".join(parts)
 
 
-def _load_yaml(path: Path) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: file not found") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
-    try:
-        # libyaml's safe loader when PyYAML has it: a tenth of the time, in every CLI process's registry and recipes
-        return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # noqa: S506 - safe loaders
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
-
-
 def packaged_defaults_dir() -> Path:
     """The registry.yaml and recipes/ built into the package (a real directory in every install)."""
     return Path(str(resources.files("pipelines.defaults")))
@@ -233,7 +217,7 @@ def registry_path(explicit: str | os.PathLike | None = None) -> Path | None:
 def _parse_registry(path: Path, how: str = "") -> Registry:
     if not path.is_file() and how:
         raise ConfigError(f"{path}: file not found (given by {how})")
-    data = _load_yaml(path)
+    data = load_yaml(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     try:
@@ -263,7 +247,7 @@ def recipes_dir(registry: Registry | None, reg_path: Path | None, explicit: str 
 
 
 def load_recipe_file(path: Path) -> Recipe:
-    data = _load_yaml(path)
+    data = load_yaml(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     try:

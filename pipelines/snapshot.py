@@ -137,8 +137,8 @@ def load_config(snap: Snapshot) -> dict[str, Any]:
         raise ModelFormatError(f"{snap.model_id}: config.json is missing")
     try:
         cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelFormatError(f"{snap.model_id}: config.json is not valid JSON ({e})") from None
+    except ValueError as e:  # not UTF-8, not JSON, or an integer beyond Python's 4300-digit conversion limit
+        raise ModelFormatError(f"{snap.model_id}: config.json is not valid JSON ({str(e)[:120]})") from None
     except RecursionError:
         raise ModelFormatError(f"{snap.model_id}: config.json is nested too deeply to be a model config") from None
     if not isinstance(cfg, dict):
@@ -150,8 +150,9 @@ def _matches(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def select_files(names: list[str], model: str) -> list[str]:
-    """The files a build needs; refuses unsafe names and pickle-only repos."""
+def select_files(names: list[str], model: str, weights_required: bool = True) -> list[str]:
+    """The files a build needs; refuses unsafe names and pickle-only repos. `weights_required=False` (check):
+    a config-only directory or repo is answered from its config, so only the lack of config.json refuses."""
     for n in names:
         safe_relpath(n, what=f"file name in {model}")
     wanted = sorted(n for n in names if _matches(n, WANTED_PATTERNS) and not _matches(n, EXCLUDED_PATTERNS))
@@ -162,7 +163,8 @@ def select_files(names: list[str], model: str) -> list[str]:
                 f"{model}: only pickle weights ({', '.join(pickles[:3])}); hive-aot never unpickles - "
                 "publish safetensors upstream"
             )
-        raise SourceError(f"{model}: no *.safetensors weights found")
+        if weights_required:
+            raise SourceError(f"{model}: no *.safetensors weights found")
     if "config.json" not in wanted and "model_index.json" not in wanted:
         raise ModelFormatError(f"{model}: config.json is missing")
     return wanted

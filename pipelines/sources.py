@@ -61,7 +61,7 @@ def _readme_license(root: Path) -> str | None:
 UNHASHED = "local-unhashed"  # the revision of a local snapshot looked at without hashing (plan, check)
 
 
-def fetch_local(spec: SourceSpec, model_id: str | None, hashed: bool = True) -> Snapshot:
+def fetch_local(spec: SourceSpec, model_id: str | None, hashed: bool = True, weights_required: bool = True) -> Snapshot:
     """A local directory as a snapshot. `hashed=False` reads names, sizes and what the digest cache knows, never
     the weights' bytes (plan and check read headers only); a build hashes them when it starts."""
     root = spec.path
@@ -76,7 +76,7 @@ def fetch_local(spec: SourceSpec, model_id: str | None, hashed: bool = True) -> 
             names.append(str(Path(dirpath, fn).relative_to(root)).replace(os.sep, "/"))
     mid = check_model_id(model_id or (hf_cache_model_id(hf_repo) if hf_repo else None) or f"local/{root.name}",
                          hint="; give --model-id org/name")
-    wanted = select_files(names, mid)
+    wanted = select_files(names, mid, weights_required)
     for n in wanted:
         confined(root, n, hf_repo)  # symlinks must stay inside the directory (or its HF cache repo tree)
     check_index(root, wanted, mid)
@@ -267,7 +267,8 @@ def resolve_revision(source: str, model_id: str | None = None) -> str:
     return info.sha
 
 
-def fetch(source: str, model_id: str | None = None, hashed: bool = True) -> Snapshot:
-    """`hashed=False` (plan, check): a local directory's weights are not read (see fetch_local)."""
+def fetch(source: str, model_id: str | None = None, hashed: bool = True, weights_required: bool = True) -> Snapshot:
+    """`hashed=False` (plan, check): a local directory's weights are not read (see fetch_local);
+    `weights_required=False` (check): a local directory with config.json but no weights is a snapshot too."""
     spec = parse_source(source)
-    return fetch_hf(spec, model_id) if spec.kind == "hf" else fetch_local(spec, model_id, hashed=hashed)
+    return fetch_hf(spec, model_id) if spec.kind == "hf" else fetch_local(spec, model_id, hashed=hashed, weights_required=weights_required)

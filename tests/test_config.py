@@ -345,7 +345,7 @@ def test_missing_registry_names_where_it_came_from(tmp_path, monkeypatch):
 
 
 def test_libyaml_reads_every_shipped_file_as_the_pure_python_loader_does():
-    """config._load_yaml uses PyYAML's libyaml loader (a tenth of the time in every CLI process): the same
+    """yaml_file.load_yaml uses PyYAML's libyaml loader (a tenth of the time in every CLI process): the same
     documents as yaml.safe_load for the registry and every recipe."""
     assert yaml.__with_libyaml__
     files = [REPO / "registry.yaml", *sorted((REPO / "recipes").glob("*.yaml"))]
@@ -353,3 +353,25 @@ def test_libyaml_reads_every_shipped_file_as_the_pure_python_loader_does():
     for path in files:
         text = path.read_text(encoding="utf-8")
         assert yaml.load(text, Loader=yaml.CSafeLoader) == yaml.safe_load(text), path.name
+
+
+@pytest.mark.parametrize("special", ["dev-zero", "fifo", "not-utf8", "directory"])
+def test_a_recipe_that_is_no_regular_utf8_file_is_one_line(special, tmp_path):
+    """Red team round two, item 12: a recipe symlinked to /dev/zero grew without bound, a FIFO in recipes/ hung,
+    a non-UTF-8 recipe was a traceback."""
+    import os
+
+    d = _recipes_copy(tmp_path)
+    p = d / "zz-hostile.yaml"
+    if special == "dev-zero":
+        p.symlink_to("/dev/zero")
+    elif special == "fifo":
+        os.mkfifo(p)
+    elif special == "directory":
+        p.mkdir()
+    else:
+        p.write_bytes(b"id: gguf-\xff\n")
+    with pytest.raises(ConfigError) as ei:
+        Config.load(write_registry(tmp_path, REPO, recipes_dir=d, models=[]))
+    msg = str(ei.value)
+    assert msg.startswith(str(p)) and "\n" not in msg, msg

@@ -289,6 +289,10 @@ MODEL_DIRS: dict[str, tuple[Callable[[Path], None], int, int, str]] = {
     "config-not-json": (_raw_config("{architectures: llama"), 5, 1, "config.json is not valid JSON"),
     "config-a-list": (_raw_config("[1, 2, 3]"), 5, 1, "config.json is not a JSON object"),
     "config-missing": (_remove("config.json"), 1, 1, "config.json is missing"),
+    # red team round two, item 12: a 5000-digit integer was a traceback (Python's int conversion limit)
+    "config-5000-digits": (_raw_config('{"architectures": ["LlamaForCausalLM"], "hidden_size": ' + "1" * 5000 + "}"),
+                           5, 1, "config.json is not valid JSON (Exceeds the limit"),
+    "config-4000-digits": (_cfg(hidden_size=int("1" * 4000)), 5, 1, "hidden_size=1111111111111111... (4000 characters)"),
     "remote-code": (_cfg(auto_map={"AutoModelForCausalLM": "modeling_x.XForCausalLM"}), 4, 1, "requires review"),
     "nan-embedding-row": (_poison("model.embed_tokens.weight", float("nan")), 0, 1,
                           "tensor model.embed_tokens.weight has 1 non-finite value(s)"),
@@ -331,3 +335,26 @@ def test_hostile_model_directory(case, command, published, cli, tmp_path):
     assert r.rc == build_rc and fragment in r.error_line()
     assert not (store / "manifests").exists() and not (store / "refs").exists()
     assert not (store / "staging").exists() or not any((store / "staging").iterdir())
+
+
+def test_a_config_only_directory_is_answered_by_check_with_the_weights_failing(published, cli, tmp_path):
+    """Item 15: a platform asks "will this run?" before downloading weights; check refused a directory holding
+    only config.json ("no *.safetensors weights found"). The build still refuses it."""
+    d = tmp_path / "config-only"
+    d.mkdir()
+    shutil.copyfile(published["model"] / "config.json", d / "config.json")
+    r = cli("check", str(d), "--model-id", "test-org/config-only", "--hardware", "cpu", "--json")
+    assert r.rc == 0, r.err
+    doc = json.loads(r.out)
+    assert doc["status"] == "compatible" and doc["runtime_profile_id"] == "llm-llamacpp-cpu"
+    weights = [c for c in doc["checks"] if c["name"] == "weights"]
+    assert weights and weights[0]["status"] == "fail" and "config only" in weights[0]["detail"]
+    r = cli("build", str(d), "--recipe", "gguf-f16", "--model-id", "test-org/config-only", "--store",
+            str(tmp_path / "store"), "--registry", str(published["registry"]))
+    assert r.rc == 1 and "no *.safetensors weights found" in r.error_line()
+
+
+def test_pull_into_an_empty_dest_is_refused(published, cli, tmp_path):
+    """Item 25: `pull --dest ""` wrote into the current directory."""
+    r = cli("pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", "", "--store", str(published["store"]))
+    assert r.rc == 1 and "--dest is empty" in r.error_line()

@@ -132,6 +132,11 @@ def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _shown(v: Any) -> str:
+    r = repr(v)  # a 4000-digit size from a hostile config.json is named, not printed
+    return r if len(r) <= 40 else f"{r[:16]}... ({len(r)} characters)"
+
+
 def _sanity(cfg: dict[str, Any]) -> list[str]:
     """What makes a (text) config unreadable or dangerous for an engine: sizes, float ranges, shapes of fields."""
     problems = []
@@ -141,25 +146,25 @@ def _sanity(cfg: dict[str, Any]) -> list[str]:
             continue
         v = text_cfg[key]
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v > bound:
-            problems.append(f"{key}={v!r} is not plausible")
+            problems.append(f"{key}={_shown(v)} is not plausible")
     for key in EPS_KEYS:
         v = text_cfg.get(key)
         if v is not None and not (_number(v) and 0 < v < 1):
-            problems.append(f"{key}={v!r} is not plausible (must be a number in (0, 1))")
+            problems.append(f"{key}={_shown(v)} is not plausible (must be a number in (0, 1))")
     rope = {}
     for key in ROPE_KEYS:
         v = text_cfg.get(key)
         if v is not None and not isinstance(v, dict):
-            problems.append(f"{key}={v!r} is not plausible (must be an object)")
+            problems.append(f"{key}={_shown(v)} is not plausible (must be an object)")
         elif v:
             rope.update(v)
     for key, v in (("rope_theta", text_cfg.get("rope_theta")), ("rope_theta", rope.get("rope_theta")),
                    ("rope scaling factor", rope.get("factor"))):
         if v is not None and not (_number(v) and math.isfinite(v) and v > 0):
-            problems.append(f"{key}={v!r} is not plausible (must be a finite number > 0)")
+            problems.append(f"{key}={_shown(v)} is not plausible (must be a finite number > 0)")
     sw = text_cfg.get("sliding_window")
     if sw is not None and (not isinstance(sw, int) or isinstance(sw, bool) or not 0 < sw <= PLAUSIBLE["max_position_embeddings"]):
-        problems.append(f"sliding_window={sw!r} is not plausible (must be a positive integer or null)")
+        problems.append(f"sliding_window={_shown(sw)} is not plausible (must be a positive integer or null)")
     if problems:
         return problems
     h, n, kv = text_cfg.get("hidden_size"), text_cfg.get("num_attention_heads"), text_cfg.get("num_key_value_heads")
@@ -508,5 +513,9 @@ def classify_snapshot(snap: "Snapshot", recipes: Iterable["Recipe"] = (), hardwa
     if files:
         with TensorSource(files) as src:
             weights = WeightsSummary.from_source(src)
-    return classify(cfg, weights=weights, files=[f.path for f in snap.files], hardware=hardware, recipes=list(recipes),
-                    registry=registry, reviewed=reviewed, config_error=err)
+    compat = classify(cfg, weights=weights, files=[f.path for f in snap.files], hardware=hardware,
+                      recipes=list(recipes), registry=registry, reviewed=reviewed, config_error=err)
+    if not files and cfg is not None and "_diffusers_pipeline" not in cfg:  # asked before downloading weights
+        compat.checks.append(Check(name="weights", status="fail", detail="no *.safetensors weights here (config "
+                                   "only): routing is from config.json; the weights' checks need the weights"))
+    return compat

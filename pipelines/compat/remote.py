@@ -108,7 +108,7 @@ def inspect_remote(spec: SourceSpec) -> RemoteRepo:
     repo = spec.repo_id
     info = fetch_hf_info(HfApi(), spec)
     names = [s.rfilename for s in (info.siblings or [])]
-    wanted = select_files(names, repo)  # the same refusals as a full fetch: unsafe names, pickle-only
+    wanted = select_files(names, repo, weights_required=False)  # a full fetch's refusals but a config-only repo
     out = RemoteRepo(model_id=repo, revision=spec.revision or "main", commit=info.sha, files=sorted(names),
                      config=None, config_error=None, license=hf_license(info), gated=info.gated or False)
     f = _Fetcher(repo, info.sha)
