@@ -117,6 +117,11 @@ def cmd_registry(args) -> int:
     return EXIT_OK
 
 
+def _num(value: Any, spec: str) -> str:
+    """A metric for a summary line; one a broken artifact left unmeasured (None, NaN) reads as such."""
+    return format(value, spec) if isinstance(value, (int, float)) and value == value else f"{value} (not measured)"
+
+
 def cmd_build(args) -> int:
     from .build import build_and_publish
     from .config import Config
@@ -125,22 +130,24 @@ def cmd_build(args) -> int:
     res = build_and_publish(args.source, args.recipe, config, args.store, args.model_id)
     v = res.validation or {}
     met = v.get("metrics", {})
-    score = f" top-1 {met['top1_agreement']:.4f}, KL {met['mean_kl']:.5f}" if "top1_agreement" in met else ""
+    score = (f" top-1 {_num(met.get('top1_agreement'), '.4f')}, KL {_num(met.get('mean_kl'), '.5f')}"
+             if "top1_agreement" in met else "")
     if met.get("vllm_loaded"):
-        score += (f"; in vLLM: top-1 {met['vllm_top1_agreement']:.4f} vs transformers, "
+        score += (f"; in vLLM: top-1 {_num(met.get('vllm_top1_agreement'), '.4f')} vs transformers, "
                   f"greedy {met['vllm_greedy_tokens_matched']} tokens")
     elif "vllm_loaded" in met:
         score += f"; vLLM load not checked here: {v.get('vllm', {}).get('reason', '')}"
     if "predicted_kl" in met:
         q = v.get("mxfp6") or v.get("fp16") or {}
-        score += (f" predicted on the device ({', '.join(q.get('emulated', []))}): top-1 {met['predicted_top1']:.4f}, "
-                  f"KL {met['predicted_kl']:.5f}, perplexity {met['predicted_ppl_delta']:+.2%}")
+        score += (f" predicted on the device ({', '.join(q.get('emulated', []))}): "
+                  f"top-1 {_num(met.get('predicted_top1'), '.4f')}, "
+                  f"KL {_num(met.get('predicted_kl'), '.5f')}, perplexity {_num(met.get('predicted_ppl_delta'), '+.2%')}")
     if "ort_max_abs_delta" in met:
-        score += (f" onnxruntime: max |delta| {met['ort_max_abs_delta']:.2e}"
-                  + (f", top-1 {met['ort_top1_agreement']:.4f}" if "ort_top1_agreement" in met else "")
-                  + (f", cosine {met['ort_min_cosine']:.6f}" if "ort_min_cosine" in met else ""))
+        score += (f" onnxruntime: max |delta| {_num(met.get('ort_max_abs_delta'), '.2e')}"
+                  + (f", top-1 {_num(met.get('ort_top1_agreement'), '.4f')}" if "ort_top1_agreement" in met else "")
+                  + (f", cosine {_num(met.get('ort_min_cosine'), '.6f')}" if "ort_min_cosine" in met else ""))
     if "predicted_cosine" in met:
-        score += f" predicted on the device: embedding cosine {met['predicted_cosine']:.5f}"
+        score += f" predicted on the device: embedding cosine {_num(met.get('predicted_cosine'), '.5f')}"
     size = sum(f["size"] for f in res.files)
     if res.state == "rejected":
         why = "; ".join(v.get("failures", [])) or res.reason or ""

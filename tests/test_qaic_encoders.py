@@ -280,3 +280,17 @@ def test_the_seed_architectures_are_the_supported_set(tmp_path):
     for arch in expected:
         (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch]}))
         assert architecture(tmp_path) == arch
+
+
+def test_an_encoder_with_a_nan_weight_is_refused_before_export(tmp_path):
+    """Red team round two, item 3: an encoder is exported by torch from loaded weights, so nothing looked at them."""
+    from factories import poison_weights
+    from pipelines.errors import ModelFormatError
+    from pipelines.sources import fetch
+    from pipelines.targets.qaic import _refuse_bad_source
+
+    model_dir = make_encoder(tmp_path / "bert", "BertModel", seed=5)
+    poison_weights(model_dir, "embeddings.word_embeddings.weight", float("nan"))
+    snap = fetch(str(model_dir), "test-org/nan-bert", hashed=False)
+    with pytest.raises(ModelFormatError, match="tensor embeddings.word_embeddings.weight holds NaN/Inf"):
+        _refuse_bad_source(snap, snap.config())

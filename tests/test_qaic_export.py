@@ -212,3 +212,70 @@ def test_a_slice_graph_reads_the_same_external_data_and_equals_the_reference_of_
     assert sliced["tokens"] != whole["tokens"]  # two layers are not four: the slice is its own function
     with pytest.raises(ValueError, match="beside the export"):
         slice_graph(model_dir, out, 2, tmp_path / "elsewhere.onnx")
+
+
+def _int8_tensor(d: Path) -> None:
+    from factories import rewrite_safetensors
+
+    rewrite_safetensors(d, lambda t: t.update({"model.layers.0.mlp.up_proj.weight":
+                                               t["model.layers.0.mlp.up_proj.weight"].astype("int8")}))
+
+
+def _stray_tensor(d: Path) -> None:
+    from factories import rewrite_safetensors
+    import numpy as np
+
+    rewrite_safetensors(d, lambda t: t.update({"model.layers.0.mlp.extra_proj.weight": np.ones((4, 4), np.float32)}))
+
+
+def _index_names_absent(d: Path) -> None:
+    import json
+
+    from pipelines.safetensors_io import SafetensorsFile
+
+    with SafetensorsFile(d / "model.safetensors") as f:
+        names = list(f.header.tensors)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        **{n: "model.safetensors" for n in names}, "model.layers.9.mlp.up_proj.weight": "model.safetensors"}}))
+
+
+def _nan(d: Path) -> None:
+    from factories import poison_weights
+
+    poison_weights(d, "model.layers.1.self_attn.v_proj.weight", float("inf"))
+
+
+# Red team round two, item 3: qaic-export published all four; the vLLM targets refuse them.
+BAD_SOURCES = {"int8 without a quantization config": (_int8_tensor, "is stored as I8 but config.json declares no quantization"),
+               "a stray tensor": (_stray_tensor, "tensor(s) the model has no parameter for: model.layers.0.mlp.extra_proj"),
+               "an index naming an absent tensor": (_index_names_absent, "names tensor(s) no shard holds"),
+               "an Inf weight": (_nan, "layers.1.self_attn.v_proj.weight holds NaN/Inf")}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SOURCES))
+def test_qaic_export_refuses_what_the_vllm_targets_refuse(case, tiny_llama, tmp_path):
+    from factories import copy_model, write_test_config
+    from pipelines.build import build_and_publish
+    from pipelines.config import Config
+    from pipelines.errors import ModelFormatError
+
+    breaker, message = BAD_SOURCES[case]
+    d = copy_model(tiny_llama, tmp_path / "model")
+    breaker(d)
+    config = Config.load(write_test_config(tmp_path / "cfg", Path.cwd()))
+    with pytest.raises(ModelFormatError) as ei:
+        build_and_publish(str(d), "qaic-export", config, str(tmp_path / "store"), "test-org/bad-export")
+    assert message in str(ei.value) and "\n" not in str(ei.value), ei.value
+    assert not (tmp_path / "store" / "manifests").exists()
+
+
+def test_a_metric_that_is_not_finite_fails_its_gate():
+    """NaN passes every comparison: an ort_max_abs_delta of NaN (an export with an Inf weight) passed the max gate."""
+    from pipelines.targets import check_thresholds
+    from pipelines.targets.qaic import ExportThresholds
+
+    gates = ExportThresholds(max_ort_abs_delta=0.5)
+    says = "onnxruntime max |delta| (logits, hidden states, embeddings) is not finite (nan)"
+    assert says in check_thresholds({"ort_max_abs_delta": float("nan")}, gates)
+    assert says.replace("nan", "inf") in check_thresholds({"ort_max_abs_delta": float("inf")}, gates)
+    assert not any("max |delta|" in f for f in check_thresholds({"ort_max_abs_delta": 0.1}, gates))

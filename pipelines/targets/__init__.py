@@ -78,6 +78,9 @@ def check_thresholds(metrics: dict[str, Any], thresholds: Thresholds) -> list[st
         value = metrics.get(metric)
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             failures.append(f"{label} was not measured")
+            continue
+        if value != value or value in (float("inf"), float("-inf")):  # NaN passes every comparison
+            failures.append(f"{label} is not finite ({value})")
         elif name.startswith("min_") and value < limit:
             failures.append(f"{label} {value:{fmt}} < {limit}")
         elif name.startswith("max_") and value > limit:

@@ -116,6 +116,19 @@ def encoder_batches(tok, config: dict[str, Any]) -> list[list[list[int]]]:
     return [ids[:1], ids[1:4]]
 
 
+def _refuse_bad_source(snap, config: dict[str, Any]) -> None:
+    """What the vLLM target refuses too (source_checks.py). A decoder's NaN/Inf are refused as its weights
+    stream into the ONNX data file, and its stray tensors where its weight rules are made (export.py)."""
+    from ...safetensors_io import TensorSource
+    from ...source_checks import refuse_index_mismatch, refuse_non_finite, refuse_quantized_without_config
+
+    with TensorSource(snap.safetensors_files()) as src:
+        refuse_quantized_without_config(src, config)
+        refuse_index_mismatch(snap.dir, src)
+        if is_encoder(config):  # exported by torch from loaded weights: nothing else would look at them
+            refuse_non_finite(src)
+
+
 class QaicExportTarget:
     kind = "qaic-export"
     format_version = EXPORT_FORMAT_VERSION
@@ -159,6 +172,7 @@ class QaicExportTarget:
         from .export import export
 
         snap = ctx.snapshot
+        _refuse_bad_source(snap, ctx.config)
         if is_encoder(ctx.config):
             from .encoders import export_encoder
 

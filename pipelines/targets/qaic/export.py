@@ -83,11 +83,14 @@ def placeholder_model(model_dir: Path, layers: int | None = None):
     import torch
 
     from ...safetensors_io import TensorSource
+    from ...source_checks import refuse_unused_tensors
     from ...streamed_model import meta_model, return_freed_memory
 
     return_freed_memory()  # large allocations are fresh mmaps: calloc leaves them untouched
     source = TensorSource(sorted(Path(model_dir).glob("*.safetensors")))
     model, rules = meta_model(Path(model_dir), set(source.names()), layers)
+    if layers is None:  # the whole model: every checkpoint tensor must have found its parameter
+        refuse_unused_tensors(source.names(), (s for rule in rules.values() for s in rule.sources))
     real: dict[int, Any] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):

@@ -20,6 +20,7 @@ import numpy as np
 
 from ...errors import ModelFormatError
 from ...safetensors_io import TensorSource, to_float32
+from ...source_checks import FLOAT_DTYPES, refuse_quantized_without_config
 
 # Besides the weights, the files vLLM (and transformers) read from a model directory; licence and
 # model card travel with the weights. Pickles, original/, consolidated* and params.json never do
@@ -30,11 +31,7 @@ CARRIED_FILES = (
     "chat_template.json", "README.md", "LICENSE", "LICENSE.txt",
 )
 INDEX = "model.safetensors.index.json"
-FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 KEPT_DTYPES = {"I64", "I32", "I16", "BOOL"}  # buffers (position ids, masks): carried as stored
-# Packed or 8-bit forms only make sense with a quantization_config, which the compatibility check
-# already refuses for this target: without one nobody can tell how to dequantize them.
-QUANTIZED_DTYPES = {"I8", "U8", "F8_E4M3", "F8_E5M2", "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "U16", "U32", "U64"}
 BF16_MAX = 3.3895313892515355e38
 ALIGN = 8  # safetensors pads its header so the data section starts 8-byte aligned
 CHUNK_BYTES = 64 << 20  # float32 bytes of rows converted at a time (plan.PREPARE_CHUNK_BYTES)
@@ -106,11 +103,8 @@ def tensor_order(src: TensorSource) -> list[str]:
 
 
 def check_dtypes(src: TensorSource) -> None:
-    for name in src.names():
-        dt = src.info(name).dtype
-        if dt in QUANTIZED_DTYPES:
-            raise ModelFormatError(f"tensor {name} is stored as {dt} but config.json declares no quantization: "
-                                   "cannot tell how to dequantize it (mixed-precision checkpoint)")
+    """The compatibility check already refuses quantization configs for this target: no 8-bit or packed tensor."""
+    refuse_quantized_without_config(src, {})
 
 
 def bf16_tensor(src: TensorSource, name: str) -> OutTensor:
