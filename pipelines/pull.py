@@ -147,13 +147,26 @@ def profiles_report(model: str, *, tag: str = "latest", store_uri: str | None = 
             "auto": {"found": detected.describe(), "profile": auto_profile, "why": why}}
 
 
-def _refuse_bundle_only(store: Store, model_id: str, profile_id: str, recipe: str | None, tag: str,
+def _finishes_as(c: Candidate) -> str | None:
+    """The format a bundle's recipe finishes as (its target's artifact format), None when unknown here."""
+    from .targets import target_class
+
+    try:
+        return target_class(c.manifest.recipe.kind).artifact_format(c.manifest.recipe.options)
+    except Exception:  # noqa: BLE001 - a kind this install does not know
+        return None
+
+
+def _refuse_bundle_only(store: Store, model_id: str, profile: dict[str, Any], recipe: str | None, tag: str,
                         build_id: str | None, cands: list[Candidate]) -> None:
     """Where only an export bundle (a compile still pending) is published for what was asked, say so in one
-    line naming it: a bundle is never handed to a server."""
+    line naming it: a bundle is never handed to a server. Only a bundle whose finished form the profile loads
+    counts: for any other profile, nothing is published (and the caller lists what is)."""
+    profile_id = profile.get("id")
     bundles = [c for c in cands if c.manifest.build.get("state") == "compile_pending"] if build_id else \
         candidates(store, model_id, BUNDLE_TAG_PREFIX + tag, None)
-    bundles = [c for c in bundles if recipe is None or c.recipe == recipe]
+    loads = profile.get("loads")
+    bundles = [c for c in bundles if (recipe is None or c.recipe == recipe) and (not loads or _finishes_as(c) in loads)]
     if not bundles:
         return
     b = bundles[0]
@@ -273,14 +286,14 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
         profile_id = target
     if profiles and profile_id not in profiles:
         raise HiveError(f"unknown runtime profile {profile_id!r} (known: {', '.join(sorted(profiles))})")
+    profile = profiles.get(profile_id, {"id": profile_id})
     if not cands and not build_id:
-        _refuse_bundle_only(store, model_id, profile_id, recipe, tag, build_id, cands)
+        _refuse_bundle_only(store, model_id, profile, recipe, tag, build_id, cands)
     if not cands:
         what = f"build {build_id}" if build_id else f"tag {tag!r}"
         raise HiveError(f"{model_id}: nothing published with {what} in {store.uri}")
-    profile = profiles.get(profile_id, {"id": profile_id})
     if not any(profile_id in c.manifest.runtime_profiles and (recipe is None or c.recipe == recipe) for c in cands):
-        _refuse_bundle_only(store, model_id, profile_id, recipe, tag, build_id, cands)
+        _refuse_bundle_only(store, model_id, profile, recipe, tag, build_id, cands)
     chosen = choose(cands, profile_id, recipe, profile.get("recipe_preference", []))
     m = chosen.manifest
     for f in m.files:

@@ -155,6 +155,16 @@ def test_pull_refuses_a_bundle_naming_its_build(pending, tmp_path):
     assert "only an export bundle" in one_error_line(by_id)
 
 
+def test_pull_for_a_profile_no_bundle_serves_says_what_is_published(pending, tmp_path):
+    """Red team round two, item 16: `pull --target transformers-cu121` of a model whose only artifacts are an AI 100
+    export and bundle said the bundle must be compiled; no compile would give that profile anything."""
+    proc = hive("pull", MODEL, "--target", "transformers-cu121", "--dest", str(tmp_path / "m"), "--store",
+                str(pending["store"]), "--registry", str(pending["reg"]))
+    line = one_error_line(proc)
+    assert proc.returncode == 1 and "only an export bundle" not in line and "qaic-compile" not in line, line
+    assert "no published artifact serves transformers-cu121 (published: qaic-export" in line, line
+
+
 def test_rebuilding_reuses_every_step_by_build_id(pending):
     proc = hive("build", str(pending["model"]), "--model-id", MODEL, "--recipe", "qaic-tiny", "--registry",
                 str(pending["reg"]), "--store", str(pending["store"]), "--json", env=pending["env"])
