@@ -264,9 +264,10 @@ def engine_check(m: Manifest) -> list[dict[str, Any]]:
 
 def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag: str = "latest",
          store_uri: str | None = None, registry: str | None = None, strict: bool = False,
-         trusted: str | None = None) -> dict[str, Any]:
+         trusted: str | None = None, fetch: bool = True) -> dict[str, Any]:
     """`trusted`: public key files (comma-separated; default $HIVE_AOT_TRUSTED_KEYS) whose signature the
-    manifest must carry (signing.py); none: no signature is required."""
+    manifest must carry (signing.py); none: no signature is required. `fetch=False` (serve --dry-run): the
+    same choice and checks of the manifest, and what DIR would hold, without downloading or writing it."""
     store = open_store(store_uri)
     model_id, build_id = parse_model(model)
     store.check_exists()
@@ -322,6 +323,10 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
     marker_doc = {"model_id": model_id, "build_id": m.build_id, "recipe": chosen.recipe, "runtime_profile": profile,
                   "serving": {**profile.get("serving", {}), **m.serving_for(profile_id)},
                   "manifest": m.model_dump(mode="json")}
+    if not fetch:
+        return {**serving_summary(marker_doc, dest, m, signed=signed_by is not None), "fetched": False,
+                "already_present": _present(dest, m), "auto_target": auto, "engines": engines, "warnings": warnings,
+                "signed_by": signed_by}
     # Held from the "already present" check to the swap: a second pull of DIR waits, then finds it complete.
     with _dest_lock(dest):
         if _present(dest, m):

@@ -22,12 +22,13 @@ from .errors import HiveError
 
 def serve(model: str, target: str, dest: Path, *, extra_args: Sequence[str] = (), dry_run: bool = False,
           allow_remote_code: bool = False, **pull_options: Any) -> dict[str, Any]:
-    """Pull, then exec the server (never returns unless `dry_run`, which returns what it would run). Only
+    """Pull, then exec the server (never returns unless `dry_run`, which returns what it would run, having
+    checked the manifest but downloaded nothing). Only
     what serve_policy allows runs: the kind's own server, its own arguments and environment."""
     from .pull import pull
     from .serve_policy import ServeRefused, check
 
-    res = pull(model, target, dest, **pull_options)
+    res = pull(model, target, dest, fetch=not dry_run, **pull_options)  # a dry run downloads nothing
     if not res.get("serve_argv") and not res.get("serve_refused"):
         raise HiveError(f"{res['model_id']} {res['recipe']}: its manifest has no serve command for "
                         f"{res['runtime_profile']}")

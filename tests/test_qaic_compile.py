@@ -360,6 +360,21 @@ def test_dagster_wires_the_export_into_the_compile_and_shows_the_prediction(pend
     assert md["predicted_top1"].value == recorded["top1"] and md["predicted_kl"].value == recorded["kl"]
     assert md["mxfp6"].value["ppl_delta"] == recorded["ppl_delta"]
     assert evals["artifact/qaic-export"].metadata["ort_top1_agreement"].value == 1.0
+    # Red team round two, item 17: the command the UI shows for a pending bundle pinned the bundle's build id, so it
+    # could never serve. It names the recipe: once a compile is published, it resolves to the QPC.
+    import shlex
+
+    command = mats["published/qaic-tiny"]["serving_command"].value.replace("/models", str(tmp_path / "models"))
+    sdk = make_sdk(tmp_path / "sdk", "1.22.0")
+    compiled = hive("qaic-compile", MODEL, "--registry", str(reg), "--store", str(store), "--json",
+                    env={"HIVE_AOT_QAIC_SDK": str(sdk)})
+    assert compiled.returncode == 0, compiled.stderr
+    served = hive(*shlex.split(command)[1:], "--registry", str(reg), "--dry-run", "--json")
+    assert served.returncode == 0, served.stderr
+    plan = doc(served)
+    assert plan["build_id"] == doc(compiled)[0]["build_id"] and plan["exec"][:2] == ["vllm", "serve"]
+    assert plan["exec_env"]["VLLM_QAIC_QPC_PATH"].endswith("/models/qpc")
+    assert not (tmp_path / "models").exists()  # a dry run downloads and writes nothing
 
 
 def test_an_architecture_outside_the_ai100_matrix_is_refused_in_one_line(tiny_llama, tmp_path):

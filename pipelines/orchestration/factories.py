@@ -174,7 +174,8 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
               deps=[published_key(recipe.input)] if recipe.input else None,
               partitions_def=models_partitions, group_name="artifacts", code_version=recipe.digest[:16],
               pool=build_pool, kinds={recipe.kind.split("-")[0]}, output_required=False,
-              description=f"{rid}: built and staged, not yet visible to pull. {recipe.description}".strip())
+              description=f"{rid}: the candidate built, uploaded and staged; pull sees it once published/{rid} has "
+                          f"run. {recipe.description}".strip())
     def artifact(context: dg.AssetExecutionContext, hive: HiveResource, snapshot: dict, compatibility: dict):
         model_id = context.partition_key
         if rid not in hive.config().requested_recipes(hive.model(model_id)):
@@ -253,15 +254,23 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
             "state": "compile_pending" if pending else res.state, "published": res.state, "skipped": res.skipped,
             "build_id": res.build_id, "manifest": res.manifest, "format": str(res.format),
             "store_uri": hive.store_uri(), **_sizes(res.files),
-            # What a serving container runs for this build (pull, then exec the manifest's server).
-            "serving_command": f"hive-aot serve {artifact['model_id']}@{res.build_id} --target "
-                               f"{plan.recipe.runtime_profiles[0]} --dest /models --store {hive.store_uri()}",
+            # What a serving container runs for this build (pull, then exec the manifest's server). A pending
+            # bundle is never served: its compiled form gets another build id and the recipe's `latest` tag.
+            "serving_command": serving_command(artifact["model_id"], rid, None if pending else res.build_id,
+                                               plan.recipe.runtime_profiles[0], hive.store_uri()),
         }, data_version=dg.DataVersion(res.build_id[:16]))
 
     assets = [artifact, published]
     if recipe.kind == "qaic":
         assets.append(_compile_asset(recipe))
     return assets, [parity_check, integrity_check]
+
+
+def serving_command(model_id: str, recipe_id: str, build_id: str | None, profile: str, store_uri: str) -> str:
+    """`hive-aot serve` pinned to a build, or (build_id None: a bundle whose compile is pending) to the recipe's
+    `latest`, which names the compiled artifact once there is one."""
+    what = f"{model_id}@{build_id}" if build_id else f"{model_id} --recipe {recipe_id}"
+    return f"hive-aot serve {what} --target {profile} --dest /models --store {store_uri}"
 
 
 def _compile_asset(recipe: Recipe) -> dg.AssetsDefinition:
