@@ -407,3 +407,20 @@ def test_gc_takes_a_dead_builders_record_only_after_the_lease(tiny_llama, tconfi
     os.utime(record, (old, old))
     res = gc(str(tmp_path / "store"), min_age_s=0)
     assert res["staging"] == [f"staging/{p.build_id}.json"] and len(res["blobs"]) == 1 and not record.exists()
+
+
+def test_the_cpu_serve_command_uses_the_context_check_recommends(tiny_llama, tconfig, tmp_path):
+    """Red team round two, item 19: the CPU serve command capped llama-server at -c 4096 while
+    `check --hardware cpu` recommended 8192."""
+    from pipelines.compat.check import classify_snapshot
+    from pipelines.sources import fetch
+
+    d = copy_model(tiny_llama, tmp_path / "long")
+    edit_config(d, max_position_embeddings=32768)
+    res = build_and_publish(str(d), "gguf-f16", tconfig, str(tmp_path / "store"), "test-org/long-context")
+    serving = json.loads(Path(res.manifest.removeprefix("file:")).read_text())["serving"]["llm-llamacpp-cpu"]
+    snap = fetch(str(d), "test-org/long-context", hashed=False)
+    recommended = classify_snapshot(snap, tconfig.recipes.values(), hardware="cpu", registry=tconfig.registry)
+    n_ctx = recommended.estimated_requirements["recommended_config"]["max_model_len"]
+    assert n_ctx == 8192 and serving["n_ctx"] == n_ctx
+    assert serving["command"][serving["command"].index("-c") + 1] == str(n_ctx)

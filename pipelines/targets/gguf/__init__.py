@@ -191,10 +191,14 @@ class GgufTarget:
         return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details=details)
 
     def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]:
-        """llama-server for every profile of the recipe (the CPU tier): context capped at 4096 tokens."""
-        n_ctx = min(int(ctx.config.get("max_position_embeddings") or 4096), 4096)
+        """llama-server for every profile of the recipe (the CPU tier), with the context `check` recommends for
+        the profile's hardware (the model's window, at most 8192 tokens), so the two never disagree."""
+        from ...compat.hardware import hardware_for_vendor
+
         out = {}
         for prof in ctx.profiles():
+            rc = ctx.classify(hardware_for_vendor(prof.vendor)).estimated_requirements.get("recommended_config") or {}
+            n_ctx = int(rc.get("max_model_len") or min(int(ctx.config.get("max_position_embeddings") or 4096), 4096))
             threads = prof.serving.get("n_threads")
             cmd = ["llama-server", "-m", f"{MODEL_DIR}/{files[0]}", "-c", str(n_ctx)]
             if isinstance(threads, int):
