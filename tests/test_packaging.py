@@ -180,6 +180,16 @@ def test_base_install_pulls_and_names_the_missing_extra(wheel, outside, publishe
                  str(cwd / "m2"), "--store", str(published_store)], cwd=cwd, env=env)
     assert full.returncode == 0, full.stderr
     assert full.stdout.strip().splitlines()[-1] == "[]", full.stdout
+    # every command the README lists for the base install runs there (red team round two, item 14: `registry
+    # backends` needed the build extra)
+    store = str(published_store)
+    for args in (["registry", "backends", "--json"], ["profiles", MODEL, "--store", store, "--json"],
+                 ["ls", "--store", store, "--json"], ["gc", "--store", store, "--dry-run", "--json"],
+                 ["retire", MODEL, "--store", store, "--dry-run", "--json"],
+                 ["serve", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(cwd / "s"), "--store", store,
+                  "--dry-run", "--json"]):
+        proc = _run([str(hive), *args], cwd=cwd, env=env)
+        assert proc.returncode == 0 and json.loads(proc.stdout), (args, proc.stderr)
     for args, extra in ((["check", str(tiny_llama), "--model-id", MODEL], "build"),
                         (["build", str(tiny_llama), "--recipe", "gguf-f16", "--model-id", MODEL], "build"),
                         (["onboard"], "orchestrate")):

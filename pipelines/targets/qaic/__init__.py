@@ -145,7 +145,7 @@ class QaicExportTarget:
 
     @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]:
-        from .export import WEIGHT_DTYPES
+        from .plan import WEIGHT_DTYPES
 
         problems = [f"unknown option {k!r}" for k in options if k not in ("batch_index", "weight_dtype")]
         if not isinstance(options.get("batch_index", True), bool):

@@ -35,10 +35,10 @@ from ...errors import ModelFormatError
 from .decoder import build_decoder
 from .external_data import DataWriter, Weights, stored_dtype, stored_initializers
 from .families import FAMILY_SPECS, architecture, unsupported
+from .plan import WEIGHT_DTYPES
 
 OPSET = 17
 FAMILIES = set(FAMILY_SPECS)
-WEIGHT_DTYPES = ("float16", "float32")
 DATA_SUFFIX = ".data"
 
 __all__ = ["OPSET", "FAMILIES", "ExportReport", "export", "export_decoder", "slice_graph", "stored_dtype",

@@ -21,6 +21,8 @@ from ...memory import (ACTIVATION_COPIES, BASE_STEP, BASE_TORCH, BATCH_TOKENS, F
                        REFERENCE_UNIT_COPIES, SMALL_FILES, StepNeed, human_bytes, unit_text, whole_model)
 from ...slicing import MIN_LAYERS
 
+WEIGHT_DTYPES = ("float16", "float32")  # what the export stores weights as (option weight_dtype)
+
 if TYPE_CHECKING:
     from ...memory import ModelFacts, PlanEnv
 
