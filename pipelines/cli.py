@@ -232,7 +232,7 @@ def cmd_pull(args) -> int:
     from .pull import pull
 
     res = pull(args.model, args.target, _dest(args.dest), recipe=args.recipe, tag=args.tag, store_uri=args.store,
-               registry=args.registry, strict=args.strict, trusted=args.trusted_keys)
+               registry=args.registry, strict=args.strict, trusted=args.trusted_keys, allow_stand_in=args.allow_stand_in)
     for w in res.get("warnings", []):
         print(f"hive-aot: warning: {w}", file=sys.stderr)
     human = (f"{'already present' if res['already_present'] else 'pulled'} {res['model_id']} {res['recipe']} "
@@ -271,7 +271,7 @@ def cmd_serve(args) -> int:
 
     res = serve(args.model, args.target, _dest(args.dest), extra_args=args.server_args, dry_run=args.dry_run,
                 allow_remote_code=args.allow_remote_code, recipe=args.recipe, tag=args.tag, store_uri=args.store,
-                registry=args.registry, strict=args.strict, trusted=args.trusted_keys)
+                registry=args.registry, strict=args.strict, trusted=args.trusted_keys, allow_stand_in=args.allow_stand_in)
     import shlex
 
     env = "".join(f"{k}={shlex.quote(v)} " for k, v in sorted(res["exec_env"].items()))
@@ -408,6 +408,7 @@ def parser() -> argparse.ArgumentParser:
                     help="fail when this container's engine version differs from the one the artifact was validated with")
     sp.add_argument("--trusted-keys", help="Ed25519 public key PEM file(s), comma-separated: require the manifest to "
                                            "be signed by one (default: $HIVE_AOT_TRUSTED_KEYS)")
+    sp.add_argument("--allow-stand-in", action="store_true", help="accept an artifact a stand-in toolchain made (tests)")
     common(sp)
     sp.set_defaults(func=cmd_pull)
 
@@ -420,6 +421,7 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--tag", default="latest")
     sp.add_argument("--strict", action="store_true", help="refuse an engine version other than the validated one")
     sp.add_argument("--trusted-keys", help="Ed25519 public key PEM file(s): require a signed manifest")
+    sp.add_argument("--allow-stand-in", action="store_true", help="accept an artifact a stand-in toolchain made (tests)")
     sp.add_argument("--dry-run", action="store_true", help="pull, then print the command instead of running it")
     sp.add_argument("--allow-remote-code", action="store_true",
                     help="run --trust-remote-code servers from an unsigned manifest (a signed one needs no flag)")

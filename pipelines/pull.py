@@ -264,9 +264,10 @@ def engine_check(m: Manifest) -> list[dict[str, Any]]:
 
 def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag: str = "latest",
          store_uri: str | None = None, registry: str | None = None, strict: bool = False,
-         trusted: str | None = None, fetch: bool = True) -> dict[str, Any]:
+         trusted: str | None = None, fetch: bool = True, allow_stand_in: bool = False) -> dict[str, Any]:
     """`trusted`: public key files (comma-separated; default $HIVE_AOT_TRUSTED_KEYS) whose signature the
-    manifest must carry (signing.py); none: no signature is required. `fetch=False` (serve --dry-run): the
+    manifest must carry (signing.py); none: no signature is required. An artifact a stand-in made (manifest
+    `build.stand_in`: a test compiler's placeholder) is refused unless `allow_stand_in`. `fetch=False` (serve --dry-run): the
     same choice and checks of the manifest, and what DIR would hold, without downloading or writing it."""
     store = open_store(store_uri)
     model_id, build_id = parse_model(model)
@@ -299,6 +300,10 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
     m = chosen.manifest
     for f in m.files:
         safe_relpath(f.path, what="manifest file path")
+    if m.build.get("stand_in") and not allow_stand_in:
+        raise HiveError(f"{model_id} {chosen.recipe} (build {m.build_id[:12]}) was made by a stand-in, not the real "
+                        f"toolchain ({str(m.build['stand_in'])[:120]}): refusing to hand it to a server "
+                        f"(--allow-stand-in pulls it for tests)")
     keys = trusted_keys(trusted)
     if keys:  # tampering, not only damage: the manifest's exact bytes must carry a trusted signature
         mkey = manifest_key(model_id, chosen.recipe, m.build_id)

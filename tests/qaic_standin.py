@@ -18,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-LABEL = b"HIVE-AOT STAND-IN COMPILER OUTPUT: NOT A QPC\n"
+LABEL = b"HIVE-AOT STAND-IN COMPILER OUTPUT: NOT A QPC\n"  # starts with qpc.STAND_IN_MARK
 FLAGS = {"-aic-hw", "-retained-state", "-convert-to-fp16", "-mxfp6-matmul", "-aic-enable-depth-first", "-compile-only"}
 VALUED = {"-aic-hw-version", "-m", "-aic-num-cores", "-mos", "-ols", "-network-specialization-config",
           "-custom-IO-list-file", "-mdp-load-partition-config", "-aic-binary-dir"}

@@ -209,10 +209,17 @@ def test_standin_compile_publishes_a_qpc_bound_to_its_serving_arguments(pending,
     assert serving["engine_args"] == {"served_model_name": MODEL, "max_model_len": 128, "max_num_seqs": 4,
                                       "max_seq_len_to_capture": 32, "device_group": "0", "quantization": "mxfp6",
                                       "kv_cache_dtype": "mxint8"}
+    # Red team round two, item 23: a stand-in's placeholder was published as `latest` with no mark. It is marked,
+    # and pull refuses it unless the stand-in is asked for.
+    assert "stand-in" in m["build"]["stand_in"]
+    refused = hive("pull", MODEL, "--target", "vllm-qaic", "--dest", str(tmp_path / "no"), "--store", str(store),
+                   "--registry", str(pending["reg"]))
+    assert refused.returncode == 1 and "was made by a stand-in" in one_error_line(refused)
+    assert not (tmp_path / "no").exists()
     # pull hands out the QPC and prints exactly the serving arguments it was compiled for
     dest = tmp_path / "served"
     pulled = hive("pull", MODEL, "--target", "vllm-qaic", "--dest", str(dest), "--store", str(store),
-                  "--registry", str(pending["reg"]), "--json")
+                  "--registry", str(pending["reg"]), "--json", "--allow-stand-in")
     p = doc(pulled)
     assert pulled.returncode == 0 and p["recipe"] == "qaic-tiny" and p["build_id"] == res["build_id"]
     assert p["env"]["VLLM_QAIC_QPC_PATH"] == f"{dest}/qpc"
@@ -369,7 +376,7 @@ def test_dagster_wires_the_export_into_the_compile_and_shows_the_prediction(pend
     compiled = hive("qaic-compile", MODEL, "--registry", str(reg), "--store", str(store), "--json",
                     env={"HIVE_AOT_QAIC_SDK": str(sdk)})
     assert compiled.returncode == 0, compiled.stderr
-    served = hive(*shlex.split(command)[1:], "--registry", str(reg), "--dry-run", "--json")
+    served = hive(*shlex.split(command)[1:], "--registry", str(reg), "--dry-run", "--json", "--allow-stand-in")
     assert served.returncode == 0, served.stderr
     plan = doc(served)
     assert plan["build_id"] == doc(compiled)[0]["build_id"] and plan["exec"][:2] == ["vllm", "serve"]
@@ -442,7 +449,7 @@ def test_an_embedding_model_goes_through_export_bundle_and_standin_compile(smoll
     cmd = qpc["build"]["compile"]["command"]
     assert "-retained-state" not in cmd and not any(a.startswith("-custom-IO") for a in cmd) and "-mxfp6-matmul" in cmd
     pulled = doc(hive("pull", "test-org/tiny-bert", "--target", "vllm-qaic", "--dest", str(tmp_path / "served"),
-                      "--store", str(store), "--registry", str(reg), "--json"))
+                      "--store", str(store), "--registry", str(reg), "--json", "--allow-stand-in"))
     argv = pulled["serve_argv"]
     assert argv[argv.index("--task") + 1] == "embedding" and argv[argv.index("--max-num-seqs") + 1] == "4"
     assert argv[argv.index("--max-model-len") + 1] == "128" and "--max-seq-len-to-capture" not in argv

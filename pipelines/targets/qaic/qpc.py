@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 QPC_FORMAT_VERSION = 1
 BUNDLE_LATEST = BUNDLE_TAG_PREFIX + "latest"
 PROGRAM = "programqpc.bin"
+# What a stand-in compiler (tests, demos without the SDK) writes first in its program file. Its artifact is
+# marked in the manifest (`build.stand_in`), and pull refuses it unless told that a stand-in is wanted.
+STAND_IN_MARK = b"HIVE-AOT STAND-IN"
 SDK_FILE = f"{COMPILE_DIR}/sdk.json"
 COMPILE_TIMEOUT_S = float(os.environ.get("HIVE_AOT_QAIC_COMPILE_TIMEOUT", 6 * 3600))
 
@@ -111,6 +114,8 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
         program = art / QPC_DIR / PROGRAM
         if not program.is_file() or program.stat().st_size == 0:
             raise EngineFailed(f"{what}: the compiler exited 0 but wrote no {QPC_DIR}/{PROGRAM}; nothing was published")
+        with open(program, "rb") as f:
+            stand_in = f.read(len(STAND_IN_MARK)) == STAND_IN_MARK
         recorded = [str(sdk.compiler.name)] + argv[1:]
         (art / COMMAND_FILE).write_text(json.dumps({"argv": recorded, "sdk_version": sdk.version}, indent=1) + "\n")
         (art / SDK_FILE).write_text(json.dumps(qpc_toolchain(sdk), indent=1, sort_keys=True) + "\n")
@@ -138,7 +143,9 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
         files=entries, toolchain={**bundle.toolchain, **qpc_toolchain(sdk)},
         build={"input": {"recipe": recipe_id, "build_id": bundle.build_id, "format": BUNDLE_FORMAT},
                "export": bundle.build.get("input"), "compile": {"command": recorded, "sdk": qpc_toolchain(sdk)},
-               "state": "compiled"},
+               "state": "compiled",
+               **({"stand_in": f"compiled by a stand-in for {sdk.compiler.name}: not a QPC a device can load"}
+                  if stand_in else {})},
         validation=validation, serving=serving,
     )
     store.write_bytes(key, m.to_bytes())
