@@ -85,8 +85,29 @@ def test_cached_wheel_is_keyed_by_level_and_flags():
 
 def test_cpu_backend_build_enters_the_build_id():
     """Another compile of the same version (another CPU level) is another toolchain: build ids differ."""
-    from pipelines.hashing import sha256_file
+    from pipelines.elf_code import code_digest
     from pipelines.targets.gguf import GgufTarget
 
     (cpu,) = [p for p in _libraries() if p.name.startswith("libggml-cpu")]
-    assert GgufTarget().toolchain()["llama_cpp_cpu_backend"] == sha256_file(cpu)[:16]
+    assert GgufTarget().toolchain()["llama_cpp_cpu_backend"] == code_digest(cpu)[:16]
+
+
+def test_the_directory_pip_compiled_in_does_not_enter_the_build_id(tmp_path):
+    """Red team round two, item 24: libggml-cpu embeds the random directory pip compiled it in (llama.cpp's asserts
+    print __FILE__), so one build per factory host had its own build id. The same library with another random
+    directory (what a second compile of the same source at the same CPU level gives: fixed-length names, so
+    nothing else moves) has the same code digest; other code has another."""
+    import re
+
+    from pipelines.elf_code import code_digest
+    from pipelines.hashing import sha256_file
+
+    (cpu,) = [p for p in _libraries() if p.name.startswith("libggml-cpu")]
+    data = cpu.read_bytes()
+    pattern = rb"(/tmp/pip-[a-z]+-)[A-Za-z0-9_]{8}(/llama-cpp-python_)[0-9a-f]{32}"
+    assert re.search(pattern, data), "libggml-cpu no longer embeds pip's build directory: this test's premise is gone"
+    elsewhere = tmp_path / cpu.name
+    elsewhere.write_bytes(re.sub(pattern, rb"\g<1>aaaabbbb\g<2>" + b"c" * 32, data))
+    assert sha256_file(elsewhere) != sha256_file(cpu) and code_digest(elsewhere) == code_digest(cpu)
+    (base,) = [p for p in _libraries() if p.name.startswith("libggml-base")]
+    assert code_digest(base) != code_digest(cpu)

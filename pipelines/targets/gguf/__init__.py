@@ -13,7 +13,6 @@ from pydantic import Field
 
 from ... import meter
 from ...errors import HiveError
-from ...hashing import sha256_file
 from .. import (MODEL_DIR, BuildContext, BuiltArtifact, ServerProgram, Thresholds, ValidationReport, check_thresholds,
                 gate)
 
@@ -218,15 +217,18 @@ def split_bytes(options: dict[str, Any]) -> int:
 
 @lru_cache(maxsize=1)
 def llama_cpp_cpu_backend_digest() -> str:
-    """sha256 (16 hex) of the installed libggml-cpu: the same llama-cpp-python version compiled for another
-    CPU level runs other kernels, whose quantized outputs and validation metrics may differ, so it is a
-    different toolchain (else two hosts would publish different manifests under one build id).
-    Read from disk, not loaded: the parent process never runs native llama.cpp code."""
+    """sha256 (16 hex) of the installed libggml-cpu's machine code: the same llama-cpp-python version compiled
+    for another CPU level runs other kernels, whose quantized outputs and validation metrics may differ, so it
+    is a different toolchain (else two hosts would publish different manifests under one build id). Only the
+    code (elf_code.py): the file also holds the random directory pip compiled it in, which made every factory
+    host's build ids its own. Read from disk, not loaded: the parent process never runs native llama.cpp code."""
+    from ...elf_code import code_digest
+
     spec = find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
         return "absent"
     libs = sorted(Path(spec.submodule_search_locations[0], "lib").glob("libggml-cpu*.so*"))
-    return sha256_file(libs[0])[:16] if libs else "absent"
+    return code_digest(libs[0])[:16] if libs else "absent"
 
 
 def _float_dtypes(path: Path) -> set[str]:
