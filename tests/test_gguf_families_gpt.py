@@ -254,3 +254,25 @@ def test_unsupported_layout_is_refused(case, change, message, model, tmp_path):
         convert_only(d, tmp_path / "refused.gguf")
     assert "\n" not in str(err.value)
     assert not (tmp_path / "refused.gguf").exists()
+
+
+def test_a_load_llama_cpp_refuses_says_why(smollm2_dir, tmp_path):
+    """Red team round two, item 26: a tiny Phi-3 named "tiny-phi3" failed validation with only "Failed to load model
+    from file", while convert() under another name loaded. The difference is general.name: llama.cpp gives a model
+    so named Phi-3's special tokens by name, and SmolLM2's vocabulary lacks "</s>". The error now carries
+    llama.cpp's own line and that explanation; the same model under another name publishes."""
+    from factories import write_test_config
+    from pipelines.build import build_and_publish
+    from pipelines.config import Config
+    from pipelines.errors import EngineFailed
+
+    cfg_cls, model_cls, params = TINY_CAUSAL_LMS["phi3"]
+    params = {**params, "vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 512}
+    d = make_causal_lm(cfg_cls, model_cls, params, tmp_path / "tiny-phi3", tokenizer_dir=smollm2_dir)
+    config = Config.load(write_test_config(tmp_path / "cfg", Path.cwd()))
+    with pytest.raises(EngineFailed) as ei:
+        build_and_publish(str(d), "gguf-f16", config, str(tmp_path / "store"), "test-org/tiny-phi3")
+    msg = str(ei.value)
+    assert "error loading model vocabulary: unordered_map::at" in msg and "without 'phi3'" in msg, msg
+    assert "\n" not in msg
+    assert build_and_publish(str(d), "gguf-f16", config, str(tmp_path / "store"), "test-org/tiny-p3").state == "published"

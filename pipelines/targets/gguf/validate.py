@@ -10,6 +10,7 @@ import numpy as np
 
 from ... import parity, prompts, reference
 from ...tokenizer_cache import CachedTokenizer
+from . import llama_log
 
 if TYPE_CHECKING:
     from ...sources import Snapshot
@@ -69,6 +70,22 @@ def _without_repacking() -> None:
     lib.llama_model_default_params = params
 
 
+def name_hint(gguf_path: str, errors: list[str]) -> str:
+    """libllama gives a model whose general.name contains "phi3" / "phi-3" Phi-3's token attributes by name,
+    looking up "</s>" and "<|end|>" without checking they exist: with a vocabulary that lacks them, loading
+    fails with a bare `unordered_map::at`."""
+    if not any("unordered_map::at" in e for e in errors):
+        return ""
+    import gguf
+
+    field = gguf.GGUFReader(gguf_path).get_field("general.name")
+    name = bytes(field.parts[field.data[0]]).decode("utf-8", "replace") if field is not None else ""
+    if "phi3" in name.lower() or "phi-3" in name.lower():
+        return (f" (general.name {name!r} makes llama.cpp give the vocabulary Phi-3's special tokens by name, and "
+                f"this vocabulary lacks one of them: publish the model under a name without 'phi3')")
+    return ""
+
+
 def run_llama_cpp(gguf_path: str, sequences: list[list[int]], texts: list[str], generation_prompt: list[int],
                   generation_tokens: int, logits_dir: str, repack: bool = True) -> dict[str, Any]:
     """llama.cpp's side of validation; runs in a child process (pipelines.isolation), so a native crash
@@ -81,8 +98,13 @@ def run_llama_cpp(gguf_path: str, sequences: list[list[int]], texts: list[str], 
     if not repack:
         _without_repacking()
     n_ctx = max(len(s) for s in sequences + [generation_prompt]) + generation_tokens + 8
-    llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True, use_mmap=True,
-                verbose=False, seed=0, n_threads=validation_threads(Path(gguf_path).stat().st_size))
+    errors = llama_log.capture_errors()
+    try:
+        llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True, use_mmap=True,
+                    verbose=False, seed=0, n_threads=validation_threads(Path(gguf_path).stat().st_size))
+    except ValueError:  # "Failed to load model from file": say what libllama said
+        raise ValueError(f"llama.cpp cannot load {Path(gguf_path).name}: {llama_log.reason(errors)}"
+                         f"{name_hint(gguf_path, errors)}") from None
     try:
         for i, seq in enumerate(sequences):
             llm.reset()
