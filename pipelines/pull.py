@@ -88,8 +88,16 @@ def _profiles(store: Store, registry: str | None) -> dict[str, dict[str, Any]]:
 
     if registry_path(registry) is None:
         doc = store.read_json(PROFILES_KEY)
-        if doc and doc.get("runtime_profiles"):
-            return {p["id"]: p for p in doc["runtime_profiles"]}
+        if doc:
+            profiles = doc.get("runtime_profiles") if isinstance(doc, dict) else None
+            if not isinstance(profiles, list) or not all(
+                    isinstance(p, dict) and isinstance(p.get("id"), str) and isinstance(p.get("serving", {}), dict)
+                    and isinstance(p.get("recipe_preference", []), list) and isinstance(p.get("loads", []), list)
+                    for p in profiles):
+                raise IntegrityError(f"{store.uri}: {PROFILES_KEY} is not a list of runtime profiles: the store is "
+                                     f"damaged (a deployment registry, --registry, does without it)")
+            if profiles:
+                return {p["id"]: p for p in profiles}
     reg, _ = load_registry(registry)
     return {p.id: p.model_dump(mode="json") for p in reg.runtime_profiles}
 

@@ -151,6 +151,25 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
 }
 
 
+PROFILES_DAMAGE = {  # red team round two, item 11: a damaged profiles.json was a traceback in pull
+    "a list": "[1, 2]", "profiles not a list": '{"runtime_profiles": {"a": 1}}',
+    "a profile not an object": '{"runtime_profiles": [1]}', "no id": '{"runtime_profiles": [{"vendor": "cpu"}]}',
+    "serving a list": '{"runtime_profiles": [{"id": "llm-llamacpp-cpu", "serving": [1]}]}',
+    "preference a string": '{"runtime_profiles": [{"id": "llm-llamacpp-cpu", "recipe_preference": "gguf-f16"}]}',
+    "not json": "\u00ff{", "nested": "[" * 100000 + "]" * 100000,
+}
+
+
+@pytest.mark.parametrize("damage", sorted(PROFILES_DAMAGE))
+def test_a_damaged_profiles_json_is_one_line_in_pull(damage, published, cli, tmp_path, monkeypatch):
+    monkeypatch.delenv("HIVE_AOT_REGISTRY")  # a serving container without a registry reads the store's copy
+    store = _copy(published, tmp_path)
+    (store / "profiles.json").write_text(PROFILES_DAMAGE[damage])
+    r = cli("pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "m"), "--store", str(store))
+    assert r.rc == 1 and "profiles.json" in r.error_line() and "damaged" in r.error_line()
+    assert not (tmp_path / "m").exists()
+
+
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 @pytest.mark.parametrize("command", ["ls", "gc"])
 def test_damaged_store_is_one_line_in_ls_and_gc(damage, command, published, cli, tmp_path):
