@@ -34,8 +34,11 @@ def _emit(args: argparse.Namespace, doc: Any, human: str) -> None:
         print(human)
 
 
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
+def _size(n: int) -> str:
+    """One unit system for every size the CLI prints (binary: KiB, MiB, GiB), as plan and the UI print them."""
+    from .units import human_bytes
+
+    return human_bytes(n)
 
 
 def cmd_check(args) -> int:
@@ -67,8 +70,8 @@ def cmd_check(args) -> int:
     lines += [f"  [{c.status}] {c.name}: {c.detail}" for c in compat.checks]
     req = compat.estimated_requirements
     if req:
-        lines.append(f"  parameters {req['parameters']:,}, weights {_mb(req['weights_bytes'])}, "
-                     f"estimated memory {_mb(req.get('vram_bytes', 0))}")
+        lines.append(f"  parameters {req['parameters']:,}, weights {_size(req['weights_bytes'])}, "
+                     f"estimated memory {_size(req.get('vram_bytes', 0))}")
         if req.get("recommended_config"):
             lines.append("  recommended: " + ", ".join(f"{k}={v}" for k, v in req["recommended_config"].items()))
     if extra:
@@ -153,7 +156,7 @@ def cmd_build(args) -> int:
         why = "; ".join(v.get("failures", [])) or res.reason or ""
         human = f"rejected {res.recipe} for {res.model_id}: {why} (nothing published)"
     else:
-        human = f"{res.state} {res.recipe} for {res.model_id}: build {res.build_id[:12]}, {_mb(size)},{score}\n  {res.manifest}"
+        human = f"{res.state} {res.recipe} for {res.model_id}: build {res.build_id[:12]}, {_size(size)},{score}\n  {res.manifest}"
         if res.state == "compile_pending":
             human += (f"\n  {res.reason}; on a host with the SDK: hive-aot qaic-compile {res.model_id} "
                       f"--recipe {res.recipe}")
@@ -222,7 +225,7 @@ def cmd_qaic_compile(args) -> int:
     lines = []
     for r in results:
         q = (r.validation or {}).get("qpc", {})
-        lines.append(f"{r.state} {r.recipe} for {r.model_id}: QPC build {r.build_id[:12]}, {_mb(sum(f['size'] for f in r.files))}"
+        lines.append(f"{r.state} {r.recipe} for {r.model_id}: QPC build {r.build_id[:12]}, {_size(sum(f['size'] for f in r.files))}"
                      + (f", compiled in {q['compile_seconds']} s" if r.state == "published" and q else "") + f"\n  {r.manifest}")
     _emit(args, [r.to_json() for r in results], "\n".join(lines))
     return EXIT_OK
@@ -236,15 +239,15 @@ def cmd_pull(args) -> int:
     for w in res.get("warnings", []):
         print(f"hive-aot: warning: {w}", file=sys.stderr)
     human = (f"{'already present' if res['already_present'] else 'pulled'} {res['model_id']} {res['recipe']} "
-             f"(build {res['build_id'][:12]}, {_mb(res['size'])}) into {res['dest']}")
+             f"(build {res['build_id'][:12]}, {_size(res['size'])}) into {res['dest']}")
     if res.get("auto_target"):
         a = res["auto_target"]
         human += f"\n  target auto: found {a['found']}; chose {a['profile']}: {a['why']}"
     moved = res.get("transfer")
     if moved and (moved["resumed_bytes"] or moved["cached_blobs"]):
-        parts = [f"fetched {_mb(moved['fetched_bytes'])}"]
+        parts = [f"fetched {_size(moved['fetched_bytes'])}"]
         if moved["resumed_bytes"]:
-            parts.append(f"resumed {_mb(moved['resumed_bytes'])} a killed pull had written")
+            parts.append(f"resumed {_size(moved['resumed_bytes'])} a killed pull had written")
         if moved["cached_blobs"]:
             parts.append(f"{moved['cached_blobs']} blob(s) already in the cache")
         human += "\n  " + "; ".join(parts)
@@ -285,7 +288,7 @@ def cmd_profiles(args) -> int:
     res = profiles_report(args.model, tag=args.tag, store_uri=args.store, registry=args.registry)
     lines = [f"{res['model_id']} ({res['tag']}) in {res['store']}:"]
     for row in res["profiles"]:
-        arts = ", ".join(f"{a['recipe']} ({a['build_id'][:12]}, {_mb(a['size'])})" for a in row["artifacts"]) or "-"
+        arts = ", ".join(f"{a['recipe']} ({a['build_id'][:12]}, {_size(a['size'])})" for a in row["artifacts"]) or "-"
         lines.append(f"  {row['profile']:22} {row['vendor']:9} {arts}" + (f"; pull takes {row['pull_picks']}"
                                                                            if row["pull_picks"] else ""))
     for b in res["pending_bundles"]:
@@ -327,10 +330,13 @@ def cmd_ls(args) -> int:
     elif not rows:
         print("(store is empty)")
     else:
-        print(f"{'model':40} {'recipe':14} {'tag':10} {'build':12} {'size':>10}  created")
-        for r in rows:
-            tag = r["tag"] if len(r["tag"]) <= 10 else r["tag"][:9] + "…"
-            print(f"{r['model_id']:40} {r['recipe']:14} {tag:10} {r['build_id'][:12]} {_mb(r['size']):>10}  {r['created_at']}")
+        # columns as wide as their widest value: a tag is never cut (bundle-latest vs bundle-<commit>)
+        table = [(r["model_id"], r["recipe"], r["tag"], r["build_id"][:12], _size(r["size"]), r["created_at"])
+                 for r in rows]
+        header = ("model", "recipe", "tag", "build", "size", "created")
+        widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
+        for row in [header, *table]:
+            print("  ".join(v.rjust(w) if i == 4 else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths))).rstrip())
     return EXIT_OK
 
 
@@ -339,7 +345,7 @@ def cmd_gc(args) -> int:
 
     res = gc(args.store, dry_run=args.dry_run, min_age_s=args.min_age)
     _emit(args, res, f"{'would remove' if args.dry_run else 'removed'} {len(res['blobs'])} blob(s) "
-                     f"({_mb(res['bytes'])}), {len(res['staging'])} staging record(s), "
+                     f"({_size(res['bytes'])}), {len(res['staging'])} staging record(s), "
                      f"{len(res['temporaries'])} stale temporary file(s), {len(res['work'])} dead work dir(s) and "
                      f"{len(res['partials'])} dead partial download(s)")
     return EXIT_OK

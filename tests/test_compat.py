@@ -587,3 +587,49 @@ def test_gguf_archs_are_the_converters_families():
     from pipelines.targets.gguf.families import BY_ARCHITECTURE
 
     assert set(BY_ARCHITECTURE) == GGUF_ARCHS
+
+
+@pytest.fixture(scope="module")
+def llama70b(tmp_path_factory):
+    """Llama-3-70B's shapes as a header-only repo (sparse shards: what `check` reads are the headers)."""
+    from factories import make_sharded_llama
+
+    d, params = make_sharded_llama(tmp_path_factory.mktemp("70b") / "repo", hidden=8192, intermediate=28672, layers=80,
+                                   vocab=128256, heads=64, kv_heads=8, shards=4)
+    return d, params
+
+
+def _check_json(d, hardware: str) -> dict:
+    from pipelines.cli import main
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["check", str(d), "--model-id", "test-org/llama-70b", "--hardware", hardware, "--json"])
+    return json.loads(out.getvalue())
+
+
+def test_the_memory_figures_of_a_70b_agree_with_each_other(llama70b, capsys):
+    """Red team round two, item 18: check's summary said 199241.6 MB (16 sequences) while the recommended config
+    and fits_hardware said 4 sequences and 155.6 GiB; 70B on qaic-ai100 said 68 GiB on 2 devices of 32 GB; 70B on a
+    T4 was incompatible without saying that vllm-fp8 halves the weights."""
+    from pipelines.cli import main
+    from pipelines.units import human_bytes
+
+    d, params = llama70b
+    h100 = _check_json(d, "nvidia-h100")
+    req, fits = h100["estimated_requirements"], next(c for c in h100["checks"] if c["name"] == "fits_hardware")
+    rc = req["recommended_config"]
+    assert f"~{human_bytes(req['vram_bytes'])} at" in fits["detail"] and f"{rc['max_num_seqs']} seqs" in fits["detail"]
+    qaic = _check_json(d, "qaic-ai100")
+    req = qaic["estimated_requirements"]
+    devices = req["recommended_config"]["num_devices"]
+    assert req["vram_bytes"] <= devices * 32 * 2**30 * 0.9 < req["vram_bytes"] + 32 * 2**30 * 0.9, (req, devices)
+    t4 = _check_json(d, "nvidia-t4")
+    fits = next(c for c in t4["checks"] if c["name"] == "fits_hardware")
+    assert t4["status"] == "incompatible" and "vllm-fp8 (8-bit weights" in fits["detail"], fits
+    capsys.readouterr()
+    main(["check", str(d), "--model-id", "test-org/llama-70b", "--hardware", "nvidia-h100"])
+    summary = capsys.readouterr().out
+    assert f"estimated memory {human_bytes(h100['estimated_requirements']['vram_bytes'])}" in summary, summary

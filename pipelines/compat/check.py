@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal
 from pydantic import BaseModel, Field
 
 from ..safetensors_io import Header, TensorSource
+from ..units import human_bytes
 from . import database
 from .hardware import Hardware, parse_hardware
 
@@ -332,12 +333,15 @@ def _requirements(cfg: dict[str, Any], weights: WeightsSummary, task: str, hw: H
     if hw.vendor == "qaic":
         mxfp6 = math.ceil(weights.parameters * 6.25 / 8)  # 6-bit E2M3 + one E8M0 scale per 32 weights
         ctx = min(ctx, 2048)
-        devices = max(1, math.ceil((mxfp6 + kv_per_token * ctx * 8 // 2) / (hw.memory_gb * GIB * 0.9))) if hw.memory_gb else 1
+        # MXINT8 KV: ~1 byte per value; the slack scales with what the device holds (MXFP6), not bf16 weights
+        reqs["vram_bytes"] = need = mxfp6 + kv_per_token * ctx * 8 // 2 + GIB + mxfp6 // 10
+        per_device = hw.memory_gb * GIB * 0.9 if hw.memory_gb else 0
+        devices = max(1, math.ceil(need / per_device)) if per_device else 1
         reqs["recommended_config"] = {"num_cores": 16, "ctx_len": ctx, "prefill_seq_len": 128, "batch_size": 1,
                                       "full_batch_size": 8, "mxfp6": True, "mxint8": True, "num_devices": devices}
-        reqs["vram_bytes"] = mxfp6 + kv_per_token * ctx * 8 // 2 + overhead  # MXINT8 KV: ~1 byte per value
         return reqs, Check(name="fits_hardware", status="pass",
-                           detail=f"~{reqs['vram_bytes'] / GIB:.1f} GiB with MXFP6 weights / MXINT8 KV on {devices} device(s)")
+                           detail=f"~{human_bytes(need)} with MXFP6 weights / MXINT8 KV on {devices} device(s) of "
+                                  f"{hw.memory_gb:g} GB ({human_bytes(int(devices * per_device))} usable)")
     if hw.vendor == "cpu":
         reqs["recommended_config"] = {"dtype": dtype, "max_model_len": ctx, "max_num_seqs": 1}
         reqs["vram_bytes"] = total(ctx, 1)
@@ -347,17 +351,28 @@ def _requirements(cfg: dict[str, Any], weights: WeightsSummary, task: str, hw: H
         fit = next(((c, s) for c, s in ((ctx, seqs), (ctx, 4), (ctx, 1), (min(ctx, 2048), 1)) if total(c, s) <= mem * tp), None)
         if fit:
             break
-    reqs["vram_bytes"] = total(ctx, seqs)
     if fit is None:
+        reqs["vram_bytes"] = total(ctx, 1)
         reqs["recommended_config"] = None
         return reqs, Check(name="fits_hardware", status="fail",
-                           detail=f"needs ~{total(ctx, 1) / GIB:.0f} GiB even at batch 1: more than 8 x {hw.memory_gb:g} GB")
+                           detail=f"needs ~{total(ctx, 1) / GIB:.0f} GiB even at batch 1: more than 8 x {hw.memory_gb:g} GB"
+                                  + ("" if quantized else _fp8_alternative(weights.parameters, kv_per_token * ctx, mem)))
     c, s = fit
+    reqs["vram_bytes"] = total(c, s)  # what the recommended configuration needs, as the summary says
     reqs["recommended_config"] = {"dtype": dtype, "max_model_len": c, "max_num_seqs": s, "tensor_parallel_size": tp,
                                   "gpu_memory_utilization": 0.9, "kv_cache_dtype": "auto",
                                   "quantization": (cfg.get("quantization_config") or {}).get("quant_method") if quantized else None}
     return reqs, Check(name="fits_hardware", status="pass",
-                       detail=f"~{total(c, s) / GIB:.1f} GiB at max_model_len {c}, {s} seqs: tensor_parallel_size {tp} x {hw.memory_gb:g} GB")
+                       detail=f"~{human_bytes(total(c, s))} at max_model_len {c}, {s} seqs: tensor_parallel_size {tp} x {hw.memory_gb:g} GB")
+
+
+def _fp8_alternative(parameters: int, kv_bytes: int, per_device: float) -> str:
+    """What the vllm-fp8 recipe (8-bit weights, half of bf16) would need, where bf16 does not fit."""
+    need = parameters + kv_bytes + GIB + parameters // 10
+    tp = next((tp for tp in (1, 2, 4, 8) if need <= per_device * tp), None)
+    if tp is None:
+        return f"; with vllm-fp8 (8-bit weights) still ~{need / GIB:.0f} GiB"
+    return f"; vllm-fp8 (8-bit weights, half of bf16) needs ~{need / GIB:.0f} GiB: tensor_parallel_size {tp}"
 
 
 def classify(
