@@ -287,10 +287,14 @@ def cmd_profiles(args) -> int:
 
     res = profiles_report(args.model, tag=args.tag, store_uri=args.store, registry=args.registry)
     lines = [f"{res['model_id']} ({res['tag']}) in {res['store']}:"]
-    for row in res["profiles"]:
+    vendor = None
+    for row in sorted(res["profiles"], key=lambda r: (str(r["vendor"]), str(r["role"]), r["profile"])):
+        if row["vendor"] != vendor:  # grouped by vendor, then role
+            vendor = row["vendor"]
+            lines.append(f"  {vendor}:")
         arts = ", ".join(f"{a['recipe']} ({a['build_id'][:12]}, {_size(a['size'])})" for a in row["artifacts"]) or "-"
-        lines.append(f"  {row['profile']:22} {row['vendor']:9} {arts}" + (f"; pull takes {row['pull_picks']}"
-                                                                           if row["pull_picks"] else ""))
+        lines.append(f"    {row['profile']:22} {str(row['role']):13} {arts}" + (f"; pull takes {row['pull_picks']}"
+                                                                                if row["pull_picks"] else ""))
     for b in res["pending_bundles"]:
         lines.append(f"  pending: {b['recipe']} export bundle {b['build_id'][:12]} ({b['format']}): compile it on a host "
                      f"with the Cloud AI SDK (hive-aot qaic-compile {res['model_id']} --recipe {b['recipe']})")
@@ -371,6 +375,13 @@ def cmd_onboard(args) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hive-aot", description="Ahead-of-time model artifact factory.")
     sub = p.add_subparsers(dest="command", required=True)
+    add_parser = sub.add_parser
+
+    def described(name, **kw):  # `hive-aot CMD --help` shows the command's help line, not only its usage
+        kw.setdefault("description", kw.get("help"))
+        return add_parser(name, **kw)
+
+    sub.add_parser = described
 
     def common(sp, store=True):
         sp.add_argument("--json", action="store_true", help="print one JSON document on stdout")
@@ -484,7 +495,11 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--recipes")
     sp.set_defaults(func=cmd_registry)
 
-    sp = sub.add_parser("onboard", help="run the Dagster onboarding job headless for registry models")
+    sp = sub.add_parser("onboard", help="run the Dagster onboarding job headless for registry models",
+                        description="Run the Dagster onboarding job without the UI: for each model of the registry "
+                                    "(or those named), fetch, classify, build, validate and publish the recipes it "
+                                    "lists, on the local SQLite instance ($DAGSTER_HOME) or the configured one. "
+                                    "Builds whose build id is already published are skipped.")
     sp.add_argument("--model", action="append", help="only this model id (repeatable)")
     common(sp)
     sp.set_defaults(func=cmd_onboard)

@@ -265,3 +265,17 @@ def test_gc_collects_rejected_blobs_only(built, models, tmp_path):
     pulled = hive("pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "m"), "--store", str(store),
                   "--json", env={"HIVE_AOT_CACHE": str(tmp_path / "cache")})
     assert pulled.returncode == 0 and doc(pulled)["already_present"] is False
+
+
+def test_every_command_says_what_it_does_in_its_help(capsys):
+    """Red team round two, item 20: `onboard --help` (and every other command's) printed only usage and options."""
+    from pipelines.cli import main, parser
+
+    sub = next(a for a in parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    for name in sub.choices:
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        text = capsys.readouterr().out
+        body = text.split("\n\n")[1] if "\n\n" in text else ""
+        assert body.strip() and not body.lstrip().startswith(("positional arguments", "options")), (name, text)

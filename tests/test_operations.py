@@ -112,3 +112,18 @@ def test_retire_of_a_recipe_that_is_no_recipe_id_retires_nothing(store, recipe, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not a recipe id" in err, err
     assert sorted(p.relative_to(s).as_posix() for p in Path(s).rglob("*") if p.is_file()) == before
+
+
+def test_ls_prints_every_tag_whole(store, tmp_path, capsys):
+    """Red team round two, item 20: ls cut tags to ten characters (`bundle-la...`, `bundle-lo...`)."""
+    import shutil
+
+    s = str(tmp_path / "store")
+    shutil.copytree(store["store"], s)
+    long_tag = "release-candidate-2026-12-04"
+    assert main(["tag", f"{MODEL}@{store['first'].build_id}", long_tag, "--store", s]) == 0
+    capsys.readouterr()
+    assert main(["ls", "--store", s]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if long_tag in line)
+    assert store["first"].build_id[:12] in row and "MiB" in row
