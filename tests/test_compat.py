@@ -55,6 +55,8 @@ EXPECTED = {
        if a not in SSM + REMOTE_CODE_ONLY + SPECIALISTS + TRANSFORMERS_FALLBACK},
     **{a: ("requires_review", "mamba-vllm-cu121") for a in SSM},
     **{a: ("requires_review", None) for a in REMOTE_CODE_ONLY},
+    # transformers runs MPT natively (its MptForCausalLM, spelled otherwise): the repo's auto_map still needs review
+    "MPTForCausalLM": ("requires_review", "transformers-cu121"),
     **{a: ("compatible", "specialists-ts-cu121") for a in SPECIALISTS},
     **{a: ("compatible", "transformers-cu121") for a in TRANSFORMERS_FALLBACK},
 }
@@ -102,10 +104,41 @@ def test_every_seed_architecture_and_backend_is_present(db, config):
     assert profiles["vllm-qaic"].loads == ["qpc"] and profiles["llm-llamacpp-cpu"].loads == ["gguf"]
 
 
+AUTO_MAP = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+
+
 @pytest.mark.parametrize("arch", SEED_NAMES)
 def test_every_seed_architecture_gets_its_expected_answer(arch, config):
-    c = check(config, arch)
+    # the remote-code-only rows' repositories ship their modeling code (auto_map), as the real ones do
+    cfg = {"architectures": [arch], **SANE, **({"auto_map": AUTO_MAP} if arch in REMOTE_CODE_ONLY else {})}
+    c = check(config, cfg)
     assert (c.status, c.runtime_profile_id) == EXPECTED[arch], c.checks
+
+
+@pytest.mark.parametrize("arch", ["ArcticForCausalLM", "MPTForCausalLM", "BaichuanForCausalLM", "QWenLMHeadModel"])
+@pytest.mark.parametrize("hardware", ["nvidia", "cpu"])
+def test_remote_code_answers_agree_with_themselves(arch, hardware, config):
+    """Red team round two, item 22: Arctic and MPT without auto_map passed remote_code ("no custom code") yet were
+    requires_review "with the repo's own modeling code"; `reviewed: true` changed nothing for QWenLMHeadModel or
+    Baichuan."""
+    plain = check(config, arch, hardware=hardware)
+    with_code = check(config, {"architectures": [arch], **SANE, "auto_map": AUTO_MAP}, hardware=hardware)
+    reviewed = check(config, {"architectures": [arch], **SANE, "auto_map": AUTO_MAP}, hardware=hardware, reviewed=True)
+    # without auto_map nothing of the repo's own runs: served natively, or not at all (never "requires review")
+    assert plain.status in ("compatible", "incompatible"), plain.checks
+    if arch == "ArcticForCausalLM":  # only its own code could serve it, and this config declares none
+        assert plain.status == "incompatible" and "no auto_map" in _check(plain, "architecture_known").detail
+    assert _check(plain, "remote_code").detail == "no custom code"
+    assert with_code.status == "requires_review" and _check(with_code, "remote_code").status == "warn"
+    assert reviewed.status == "compatible" and reviewed.runtime_profile_id is not None
+    assert _check(reviewed, "remote_code").status == "pass" and "reviewed" in _check(reviewed, "remote_code").detail
+
+
+def test_a_class_spelled_otherwise_by_vllm_is_known_to_transformers(config):
+    """Item 22: PhiMoE on cpu said "no transformers class": vLLM spells it PhiMoEForCausalLM, transformers
+    PhimoeForCausalLM."""
+    c = check(config, "PhiMoEForCausalLM", hardware="cpu")
+    assert (c.status, c.runtime_profile_id) == ("compatible", "transformers-cpu"), c.checks
 
 
 def test_database_size_and_sources(db):
@@ -205,8 +238,8 @@ def test_unknown_class_with_auto_map_requires_review(config):
     c = check(config, cfg)
     assert (c.status, c.runtime_profile_id) == ("requires_review", None)
     assert _check(c, "remote_code").status == "warn"
-    reviewed = check(config, cfg, reviewed=True)
-    assert (reviewed.status, reviewed.runtime_profile_id) == ("requires_review", "transformers-cu121")
+    reviewed = check(config, cfg, reviewed=True)  # reviewed: served by transformers with its code (item 22)
+    assert (reviewed.status, reviewed.runtime_profile_id) == ("compatible", "transformers-cu121")
 
 
 def test_known_class_with_auto_map_requires_review(config):
@@ -633,3 +666,13 @@ def test_the_memory_figures_of_a_70b_agree_with_each_other(llama70b, capsys):
     main(["check", str(d), "--model-id", "test-org/llama-70b", "--hardware", "nvidia-h100"])
     summary = capsys.readouterr().out
     assert f"estimated memory {human_bytes(h100['estimated_requirements']['vram_bytes'])}" in summary, summary
+
+
+def test_the_readme_counts_the_database_as_it_is(db):
+    """Item 22: the README said 783 active architectures, the database had 788."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    m = re.search(r"(\d+) records,\s+(\d+)\s+active", text)
+    assert m and (int(m.group(1)), int(m.group(2))) == (len(db.architectures), len(db.active()))

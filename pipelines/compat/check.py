@@ -253,8 +253,15 @@ def _route(rec: database.Architecture | None, arch: str | None, task: str, hw: H
             "incompatible", None, "fail", f"{detail}; no {why_not} backend on {hw.vendor}")
 
     def remote_code(detail: str) -> tuple[Status, str | None, Check]:
-        # The seed's universal fallback serves custom modeling_*.py with transformers, after review.
-        return _answer("requires_review", pick("transformers") if reviewed else None, "warn", detail)
+        # The seed's universal fallback serves custom modeling_*.py with transformers, after review; a config
+        # without auto_map declares no such code, so nothing could serve it.
+        if not auto_map:
+            return _answer("incompatible", None, "fail",
+                           f"{detail.replace(' once reviewed', '')}, and this config declares none (no auto_map)")
+        prof = pick("transformers")
+        if reviewed and prof:
+            return _answer("compatible", prof, "pass", f"{detail} (reviewed: trust_remote_code allowed)")
+        return _answer("requires_review", None, "warn", detail)
 
     if task == "diffusion":
         return served_by("diffusers", f"diffusers pipeline {arch}", "diffusers")
@@ -273,7 +280,7 @@ def _route(rec: database.Architecture | None, arch: str | None, task: str, hw: H
         if auto_map:
             return remote_code(f"{why}; only its remote code could serve it")
         return _answer("incompatible", None, "fail", f"{why} and transformers has no class for it")
-    if rec.trust_remote_code and not rec.vllm_support:
+    if rec.trust_remote_code and not rec.vllm_support and not rec.transformers_known:
         return remote_code(f"{detail}; served by the transformers fallback with the repo's own modeling code once reviewed")
     if task == "ssm-hybrid":
         return _answer("requires_review", pick("ssm"), "warn",
@@ -300,6 +307,8 @@ def _route(rec: database.Architecture | None, arch: str | None, task: str, hw: H
             return _answer("requires_review", None, "warn",
                            f"{detail}; hive-aot's own GGUF mapping converts it for {pick('gguf')} once reviewed "
                            "(its remote code is never run)")
+        if auto_map:  # the CPU tier's transformers fallback runs the repo's own code, once reviewed
+            return remote_code(f"{detail}; the transformers fallback with the repo's own modeling code once reviewed")
         return _answer("incompatible", None, "fail", f"{detail}; no GGUF recipe and no transformers class for the CPU tier")
     if rec.vllm_support:
         return _answer("compatible", pick("vllm"), "pass", detail)
@@ -441,7 +450,10 @@ def classify(
     if any(c.status == "fail" for c in checks):
         status = "incompatible"
 
-    if auto_map:
+    if auto_map and reviewed:
+        checks.append(Check(name="remote_code", status="pass", detail="config.json has auto_map (custom modeling code), "
+                            "reviewed (registry allow-list): the server may run it; hive-aot never executes it"))
+    elif auto_map:
         checks.append(Check(name="remote_code", status="warn",
                             detail="config.json has auto_map (custom modeling code): requires review; hive-aot never executes it"))
         if status == "compatible":

@@ -77,9 +77,24 @@ def _from_snapshot(rec: dict[str, Any]) -> Architecture:
                         vllm_last_version=vllm.get("last_version"), transformers_model_type=tf.get("model_type"))
 
 
+def _same_class_spelled_otherwise(archs: dict[str, Architecture]) -> None:
+    """vLLM and transformers sometimes spell one class differently (vLLM's PhiMoEForCausalLM is transformers'
+    PhimoeForCausalLM): a record transformers does not know under its own name takes the model type of the
+    record that differs from it only in case."""
+    by_folded: dict[str, Architecture] = {}
+    for a in archs.values():
+        if a.transformers_model_type is not None:
+            by_folded.setdefault(a.name.casefold(), a)
+    for name, a in list(archs.items()):
+        twin = by_folded.get(name.casefold())
+        if a.transformers_model_type is None and twin is not None and twin.name != name:
+            archs[name] = replace(a, transformers_model_type=twin.transformers_model_type, active=True)
+
+
 def build(registry: "Registry | None" = None) -> Database:
     snap = _snapshot()
     archs = {name: _from_snapshot(rec) for name, rec in snap["architectures"].items()}
+    _same_class_spelled_otherwise(archs)
     aliases: dict[str, str] = {}
     overrides = registry.architectures if registry is not None else {}
     for name, ov in overrides.items():
