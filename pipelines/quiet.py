@@ -13,3 +13,12 @@ def quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
     if not sys.stderr.isatty():
         hf_logging.disable_progress_bar()
+
+
+def quiet_gguf() -> None:
+    """gguf-py's SpecialVocab warns through the `gguf` logger about tokenizer templates it parses crudely
+    ("Unknown separator token ... in TemplateProcessing<pair>"); with no handler configured, Python's last-resort
+    handler printed those around a build's one summary line. The converter reads the tokens it writes itself."""
+    import logging
+
+    logging.getLogger("gguf").setLevel(logging.ERROR)

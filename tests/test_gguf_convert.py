@@ -629,3 +629,31 @@ def test_qwen2_must_not_be_permuted(qwen2_model, tmp_path, monkeypatch):
     _, metrics, _ = convert_and_validate(qwen2_model, tmp_path / "qwen2-permuted.gguf",
                                          options={"bpe_pre_fallback": "qwen2"})
     assert metrics["top1_agreement"] < 0.5
+
+
+def test_gguf_py_warnings_about_templates_do_not_leak_to_stderr(small_llama, tmp_path):
+    """Red team round two, item 20: gguf-py's SpecialVocab printed "Unknown separator token ... in
+    TemplateProcessing<pair>" through Python's last-resort log handler around the build's one line."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    d = tmp_path / "templated"
+    shutil.copytree(small_llama, d)
+    spec = json.loads((d / "tokenizer.json").read_text())
+    start = {"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}
+    seq = lambda x: {"Sequence": {"id": x, "type_id": 0}}  # noqa: E731
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [start, seq("A")],
+                              "pair": [start, seq("A"), {"SpecialToken": {"id": "<repo_name>", "type_id": 0}}, seq("B")],
+                              "special_tokens": {t: {"id": t, "ids": [i], "tokens": [t]}
+                                                 for t, i in (("<|im_start|>", 1), ("<repo_name>", 3))}}
+    (d / "tokenizer.json").write_text(json.dumps(spec))
+    # in its own process, as the CLI runs: pytest's log capture would otherwise swallow what would leak
+    code = ("import json, sys; from pipelines.sources import fetch; from pipelines.targets.gguf.convert import convert; "
+            "from pathlib import Path; snap = fetch(sys.argv[1], 'test/templated'); convert(snap.dir, snap.config(), snap.safetensors_files(), "
+            "Path(sys.argv[2]), 'f16', name=snap.model_id, options=json.loads(sys.argv[3]))")
+    proc = subprocess.run([sys.executable, "-c", code, str(d), str(tmp_path / "out.gguf"),
+                           json.dumps({"bpe_pre_fallback": SMOLLM2_PRE})], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "TemplateProcessing" not in proc.stderr and "Unknown separator" not in proc.stderr, proc.stderr

@@ -19,6 +19,7 @@ from typing import Any
 import gguf
 
 from ...errors import ModelFormatError
+from ...quiet import quiet_gguf
 
 _SPECIAL_LOOKING = re.compile(r"^(<\|.*\|>|<[a-z_]+>|\[[A-Z_]+\]|<s>|</s>|<unk>|<pad>)$")
 
@@ -373,6 +374,7 @@ def write_vocab(writer: gguf.GGUFWriter, vocab: Vocab, model_dir: Path) -> None:
     writer.add_token_types(vocab.types)
     if "add_space_prefix" in vocab.info:
         writer.add_add_space_prefix(vocab.info["add_space_prefix"])
+    quiet_gguf()
     special = gguf.SpecialVocab(model_dir, load_merges=vocab.merges, n_vocab=len(vocab.tokens))
     if "add_bos" in vocab.info:
         special.add_special_token.setdefault("bos", vocab.info["add_bos"])
