@@ -12,7 +12,7 @@ from pathlib import Path
 
 import dagster as dg
 import yaml
-from factories import copy_model
+from factories import copy_model, write_test_config
 
 from pipelines.config import Config
 from pipelines.orchestration.automation import onboard_job, registry_sensor
@@ -317,3 +317,25 @@ def test_pool_limits_are_applied_once_and_dead_claims_released(tmp_path):
     assert storage.get_concurrency_info("validate_large").active_run_ids == {gone.run_id, alive.run_id}
     assert release_dead_claims(instance) == [gone.run_id]
     assert storage.get_concurrency_info("validate_large").active_run_ids == {alive.run_id}
+
+
+def test_onboard_refuses_a_recipe_that_does_not_apply_before_any_run(tmp_path, tiny_llama, monkeypatch):
+    """Red team round two, item 20: a recipe that does not apply to a listed model was found only after a 17 s
+    Dagster run. A local model's recipes are planned first (config and headers, nothing hashed)."""
+    import time
+
+    from pipelines.orchestration.onboard import onboard
+
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    reg = write_test_config(tmp_path / "cfg", REPO, models=[
+        {"id": "test/tiny", "source": str(tiny_llama), "recipes": ["qaic-embed-mxfp6"]}])
+    started = time.monotonic()
+    res = onboard(registry=str(reg), store=str(tmp_path / "store"))
+    took = time.monotonic() - started
+    assert not res["success"]
+    (row,) = res["results"]
+    assert row["recipe"] == "qaic-embed-mxfp6" and row["state"] == "failed" and "does not apply" in row["error"]
+    import dagster as dg
+
+    assert dg.DagsterInstance.get().get_runs() == []  # refused without a Dagster run
+    print(f"refused in {took:.2f} s")

@@ -109,6 +109,29 @@ def _summarize(result: dg.ExecuteInProcessResult, model_id: str, recipes: list[s
     return rows
 
 
+def _inapplicable(config: Config, entry) -> list[dict[str, Any]]:
+    """Recipes a model with a local source cannot take, found before any Dagster run (its config and weight
+    headers read, nothing hashed: well under a second): one failed row each, with the refusal's line. Hub
+    sources are left to the run (answering would mean asking the Hub)."""
+    from ..errors import NotApplicableError
+    from ..planning import plan
+    from ..sources import parse_source
+
+    source = config.model_source(entry)
+    if parse_source(source).kind == "hf":
+        return []
+    rows = []
+    for rid in entry.recipes:
+        try:
+            plan(source, rid, config, entry.id, hashed=False)
+        except NotApplicableError as e:
+            rows.append({"model_id": entry.id, "recipe": rid, "state": "failed", "error": str(e), "run_id": "none: "
+                         "refused before the run"})
+        except Exception:  # noqa: BLE001 - anything else is the run's to report, with its step and traceback
+            continue
+    return rows
+
+
 def onboard(registry: str | None = None, store: str | None = None, models: list[str] | None = None,
             recipes: str | None = None) -> dict[str, Any]:
     config = Config.load(registry, recipes)
@@ -126,6 +149,13 @@ def onboard(registry: str | None = None, store: str | None = None, models: list[
         instance.add_dynamic_partitions(models_partitions.name, new)
     results, success = [], True
     for entry, key in zip(entries, keys):
+        refused = _inapplicable(config, entry)
+        results += refused
+        success &= not refused
+        entry = entry.model_copy(update={"recipes": [r for r in entry.recipes
+                                                     if r not in {x["recipe"] for x in refused}]})
+        if not entry.recipes:
+            continue
         print(f"onboarding {entry.id}: {', '.join(entry.recipes)}", file=sys.stderr, flush=True)
         # Only the assets of the recipes the model lists: no step of another recipe is scheduled to build nothing.
         res = job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False,
