@@ -377,3 +377,15 @@ def test_pull_into_an_empty_dest_is_refused(published, cli, tmp_path):
     """Item 25: `pull --dest ""` wrote into the current directory."""
     r = cli("pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", "", "--store", str(published["store"]))
     assert r.rc == 1 and "--dest is empty" in r.error_line()
+
+
+@pytest.mark.parametrize("variable", ["HIVE_AOT_MEMORY_BUDGET", "HIVE_AOT_PULL_PART_SIZE"])
+def test_a_huge_number_in_a_size_variable_is_one_line(variable, published, cli, tmp_path, monkeypatch):
+    """Red team round two, item 12: sizes of 400 digits."""
+    monkeypatch.setenv(variable, "9" * 400)
+    if variable == "HIVE_AOT_MEMORY_BUDGET":
+        r = cli("plan", str(published["model"]), "--recipe", "gguf-f16", "--model-id", MODEL)
+    else:
+        r = cli("pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "m"), "--store",
+                str(published["store"]))
+    assert r.rc == 1 and variable in r.error_line() and "is not a size" in r.error_line()
