@@ -22,25 +22,12 @@ from typing import Any
 
 from .errors import HiveError
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_REJECTED, EXIT_REVIEW, EXIT_INCOMPATIBLE = 0, 1, 2, 3, 4, 5
-EXIT_RESOURCES = 7  # = errors.ResourceError.exit_code
+from .cli_output import (EXIT_ERROR, EXIT_INCOMPATIBLE, EXIT_OK, EXIT_REJECTED, EXIT_RESOURCES,  # noqa: F401
+                         EXIT_REVIEW, EXIT_USAGE, emit as _emit, size as _size)
+from .cli_store import cmd_gc, cmd_ls, cmd_profiles, cmd_pull, cmd_retire, cmd_serve, cmd_tag
 
 # Import names that differ from the distribution that provides them.
 _DIST_OF_MODULE = {"llama_cpp": "llama_cpp_python", "google": "protobuf"}
-def _emit(args: argparse.Namespace, doc: Any, human: str) -> None:
-    if getattr(args, "json", False):
-        sys.stdout.write(json.dumps(doc, indent=1, sort_keys=True, default=str) + "\n")
-    else:
-        print(human)
-
-
-def _size(n: int) -> str:
-    """One unit system for every size the CLI prints (binary: KiB, MiB, GiB), as plan and the UI print them."""
-    from .units import human_bytes
-
-    return human_bytes(n)
-
-
 def cmd_check(args) -> int:
     from .compat.check import WeightsSummary, classify, classify_snapshot
     from .config import Config
@@ -228,130 +215,6 @@ def cmd_qaic_compile(args) -> int:
         lines.append(f"{r.state} {r.recipe} for {r.model_id}: QPC build {r.build_id[:12]}, {_size(sum(f['size'] for f in r.files))}"
                      + (f", compiled in {q['compile_seconds']} s" if r.state == "published" and q else "") + f"\n  {r.manifest}")
     _emit(args, [r.to_json() for r in results], "\n".join(lines))
-    return EXIT_OK
-
-
-def cmd_pull(args) -> int:
-    from .pull import pull
-
-    res = pull(args.model, args.target, _dest(args.dest), recipe=args.recipe, tag=args.tag, store_uri=args.store,
-               registry=args.registry, strict=args.strict, trusted=args.trusted_keys, allow_stand_in=args.allow_stand_in)
-    for w in res.get("warnings", []):
-        print(f"hive-aot: warning: {w}", file=sys.stderr)
-    human = (f"{'already present' if res['already_present'] else 'pulled'} {res['model_id']} {res['recipe']} "
-             f"(build {res['build_id'][:12]}, {_size(res['size'])}) into {res['dest']}")
-    if res.get("auto_target"):
-        a = res["auto_target"]
-        human += f"\n  target auto: found {a['found']}; chose {a['profile']}: {a['why']}"
-    moved = res.get("transfer")
-    if moved and (moved["resumed_bytes"] or moved["cached_blobs"]):
-        parts = [f"fetched {_size(moved['fetched_bytes'])}"]
-        if moved["resumed_bytes"]:
-            parts.append(f"resumed {_size(moved['resumed_bytes'])} a killed pull had written")
-        if moved["cached_blobs"]:
-            parts.append(f"{moved['cached_blobs']} blob(s) already in the cache")
-        human += "\n  " + "; ".join(parts)
-    if res.get("image"):
-        human += f"\n  image: {res['image']}"
-    if res.get("env"):
-        human += "\n  env: " + " ".join(f"{k}={v}" for k, v in sorted(res["env"].items()))
-    if res.get("serve"):
-        human += f"\n  serve: {res['serve']}"
-    if res.get("serve_refused"):
-        human += f"\n  hive-aot serve would refuse it: {res['serve_refused']}"
-    _emit(args, res, human)
-    return EXIT_OK
-
-
-def _dest(given: str) -> Path:
-    if not given.strip():  # Path("") is ".": a pull would replace the current directory's contents
-        raise HiveError("--dest is empty: name the directory to pull into (e.g. --dest /models/model)")
-    return Path(given)
-
-
-def cmd_serve(args) -> int:
-    from .serve import serve
-
-    res = serve(args.model, args.target, _dest(args.dest), extra_args=args.server_args, dry_run=args.dry_run,
-                allow_remote_code=args.allow_remote_code, recipe=args.recipe, tag=args.tag, store_uri=args.store,
-                registry=args.registry, strict=args.strict, trusted=args.trusted_keys, allow_stand_in=args.allow_stand_in)
-    import shlex
-
-    env = "".join(f"{k}={shlex.quote(v)} " for k, v in sorted(res["exec_env"].items()))
-    _emit(args, res, f"would exec: {env}{shlex.join(res['exec'])}")  # only reached with --dry-run
-    return EXIT_OK
-
-
-def cmd_profiles(args) -> int:
-    from .pull import profiles_report
-
-    res = profiles_report(args.model, tag=args.tag, store_uri=args.store, registry=args.registry)
-    lines = [f"{res['model_id']} ({res['tag']}) in {res['store']}:"]
-    vendor = None
-    for row in sorted(res["profiles"], key=lambda r: (str(r["vendor"]), str(r["role"]), r["profile"])):
-        if row["vendor"] != vendor:  # grouped by vendor, then role
-            vendor = row["vendor"]
-            lines.append(f"  {vendor}:")
-        arts = ", ".join(f"{a['recipe']} ({a['build_id'][:12]}, {_size(a['size'])})" for a in row["artifacts"]) or "-"
-        lines.append(f"    {row['profile']:22} {str(row['role']):13} {arts}" + (f"; pull takes {row['pull_picks']}"
-                                                                                if row["pull_picks"] else ""))
-    for b in res["pending_bundles"]:
-        lines.append(f"  pending: {b['recipe']} export bundle {b['build_id'][:12]} ({b['format']}): compile it on a host "
-                     f"with the Cloud AI SDK (hive-aot qaic-compile {res['model_id']} --recipe {b['recipe']})")
-    a = res["auto"]
-    lines.append(f"--target auto here: found {a['found']}; " + (f"chooses {a['profile']}: {a['why']}" if a["profile"]
-                                                                else a["why"]))
-    _emit(args, res, "\n".join(lines))
-    return EXIT_OK
-
-
-def cmd_tag(args) -> int:
-    from .operations import tag
-
-    res = tag(args.model, args.tag, recipe=args.recipe, store_uri=args.store)
-    moved = f" (was {res['previous_build_id'][:12]})" if res["previous_build_id"] else ""
-    _emit(args, res, f"{res['model_id']} {res['recipe']} {res['tag']} -> build {res['build_id'][:12]}{moved}")
-    return EXIT_OK
-
-
-def cmd_retire(args) -> int:
-    from .operations import retire
-
-    res = retire(args.model, recipe=args.recipe, store_uri=args.store, dry_run=args.dry_run)
-    verb = "would remove" if res["dry_run"] else "removed"
-    _emit(args, res, f"{verb} {len(res['refs'])} ref(s) and {len(res['manifests'])} manifest(s) of {res['model_id']}"
-                     f"{' ' + res['recipe'] if res['recipe'] else ''}; {res['blobs_left_for_gc']} blob(s) left for "
-                     "`hive-aot gc`")
-    return EXIT_OK
-
-
-def cmd_ls(args) -> int:
-    from .inventory import list_published
-
-    rows = list_published(args.store)
-    if args.json:
-        _emit(args, rows, "")
-    elif not rows:
-        print("(store is empty)")
-    else:
-        # columns as wide as their widest value: a tag is never cut (bundle-latest vs bundle-<commit>)
-        table = [(r["model_id"], r["recipe"], r["tag"], r["build_id"][:12], _size(r["size"]), r["created_at"])
-                 for r in rows]
-        header = ("model", "recipe", "tag", "build", "size", "created")
-        widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
-        for row in [header, *table]:
-            print("  ".join(v.rjust(w) if i == 4 else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths))).rstrip())
-    return EXIT_OK
-
-
-def cmd_gc(args) -> int:
-    from .inventory import gc
-
-    res = gc(args.store, dry_run=args.dry_run, min_age_s=args.min_age)
-    _emit(args, res, f"{'would remove' if args.dry_run else 'removed'} {len(res['blobs'])} blob(s) "
-                     f"({_size(res['bytes'])}), {len(res['staging'])} staging record(s), "
-                     f"{len(res['temporaries'])} stale temporary file(s), {len(res['work'])} dead work dir(s) and "
-                     f"{len(res['partials'])} dead partial download(s)")
     return EXIT_OK
 
 

@@ -64,7 +64,7 @@ SMALL_FILES = 64 * MIB  # tokenizer, config, reports, a validation's result file
 KQUANT_BLOCK = 256
 Q8_0_BLOCK = 32
 
-# Config sizes beyond these are not a model (compat.check.PLAUSIBLE refuses the same before any build; the plan
+# Config sizes beyond these are not a model (compat.sanity.PLAUSIBLE refuses the same before any build; the plan
 # refuses them too, so that nothing multiplies them into numbers no float can print).
 _CONFIG_BOUNDS = {"hidden_size": 131072, "num_hidden_layers": 2048, "num_attention_heads": 4096,
                   "num_key_value_heads": 4096, "vocab_size": 8_388_608, "head_dim": 4096}

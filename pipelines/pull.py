@@ -28,6 +28,7 @@ from .progress import bar
 from .signing import trusted_keys, verify
 from .store import Store, manifest_key, open_store, ref_key
 from .store.layout import BUNDLE_TAG_PREFIX, PROFILES_KEY, check_binding, is_digest
+from .engine_versions import engine_check
 from .serve_policy import serving_summary
 
 MARKER = "hive-aot.json"
@@ -244,30 +245,6 @@ def _swap_into_place(tmp: Path, dest: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, dest)
-
-
-ENGINE_VERSIONS_ENV = "HIVE_AOT_ENGINE_VERSIONS"  # e.g. "llama_cpp_python=0.3.36,vllm=0.33.0" for engines not installed as Python packages
-
-
-def engine_check(m: Manifest) -> list[dict[str, Any]]:
-    """The engines the artifact was validated with (manifest `validation.engines`) against this environment's:
-    the installed Python distribution of that name, or $HIVE_AOT_ENGINE_VERSIONS."""
-    from importlib import metadata
-
-    validated = (m.validation or {}).get("engines") or {}
-    given = dict(item.split("=", 1) for item in os.environ.get(ENGINE_VERSIONS_ENV, "").split(",") if "=" in item)
-    out = []
-    for package, version in sorted(validated.items()):
-        here = given.get(package)
-        if here is None:
-            try:
-                here = metadata.version(package)
-            except metadata.PackageNotFoundError:
-                here = None
-        here = here.split("+")[0] if here else None
-        status = "not installed here" if here is None else "same" if here == str(version) else "differs"
-        out.append({"engine": package, "validated_with": version, "here": here, "status": status})
-    return out
 
 
 def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag: str = "latest",

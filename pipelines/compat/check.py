@@ -33,6 +33,7 @@ from ..safetensors_io import Header, TensorSource
 from ..units import human_bytes
 from . import database
 from .hardware import Hardware, parse_hardware
+from .sanity import config_problems, text_cfg
 
 if TYPE_CHECKING:
     from ..config import Recipe, Registry
@@ -41,15 +42,6 @@ if TYPE_CHECKING:
 Status = Literal["compatible", "requires_review", "incompatible"]
 GIB = 1024**3
 
-# Bounds beyond which a config is not a model we should try to read (guards against absurd allocations).
-PLAUSIBLE = {
-    "hidden_size": 131072, "num_hidden_layers": 2048, "num_attention_heads": 4096, "num_key_value_heads": 4096,
-    "intermediate_size": 1048576, "vocab_size": 8_388_608, "max_position_embeddings": 1 << 27, "head_dim": 4096,
-}
-# Float settings engines take on trust: llama.cpp aborts the process on GGML_ASSERT(eps >= 0.0f) (exit 134), and
-# a non-positive or non-finite rope base turns every rotation into NaN. Range-checked before any engine sees them.
-EPS_KEYS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_epsilon", "norm_eps")
-ROPE_KEYS = ("rope_scaling", "rope_parameters")  # transformers 4 and 5 spellings; objects when present
 # quant_method values transformers (QuantizationMethod, 5.23) and vLLM 0.33 load; anything else is not a model
 # any engine of the platform can read as quantized.
 QUANT_METHODS = frozenset({
@@ -124,58 +116,6 @@ class WeightsSummary:
         return cls.from_headers(f.header for f in src.files)
 
 
-def _text_cfg(cfg: dict[str, Any]) -> dict[str, Any]:
-    tc = cfg.get("text_config")
-    return tc if isinstance(tc, dict) else cfg
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _shown(v: Any) -> str:
-    r = repr(v)  # a 4000-digit size from a hostile config.json is named, not printed
-    return r if len(r) <= 40 else f"{r[:16]}... ({len(r)} characters)"
-
-
-def _sanity(cfg: dict[str, Any]) -> list[str]:
-    """What makes a (text) config unreadable or dangerous for an engine: sizes, float ranges, shapes of fields."""
-    problems = []
-    text_cfg = _text_cfg(cfg)
-    for key, bound in PLAUSIBLE.items():
-        if key not in text_cfg or text_cfg[key] is None:
-            continue
-        v = text_cfg[key]
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v > bound:
-            problems.append(f"{key}={_shown(v)} is not plausible")
-    for key in EPS_KEYS:
-        v = text_cfg.get(key)
-        if v is not None and not (_number(v) and 0 < v < 1):
-            problems.append(f"{key}={_shown(v)} is not plausible (must be a number in (0, 1))")
-    rope = {}
-    for key in ROPE_KEYS:
-        v = text_cfg.get(key)
-        if v is not None and not isinstance(v, dict):
-            problems.append(f"{key}={_shown(v)} is not plausible (must be an object)")
-        elif v:
-            rope.update(v)
-    for key, v in (("rope_theta", text_cfg.get("rope_theta")), ("rope_theta", rope.get("rope_theta")),
-                   ("rope scaling factor", rope.get("factor"))):
-        if v is not None and not (_number(v) and math.isfinite(v) and v > 0):
-            problems.append(f"{key}={_shown(v)} is not plausible (must be a finite number > 0)")
-    sw = text_cfg.get("sliding_window")
-    if sw is not None and (not isinstance(sw, int) or isinstance(sw, bool) or not 0 < sw <= PLAUSIBLE["max_position_embeddings"]):
-        problems.append(f"sliding_window={_shown(sw)} is not plausible (must be a positive integer or null)")
-    if problems:
-        return problems
-    h, n, kv = text_cfg.get("hidden_size"), text_cfg.get("num_attention_heads"), text_cfg.get("num_key_value_heads")
-    if isinstance(h, int) and isinstance(n, int) and "head_dim" not in text_cfg and h % n:
-        problems.append(f"hidden_size={h} is not divisible by num_attention_heads={n}")
-    if isinstance(n, int) and isinstance(kv, int) and n % kv:  # grouped-query attention shares K/V across n/kv heads
-        problems.append(f"num_attention_heads={n} is not divisible by num_key_value_heads={kv}")
-    return problems
-
-
 def _model_type_problem(cfg: dict[str, Any], rec: database.Architecture, arch: str) -> str | None:
     """transformers builds the model from `model_type`, vLLM from `architectures`: they must name the same model."""
     if "model_type" not in cfg or rec.transformers_model_type is None:
@@ -215,7 +155,7 @@ _EMBED_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight"
 
 
 def _vocab_consistency(cfg: dict[str, Any], weights: WeightsSummary) -> str | None:
-    vocab = _text_cfg(cfg).get("vocab_size")
+    vocab = text_cfg(cfg).get("vocab_size")
     if not isinstance(vocab, int):
         return None
     for name, shape in weights.shapes.items():
@@ -319,7 +259,7 @@ def _route(rec: database.Architecture | None, arch: str | None, task: str, hw: H
 
 def _requirements(cfg: dict[str, Any], weights: WeightsSummary, task: str, hw: Hardware) -> tuple[dict[str, Any], Check | None]:
     """VRAM = weights + KV cache at the recommended context and batch + overhead (README: the formula)."""
-    tc = _text_cfg(cfg)
+    tc = text_cfg(cfg)
     quantized = isinstance(cfg.get("quantization_config"), dict)
     dtype = "float16" if set(weights.bytes_by_dtype) <= {"F16"} else "bfloat16"
     serving_weights = sum(weights.bytes_by_dtype.values()) if quantized else weights.parameters * 2
@@ -419,7 +359,7 @@ def classify(
         if len({db.lookup(a).name if db.lookup(a) else a for a in names}) > 1:
             checks.append(Check(name="architectures_consistent", status="fail",
                                 detail=f"config.json lists conflicting architectures: {', '.join(names)}"))
-    auto_map = "auto_map" in cfg or "auto_map" in _text_cfg(cfg)
+    auto_map = "auto_map" in cfg or "auto_map" in text_cfg(cfg)
     quant_method, quant_problem = _quantization(cfg)
 
     def recipe_applies(r: "Recipe") -> bool:
@@ -463,14 +403,14 @@ def classify(
     if rec is not None and rec.trust_remote_code:
         checks.append(Check(name="trust_remote_code", status="warn", detail="the serving engine needs trust_remote_code=True for this family"))
 
-    problems = _sanity(_text_cfg(cfg)) if not pipeline else []
+    problems = config_problems(text_cfg(cfg)) if not pipeline else []
     if problems:
         checks.append(Check(name="config_sane", status="fail", detail="; ".join(problems)))
         status = "incompatible"
     elif not pipeline:
         checks.append(Check(name="config_sane", status="pass", detail="sizes plausible"))
 
-    tc = _text_cfg(cfg)
+    tc = text_cfg(cfg)
     if tc.get("sliding_window") and tc.get("use_sliding_window", True) is not False:
         note = " (pass disable_sliding_window under vLLM)" if rec is not None and rec.family == "gemma" else ""
         checks.append(Check(name="sliding_window", status="warn" if note else "pass",

@@ -10,7 +10,7 @@ import numpy as np
 
 from ... import parity, prompts, reference
 from ...tokenizer_cache import CachedTokenizer
-from . import llama_log
+from .llama_log import capture_errors, reason
 
 if TYPE_CHECKING:
     from ...sources import Snapshot
@@ -98,12 +98,12 @@ def run_llama_cpp(gguf_path: str, sequences: list[list[int]], texts: list[str], 
     if not repack:
         _without_repacking()
     n_ctx = max(len(s) for s in sequences + [generation_prompt]) + generation_tokens + 8
-    errors = llama_log.capture_errors()
+    errors = capture_errors()
     try:
         llm = Llama(model_path=gguf_path, n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True, use_mmap=True,
                     verbose=False, seed=0, n_threads=validation_threads(Path(gguf_path).stat().st_size))
     except ValueError:  # "Failed to load model from file": say what libllama said
-        raise ValueError(f"llama.cpp cannot load {Path(gguf_path).name}: {llama_log.reason(errors)}"
+        raise ValueError(f"llama.cpp cannot load {Path(gguf_path).name}: {reason(errors)}"
                          f"{name_hint(gguf_path, errors)}") from None
     try:
         for i, seq in enumerate(sequences):
