@@ -417,8 +417,8 @@ def test_the_cpu_serve_command_uses_the_context_check_recommends(tiny_llama, tco
 
     d = copy_model(tiny_llama, tmp_path / "long")
     edit_config(d, max_position_embeddings=32768)
-    res = build_and_publish(str(d), "gguf-f16", tconfig, str(tmp_path / "store"), "test-org/long-context")
-    serving = json.loads(Path(res.manifest.removeprefix("file:")).read_text())["serving"]["llm-llamacpp-cpu"]
+    p = plan(str(d), "gguf-f16", tconfig, "test-org/long-context", hashed=False)  # what a build records, unbuilt
+    serving = p.target.serving(p.context, ["long-context-F16.gguf"])["llm-llamacpp-cpu"]
     snap = fetch(str(d), "test-org/long-context", hashed=False)
     recommended = classify_snapshot(snap, tconfig.recipes.values(), hardware="cpu", registry=tconfig.registry)
     n_ctx = recommended.estimated_requirements["recommended_config"]["max_model_len"]
