@@ -371,13 +371,13 @@ def reclaim_partials(max_age_s: float = PARTIAL_MAX_AGE_S, keep: set[str] | froz
 def _reclaim_leftovers(blob: Path, now: float, max_age_s: float) -> list[str]:
     partial, state, lock = _sidecar(blob, "partial"), _sidecar(blob, "parts"), _sidecar(blob, "lock")
     temporaries = list(blob.parent.glob(f".{blob.name}.parts.*.tmp"))
-    leftovers = [p for p in (partial, state, *temporaries) if _lstat(p) is not None]
-    ages = [now - st.st_mtime for st in (_lstat(p) for p in leftovers) if st is not None]
-    if ages and min(ages) <= max_age_s:
+    found = {p: st for p in (partial, state, *temporaries) if (st := _lstat(p)) is not None}
+    if any(now - st.st_mtime <= max_age_s for st in found.values()):
         return []  # a recent write: its pull may be alive, or may resume soon
-    if _lstat(lock) is None and not leftovers:
-        return []
+    leftovers = list(found)
     had_lock = _lstat(lock) is not None
+    if not had_lock and not leftovers:
+        return []
     fd = _take_free_lock(lock)
     if fd is None:
         return []  # a live pull holds it

@@ -23,8 +23,8 @@ from .errors import HiveError
 def serve(model: str, target: str, dest: Path, *, extra_args: Sequence[str] = (), dry_run: bool = False,
           allow_remote_code: bool = False, **pull_options: Any) -> dict[str, Any]:
     """Pull, then exec the server (never returns unless `dry_run`, which returns what it would run, having
-    checked the manifest but downloaded nothing). Only
-    what serve_policy allows runs: the kind's own server, its own arguments and environment."""
+    checked the manifest but downloaded nothing). Only what serve_policy allows runs: the kind's own server,
+    its own arguments and environment."""
     from .pull import pull
     from .serve_policy import ServeRefused, check
 
@@ -38,8 +38,8 @@ def serve(model: str, target: str, dest: Path, *, extra_args: Sequence[str] = ()
         program, argv, env_add = check(res.get("serve_argv"), res.get("env"), res["dest"],
                                        remote_code_allowed=allow_remote_code or res.get("signed_by") is not None)
     except ServeRefused as e:
-        raise ServeRefused(f"{res['model_id']} {res['recipe']} (build {res['build_id'][:12]}): {e}; the model is "
-                           f"pulled into {res['dest']}") from None
+        where = "" if dry_run else f"; the model is pulled into {res['dest']}"
+        raise ServeRefused(f"{res['model_id']} {res['recipe']} (build {res['build_id'][:12]}): {e}{where}") from None
     argv = [*argv, *extra_args]
     env = {**os.environ, **env_add}
     plan = {**res, "exec": argv, "exec_program": program, "exec_env": env_add, "uid": os.geteuid()}

@@ -258,6 +258,24 @@ def make_spm_llama(dest: Path, *, add_dummy_prefix: bool = True, hf_tokenizer: s
     return dest
 
 
+def rewrite_published_manifest(store: Path, recipe: str, edit, build_id: str = "*") -> Path:
+    """What anyone with write access to a local store can do without a signing key: rewrite a published
+    manifest (`edit(doc)` changes the decoded document) and fix the sha256 its recipe's `latest` ref records, so
+    only a signature (or serve's own policy) can tell. Returns the manifest's path."""
+    import hashlib
+
+    mpath = next(store.glob(f"manifests/*/{recipe}/{build_id}.json"))
+    doc = json.loads(mpath.read_text())
+    edit(doc)
+    raw = (json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    mpath.write_bytes(raw)
+    ref = next(store.glob(f"refs/*/{recipe}/latest"))
+    r = json.loads(ref.read_text())
+    r["manifest_sha256"] = hashlib.sha256(raw).hexdigest()
+    ref.write_text(json.dumps(r))
+    return mpath
+
+
 def rewrite_safetensors(model_dir: Path, edit) -> None:
     """Load model.safetensors as numpy (bf16 widened to float32), let `edit(dict)` change it, write it back."""
     import numpy as np

