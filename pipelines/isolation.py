@@ -3,8 +3,10 @@
 A native engine that crashes (SIGILL from an instruction the CPU lacks, SIGSEGV, abort()) takes
 its whole process with it. Run in a child, the crash becomes one error line in the parent that names
 the engine, the signal and the step, and the build publishes nothing. The child is a fresh Python
-interpreter (`python -m pipelines.isolation`), not a fork: forking a process that already holds
-threads (Dagster, torch, tqdm) is unsafe, and a fresh interpreter also hands its memory back.
+interpreter (`python -m pipelines.isolation`), not a fork of this process: forking a process that already
+holds threads (Dagster, torch, tqdm) is unsafe, and a fresh interpreter also hands its memory back. A child
+that needs torch and transformers may instead be forked by a warm server (pipelines/warm.py, opt-in), a
+process that has only imported them: the same isolation, without their seconds of imports.
 
 Arguments and results cross as JSON files, never pickles. Exceptions raised in the child come back
 as the same `HiveError` class with the same one-line message; anything else becomes an
@@ -25,7 +27,7 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any
 
-from . import errors, meter
+from . import errors, meter, warm
 from .errors import EngineCrashed, EngineFailed, HiveError
 from .paths import work_dir
 
@@ -39,30 +41,32 @@ _SIGNAL_MEANING = {
 }
 
 
-def run_isolated(function: str, *, engine: str, step: str, usage: dict[str, int] | None = None, **kwargs: Any) -> Any:
+def run_isolated(function: str, *, engine: str, step: str, usage: dict[str, int] | None = None, needs_torch: bool = False,
+                 **kwargs: Any) -> Any:
     """Call `package.module:function(**kwargs)` in a child Python and return its JSON result.
 
     `engine` and `step` only name things in the error line, e.g. engine "llama.cpp", step
     "GGUF validation of org/name (gguf-q4_k_m)". `usage`, when given, receives the child's peak
     resident memory (`peak_rss`, which counts mapped file pages) and its anonymous memory at the end
-    (`anon_rss`), in bytes.
+    (`anon_rss`), in bytes. With HIVE_AOT_WARM_DIR set, a warm server (pipelines/warm.py) forks the child
+    with its imports done: numpy, llama.cpp and hive-aot's engine modules, plus torch and transformers when
+    `needs_torch` (seconds of imports a child that does not use them should not hold in memory).
     """
     with work_dir("isolated-") as work:
         request_path, result_path = work / "request.json", work / "result.json"
         request_path.write_text(json.dumps({"function": function, "kwargs": kwargs, "result": str(result_path),
                                             "step": step}))
-        proc = subprocess.run([sys.executable, "-m", "pipelines.isolation", str(request_path)],
-                              stdin=subprocess.DEVNULL)
+        returncode = _run_child(request_path, needs_torch)
         try:
             outcome = json.loads(result_path.read_text())
         except (OSError, ValueError):
             outcome = None
-    if proc.returncode < 0:
-        sig = signal.Signals(-proc.returncode).name
+    if returncode < 0:
+        sig = signal.Signals(-returncode).name
         meaning = _SIGNAL_MEANING.get(sig, "killed by a signal")
         raise EngineCrashed(f"{engine} crashed with {sig} ({meaning}) during {step}; nothing was published")
     if outcome is None:
-        raise EngineCrashed(f"{engine} exited with status {proc.returncode} during {step} without a result; "
+        raise EngineCrashed(f"{engine} exited with status {returncode} during {step} without a result; "
                             "nothing was published")
     meter.child((outcome.get("usage") or {}).get("peak_rss"))
     if usage is not None:
@@ -74,6 +78,45 @@ def run_isolated(function: str, *, engine: str, step: str, usage: dict[str, int]
             raise cls(err["message"])
         raise EngineFailed(f"{engine} failed during {step}: {err['type']}: {err['message']}")
     return outcome["value"]
+
+
+def _run_child(request_path: Path, needs_torch: bool) -> int:
+    """The child's exit status: forked by a warm server where one is available, else a fresh interpreter."""
+    argv = ["-m", "pipelines.isolation", str(request_path)]
+    done = warm.run(sys.executable, "pipelines.isolation", argv, cwd=Path.cwd(), env=dict(os.environ), timeout=None,
+                    preload="preload_torch" if needs_torch else "preload")
+    if done is None:
+        return subprocess.run([sys.executable, *argv], stdin=subprocess.DEVNULL).returncode
+    return done[0]
+
+
+# What a warm server imports before forking (pipelines/warm.py): names, not dependencies of this module.
+PRELOAD = ("numpy", "llama_cpp", "pipelines.targets.gguf.validate", "pipelines.targets.gguf.quantize")
+PRELOAD_TORCH = (*PRELOAD, "torch", "transformers", "transformers.activations",  # hub kernels, dynamo
+                 "pipelines.reference", "pipelines.streamed_model")
+
+
+def _import_all(names: tuple[str, ...]) -> None:
+    for name in names:
+        try:
+            import_module(name)
+        except ImportError:  # a host without that extra: its children import what they can themselves
+            pass
+
+
+def preload() -> None:
+    """A warm server's imports: what every engine child spends its first second on."""
+    _import_all(PRELOAD)
+
+
+def preload_torch() -> None:
+    """A needs_torch child's imports: torch and transformers too, several seconds on two cores."""
+    _import_all(PRELOAD_TORCH)
+
+
+def main(argv: list[str]) -> int:
+    """A warm child's entry: argv as a fresh one gets it (`-m pipelines.isolation REQUEST`)."""
+    return _child(argv[-1])
 
 
 def run_measured(argv: list[str], timeout: float | None = None, **popen: Any) -> tuple[int, int]:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/factories.py and friends
 
 from durations import known_durations  # noqa: E402
 from factories import make_llama  # noqa: E402
+
+from pipelines import warm  # noqa: E402
 
 pytest_plugins = ["hf_mirror", "s3_server"]  # olah HF mirror, SeaweedFS S3 (tests/*.py)
 
@@ -35,7 +39,17 @@ def hermetic_env(tmp_path_factory):
     os.environ.pop("HIVE_AOT_FAULT", None)
     # Never the shell's Dagster instance (it may be someone's real one).
     os.environ["DAGSTER_HOME"] = str(tmp_path_factory.mktemp("dagster-home"))
+    # Warm engine servers (pipelines/warm.py) for this session's engine children: numpy, llama.cpp, torch and
+    # vLLM imported once per worker instead of once per child. A short path: a socket's name holds 108 bytes.
+    # HIVE_AOT_TEST_WARM=0 runs every child fresh (to compare).
+    warm_dir = Path(tempfile.mkdtemp(prefix="hive-warm-"))
+    if os.environ.get("HIVE_AOT_TEST_WARM", "1") != "0":
+        os.environ[warm.WARM_DIR_ENV] = str(warm_dir)
+    else:
+        os.environ.pop(warm.WARM_DIR_ENV, None)
     yield cache
+    warm.stop_all(warm_dir)
+    shutil.rmtree(warm_dir, ignore_errors=True)
     os.environ.clear()
     os.environ.update(old)
 

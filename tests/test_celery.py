@@ -18,6 +18,7 @@ import dagster as dg
 import psutil
 import pytest
 import yaml
+from factories import SMOLLM2_PRE, make_llama
 from processes import free_port, stop_group
 
 REPO = Path.cwd()
@@ -50,15 +51,20 @@ def redis_url(tmp_path_factory):
     stop_group(proc)
 
 
-def test_onboarding_runs_on_two_celery_workers(tmp_path, tiny_llama, redis_url):
+def test_onboarding_runs_on_two_celery_workers(tmp_path, smollm2_small_vocab_dir, redis_url):
+    # a 2-layer Llama on SmolLM2's BPE cut to 2,048 tokens: the recipes name its pre-tokenizer
+    tiny_llama = make_llama(tmp_path / "tiny-llama", smollm2_small_vocab_dir)
     home = tmp_path / "dagster"
     home.mkdir()
     shutil.copyfile(REPO / "pipelines" / "orchestration" / "dagster.yaml", home / "dagster.yaml")
     recipes = tmp_path / "recipes"
     shutil.copytree(REPO / "recipes", recipes)
+    f16 = yaml.safe_load((recipes / "gguf-f16.yaml").read_text())
+    f16["options"] = {**f16.get("options", {}), "bpe_pre_fallback": SMOLLM2_PRE}
+    (recipes / "gguf-f16.yaml").write_text(yaml.safe_dump(f16))
     (recipes / "gguf-f32.yaml").write_text(yaml.safe_dump({
-        "id": "gguf-f32", "kind": "gguf", "options": {"outtype": "f32"}, "runtime_profiles": ["llm-llamacpp-cpu"],
-        "validation": {"min_top1_agreement": 0.99, "max_mean_kl": 0.001}}))
+        "id": "gguf-f32", "kind": "gguf", "options": {"outtype": "f32", "bpe_pre_fallback": SMOLLM2_PRE},
+        "runtime_profiles": ["llm-llamacpp-cpu"], "validation": {"min_top1_agreement": 0.99, "max_mean_kl": 0.001}}))
     reg = yaml.safe_load((REPO / "registry.yaml").read_text())
     reg.update(recipes_dir=str(recipes), models=[{"id": MODEL, "source": str(tiny_llama),
                                                   "recipes": ["gguf-f16", "gguf-f32"]}])

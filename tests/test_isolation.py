@@ -16,6 +16,17 @@ from pipelines.isolation import run_isolated
 REPO = Path.cwd()
 
 
+@pytest.fixture(params=["warm", "fresh"])
+def child_start(request, monkeypatch):
+    """Twice: the child forked by the session's warm server, and a fresh interpreter."""
+    if request.param == "fresh":
+        from pipelines import warm
+
+        monkeypatch.delenv(warm.WARM_DIR_ENV, raising=False)
+    return request.param
+
+
+@pytest.mark.usefixtures("child_start")
 def test_result_and_errors_cross_as_json(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # child_helpers.py
     # os.path.relpath runs in the child: a real function, a JSON result
@@ -30,6 +41,7 @@ def test_result_and_errors_cross_as_json(monkeypatch):
                      kind="ValueError", message="bad\nvalue")
 
 
+@pytest.mark.usefixtures("child_start")
 def test_a_full_disk_in_the_child_is_the_disk_full_line(monkeypatch, tmp_path):
     from pipelines.errors import DiskFull
 
@@ -39,6 +51,7 @@ def test_a_full_disk_in_the_child_is_the_disk_full_line(monkeypatch, tmp_path):
         run_isolated("child_helpers:fill_the_disk", engine="llama.cpp", step="llama logits", path=str(tmp_path / "l0.npy"))
 
 
+@pytest.mark.usefixtures("child_start")
 @pytest.mark.parametrize("fault, signame", [("SIGILL", "SIGILL"), ("segv", "SIGSEGV"), ("SIGABRT", "SIGABRT")])
 def test_native_crash_becomes_one_line(monkeypatch, fault, signame):
     monkeypatch.setenv("HIVE_AOT_FAULT", f"GGUF validation:{fault}")
@@ -52,6 +65,7 @@ def test_native_crash_becomes_one_line(monkeypatch, fault, signame):
     assert run_isolated("os.path:relpath", engine="llama.cpp", step="Q4_K_M quantization", path="x") == "x"
 
 
+@pytest.mark.usefixtures("child_start")
 def test_child_exit_without_result_is_reported(monkeypatch):
     with pytest.raises(EngineCrashed, match=r"^eng exited with status 3 during st without a result"):
         run_isolated("os:_exit", engine="eng", step="st", status=3)

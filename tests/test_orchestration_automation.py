@@ -14,7 +14,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 import yaml
-from factories import copy_model, rewrite_safetensors
+from factories import SMOLLM2_PRE, copy_model, make_llama, rewrite_safetensors
 
 from pipelines.config import Config
 from pipelines.orchestration.automation import (observe_revisions_job, onboard_job, recipe_sensor, registry_sensor,
@@ -27,14 +27,27 @@ F32 = {"id": "gguf-f32", "kind": "gguf", "options": {"outtype": "f32"}, "runtime
        "validation": {"min_top1_agreement": 0.99, "max_mean_kl": 0.001}}
 
 
+@pytest.fixture(scope="module")
+def tiny_llama(smollm2_small_vocab_dir, tmp_path_factory) -> Path:
+    """A 2-layer random Llama on SmolLM2's BPE cut to 2,048 tokens (the full vocabulary is most of a tiny
+    model's conversion and validation; what these tests check is the automation around them)."""
+    return make_llama(tmp_path_factory.mktemp("models") / "tiny-llama", smollm2_small_vocab_dir)
+
+
 def write_registry(tmp: Path, models: list[dict], extra_recipes: list[dict] = ()) -> Path:
-    """The repo's registry and recipes (plus a lossless f32 recipe: tiny random models have small logit margins)."""
+    """The repo's registry and recipes (plus a lossless f32 recipe: tiny random models have small logit margins).
+    GGUF recipes name the cut vocabulary's pre-tokenizer (its check hash is not llama.cpp's SmolLM2 one)."""
     base = yaml.safe_load((REPO / "registry.yaml").read_text())
     recipes = tmp / "recipes"
     if not recipes.exists():
         shutil.copytree(REPO / "recipes", recipes)
     for r in [F32, *extra_recipes]:
         (recipes / f"{r['id']}.yaml").write_text(yaml.safe_dump(r))
+    for path in recipes.glob("*.yaml"):
+        data = yaml.safe_load(path.read_text())
+        if data.get("kind") == "gguf":
+            data["options"] = {**(data.get("options") or {}), "bpe_pre_fallback": SMOLLM2_PRE}
+            path.write_text(yaml.safe_dump(data, sort_keys=False))
     base.update(models=models, recipes_dir=str(recipes))
     path = tmp / "registry.yaml"
     path.write_text(yaml.safe_dump(base))

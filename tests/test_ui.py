@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from factories import SMOLLM2_PRE
 from processes import free_port, stop_group
 
 REPO = Path.cwd()
@@ -73,11 +74,16 @@ def running_ui(tmp_path: Path, registry: Path):
 
 
 @pytest.fixture(scope="module")
-def dagster_ui(tmp_path_factory, tiny_llama) -> tuple[int, Path]:
+def dagster_ui(tmp_path_factory, smollm2_small_vocab_dir) -> tuple[int, Path]:
     """One `dg dev` for the module (a start costs half a minute of CPU): the packaged registry and recipes plus
-    an f32 GGUF recipe and the onboarding test's model. Yields (port, its directory)."""
+    an f32 GGUF recipe and the onboarding test's model (a 2-layer Llama on SmolLM2's BPE cut to 2,048 tokens:
+    the UI shows the same pages, the build costs seconds less). Yields (port, its directory)."""
+    from factories import make_llama
+
     root = tmp_path_factory.mktemp("ui")
-    with running_ui(root, _ui_registry(root, tiny_llama)) as port:
+    # hidden 256: the f32 GGUF is over a MiB, as the partition page's size column is checked in MiB
+    model = make_llama(root / "tiny-llama", smollm2_small_vocab_dir, hidden_size=256, intermediate_size=512)
+    with running_ui(root, _ui_registry(root, model)) as port:
         yield port, root
 
 
@@ -137,7 +143,8 @@ def _ui_registry(tmp_path: Path, model: Path) -> Path:
     recipes = tmp_path / "recipes"
     shutil.copytree(REPO / "recipes", recipes)
     (recipes / "gguf-f32.yaml").write_text(yaml.safe_dump({
-        "id": "gguf-f32", "kind": "gguf", "options": {"outtype": "f32"}, "runtime_profiles": ["llm-llamacpp-cpu"],
+        "id": "gguf-f32", "kind": "gguf", "options": {"outtype": "f32", "bpe_pre_fallback": SMOLLM2_PRE},
+        "runtime_profiles": ["llm-llamacpp-cpu"],
         "description": "f32 GGUF (lossless: tiny random models have small logit margins)",
         "validation": {"min_top1_agreement": 0.99, "max_mean_kl": 0.001}}))
     reg = yaml.safe_load((REPO / "registry.yaml").read_text())

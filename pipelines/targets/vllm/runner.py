@@ -8,7 +8,8 @@ prompt_logprobs), generation_prompts (token ids, greedy), generation_tokens, tok
 RESULT: per sequence and position [top-1 id, top-1 logprob, logprob of the actual next token];
 greedy token ids with their logprobs; the ids vLLM's tokenizer gives the texts; versions and timings.
 
-A script file, not stdin: vLLM's engine start spawns processes that re-import the main module.
+A script file, not stdin: vLLM's engine start spawns processes that re-import the main module. A warm
+server (pipelines/warm.py) runs it too: `preload()` once, then `main(argv)` in a forked child per job.
 """
 
 import json
@@ -39,16 +40,25 @@ def skip_input_embedding_packing() -> None:
     method.process_weights_after_loading = process_weights_after_loading
 
 
-def main() -> int:
-    job_path, result_path = sys.argv[1], sys.argv[2]
+def preload() -> None:
+    """What every job imports first (most of an engine start on CPU): a warm server does it once."""
+    import vllm  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401
+    from vllm.inputs import TokensPrompt  # noqa: F401
+
+    skip_input_embedding_packing()
+
+
+def main(argv: list[str]) -> int:
+    job_path, result_path = argv[1], argv[2]
     with open(job_path) as f:
         job = json.load(f)
     t0 = time.time()
     import vllm
     from vllm import LLM, SamplingParams
-
-    skip_input_embedding_packing()
     from vllm.inputs import TokensPrompt
+
+    preload()
 
     llm = LLM(model=job["model_dir"], dtype=job["dtype"], max_model_len=job["max_model_len"], enforce_eager=True,
               seed=0, gpu_memory_utilization=job.get("memory_fraction", 0.25), trust_remote_code=False,
@@ -108,7 +118,7 @@ def fast_exit(rc: int) -> None:
 
 if __name__ == "__main__":
     try:
-        code = main()
+        code = main(sys.argv)
     except Exception:  # the traceback is the error engine.py reads (its root-cause line)
         import traceback
 
