@@ -28,6 +28,7 @@ import runpy
 import selectors
 import signal
 import socket
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -82,7 +83,13 @@ def run(python: str, entry: str, argv: list[str], *, cwd: Path, env: dict[str, s
     directory = warm_dir()
     if directory is None:
         return None
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = directory.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        # whoever can reach a server's socket runs code as this user: only a directory of ours alone
+        print(f"hive-aot: {WARM_DIR_ENV}={directory} is not a directory of this user's alone (mode 0700): "
+              "running engines fresh", file=sys.stderr)
+        return None
     path = server_socket(directory, python, entry, preload, env)
     if len(str(path).encode()) > SOCKET_PATH_MAX:
         return None
@@ -237,6 +244,7 @@ def serve(path: str, entry: str, preload: str, idle: float, ready_fd: int) -> in
     names[preload]()
     main = names["main"]
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    os.umask(0o077)  # the socket file: this user only
     listener.bind(path)
     listener.listen(16)
     own_inode = os.stat(path).st_ino
@@ -284,6 +292,10 @@ def _start_job(conn: socket.socket, main: Callable[[list[str]], int], sel: selec
                jobs: dict[int, socket.socket], server_fds: list[int]) -> None:
     conn.settimeout(30)
     fds: list[int] = []
+    _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if uid != os.getuid():  # a job runs as this user: only this user may ask for one
+        conn.close()
+        return
     try:
         first, fds, _flags, _addr = socket.recv_fds(conn, 65536, 2)
         rest = b"" if first.endswith(b"\n") or not first else _read_line(conn)

@@ -187,3 +187,20 @@ def test_isolated_children_are_forked_warm_with_the_same_results(warm_dir, monke
     with pytest.raises(EngineCrashed, match=r"^llama.cpp crashed with SIGSEGV \(segmentation fault\) during GGUF"):
         run_isolated("os.path:relpath", engine="llama.cpp", step="GGUF validation of a/b", path="x")
     assert [p.name.split("-")[1] for p in warm_dir.glob("isolation-*.sock")] == ["preload"]
+
+
+def test_a_warm_dir_others_can_enter_is_not_used(entry, tmp_path, monkeypatch, capfd):
+    """Whoever reaches a server's socket runs code as this user: a directory open to others means fresh processes."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    monkeypatch.setenv(warm.WARM_DIR_ENV, str(shared))
+    assert _run(entry, tmp_path, "report", "0")[0] is None
+    assert "not a directory of this user's alone" in capfd.readouterr().err
+    assert list(shared.iterdir()) == []
+
+
+def test_a_servers_socket_is_this_users_only(entry, tmp_path, warm_dir):
+    _run(entry, tmp_path, "report", "0")
+    (sock,) = warm_dir.glob("*.sock")
+    assert sock.stat().st_mode & 0o077 == 0 and warm_dir.stat().st_mode & 0o077 == 0
