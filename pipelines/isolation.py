@@ -4,9 +4,9 @@ A native engine that crashes (SIGILL from an instruction the CPU lacks, SIGSEGV,
 its whole process with it. Run in a child, the crash becomes one error line in the parent that names
 the engine, the signal and the step, and the build publishes nothing. The child is a fresh Python
 interpreter (`python -m pipelines.isolation`), not a fork of this process: forking a process that already
-holds threads (Dagster, torch, tqdm) is unsafe, and a fresh interpreter also hands its memory back. A child
-that needs torch and transformers may instead be forked by a warm server (pipelines/warm.py, opt-in), a
-process that has only imported them: the same isolation, without their seconds of imports.
+holds threads (Dagster, torch, tqdm) is unsafe, and a fresh interpreter also hands its memory back. With
+HIVE_AOT_WARM_DIR set, the child is instead forked by a warm server (pipelines/warm.py), a process that has
+only imported the engines' libraries (`PRELOAD`, `PRELOAD_TORCH`): the same isolation, without the imports.
 
 Arguments and results cross as JSON files, never pickles. Exceptions raised in the child come back
 as the same `HiveError` class with the same one-line message; anything else becomes an
