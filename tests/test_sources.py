@@ -377,10 +377,13 @@ def test_malformed_config_fails_plan_and_cli_with_one_line(tiny_llama, tmp_path,
 # --- the CLI end to end, and secrets --------------------------------------------------------------
 
 
-def test_hf_token_never_appears_in_cli_output(tiny_repo):
+def test_hf_token_never_appears_in_cli_output(tiny_repo, tmp_path, monkeypatch):
     repo, commit, _ = tiny_repo
     secret = f"hf_{uuid.uuid4().hex}"
-    env = {**os.environ, "HF_TOKEN": secret, "HIVE_AOT_PROGRESS": "1"}
+    # A cache of this test's own: the snapshot checked below is written here, under the token, whatever ran before.
+    monkeypatch.setenv("HIVE_AOT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_TOKEN", secret)
+    env = {**os.environ, "HIVE_AOT_PROGRESS": "1"}
 
     missing = cli("check", f"hf://{ORG}/doesnotexist", "--json", env=env)
     assert missing.returncode == 1, missing.stderr
@@ -394,8 +397,11 @@ def test_hf_token_never_appears_in_cli_output(tiny_repo):
     for res in (missing, ok):
         assert secret not in res.stdout and secret not in res.stderr
         assert secret[3:] not in res.stdout + res.stderr  # not even without its prefix
-    marker = next(d for d in snapshots_of(repo) if d.name == commit) / MARKER
-    assert secret not in marker.read_text()
+    # `check` reads headers only; a fetch with the token writes the snapshot and its marker
+    assert snapshots_of(repo) == []
+    snap = fetch(f"hf://{repo}@main")
+    assert snapshots_of(repo) == [snap.dir] and snap.dir.name == commit
+    assert secret not in (snap.dir / MARKER).read_text()
 
 
 def test_cli_build_through_mirror_then_pull(tiny_repo, tmp_path):
