@@ -424,7 +424,7 @@ def relaxed_gates(recipe: str) -> dict[str, Any] | None:
 def shipped_gate_failures(recipe: str, metrics: dict[str, Any]) -> list[str] | None:
     try:
         from pipelines.config import Config
-        from pipelines.targets import check_thresholds
+        from pipelines.thresholds import check_thresholds
 
         cfg = Config.load(REPO / "registry.yaml")
         return check_thresholds(metrics, cfg.recipe(recipe).validation)

@@ -29,7 +29,8 @@ from .cli_store import cmd_gc, cmd_ls, cmd_profiles, cmd_pull, cmd_retire, cmd_s
 # Import names that differ from the distribution that provides them.
 _DIST_OF_MODULE = {"llama_cpp": "llama_cpp_python", "google": "protobuf"}
 def cmd_check(args) -> int:
-    from .compat.check import WeightsSummary, classify, classify_snapshot
+    from .compat.check import classify, classify_snapshot
+    from .compat.requirements import WeightsSummary
     from .config import Config
     from .sources import fetch, hub_offline, parse_source
 
@@ -107,37 +108,15 @@ def cmd_registry(args) -> int:
     return EXIT_OK
 
 
-def _num(value: Any, spec: str) -> str:
-    """A metric for a summary line; one a broken artifact left unmeasured (None, NaN) reads as such."""
-    return format(value, spec) if isinstance(value, (int, float)) and value == value else f"{value} (not measured)"
-
-
 def cmd_build(args) -> int:
     from .build import build_and_publish
     from .config import Config
+    from .kinds import target_for
 
     config = Config.load(args.registry, args.recipes)
     res = build_and_publish(args.source, args.recipe, config, args.store, args.model_id)
     v = res.validation or {}
-    met = v.get("metrics", {})
-    score = (f" top-1 {_num(met.get('top1_agreement'), '.4f')}, KL {_num(met.get('mean_kl'), '.5f')}"
-             if "top1_agreement" in met else "")
-    if met.get("vllm_loaded"):
-        score += (f"; in vLLM: top-1 {_num(met.get('vllm_top1_agreement'), '.4f')} vs transformers, "
-                  f"greedy {met['vllm_greedy_tokens_matched']} tokens")
-    elif "vllm_loaded" in met:
-        score += f"; vLLM load not checked here: {v.get('vllm', {}).get('reason', '')}"
-    if "predicted_kl" in met:
-        q = v.get("mxfp6") or v.get("fp16") or {}
-        score += (f" predicted on the device ({', '.join(q.get('emulated', []))}): "
-                  f"top-1 {_num(met.get('predicted_top1'), '.4f')}, "
-                  f"KL {_num(met.get('predicted_kl'), '.5f')}, perplexity {_num(met.get('predicted_ppl_delta'), '+.2%')}")
-    if "ort_max_abs_delta" in met:
-        score += (f" onnxruntime: max |delta| {_num(met.get('ort_max_abs_delta'), '.2e')}"
-                  + (f", top-1 {_num(met.get('ort_top1_agreement'), '.4f')}" if "ort_top1_agreement" in met else "")
-                  + (f", cosine {_num(met.get('ort_min_cosine'), '.6f')}" if "ort_min_cosine" in met else ""))
-    if "predicted_cosine" in met:
-        score += f" predicted on the device: embedding cosine {_num(met.get('predicted_cosine'), '.5f')}"
+    score = target_for(config.recipe(res.recipe).kind).summary(v)
     size = sum(f["size"] for f in res.files)
     if res.state == "rejected":
         why = "; ".join(v.get("failures", [])) or res.reason or ""

@@ -27,7 +27,8 @@ from .errors import ConfigError, HiveError
 from .yaml_file import load_yaml
 from .paths import check_model_id
 from .store.layout import RECIPE_ID_RE  # one grammar for recipe ids here and in the store's keys
-from .targets import KINDS, Thresholds, target_class
+from .kinds import known as known_kinds, target_class, target_for
+from .thresholds import Thresholds
 
 
 class _Strict(BaseModel):
@@ -144,8 +145,8 @@ class Recipe(_Strict):
     @field_validator("kind")
     @classmethod
     def _kind(cls, v: str) -> str:
-        if v not in KINDS:
-            raise ValueError(f"unknown kind {v!r} (known: {', '.join(KINDS)})")
+        if v not in known_kinds():
+            raise ValueError(f"unknown kind {v!r} (known: {', '.join(known_kinds())})")
         return v
 
     @field_validator("validation", mode="before")
@@ -345,8 +346,6 @@ class Config:
         return str(self.registry_file) if self.registry_file else "the packaged default registry"
 
     def _cross_check(self) -> None:
-        from .targets import target_for
-
         profiles = {p.id for p in self.registry.runtime_profiles}
         by_id = {p.id: p for p in self.registry.runtime_profiles}
         for r in self.recipes.values():
@@ -361,7 +360,7 @@ class Config:
                     raise ConfigError(f"recipe {r.id}: runtime_profiles: unknown profile {pid!r}")
                 # An intermediate artifact (an ONNX export) is only ever read by the recipes built from it;
                 # its runtime profiles say which hardware it is built for.
-                if fmt not in by_id[pid].loads and not getattr(target, "intermediate", False):
+                if fmt not in by_id[pid].loads and not target.intermediate:
                     raise ConfigError(f"recipe {r.id}: runtime profile {pid} does not load {fmt} "
                                       f"(it loads {', '.join(by_id[pid].loads) or 'nothing'})")
         for i, m in enumerate(self.registry.models):
@@ -375,15 +374,13 @@ class Config:
 
     def _check_input(self, r: Recipe) -> None:
         """A derived recipe names an existing recipe of a kind its target reads, without cycles."""
-        from .targets import target_for
-
         seen = [r.id]
         cur = r
         while cur.input is not None:
             if cur.input not in self.recipes:
                 raise ConfigError(f"recipe {cur.id}: input: unknown recipe {cur.input!r}")
             parent = self.recipes[cur.input]
-            accepted = getattr(target_for(cur.kind), "input_kinds", ())
+            accepted = target_for(cur.kind).input_kinds
             if parent.kind not in accepted:
                 raise ConfigError(f"recipe {cur.id}: input: {parent.id} is a {parent.kind} recipe; a {cur.kind} recipe "
                                   f"reads {', '.join(accepted) or 'no input'}")
@@ -391,12 +388,11 @@ class Config:
                 raise ConfigError(f"recipe {r.id}: input: cycle {' -> '.join(seen + [parent.id])}")
             seen.append(parent.id)
             cur = parent
-        problems = getattr(target_for(r.kind), "input_problems", None)
-        if r.input is not None and problems is not None:
-            found = problems(r.options, self.recipes[r.input].options)
+        if r.input is not None:
+            found = target_for(r.kind).input_problems(r.options, self.recipes[r.input].options)
             if found:
                 raise ConfigError(f"recipe {r.id}: {'; '.join(found)}")
-        if r.input is None and getattr(target_for(r.kind), "input_kinds", ()):
+        if r.input is None and target_for(r.kind).input_kinds:
             raise ConfigError(f"recipe {r.id}: input: a {r.kind} recipe is built from a "
                               f"{' or '.join(target_for(r.kind).input_kinds)} recipe; name it")
 

@@ -16,7 +16,8 @@ from .config import Config, Recipe
 from .errors import NotApplicableError
 from .manifest import Manifest, compute_build_id
 from .sources import Snapshot, fetch
-from .targets import BuildContext, Target, target_for
+from .kinds import target_for
+from .targets import BuildContext, Target
 
 
 @dataclass
@@ -93,7 +94,7 @@ def _plan_recipe(snap: Snapshot, recipe: Recipe, config: Config, parent: Plan | 
     target = target_for(recipe.kind)
     ctx = BuildContext(snapshot=snap, recipe=recipe, compatibility=compat, registry=config.registry,
                        classify=classify_for)
-    problems = target.plan_problems(ctx) if hasattr(target, "plan_problems") else []
+    problems = target.plan_problems(ctx)
     if problems:
         raise NotApplicableError(f"recipe {recipe.id} does not apply to {snap.model_id}: {'; '.join(problems)}")
     build_id = None

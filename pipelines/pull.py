@@ -158,7 +158,7 @@ def profiles_report(model: str, *, tag: str = "latest", store_uri: str | None = 
 
 def _finishes_as(c: Candidate) -> str | None:
     """The format a bundle's recipe finishes as (its target's artifact format), None when unknown here."""
-    from .targets import target_class
+    from .kinds import target_class
 
     try:
         return target_class(c.manifest.recipe.kind).artifact_format(c.manifest.recipe.options)

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigError, HiveError
-from .targets import KINDS, MODEL_DIR, ServerProgram, target_for
+from .kinds import known as known_kinds, target_for
+from .targets import MODEL_DIR, ServerProgram
 
 if TYPE_CHECKING:
     from .manifest import Manifest
@@ -52,7 +53,7 @@ class RemoteCodeRefused(ServeRefused):
 def allowed_programs() -> dict[str, ServerProgram]:
     """Program name -> what it may be given, merged over every kind that runs it (vLLM serves two kinds)."""
     merged: dict[str, ServerProgram] = {}
-    for kind in KINDS:
+    for kind in known_kinds():
         for prog in target_for(kind).server_programs:
             have = merged.get(prog.name)
             if have is None:

@@ -13,7 +13,7 @@ from pipelines.compat import classify, classify_snapshot, database
 from pipelines.compat.hardware import parse_hardware
 from pipelines.errors import HiveError
 from pipelines.sources import fetch
-from pipelines.targets import target_for
+from pipelines.kinds import target_for
 from pipelines.targets.qaic.export import FAMILIES as QAIC_FAMILIES
 
 TESTED = {"GPT2LMHeadModel": 150, "MixtralForCausalLM": 120, "PhiForCausalLM": 110, "Phi3ForCausalLM": 105,
@@ -306,7 +306,7 @@ def test_bad_hardware_specs(spec, config):
 
 
 def test_requirements_follow_the_documented_formula(config):
-    from pipelines.compat.check import GIB, WeightsSummary
+    from pipelines.compat.requirements import GIB, WeightsSummary
 
     cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
            "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 131072}

@@ -28,7 +28,7 @@ from pipelines.config import Config
 from pipelines.errors import ConfigError, DiskFull, ResourceError
 from pipelines.memory import (FP32, GIB, MIB, PlanEnv, facts_from_tensors, human_bytes, plan_build, reference_memory,
                               reference_need)
-from pipelines.targets import target_for
+from pipelines.kinds import target_for
 from pipelines.targets.gguf import tensor_quant
 from pipelines.targets.gguf.plan import gguf_bytes
 from pipelines.units import parse_size

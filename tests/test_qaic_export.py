@@ -271,7 +271,7 @@ def test_qaic_export_refuses_what_the_vllm_targets_refuse(case, tiny_llama, tmp_
 
 def test_a_metric_that_is_not_finite_fails_its_gate():
     """NaN passes every comparison: an ort_max_abs_delta of NaN (an export with an Inf weight) passed the max gate."""
-    from pipelines.targets import check_thresholds
+    from pipelines.thresholds import check_thresholds
     from pipelines.targets.qaic import ExportThresholds
 
     gates = ExportThresholds(max_ort_abs_delta=0.5)

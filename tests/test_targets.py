@@ -6,19 +6,52 @@ from __future__ import annotations
 import pytest
 
 from pipelines.manifest import Manifest
-from pipelines.targets import KINDS, check_thresholds, serve_command, target_class, target_for
+from pipelines.kinds import BUILTIN, ENTRY_POINT_GROUP, refresh, target_class, target_for
+from pipelines.kinds import known as known_kinds
+from pipelines.targets import Target, serve_command
+from pipelines.thresholds import check_thresholds
+
+
+# What a kind must decide itself: `Target` has no default for these.
+ABSTRACT = ("plan_steps", "option_problems", "artifact_format", "supports", "toolchain", "build", "validate", "serving")
 
 
 def test_every_kind_implements_the_interface():
-    for kind in KINDS:
+    for kind in known_kinds():
+        cls = target_class(kind)
+        assert issubclass(cls, Target), kind
+        inherited = [m for m in ABSTRACT if getattr(cls, m) is getattr(Target, m)]
+        assert inherited == [], (kind, inherited)
         t = target_for(kind)
-        assert t.kind == kind and isinstance(t.format_version, int)
-        for method in ("option_problems", "artifact_format", "supports", "toolchain", "build", "validate", "serving"):
-            assert callable(getattr(t, method)), (kind, method)
+        assert t.kind == kind and isinstance(t.format_version, int) and t.build_step
+        assert set(t.input_kinds) <= set(known_kinds()), (kind, t.input_kinds)
         for name, field in t.Thresholds.model_fields.items():  # every gate names its metric
             assert name.startswith(("min_", "max_", "require_")) and field.json_schema_extra["metric"], (kind, name)
     with pytest.raises(ValueError, match=r"unknown target kind 'qpc' \(known: gguf, vllm, qaic-export, qaic\)"):
         target_class("qpc")
+
+
+def test_an_installed_plugin_adds_a_kind_and_cannot_replace_a_builtin_one(tmp_path, monkeypatch):
+    """A distribution on sys.path declaring `hive_aot.targets` entry points (as `pip install` of a plug-in
+    leaves it) adds its kind to the registry; one naming a built-in kind is ignored."""
+    (tmp_path / "toy_plugin.py").write_text(
+        "from pipelines.targets import Target\n\n\nclass ToyTarget(Target):\n    kind = 'toy'\n    format_version = 1\n"
+        "    build_step = 'toy'\n\n\nclass Impostor(Target):\n    kind = 'gguf'\n")
+    info = tmp_path / "toy_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\ntoy = toy_plugin:ToyTarget\ngguf = toy_plugin:Impostor\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    refresh()
+    try:
+        assert list(known_kinds()) == [*BUILTIN, "toy"]
+        assert type(target_for("toy")).__name__ == "ToyTarget" and target_for("toy").kind == "toy"
+        assert target_class("gguf").__name__ == "GgufTarget"
+        assert target_for("toy").input_kinds == () and target_for("toy").intermediate is False  # Target's defaults
+    finally:
+        monkeypatch.undo()
+        refresh()
+    assert "toy" not in known_kinds()
 
 
 def test_gates_by_prefix_and_unmeasured_metrics_fail():
@@ -62,3 +95,21 @@ def test_manifests_from_before_per_profile_serving_still_describe_their_profile(
     current = _manifest({"llm-llamacpp-cpu": {"engine": "llama.cpp", "command": ["llama-server"]}})
     assert current.serving_for("llm-llamacpp-cpu")["command"] == ["llama-server"]
     assert current.serving_for("vllm-cu121") == {}
+
+
+def test_each_kind_says_its_numbers_in_one_line():
+    base = {"top1_agreement": 0.98765, "mean_kl": 0.000123}
+    assert target_for("gguf").summary({"metrics": base}) == " top-1 0.9877, KL 0.00012"
+    assert target_for("gguf").summary({"metrics": {**base, "mean_kl": float("nan")}}) == " top-1 0.9877, KL nan (not measured)"
+    assert target_for("gguf").summary({}) == ""
+    vllm = target_for("vllm").summary({"metrics": {**base, "vllm_loaded": 1.0, "vllm_top1_agreement": 1.0,
+                                                   "vllm_greedy_tokens_matched": "48/48"}})
+    assert vllm == " top-1 0.9877, KL 0.00012; in vLLM: top-1 1.0000 vs transformers, greedy 48/48 tokens"
+    unloaded = target_for("vllm").summary({"metrics": {**base, "vllm_loaded": 0.0}, "vllm": {"reason": "no FP8 kernels"}})
+    assert unloaded.endswith("; vLLM load not checked here: no FP8 kernels")
+    ort = target_for("qaic-export").summary({"metrics": {**base, "ort_max_abs_delta": 0.00012, "ort_top1_agreement": 1.0}})
+    assert ort == " top-1 0.9877, KL 0.00012 onnxruntime: max |delta| 1.20e-04, top-1 1.0000"
+    qpc = target_for("qaic").summary({"metrics": {"predicted_kl": 0.01, "predicted_top1": 0.9, "predicted_ppl_delta": 0.012},
+                                      "mxfp6": {"emulated": ["MXFP6 weights", "MXINT8 KV"]}})
+    assert qpc == (" predicted on the device (MXFP6 weights, MXINT8 KV): top-1 0.9000, KL 0.01000, perplexity +1.20%")
+    assert "\n" not in vllm + ort + qpc

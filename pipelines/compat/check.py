@@ -22,25 +22,21 @@ Deactivated profiles are never chosen.
 from __future__ import annotations
 
 import difflib
-import math
 import re
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Literal
+from typing import TYPE_CHECKING, Any, Iterable
 
-from pydantic import BaseModel, Field
 
-from ..safetensors_io import Header, TensorSource
-from ..units import human_bytes
-from . import database
+from ..safetensors_io import TensorSource
+from .database import Architecture, cached as architecture_database
 from .hardware import Hardware, parse_hardware
+from .requirements import WeightsSummary, serving_requirements
+from .results import Check, Compatibility, Status
 from .sanity import config_problems, text_cfg
 
 if TYPE_CHECKING:
     from ..config import Recipe, Registry
     from ..sources import Snapshot
 
-Status = Literal["compatible", "requires_review", "incompatible"]
-GIB = 1024**3
 
 # quant_method values transformers (QuantizationMethod, 5.23) and vLLM 0.33 load; anything else is not a model
 # any engine of the platform can read as quantized.
@@ -51,9 +47,6 @@ QUANT_METHODS = frozenset({
     "awq_marlin", "bitblas", "deepspeedfp", "experts_int8", "gptq_bitblas", "gptq_marlin", "gptq_marlin_24", "inc",
     "ipex", "marlin", "modelopt", "modelopt_fp4", "moe_wna16", "petit_nvfp4", "ptpc_fp8", "qqq", "rtn", "tpu_int8",
 })
-# Recipe kinds whose converters read pre-quantized weights. None today: GGUF reads unquantized floats only, and
-# a pre-quantized repo converted as if it were plain floats would be published as an unquantized model.
-PREQUANTIZED_KINDS: frozenset[str] = frozenset()
 # transformers model types a class serves that neither its name spells nor the snapshot records (the snapshot keeps
 # one model type per class, e.g. LlamaForCausalLM -> internlm3); from transformers 5.23's auto mappings.
 EXTRA_MODEL_TYPES = {
@@ -62,61 +55,9 @@ EXTRA_MODEL_TYPES = {
     "Glm46VForConditionalGeneration": ("glmga",), "GotOcr2ForConditionalGeneration": ("pp_chart2table",),
 }
 SPECIALIST_TASKS = {"time-series", "embedding", "reranker", "seq2seq-audio"}
-LM_TASKS = {"causal-lm", "vision-language", "seq2seq", "speculative-draft"}
 
 
-class Check(BaseModel):
-    name: str
-    status: Literal["pass", "warn", "fail"]
-    detail: str
-
-
-class Compatibility(BaseModel):
-    status: Status
-    runtime_profile_id: str | None
-    architecture: str | None
-    family: str | None = None
-    task: str | None = None
-    hardware: str = "nvidia"
-    checks: list[Check]
-    estimated_requirements: dict[str, Any] = Field(default_factory=dict)
-    recipes: list[str] = Field(default_factory=list, description="recipes that apply and that the routed profile loads")
-
-    def failed(self) -> list[Check]:
-        return [c for c in self.checks if c.status == "fail"]
-
-    def reason(self) -> str:
-        bad = self.failed() or [c for c in self.checks if c.status == "warn"]
-        return "; ".join(f"{c.name}: {c.detail}" for c in bad) or self.status
-
-
-@dataclass
-class WeightsSummary:
-    """What the check needs from safetensors headers (local files or HTTP ranges alike)."""
-
-    parameters: int
-    bytes_by_dtype: dict[str, int]
-    shapes: dict[str, tuple[int, ...]]
-    files: int
-    tensors: int = field(default=0)
-
-    @classmethod
-    def from_headers(cls, headers: Iterable[Header]) -> "WeightsSummary":
-        params, by_dtype, shapes, n = 0, {}, {}, 0
-        for h in headers:
-            n += 1
-            params += h.parameters
-            for k, v in h.bytes_by_dtype().items():
-                by_dtype[k] = by_dtype.get(k, 0) + v
-            shapes.update({t.name: t.shape for t in h.tensors.values()})
-        return cls(params, by_dtype, shapes, n, len(shapes))
-
-    @classmethod
-    def from_source(cls, src: TensorSource) -> "WeightsSummary":
-        return cls.from_headers(f.header for f in src.files)
-
-
-def _model_type_problem(cfg: dict[str, Any], rec: database.Architecture, arch: str) -> str | None:
+def _model_type_problem(cfg: dict[str, Any], rec: Architecture, arch: str) -> str | None:
     """transformers builds the model from `model_type`, vLLM from `architectures`: they must name the same model."""
     if "model_type" not in cfg or rec.transformers_model_type is None:
         return None  # nothing to compare against (vLLM-only class, or no model_type at all)
@@ -178,7 +119,7 @@ def _answer(status: Status, profile: str | None, level: str, detail: str) -> tup
     return status, profile, Check(name="architecture_known", status=level, detail=detail)
 
 
-def _route(rec: database.Architecture | None, arch: str | None, task: str, hw: Hardware, profiles: _Profiles,
+def _route(rec: Architecture | None, arch: str | None, task: str, hw: Hardware, profiles: _Profiles,
            auto_map: bool, reviewed: bool, gguf_applies: bool, closest: str | None,
            gguf_after_review: bool = False) -> tuple[Status, str | None, Check]:
     """(status, runtime profile, the architecture_known check explaining it). `gguf_after_review`: a GGUF
@@ -257,73 +198,6 @@ def _route(rec: database.Architecture | None, arch: str | None, task: str, hw: H
     return _answer("incompatible", None, "fail", f"{detail}; no backend serves it")
 
 
-def _requirements(cfg: dict[str, Any], weights: WeightsSummary, task: str, hw: Hardware) -> tuple[dict[str, Any], Check | None]:
-    """VRAM = weights + KV cache at the recommended context and batch + overhead (README: the formula)."""
-    tc = text_cfg(cfg)
-    quantized = isinstance(cfg.get("quantization_config"), dict)
-    dtype = "float16" if set(weights.bytes_by_dtype) <= {"F16"} else "bfloat16"
-    serving_weights = sum(weights.bytes_by_dtype.values()) if quantized else weights.parameters * 2
-    reqs: dict[str, Any] = {"parameters": weights.parameters, "weights_bytes": sum(weights.bytes_by_dtype.values()),
-                            "weights_bytes_by_dtype": weights.bytes_by_dtype, "serving_weights_bytes": serving_weights}
-    layers, heads = tc.get("num_hidden_layers"), tc.get("num_attention_heads")
-    kv_per_token = 0
-    if task in LM_TASKS and isinstance(layers, int) and isinstance(heads, int) and isinstance(tc.get("hidden_size"), int):
-        head_dim = tc.get("head_dim") or tc["hidden_size"] // heads
-        kv_heads = tc.get("num_key_value_heads") or heads
-        kv_per_token = 2 * layers * kv_heads * head_dim * 2  # K and V, 16-bit cache
-    ctx = min(int(tc.get("max_position_embeddings") or 4096), 8192)
-    seqs = 16
-    overhead = GIB + serving_weights // 10  # activations, CUDA graphs, allocator slack
-
-    def total(c: int, s: int) -> int:
-        return serving_weights + kv_per_token * c * s + overhead
-
-    reqs.update(kv_cache_bytes_per_token=kv_per_token, overhead_bytes=overhead)
-    if hw.vendor == "qaic":
-        mxfp6 = math.ceil(weights.parameters * 6.25 / 8)  # 6-bit E2M3 + one E8M0 scale per 32 weights
-        ctx = min(ctx, 2048)
-        # MXINT8 KV: ~1 byte per value; the slack scales with what the device holds (MXFP6), not bf16 weights
-        reqs["vram_bytes"] = need = mxfp6 + kv_per_token * ctx * 8 // 2 + GIB + mxfp6 // 10
-        per_device = hw.memory_gb * GIB * 0.9 if hw.memory_gb else 0
-        devices = max(1, math.ceil(need / per_device)) if per_device else 1
-        reqs["recommended_config"] = {"num_cores": 16, "ctx_len": ctx, "prefill_seq_len": 128, "batch_size": 1,
-                                      "full_batch_size": 8, "mxfp6": True, "mxint8": True, "num_devices": devices}
-        return reqs, Check(name="fits_hardware", status="pass",
-                           detail=f"~{human_bytes(need)} with MXFP6 weights / MXINT8 KV on {devices} device(s) of "
-                                  f"{hw.memory_gb:g} GB ({human_bytes(int(devices * per_device))} usable)")
-    if hw.vendor == "cpu":
-        reqs["recommended_config"] = {"dtype": dtype, "max_model_len": ctx, "max_num_seqs": 1}
-        reqs["vram_bytes"] = total(ctx, 1)
-        return reqs, None
-    mem = (hw.memory_gb or 0) * GIB * 0.9  # vLLM's default gpu_memory_utilization
-    for tp in (1, 2, 4, 8):
-        fit = next(((c, s) for c, s in ((ctx, seqs), (ctx, 4), (ctx, 1), (min(ctx, 2048), 1)) if total(c, s) <= mem * tp), None)
-        if fit:
-            break
-    if fit is None:
-        reqs["vram_bytes"] = total(ctx, 1)
-        reqs["recommended_config"] = None
-        return reqs, Check(name="fits_hardware", status="fail",
-                           detail=f"needs ~{total(ctx, 1) / GIB:.0f} GiB even at batch 1: more than 8 x {hw.memory_gb:g} GB"
-                                  + ("" if quantized else _fp8_alternative(weights.parameters, kv_per_token * ctx, mem)))
-    c, s = fit
-    reqs["vram_bytes"] = total(c, s)  # what the recommended configuration needs, as the summary says
-    reqs["recommended_config"] = {"dtype": dtype, "max_model_len": c, "max_num_seqs": s, "tensor_parallel_size": tp,
-                                  "gpu_memory_utilization": 0.9, "kv_cache_dtype": "auto",
-                                  "quantization": (cfg.get("quantization_config") or {}).get("quant_method") if quantized else None}
-    return reqs, Check(name="fits_hardware", status="pass",
-                       detail=f"~{human_bytes(total(c, s))} at max_model_len {c}, {s} seqs: tensor_parallel_size {tp} x {hw.memory_gb:g} GB")
-
-
-def _fp8_alternative(parameters: int, kv_bytes: int, per_device: float) -> str:
-    """What the vllm-fp8 recipe (8-bit weights, half of bf16) would need, where bf16 does not fit."""
-    need = parameters + kv_bytes + GIB + parameters // 10
-    tp = next((tp for tp in (1, 2, 4, 8) if need <= per_device * tp), None)
-    if tp is None:
-        return f"; with vllm-fp8 (8-bit weights) still ~{need / GIB:.0f} GiB"
-    return f"; vllm-fp8 (8-bit weights, half of bf16) needs ~{need / GIB:.0f} GiB: tensor_parallel_size {tp}"
-
-
 def classify(
     cfg: dict[str, Any] | None,
     *,
@@ -335,7 +209,7 @@ def classify(
     reviewed: bool = False,
     config_error: str | None = None,
 ) -> Compatibility:
-    from ..targets import target_for
+    from ..kinds import target_for
 
     hw = parse_hardware(hardware)
     files = set(files)
@@ -344,7 +218,7 @@ def classify(
     if cfg is None:
         checks.append(Check(name="config", status="fail", detail=config_error or "config.json is missing"))
         return Compatibility(status="incompatible", runtime_profile_id=None, architecture=None, hardware=hw.spec, checks=checks)
-    db = database.cached(registry)
+    db = architecture_database(registry)
     profiles = _Profiles(registry)
 
     pipeline = cfg.get("_diffusers_pipeline") or (cfg.get("_class_name") if "_diffusers_version" in cfg else None)
@@ -365,7 +239,7 @@ def classify(
     def recipe_applies(r: "Recipe") -> bool:
         """The recipe's target converts this model (whatever hardware it is served on)."""
         return (target_for(r.kind).supports(rec, arch, cfg, r.options)
-                and (quant_method is None or r.kind in PREQUANTIZED_KINDS))
+                and (quant_method is None or target_for(r.kind).reads_prequantized))
 
     status: Status
     if arch is None:
@@ -419,7 +293,7 @@ def classify(
         checks.append(Check(name="quantization_config", status="fail", detail=quant_problem))
         status = "incompatible"
     elif quant_method:
-        skipped = sorted({r.kind for r in recipes if r.kind not in PREQUANTIZED_KINDS})
+        skipped = sorted({r.kind for r in recipes if not target_for(r.kind).reads_prequantized})
         why = f"; {', '.join(skipped)} recipes do not apply (they convert unquantized float weights only)" if skipped else ""
         checks.append(Check(name="quantization_config", status="pass",
                             detail=f"pre-quantized ({quant_method}); weights served as stored{why}"))
@@ -435,7 +309,7 @@ def classify(
         elif not pipeline:
             checks.append(Check(name="vocab_consistent", status="pass", detail="embedding rows match vocab_size"))
         if not problems and not pipeline:
-            reqs, fit = _requirements(cfg, weights, task, hw)
+            reqs, fit = serving_requirements(cfg, weights, task, hw)
             if fit is not None:
                 checks.append(fit)
                 if fit.status == "fail" and status == "compatible":

@@ -12,26 +12,27 @@ A target owns everything specific to its kind:
 - **serving**: the runtime profile descriptions recorded in the manifest (`serving`: image, engine
   arguments, command line, environment) from which `pull` prints the exact serve command.
 
-`KINDS` is the one registry of kinds: recipes name a kind from it, and nothing else lists them.
+`pipelines.kinds` is the one registry of kinds (built-in and plug-ins): recipes name a kind from it, and
+nothing else lists them.
 
 Derived builds: a target with `input_kinds` is built from the published artifact of its recipe's
 `input:` recipe (an AI 100 compile from the ONNX export); the engine materializes that artifact and hands
 it over as `BuildContext.input`. A target with `intermediate = True` writes an artifact that only other
-recipes read (no runtime profile loads it). Optional hooks: `plan_problems(ctx)` refuses a build before
-any work; `input_problems(options, input_options)` checks a recipe against its input's at config load;
-`complete(result, store, config)` finishes an artifact published short of the target's format (an AI 100
-export bundle: compiled where the SDK is, else reported `compile_pending`).
+recipes read (no runtime profile loads it). Hooks with a default in `Target`: `plan_problems(ctx)` refuses
+a build before any work; `input_problems(options, input_options)` checks a recipe against its input's at
+config load; `complete(result, store, config)` finishes an artifact published short of the target's format
+(an AI 100 export bundle: compiled where the SDK is, else reported `compile_pending`); `summary(validation)`
+is the CLI's line of numbers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from importlib import import_module
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from ..thresholds import Thresholds, metric_text
 
 if TYPE_CHECKING:
     from ..compat import Compatibility
@@ -40,54 +41,6 @@ if TYPE_CHECKING:
     from ..manifest import Manifest
     from ..memory import PlanEnv, StepNeed
     from ..sources import Snapshot
-
-# kind -> "module:class". Importing a target module must stay cheap (engines load inside methods).
-KINDS = {
-    "gguf": "pipelines.targets.gguf:GgufTarget",
-    "vllm": "pipelines.targets.vllm:VllmTarget",
-    "qaic-export": "pipelines.targets.qaic:QaicExportTarget",
-    "qaic": "pipelines.targets.qaic:QaicTarget",
-}
-
-
-class Thresholds(BaseModel):
-    """Base of every target's validation schema. Each field gates one metric, declared in the field's
-    `json_schema_extra`: `metric` (key in the measured metrics), `label` (for messages), `fmt`. The bound
-    is the field name's prefix: `min_*` (metric >= value), `max_*` (metric <= value), `require_*`
-    (metric == 1.0 when true). None / false disables a gate."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-def gate(metric: str, label: str, fmt: str = ".4f") -> dict[str, Any]:
-    return {"metric": metric, "label": label, "fmt": fmt}
-
-
-def check_thresholds(metrics: dict[str, Any], thresholds: Thresholds) -> list[str]:
-    """Which gates of a recipe the measured metrics miss (empty = pass). A gated metric that was not
-    measured is a failure, never a pass."""
-    if not metrics.get("finite", True):
-        return ["logits are not finite (NaN/Inf in weights or activations)"]
-    failures = []
-    for name, info in type(thresholds).model_fields.items():
-        limit = getattr(thresholds, name)
-        if limit is None or limit is False:
-            continue
-        spec = info.json_schema_extra or {}
-        metric, label, fmt = spec["metric"], spec.get("label", spec["metric"]), spec.get("fmt", ".4f")
-        value = metrics.get(metric)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            failures.append(f"{label} was not measured")
-            continue
-        if value != value or value in (float("inf"), float("-inf")):  # NaN passes every comparison
-            failures.append(f"{label} is not finite ({value})")
-        elif name.startswith("min_") and value < limit:
-            failures.append(f"{label} {value:{fmt}} < {limit}")
-        elif name.startswith("max_") and value > limit:
-            failures.append(f"{label} {value:{fmt}} > {limit}")
-        elif name.startswith("require_") and value < 1.0:
-            failures.append(f"{label} {value:{fmt}} < 1.0")
-    return failures
 
 
 @dataclass
@@ -156,53 +109,78 @@ class BuildContext:
         return [active[pid] for pid in self.recipe.runtime_profiles if pid in active]
 
 
-class Target(Protocol):
+class Target:
+    """What every kind decides, in one place: subclass it, set the class attributes, implement the methods
+    without a default (each kind's folder under targets/ is the only place its decisions live). The engine,
+    the configuration, the planner, Dagster and the CLI read a kind only through these members."""
+
     kind: ClassVar[str]
     format_version: ClassVar[int]
     Thresholds: ClassVar[type[Thresholds]]
     build_step: ClassVar[str]  # the name of its build step in the memory plan and the measurements
+    # the programs its serving commands run, with the arguments and environment they may carry
+    server_programs: ClassVar[tuple["ServerProgram", ...]] = ()
+    # the kinds of recipe whose published artifact it is built from (a derived build); () reads the source
+    input_kinds: ClassVar[tuple[str, ...]] = ()
+    # an artifact only other recipes read (an ONNX export): no runtime profile needs to load its format
+    intermediate: ClassVar[bool] = False
+    # its build reads weights a repo ships pre-quantized (GPTQ, AWQ, FP8...). None of the built-in kinds does: a
+    # pre-quantized repo converted as if its weights were plain floats would be published as an unquantized model
+    reads_prequantized: ClassVar[bool] = False
+    # the Dagster pool of its build step (a pool per kind: builds stream the model, one per kind at a time)
+    build_pool: ClassVar[str | None] = None
 
     @staticmethod
     def plan_steps(env: "PlanEnv") -> list["StepNeed"]:
         """Each step's estimated peak memory and disk (memory.py), from the model's facts and the recipe."""
+        raise NotImplementedError
 
     @staticmethod
-    def option_problems(options: dict[str, Any]) -> list[str]: ...
+    def option_problems(options: dict[str, Any]) -> list[str]:
+        raise NotImplementedError
 
     @staticmethod
-    def artifact_format(options: dict[str, Any]) -> str: ...
+    def input_problems(options: dict[str, Any], input_options: dict[str, Any]) -> list[str]:
+        """A derived recipe's options against its input recipe's, at config load (empty: none)."""
+        return []
+
+    @staticmethod
+    def artifact_format(options: dict[str, Any]) -> str:
+        raise NotImplementedError
 
     def supports(self, arch: "Architecture | None", architecture: str, config: dict[str, Any],
-                 options: dict[str, Any]) -> bool: ...
+                 options: dict[str, Any]) -> bool:
+        raise NotImplementedError
 
-    def toolchain(self) -> dict[str, str]: ...
+    def plan_problems(self, ctx: BuildContext) -> list[str]:
+        """Why this build cannot run, said before any work (empty: none)."""
+        return []
 
-    def build(self, ctx: BuildContext, out_dir: Path) -> BuiltArtifact: ...
+    def toolchain(self) -> dict[str, str]:
+        raise NotImplementedError
+
+    def build(self, ctx: BuildContext, out_dir: Path) -> BuiltArtifact:
+        raise NotImplementedError
 
     def validate(self, ctx: BuildContext, artifact_dir: Path, files: dict[str, str]) -> ValidationReport:
         """`files`: path -> sha256 of the staged files under artifact_dir (verified when they were placed there)."""
+        raise NotImplementedError
 
-    def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]: ...
+    def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]:
+        raise NotImplementedError
 
-    # the programs its serving commands run, with the arguments and environment they may carry
-    server_programs: ClassVar[tuple[ServerProgram, ...]]
+    def complete(self, result: Any, store: Any, config: Any) -> Any:
+        """Finish an artifact published short of the target's format (an AI 100 export bundle: compiled where
+        the SDK is, else reported `compile_pending`); the build's result as it stands by default."""
+        return result
 
-
-_TARGETS: dict[str, Any] = {}
-
-
-def target_class(kind: str) -> type:
-    try:
-        mod, cls = KINDS[kind].split(":")
-    except KeyError:
-        raise ValueError(f"unknown target kind {kind!r} (known: {', '.join(KINDS)})") from None
-    return getattr(import_module(mod), cls)
-
-
-def target_for(kind: str) -> Target:
-    if kind not in _TARGETS:
-        _TARGETS[kind] = target_class(kind)()
-    return _TARGETS[kind]
+    @staticmethod
+    def summary(validation: dict[str, Any]) -> str:
+        """The validation's numbers in one line for `hive-aot build` (after the build id and the size)."""
+        met = validation.get("metrics", {})
+        if "top1_agreement" not in met:
+            return ""
+        return f" top-1 {metric_text(met.get('top1_agreement'), '.4f')}, KL {metric_text(met.get('mean_kl'), '.5f')}"
 
 
 MODEL_DIR = "{model_dir}"  # placeholder in serving commands; pull substitutes the pulled directory

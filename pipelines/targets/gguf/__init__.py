@@ -13,8 +13,8 @@ from pydantic import Field
 
 from ... import meter
 from ...errors import HiveError
-from .. import (MODEL_DIR, BuildContext, BuiltArtifact, ServerProgram, Thresholds, ValidationReport, check_thresholds,
-                gate)
+from ...thresholds import Thresholds, check_thresholds, gate
+from .. import MODEL_DIR, BuildContext, BuiltArtifact, ServerProgram, Target, ValidationReport
 
 if TYPE_CHECKING:
     from ...compat.database import Architecture
@@ -59,7 +59,7 @@ class GgufThresholds(Thresholds):
 LLAMA_SERVER = ServerProgram(name="llama-server", options={"-m": "model-path", "-c": "value", "-t": "value"})
 
 
-class GgufTarget:
+class GgufTarget(Target):
     kind = "gguf"
     server_programs = (LLAMA_SERVER,)
     format_version = FORMAT_VERSION

@@ -23,19 +23,15 @@ from pydantic import Field
 
 from ...errors import NotApplicableError
 from ...tokenizer_cache import CachedTokenizer
-from .. import BuildContext, BuiltArtifact, Thresholds, ValidationReport, check_thresholds, gate
+from ...thresholds import Thresholds, check_thresholds, gate, metric_text
+from .. import BuildContext, BuiltArtifact, Target, ValidationReport
 from .compile import COMPILE_DIR, CompileOptions
+from .layout import BUNDLE_FORMAT, BUNDLE_FORMAT_VERSION, EXPORT_FORMAT_VERSION, EXPORT_REPORT, ONNX_DIR
 from .server import QAIC_SERVER
 
 if TYPE_CHECKING:
     from ...compat.database import Architecture
 
-# 2: weights streamed into page-aligned external data, matrices fp16 behind a Cast by default (weight_dtype)
-EXPORT_FORMAT_VERSION = 2
-BUNDLE_FORMAT_VERSION = 1
-ONNX_DIR = "onnx"
-EXPORT_REPORT = "export.json"
-BUNDLE_FORMAT = "qaic-export-bundle"  # what a qaic build publishes until a host with the SDK compiles it
 PARITY_DECODE_STEPS = 8
 
 
@@ -129,7 +125,7 @@ def _refuse_bad_source(snap, config: dict[str, Any]) -> None:
             refuse_non_finite(src)
 
 
-class QaicExportTarget:
+class QaicExportTarget(Target):
     kind = "qaic-export"
     format_version = EXPORT_FORMAT_VERSION
     Thresholds = ExportThresholds
@@ -250,11 +246,20 @@ class QaicExportTarget:
                    "reference": f"transformers fp32, matrices rounded to {weight_dtype} as stored"}
         return metrics, details
 
+    @staticmethod
+    def summary(validation: dict[str, Any]) -> str:
+        met = validation.get("metrics", {})
+        if "ort_max_abs_delta" not in met:
+            return Target.summary(validation)
+        return (Target.summary(validation) + f" onnxruntime: max |delta| {metric_text(met.get('ort_max_abs_delta'), '.2e')}"
+                + (f", top-1 {metric_text(met.get('ort_top1_agreement'), '.4f')}" if "ort_top1_agreement" in met else "")
+                + (f", cosine {metric_text(met.get('ort_min_cosine'), '.6f')}" if "ort_min_cosine" in met else ""))
+
     def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]:
         return {}
 
 
-class QaicTarget:
+class QaicTarget(Target):
     """A compile recipe. Its build is the export bundle; the QPC is compiled from that bundle (qpc.py)."""
 
     kind = "qaic"
@@ -349,6 +354,20 @@ class QaicTarget:
                    "predicted_max_abs_logit_delta": q["max_abs_logit_delta"]}
         failures = check_thresholds(metrics, ctx.recipe.validation)
         return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details={opts.precision: q})
+
+    @staticmethod
+    def summary(validation: dict[str, Any]) -> str:
+        met = validation.get("metrics", {})
+        line = Target.summary(validation)
+        if "predicted_kl" in met:
+            q = validation.get("mxfp6") or validation.get("fp16") or {}
+            line += (f" predicted on the device ({', '.join(q.get('emulated', []))}): "
+                     f"top-1 {metric_text(met.get('predicted_top1'), '.4f')}, "
+                     f"KL {metric_text(met.get('predicted_kl'), '.5f')}, "
+                     f"perplexity {metric_text(met.get('predicted_ppl_delta'), '+.2%')}")
+        if "predicted_cosine" in met:
+            line += f" predicted on the device: embedding cosine {metric_text(met.get('predicted_cosine'), '.5f')}"
+        return line
 
     def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]:
         return {}  # a bundle serves nothing; the QPC's manifest carries the vllm-qaic binding

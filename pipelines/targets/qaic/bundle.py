@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import BuildContext, BuiltArtifact
 from ...paths import link_or_copy
-from . import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
+from .layout import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
 from .compile import COMPILE_DIR, CompileOptions, command, compile_files
 
 COMMAND_FILE = f"{COMPILE_DIR}/command.json"

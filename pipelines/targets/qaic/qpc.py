@@ -21,7 +21,7 @@ from ...paths import work_dir
 from ...signing import write_signature
 from ...store import Store, manifest_key, ref_key
 from ...store.layout import BUNDLE_TAG_PREFIX, check_binding, publish_tags
-from . import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
+from .layout import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
 from .bundle import COMMAND_FILE
 from .compile import COMPILE_DIR, QPC_DIR, CompileOptions, Sdk, command, compile_files, fill, find_sdk, no_sdk_reason, run
 from .serving import describe

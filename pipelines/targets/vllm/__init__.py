@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
-from .. import BuildContext, BuiltArtifact, Thresholds, ValidationReport, check_thresholds, gate
+from ...thresholds import Thresholds, check_thresholds, gate, metric_text
+from .. import BuildContext, BuiltArtifact, Target, ValidationReport
 from .server import VLLM_SERVER
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ class VllmThresholds(Thresholds):
         default=None, ge=0.0, json_schema_extra=gate("max_weight_rel_error", "max weight relative error"))
 
 
-class VllmTarget:
+class VllmTarget(Target):
     kind = "vllm"
     format_version = FORMAT_VERSION
     Thresholds = VllmThresholds
@@ -144,6 +145,17 @@ class VllmTarget:
                                                        if f.startswith(("min_vllm_", "max_vllm_"))})
         failures = check_thresholds(metrics, thresholds)
         return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details=details)
+
+    @staticmethod
+    def summary(validation: dict[str, Any]) -> str:
+        met = validation.get("metrics", {})
+        line = Target.summary(validation)
+        if met.get("vllm_loaded"):
+            line += (f"; in vLLM: top-1 {metric_text(met.get('vllm_top1_agreement'), '.4f')} vs transformers, "
+                     f"greedy {met.get('vllm_greedy_tokens_matched')} tokens")
+        elif "vllm_loaded" in met:
+            line += f"; vLLM load not checked here: {validation.get('vllm', {}).get('reason', '')}"
+        return line
 
     def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]:
         from .serving import describe

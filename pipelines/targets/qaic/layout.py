@@ -1,0 +1,9 @@
+"""The names and versions of what the AI 100 kinds publish: the export's files, the bundle's format. A leaf:
+the targets, the bundle writer and the compile of a published bundle all read them."""
+
+# 2: weights streamed into page-aligned external data, matrices fp16 behind a Cast by default (weight_dtype)
+EXPORT_FORMAT_VERSION = 2
+BUNDLE_FORMAT_VERSION = 1
+ONNX_DIR = "onnx"
+EXPORT_REPORT = "export.json"
+BUNDLE_FORMAT = "qaic-export-bundle"  # what a qaic build publishes until a host with the SDK compiles it
