@@ -127,8 +127,6 @@ class Target:
     # its build reads weights a repo ships pre-quantized (GPTQ, AWQ, FP8...). None of the built-in kinds does: a
     # pre-quantized repo converted as if its weights were plain floats would be published as an unquantized model
     reads_prequantized: ClassVar[bool] = False
-    # the Dagster pool of its build step (a pool per kind: builds stream the model, one per kind at a time)
-    build_pool: ClassVar[str | None] = None
 
     @staticmethod
     def plan_steps(env: "PlanEnv") -> list["StepNeed"]:
