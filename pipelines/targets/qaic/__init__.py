@@ -249,11 +249,14 @@ class QaicExportTarget(Target):
     @staticmethod
     def summary(validation: dict[str, Any]) -> str:
         met = validation.get("metrics", {})
+        line = Target.summary(validation)
         if "ort_max_abs_delta" not in met:
-            return Target.summary(validation)
-        return (Target.summary(validation) + f" onnxruntime: max |delta| {metric_text(met.get('ort_max_abs_delta'), '.2e')}"
-                + (f", top-1 {metric_text(met.get('ort_top1_agreement'), '.4f')}" if "ort_top1_agreement" in met else "")
-                + (f", cosine {metric_text(met.get('ort_min_cosine'), '.6f')}" if "ort_min_cosine" in met else ""))
+            return line
+        line += f" onnxruntime: max |delta| {metric_text(met['ort_max_abs_delta'], '.2e')}"
+        for key, name, spec in (("ort_top1_agreement", "top-1", ".4f"), ("ort_min_cosine", "cosine", ".6f")):
+            if key in met:
+                line += f", {name} {metric_text(met[key], spec)}"
+        return line
 
     def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]:
         return {}
