@@ -123,14 +123,17 @@ def run(python: str, entry: str, argv: list[str], *, cwd: Path, env: dict[str, s
 
 
 def _read_line(conn: socket.socket) -> bytes:
-    """One JSON line of the protocol (b"" at end of stream); the server writes each in one piece."""
+    """One JSON line of the protocol (b"" at end of stream), and not a byte of the next: a job quick enough
+    finishes before its client reads, and then "started" and "done" wait in the socket together."""
     data = b""
-    while not data.endswith(b"\n"):
-        chunk = conn.recv(65536)
+    while True:
+        chunk = conn.recv(65536, socket.MSG_PEEK)
         if not chunk:
             return b""
-        data += chunk
-    return data
+        end = chunk.find(b"\n")
+        if end >= 0:
+            return data + conn.recv(end + 1)  # already buffered: exactly the line's bytes
+        data += conn.recv(len(chunk))
 
 
 def _kill_session(pid: int) -> None:

@@ -204,3 +204,16 @@ def test_a_servers_socket_is_this_users_only(entry, tmp_path, warm_dir):
     _run(entry, tmp_path, "report", "0")
     (sock,) = warm_dir.glob("*.sock")
     assert sock.stat().st_mode & 0o077 == 0 and warm_dir.stat().st_mode & 0o077 == 0
+
+
+def test_two_protocol_lines_that_arrive_together_are_read_one_at_a_time():
+    """A quick job's "done" can reach the socket before its client read "started" (a full run saw it)."""
+    import socket
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(b'{"pid": 7}\n{"status": 0, "maxrss": 1}\n')
+        theirs.shutdown(socket.SHUT_WR)
+        assert warm._read_line(ours) == b'{"pid": 7}\n'
+        assert warm._read_line(ours) == b'{"status": 0, "maxrss": 1}\n'
+        assert warm._read_line(ours) == b""
