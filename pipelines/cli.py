@@ -124,8 +124,7 @@ def cmd_build(args) -> int:
     else:
         human = f"{res.state} {res.recipe} for {res.model_id}: build {res.build_id[:12]}, {_size(size)},{score}\n  {res.manifest}"
         if res.state == "compile_pending":
-            human += (f"\n  {res.reason}; on a host with the SDK: hive-aot qaic-compile {res.model_id} "
-                      f"--recipe {res.recipe}")
+            human += f"\n  {res.reason}; on a host that has it: hive-aot compile {res.model_id} --recipe {res.recipe}"
         for name, sub in (("input", res.input), ("compiled from", res.bundle)):
             if sub is not None:
                 human += f"\n  {name}: {sub.recipe} build {sub.build_id[:12]} ({sub.state})"
@@ -178,21 +177,32 @@ def _published(store, p) -> bool:
         return False
 
 
-def cmd_qaic_compile(args) -> int:
+def cmd_compile(args) -> int:
+    """Finish published artifacts with their kind's hardware step (the AI 100 compile) on this host."""
     from .config import Config
+    from .kinds import target_for
     from .pull import parse_model
     from .store import open_store
-    from .targets.qaic.qpc import compile_published
 
     config = Config.load(args.registry, args.recipes)
-    model_id, bundle = parse_model(args.model)
+    model_id, input_build = parse_model(args.model)
     store = open_store(args.store)
-    results = compile_published(model_id, config, store, args.recipe, bundle)
+    if args.recipe is not None:
+        step = target_for(config.recipe(args.recipe).kind).hardware_step
+        if step is None:
+            raise HiveError(f"recipe {args.recipe} ({config.recipe(args.recipe).kind}) has no step to run on other "
+                            "hardware: `hive-aot build` makes the whole artifact")
+        steps = [step]
+    else:  # each kind's step once, in recipe order
+        steps = list({id(s): s for r in sorted(config.recipes.values(), key=lambda r: r.id)
+                      if (s := target_for(r.kind).hardware_step) is not None}.values())
+    results = [r for step in steps for r in step.finish_published(model_id, config, store, args.recipe, input_build)]
     lines = []
     for r in results:
-        q = (r.validation or {}).get("qpc", {})
-        lines.append(f"{r.state} {r.recipe} for {r.model_id}: QPC build {r.build_id[:12]}, {_size(sum(f['size'] for f in r.files))}"
-                     + (f", compiled in {q['compile_seconds']} s" if r.state == "published" and q else "") + f"\n  {r.manifest}")
+        extra = (r.validation or {}).get(r.format or "", {})
+        took = f", compiled in {extra['compile_seconds']} s" if r.state == "published" and "compile_seconds" in extra else ""
+        lines.append(f"{r.state} {r.recipe} for {r.model_id}: {str(r.format).upper()} build {r.build_id[:12]}, "
+                     f"{_size(sum(f['size'] for f in r.files))}{took}\n  {r.manifest}")
     _emit(args, [r.to_json() for r in results], "\n".join(lines))
     return EXIT_OK
 
@@ -251,11 +261,13 @@ def parser() -> argparse.ArgumentParser:
         common(sp)
         sp.set_defaults(func=func)
 
-    sp = sub.add_parser("qaic-compile", help="compile published AI 100 export bundles into QPCs (needs the Cloud AI SDK)")
-    sp.add_argument("model", metavar="MODEL_ID[@BUNDLE_BUILD_ID]")
-    sp.add_argument("--recipe", help="the compile recipe (default: every qaic recipe with a published bundle)")
+    sp = sub.add_parser("compile", aliases=["qaic-compile"],
+                        help="finish published artifacts on this host's hardware (AI 100 export bundles into QPCs, "
+                             "with the Cloud AI SDK)")
+    sp.add_argument("model", metavar="MODEL_ID[@INPUT_BUILD_ID]")
+    sp.add_argument("--recipe", help="one recipe (default: every recipe of the model with a published artifact waiting)")
     common(sp)
-    sp.set_defaults(func=cmd_qaic_compile)
+    sp.set_defaults(func=cmd_compile)
 
     sp = sub.add_parser("pull", help="fetch a published artifact into a directory")
     sp.add_argument("model", help="org/name[@build_id]")

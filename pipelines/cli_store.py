@@ -76,7 +76,7 @@ def cmd_profiles(args) -> int:
                                                                                 if row["pull_picks"] else ""))
     for b in res["pending_bundles"]:
         lines.append(f"  pending: {b['recipe']} export bundle {b['build_id'][:12]} ({b['format']}): compile it on a host "
-                     f"with the Cloud AI SDK (hive-aot qaic-compile {res['model_id']} --recipe {b['recipe']})")
+                     f"with {b['needs']} (hive-aot compile {res['model_id']} --recipe {b['recipe']})")
     a = res["auto"]
     lines.append(f"--target auto here: found {a['found']}; " + (f"chooses {a['profile']}: {a['why']}" if a["profile"]
                                                                 else a["why"]))

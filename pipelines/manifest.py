@@ -58,6 +58,12 @@ class Manifest(BaseModel):
     # per-profile descriptions hold one flat description here; pull still reads them.
     serving: dict[str, Any] = Field(default_factory=dict)
 
+    @property
+    def pending_needs(self) -> str:
+        """What a host needs to finish this artifact when it is published pending (an export bundle waiting for
+        its compile), as the build recorded it (bundles from before that record say less)."""
+        return str(self.build.get("needs") or "the hardware its recipe needs")
+
     def serving_for(self, profile_id: str) -> dict[str, Any]:
         desc = self.serving.get(profile_id)
         if isinstance(desc, dict):

@@ -151,7 +151,8 @@ def profiles_report(model: str, *, tag: str = "latest", store_uri: str | None = 
     except HiveError as e:
         auto_profile, why = None, str(e)
     # export bundles serve no profile until an SDK host compiles them (their manifests name none)
-    pending = [{"recipe": c.recipe, "build_id": c.manifest.build_id, "format": c.manifest.format} for c in bundles]
+    pending = [{"recipe": c.recipe, "build_id": c.manifest.build_id, "format": c.manifest.format,
+                "needs": c.manifest.pending_needs} for c in bundles]
     return {"model_id": model_id, "tag": tag, "store": store.uri, "profiles": rows, "pending_bundles": pending,
             "auto": {"found": detected.describe(), "profile": auto_profile, "why": why}}
 
@@ -180,8 +181,8 @@ def _refuse_bundle_only(store: Store, model_id: str, profile: dict[str, Any], re
         return
     b = bundles[0]
     raise HiveError(f"{model_id}: {b.recipe} is only an export bundle so far (build {b.manifest.build_id[:12]}, "
-                    f"{b.manifest.format}): nothing {profile_id} can load is published; compile it on a host with the "
-                    f"Cloud AI SDK: hive-aot qaic-compile {model_id} --recipe {b.recipe}")
+                    f"{b.manifest.format}): nothing {profile_id} can load is published; compile it on a host with "
+                    f"{b.manifest.pending_needs}: hive-aot compile {model_id} --recipe {b.recipe}")
 
 
 def _place(blob: Path, out: Path) -> None:

@@ -149,7 +149,7 @@ def test_pull_refuses_a_bundle_naming_its_build(pending, tmp_path):
     line = one_error_line(proc)
     assert proc.returncode == 1 and not (tmp_path / "m").exists()
     assert f"qaic-tiny is only an export bundle so far (build {pending['doc']['build_id'][:12]}" in line
-    assert "hive-aot qaic-compile test-org/tiny-llama --recipe qaic-tiny" in line
+    assert "compile it on a host with the Cloud AI SDK: hive-aot compile test-org/tiny-llama --recipe qaic-tiny" in line
     by_id = hive("pull", f"{MODEL}@{pending['doc']['build_id']}", "--target", "vllm-qaic", "--dest", str(tmp_path / "m"),
                  "--store", str(pending["store"]), "--registry", str(pending["reg"]))
     assert "only an export bundle" in one_error_line(by_id)
@@ -161,7 +161,7 @@ def test_pull_for_a_profile_no_bundle_serves_says_what_is_published(pending, tmp
     proc = hive("pull", MODEL, "--target", "transformers-cu121", "--dest", str(tmp_path / "m"), "--store",
                 str(pending["store"]), "--registry", str(pending["reg"]))
     line = one_error_line(proc)
-    assert proc.returncode == 1 and "only an export bundle" not in line and "qaic-compile" not in line, line
+    assert proc.returncode == 1 and "only an export bundle" not in line and "hive-aot compile" not in line, line
     assert "no published artifact serves transformers-cu121 (published: qaic-export" in line, line
 
 
@@ -178,6 +178,13 @@ def test_qaic_compile_without_sdk_says_so(pending):
     assert proc.returncode == 1 and "no Cloud AI SDK on this host" in one_error_line(proc)
 
 
+def test_compile_refuses_a_recipe_whose_kind_has_no_hardware_step(pending):
+    proc = hive("compile", MODEL, "--recipe", "qaic-export", "--registry", str(pending["reg"]), "--store",
+                str(pending["store"]), env=pending["env"])
+    line = one_error_line(proc)
+    assert proc.returncode == 1 and "recipe qaic-export (qaic-export) has no step to run on other hardware" in line, line
+
+
 def _qpc_store(pending, tmp_path: Path) -> Path:
     store = tmp_path / "store"
     shutil.copytree(pending["store"], store)
@@ -189,7 +196,7 @@ def test_standin_compile_publishes_a_qpc_bound_to_its_serving_arguments(pending,
     store = _qpc_store(pending, tmp_path)
     sdk = make_sdk(tmp_path / "sdk", "1.22.0")
     env = {"HIVE_AOT_QAIC_SDK": str(sdk)}
-    proc = hive("qaic-compile", MODEL, "--registry", str(pending["reg"]), "--store", str(store), "--json", env=env)
+    proc = hive("compile", MODEL, "--registry", str(pending["reg"]), "--store", str(store), "--json", env=env)
     assert proc.returncode == 0, proc.stderr
     (res,) = doc(proc)
     assert res["state"] == "published" and res["format"] == "qpc" and res["recipe"] == "qaic-tiny"
@@ -237,14 +244,14 @@ def test_standin_compile_publishes_a_qpc_bound_to_its_serving_arguments(pending,
                                                                            "ctx_len": "128", "full_batch_size": "4"}}
     assert "batch_index" in checked["inputs"]
     # again: the same bundle and SDK is the same QPC build
-    again = hive("qaic-compile", MODEL, "--registry", str(pending["reg"]), "--store", str(store), "--json", env=env)
+    again = hive("compile", MODEL, "--registry", str(pending["reg"]), "--store", str(store), "--json", env=env)
     assert doc(again)[0]["state"] == "skipped" and doc(again)[0]["build_id"] == res["build_id"]
 
 
 def test_an_older_sdk_gets_the_legacy_specializations_and_qaic_exec(pending, tmp_path):
     store = _qpc_store(pending, tmp_path)
     env = {"HIVE_AOT_QAIC_SDK": str(make_sdk(tmp_path / "sdk", "1.20.2.0"))}
-    proc = hive("qaic-compile", f"{MODEL}@{pending['doc']['build_id']}", "--recipe", "qaic-tiny", "--registry",
+    proc = hive("compile", f"{MODEL}@{pending['doc']['build_id']}", "--recipe", "qaic-tiny", "--registry",
                 str(pending["reg"]), "--store", str(store), "--json", env=env)
     assert proc.returncode == 0, proc.stderr
     (res,) = doc(proc)
@@ -259,7 +266,7 @@ def test_an_older_sdk_gets_the_legacy_specializations_and_qaic_exec(pending, tmp
 def test_a_failing_compiler_publishes_nothing_and_shows_its_stderr(pending, tmp_path):
     store = _qpc_store(pending, tmp_path)
     env = {"HIVE_AOT_QAIC_SDK": str(make_sdk(tmp_path / "sdk")), "STANDIN_FAIL": "out of memory partitioning layer 1"}
-    proc = hive("qaic-compile", MODEL, "--registry", str(pending["reg"]), "--store", str(store), env=env)
+    proc = hive("compile", MODEL, "--registry", str(pending["reg"]), "--store", str(store), env=env)
     line = one_error_line(proc)
     assert proc.returncode == 1
     assert "qaic-compile exited with status 1" in line and "out of memory partitioning layer 1" in line
@@ -318,7 +325,7 @@ def test_real_sdk_compiles_the_bundle(pending, tmp_path):
     """The real compiler on the real bundle (no stand-in): a non-empty programqpc.bin, published as a QPC."""
     store = _qpc_store(pending, tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "HIVE_AOT_QAIC_SDK"}
-    proc = hive("qaic-compile", MODEL, "--registry", str(pending["reg"]), "--store", str(store), "--json",
+    proc = hive("compile", MODEL, "--registry", str(pending["reg"]), "--store", str(store), "--json",
                 env={**env, "HIVE_AOT_QAIC_SDK": "/opt/qti-aic"})
     assert proc.returncode == 0, proc.stderr
     (res,) = doc(proc)
@@ -373,7 +380,7 @@ def test_dagster_wires_the_export_into_the_compile_and_shows_the_prediction(pend
 
     command = mats["published/qaic-tiny"]["serving_command"].value.replace("/models", str(tmp_path / "models"))
     sdk = make_sdk(tmp_path / "sdk", "1.22.0")
-    compiled = hive("qaic-compile", MODEL, "--registry", str(reg), "--store", str(store), "--json",
+    compiled = hive("compile", MODEL, "--registry", str(reg), "--store", str(store), "--json",
                     env={"HIVE_AOT_QAIC_SDK": str(sdk)})
     assert compiled.returncode == 0, compiled.stderr
     served = hive(*shlex.split(command)[1:], "--registry", str(reg), "--dry-run", "--json", "--allow-stand-in")
@@ -442,7 +449,7 @@ def test_an_embedding_model_goes_through_export_bundle_and_standin_compile(smoll
     assert q["emulated"] == ["mxfp6 weights"] and 0.9 < q["cosine_min"] < 1.0 and q["sequences"] == 4
     assert bundle["validation"]["metrics"]["predicted_cosine"] == q["cosine_min"]
     env = {"HIVE_AOT_QAIC_SDK": str(make_sdk(tmp_path / "sdk"))}
-    proc = hive("qaic-compile", "test-org/tiny-bert", "--registry", str(reg), "--store", str(store), "--json", env=env)
+    proc = hive("compile", "test-org/tiny-bert", "--registry", str(reg), "--store", str(store), "--json", env=env)
     assert proc.returncode == 0, proc.stderr
     (res,) = doc(proc)
     qpc = json.loads((store / "manifests" / slug / "qaic-embed-tiny" / f"{res['build_id']}.json").read_text())

@@ -8,7 +8,7 @@ import pytest
 from pipelines.manifest import Manifest
 from pipelines.kinds import BUILTIN, ENTRY_POINT_GROUP, refresh, target_class, target_for
 from pipelines.kinds import known as known_kinds
-from pipelines.targets import Target, serve_command
+from pipelines.targets import HardwareStep, Target, serve_command
 from pipelines.thresholds import check_thresholds
 
 
@@ -25,6 +25,11 @@ def test_every_kind_implements_the_interface():
         t = target_for(kind)
         assert t.kind == kind and isinstance(t.format_version, int) and t.build_step
         assert set(t.input_kinds) <= set(known_kinds()), (kind, t.input_kinds)
+        step = t.hardware_step
+        if step is not None:  # a hardware step decides all of its own members too
+            assert isinstance(step, HardwareStep) and step.name and step.pool and step.needs, kind
+            assert [m for m in ("missing", "finish", "finish_published")
+                    if getattr(type(step), m) is getattr(HardwareStep, m)] == [], kind
         for name, field in t.Thresholds.model_fields.items():  # every gate names its metric
             assert name.startswith(("min_", "max_", "require_")) and field.json_schema_extra["metric"], (kind, name)
     with pytest.raises(ValueError, match=r"unknown target kind 'qpc' \(known: gguf, vllm, qaic-export, qaic\)"):
@@ -47,7 +52,8 @@ def test_an_installed_plugin_adds_a_kind_and_cannot_replace_a_builtin_one(tmp_pa
         assert list(known_kinds()) == [*BUILTIN, "toy"]
         assert type(target_for("toy")).__name__ == "ToyTarget" and target_for("toy").kind == "toy"
         assert target_class("gguf").__name__ == "GgufTarget"
-        assert target_for("toy").input_kinds == () and target_for("toy").intermediate is False  # Target's defaults
+        toy = target_for("toy")  # Target's defaults
+        assert toy.input_kinds == () and toy.intermediate is False and toy.hardware_step is None
     finally:
         monkeypatch.undo()
         refresh()

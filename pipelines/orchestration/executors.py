@@ -14,8 +14,8 @@ import os
 
 import dagster as dg
 
-# AI 100 compile steps are routed to the workers on hosts with the Cloud AI SDK (`-q ai100_compile`).
-COMPILE_QUEUE = "ai100_compile"
+# A kind's hardware step (the AI 100 compile) goes to the queue named after its pool (`-q ai100_compile`), served
+# by the workers on hosts with that hardware.
 CELERY_QUEUE_TAG = "dagster-celery/queue"
 
 

@@ -15,10 +15,11 @@ from .. import build as engine
 from ..compat import classify_snapshot
 from ..config import Config, ModelEntry, Recipe
 from ..errors import HiveError, ResourceError
+from ..kinds import target_for
 from ..units import human_bytes
 from ..parity import profile_markdown
 from ..sources import fetch, resolve_revision
-from .executors import CELERY_QUEUE_TAG, COMPILE_QUEUE
+from .executors import CELERY_QUEUE_TAG
 from .partitions import models_partitions
 from .pools import LARGE_MEMORY_POOL
 from .resources import HiveResource
@@ -47,8 +48,10 @@ def published_key(recipe_id: str) -> dg.AssetKey:
     return dg.AssetKey(["published", recipe_id])
 
 
-def qpc_key(recipe_id: str) -> dg.AssetKey:
-    return dg.AssetKey(["qpc", recipe_id])
+def hardware_key(recipe: Recipe) -> dg.AssetKey | None:
+    """The asset of the recipe's hardware step (qpc/<recipe> for an AI 100 compile); None when its kind has none."""
+    step = target_for(recipe.kind).hardware_step
+    return dg.AssetKey([step.name, recipe.id]) if step else None
 
 
 def model_asset_keys(config: Config, entry: ModelEntry) -> list[dg.AssetKey]:
@@ -57,8 +60,9 @@ def model_asset_keys(config: Config, entry: ModelEntry) -> list[dg.AssetKey]:
     keys = [SNAPSHOT_KEY, COMPAT_KEY]
     for rid in sorted(config.requested_recipes(entry)):
         keys += [artifact_key(rid), published_key(rid)]
-        if config.recipe(rid).kind == "qaic":
-            keys.append(qpc_key(rid))
+        finished = hardware_key(config.recipe(rid))
+        if finished is not None:
+            keys.append(finished)
     return keys
 
 
@@ -261,8 +265,8 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
         }, data_version=dg.DataVersion(res.build_id[:16]))
 
     assets = [artifact, published]
-    if recipe.kind == "qaic":
-        assets.append(_compile_asset(recipe))
+    if target_for(recipe.kind).hardware_step is not None:
+        assets.append(_hardware_asset(recipe))
     return assets, [parity_check, integrity_check]
 
 
@@ -273,39 +277,40 @@ def serving_command(model_id: str, recipe_id: str, build_id: str | None, profile
     return f"hive-aot serve {what} --target {profile} --dest /models --store {store_uri}"
 
 
-def _compile_asset(recipe: Recipe) -> dg.AssetsDefinition:
-    """qpc/<recipe>: the published export bundle compiled on a host with the Cloud AI SDK (pool ai100_compile,
-    so compile hosts are never oversubscribed). Elsewhere the step records that the compile is pending and
-    materializes nothing: the bundle waits in the store for `hive-aot qaic-compile` or an SDK worker."""
+def _hardware_asset(recipe: Recipe) -> dg.AssetsDefinition:
+    """<step>/<recipe> (qpc/qaic-mxfp6): the published artifact finished by its kind's hardware step on a host
+    that has the hardware (the step's pool and Celery queue, so such hosts are never oversubscribed). Elsewhere
+    the step records why it is pending and materializes nothing: the artifact waits in the store for
+    `hive-aot compile` or a worker on such a host."""
     rid = recipe.id
+    step = target_for(recipe.kind).hardware_step
+    assert step is not None
 
-    @dg.asset(key=qpc_key(rid), deps=[published_key(rid)], partitions_def=models_partitions, group_name="publish",
-              pool="ai100_compile", kinds={"qaic"}, output_required=False,
-              op_tags={CELERY_QUEUE_TAG: COMPILE_QUEUE},
-              description=f"{rid}: the export bundle compiled to a QPC and published with its vllm-qaic serving binding.")
-    def qpc(context: dg.AssetExecutionContext, hive: HiveResource):
-        from ..targets.qaic.compile import find_sdk, no_sdk_reason
-        from ..targets.qaic.qpc import compile_published
-
+    @dg.asset(key=hardware_key(recipe), deps=[published_key(rid)], partitions_def=models_partitions,
+              group_name="publish", pool=step.pool, kinds={recipe.kind.split("-")[0]}, output_required=False,
+              op_tags={CELERY_QUEUE_TAG: step.pool},
+              description=f"{rid}: the published build finished by {step.name} on a host with {step.needs}, and "
+                          f"published with its serving binding.")
+    def finished(context: dg.AssetExecutionContext, hive: HiveResource):
         model_id = context.partition_key
         if rid not in hive.model(model_id).recipes:
-            context.log.info(f"{model_id} does not request {rid}; nothing to compile")
+            context.log.info(f"{model_id} does not request {rid}; nothing to finish")
             return
-        if find_sdk() is None:
-            context.log.warning(f"{model_id} {rid}: exported, compile pending: {no_sdk_reason()}")
+        missing = step.missing()
+        if missing is not None:
+            context.log.warning(f"{model_id} {rid}: published, {step.name} pending: {missing}")
             return
         try:
-            (res,) = compile_published(model_id, hive.config(), hive.open_store(), rid)
+            (res,) = step.finish_published(model_id, hive.config(), hive.open_store(), rid)
         except HiveError as e:
             raise _failure(e) from None
-        q = (res.validation or {}).get("qpc", {})
+        # numbers the step recorded beside the validation (the QPC's program size and compile time)
+        numbers = {k: v for k, v in (res.validation or {}).get(step.name, {}).items() if isinstance(v, (int, float))}
         yield dg.Output(None, data_version=dg.DataVersion(res.build_id[:16]), metadata={
-            "state": res.state, "build_id": res.build_id, "manifest": res.manifest, "format": "qpc",
-            **_sizes(res.files),
-            "program_bytes": dg.MetadataValue.int(int(q.get("program_bytes", 0))),
-            "compile_seconds": float(q.get("compile_seconds", 0.0))})
+            "state": res.state, "build_id": res.build_id, "manifest": res.manifest, "format": str(res.format),
+            **_sizes(res.files), **numbers})
 
-    return qpc
+    return finished
 
 
 def all_recipe_assets(recipes: Iterable[Recipe]) -> tuple[list[dg.AssetsDefinition], list[dg.AssetChecksDefinition]]:

@@ -17,7 +17,7 @@ import dagster as dg
 
 from ..config import Config
 from ..errors import ConfigError
-from .factories import INTEGRITY_CHECK, PARITY_CHECK, artifact_key, model_asset_keys, published_key, qpc_key
+from .factories import INTEGRITY_CHECK, PARITY_CHECK, artifact_key, model_asset_keys, published_key, hardware_key
 from .partitions import models_partitions, partition_key
 from .pools import apply_pool_limits, process_tags, release_dead_claims
 from .resources import HiveResource
@@ -68,7 +68,7 @@ def failure_line(error) -> str:
     return re.sub(r"^dagster\._core\.definitions\.events\.Failure: ", "", first)
 
 
-def _summarize(result: dg.ExecuteInProcessResult, model_id: str, recipes: list[str]) -> list[dict[str, Any]]:
+def _summarize(result: dg.ExecuteInProcessResult, config: Config, model_id: str, recipes: list[str]) -> list[dict[str, Any]]:
     mats = {ev.asset_key: ev.materialization for ev in result.get_asset_materialization_events()
             if ev.asset_key is not None}
     evaluations = [e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
@@ -83,7 +83,8 @@ def _summarize(result: dg.ExecuteInProcessResult, model_id: str, recipes: list[s
         pub = mats.get(published_key(rid))
         art = mats.get(artifact_key(rid))
         chk = checks.get(artifact_key(rid))
-        compiled = mats.get(qpc_key(rid))
+        finished_key = hardware_key(config.recipe(rid))
+        compiled = mats.get(finished_key) if finished_key is not None else None
         if pub is not None:
             md = (compiled or pub).metadata
             row.update(state=md["state"].value, build_id=md["build_id"].value, manifest=md["manifest"].value,
@@ -161,7 +162,7 @@ def onboard(registry: str | None = None, store: str | None = None, models: list[
         res = job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False,
                                      asset_selection=model_asset_keys(config, entry),
                                      tags={"hive-aot/trigger": "cli-onboard", **process_tags()}, run_config=QUIET)
-        rows = _summarize(res, entry.id, entry.recipes)
+        rows = _summarize(res, config, entry.id, entry.recipes)
         # compile_pending: the AI 100 export bundle is published and waits for a host with the SDK.
         success &= res.success and all(r["state"] in ("published", "skipped", "compile_pending") for r in rows)
         results += [{**r, "run_id": res.run_id} for r in rows]

@@ -20,9 +20,9 @@ Derived builds: a target with `input_kinds` is built from the published artifact
 it over as `BuildContext.input`. A target with `intermediate = True` writes an artifact that only other
 recipes read (no runtime profile loads it). Hooks with a default in `Target`: `plan_problems(ctx)` refuses
 a build before any work; `input_problems(options, input_options)` checks a recipe against its input's at
-config load; `complete(result, store, config)` finishes an artifact published short of the target's format
-(an AI 100 export bundle: compiled where the SDK is, else reported `compile_pending`); `summary(validation)`
-is the CLI's line of numbers.
+config load; `summary(validation)` is the CLI's line of numbers. A target with a `hardware_step` publishes
+its build short of its format (an AI 100 export bundle) and the step finishes it where a host has the
+hardware (the compile, given the SDK), else the result is reported pending with the reason.
 """
 
 from __future__ import annotations
@@ -167,10 +167,14 @@ class Target:
     def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]:
         raise NotImplementedError
 
+    # the step that finishes this kind's artifact on hardware some hosts lack (the AI 100 compile); None: the
+    # engine's build is the whole artifact
+    hardware_step: ClassVar[HardwareStep | None] = None
+
     def complete(self, result: Any, store: Any, config: Any) -> Any:
-        """Finish an artifact published short of the target's format (an AI 100 export bundle: compiled where
-        the SDK is, else reported `compile_pending`); the build's result as it stands by default."""
-        return result
+        """Finish an artifact published short of the target's format: its hardware step runs it where this
+        host can (else reports it pending); the build's result as it stands without one."""
+        return self.hardware_step.finish(result, store, config) if self.hardware_step else result
 
     @staticmethod
     def summary(validation: dict[str, Any]) -> str:
@@ -179,6 +183,31 @@ class Target:
         if "top1_agreement" not in met:
             return ""
         return f" top-1 {metric_text(met.get('top1_agreement'), '.4f')}, KL {metric_text(met.get('mean_kl'), '.5f')}"
+
+
+class HardwareStep:
+    """A step only some hosts can run (a vendor compiler, a GPU), which turns an artifact the engine published
+    short of its recipe's format (an export bundle) into the final one. Where this host lacks what it needs,
+    the artifact is published as pending with the reason; a host that has it finishes it from the store alone
+    (`hive-aot compile`, or the Dagster asset `<name>/<recipe>` in pool `pool`, queue `queue`)."""
+
+    name: ClassVar[str]  # the Dagster asset key's first part ("qpc") and the format it finishes into
+    pool: ClassVar[str]  # the Dagster pool (and Celery queue) of the hosts that have the hardware
+    needs: ClassVar[str]  # what such a host has, in words ("the Cloud AI SDK")
+
+    def missing(self) -> str | None:
+        """Why this host cannot run the step (None: it can)."""
+        raise NotImplementedError
+
+    def finish(self, result: Any, store: Any, config: Any) -> Any:
+        """Right after the engine published `result`: run the step here, or mark the result pending."""
+        raise NotImplementedError
+
+    def finish_published(self, model_id: str, config: Any, store: Any, recipe: str | None = None,
+                         input_build_id: str | None = None) -> list[Any]:
+        """The step on artifacts already published in the store (one recipe, or each of the model's that waits
+        for it), published under their own build ids; refused with a one-line error where `missing()`."""
+        raise NotImplementedError
 
 
 MODEL_DIR = "{model_dir}"  # placeholder in serving commands; pull substitutes the pulled directory

@@ -27,6 +27,7 @@ from ...thresholds import Thresholds, check_thresholds, gate, metric_text
 from .. import BuildContext, BuiltArtifact, Target, ValidationReport
 from .compile import COMPILE_DIR, CompileOptions
 from .layout import BUNDLE_FORMAT, BUNDLE_FORMAT_VERSION, EXPORT_FORMAT_VERSION, EXPORT_REPORT, ONNX_DIR
+from .qpc import QpcCompile
 from .server import QAIC_SERVER
 
 if TYPE_CHECKING:
@@ -271,6 +272,7 @@ class QaicTarget(Target):
     Thresholds = QaicThresholds
     input_kinds = ("qaic-export",)
     build_step = "bundle"
+    hardware_step = QpcCompile()
 
     @staticmethod
     def plan_steps(env) -> list:
@@ -374,12 +376,6 @@ class QaicTarget(Target):
 
     def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]:
         return {}  # a bundle serves nothing; the QPC's manifest carries the vllm-qaic binding
-
-    def complete(self, bundle_result, store, config):
-        """After the bundle is published: the QPC where this host has the SDK, else `compile_pending`."""
-        from .qpc import compile_or_pending
-
-        return compile_or_pending(bundle_result, store, config)
 
 
 __all__ = ["QaicExportTarget", "QaicTarget", "BUNDLE_FORMAT", "COMPILE_DIR"]

@@ -42,7 +42,8 @@ def write_bundle(ctx: BuildContext, out_dir: Path) -> BuiltArtifact:
     doc = command_doc(opts, onnx_rel, opts.sdk_version)
     (out_dir / COMMAND_FILE).write_text(json.dumps(doc, indent=1) + "\n")
     files.append(COMMAND_FILE)
-    info = {"state": "compile_pending", "format": BUNDLE_FORMAT,
+    # `needs`: what pull and status name when they say where the pending compile can run
+    info = {"state": "compile_pending", "format": BUNDLE_FORMAT, "needs": "the Cloud AI SDK",
             "input": {"recipe": inp.recipe, "build_id": inp.build_id},
             "compile": {"command": doc["argv"], "sdk_version": opts.sdk_version, "options": opts.model_dump()}}
     return BuiltArtifact(root=out_dir, files=files, info=info, known_digests=known, format=BUNDLE_FORMAT)

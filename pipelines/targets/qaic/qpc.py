@@ -14,13 +14,14 @@ import os
 import shutil
 from typing import TYPE_CHECKING, Any
 
-from ...errors import EngineFailed, HiveError, NotApplicableError, StoreError
+from ...errors import EngineFailed, NotApplicableError, StoreError
 from ...hashing import sha256_file, sha256_json
 from ...manifest import FileEntry, Manifest
 from ...paths import work_dir
 from ...signing import write_signature
 from ...store import Store, manifest_key, ref_key
 from ...store.layout import BUNDLE_TAG_PREFIX, check_binding, publish_tags
+from .. import HardwareStep
 from .layout import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
 from .bundle import COMMAND_FILE
 from .compile import COMPILE_DIR, QPC_DIR, CompileOptions, Sdk, command, compile_files, fill, find_sdk, no_sdk_reason, run
@@ -173,36 +174,43 @@ def _write_refs(store: Store, m: Manifest, move: bool) -> None:
             store.write_bytes(k, doc)
 
 
-def compile_or_pending(bundle_result: "BuildResult", store: Store, config: "Config") -> "BuildResult":
-    """After a bundle is published: compile it here if this host has the SDK, else say it is pending."""
-    sdk = find_sdk()
-    if sdk is None:
-        bundle_result.state = "compile_pending"
-        bundle_result.reason = f"exported, compile pending: {no_sdk_reason()}"
-        return bundle_result
-    res = compile_bundle(store, bundle_manifest(store, bundle_result.model_id, bundle_result.recipe,
-                                                bundle_result.build_id), sdk, config)
-    res.bundle, res.input = bundle_result, bundle_result.input
-    return res
+class QpcCompile(HardwareStep):
+    """The AI 100 compile as the `qaic` kind's hardware step: bundle -> QPC on hosts with the Apps SDK."""
 
+    name = "qpc"
+    pool = "ai100_compile"
+    needs = "the Cloud AI SDK"
 
-def compile_published(model_id: str, config: "Config", store: Store, recipe: str | None = None,
-                      bundle_build_id: str | None = None) -> list["BuildResult"]:
-    """`hive-aot qaic-compile`: the published bundles of the model (one recipe, or every qaic recipe that
-    has one), compiled with this host's SDK and published as QPCs."""
-    sdk = find_sdk()
-    if sdk is None:
-        raise NotApplicableError(f"cannot compile for AI 100 here: {no_sdk_reason()}; set HIVE_AOT_QAIC_SDK "
-                                 "or run this on a host with the Apps SDK")
-    if recipe is not None:
-        rec = config.recipe(recipe)
-        if rec.kind != "qaic":
-            raise HiveError(f"recipe {recipe} is a {rec.kind} recipe, not an AI 100 compile (kind qaic)")
-        recipes = [recipe]
-    else:
-        recipes = sorted(r.id for r in config.recipes.values() if r.kind == "qaic")
-        recipes = [r for r in recipes if store.read_ref(ref_key(model_id, r, BUNDLE_LATEST)) is not None]
-        if not recipes:
-            raise StoreError(f"{model_id}: no export bundle is published in {store.uri} "
-                             "(hive-aot build SOURCE --recipe qaic-mxfp6 publishes one)")
-    return [compile_bundle(store, bundle_manifest(store, model_id, r, bundle_build_id), sdk, config) for r in recipes]
+    def missing(self) -> str | None:
+        return None if find_sdk() is not None else no_sdk_reason()
+
+    def finish(self, bundle_result: "BuildResult", store: Store, config: "Config") -> "BuildResult":
+        """After a bundle is published: compile it here if this host has the SDK, else say it is pending."""
+        sdk = find_sdk()
+        if sdk is None:
+            bundle_result.state = "compile_pending"
+            bundle_result.reason = f"exported, compile pending: {no_sdk_reason()}"
+            return bundle_result
+        res = compile_bundle(store, bundle_manifest(store, bundle_result.model_id, bundle_result.recipe,
+                                                    bundle_result.build_id), sdk, config)
+        res.bundle, res.input = bundle_result, bundle_result.input
+        return res
+
+    def finish_published(self, model_id: str, config: "Config", store: Store, recipe: str | None = None,
+                         input_build_id: str | None = None) -> list["BuildResult"]:
+        """The published bundles of the model (one recipe, or every qaic recipe that has one), compiled with
+        this host's SDK and published as QPCs."""
+        sdk = find_sdk()
+        if sdk is None:
+            raise NotApplicableError(f"cannot compile for AI 100 here: {no_sdk_reason()}; set HIVE_AOT_QAIC_SDK "
+                                     "or run this on a host with the Apps SDK")
+        if recipe is not None:
+            recipes = [recipe]
+        else:
+            recipes = sorted(r.id for r in config.recipes.values() if r.kind == "qaic")
+            recipes = [r for r in recipes if store.read_ref(ref_key(model_id, r, BUNDLE_LATEST)) is not None]
+            if not recipes:
+                raise StoreError(f"{model_id}: no export bundle is published in {store.uri} "
+                                 "(hive-aot build SOURCE --recipe qaic-mxfp6 publishes one)")
+        return [compile_bundle(store, bundle_manifest(store, model_id, r, input_build_id), sdk, config)
+                for r in recipes]
