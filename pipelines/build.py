@@ -14,15 +14,13 @@ anyway is the same kind of line (`DiskFull`), naming the step; the work dir goes
 from __future__ import annotations
 
 import json
-import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import meter, staging_lease
+from .build_result import BuildResult  # noqa: F401 - re-exported: what build_and_publish returns
 from .config import Config
 from .errors import DiskFull, HiveError, IntegrityError, StoreError, ValidationFailed
-from .hashing import sha256_file
 from .host import disk_full_cause, disk_full_error
 from .manifest import FileEntry, Manifest, ModelInfo, RecipeInfo
 from .memory import MemoryPlan, plan_build
@@ -30,45 +28,9 @@ from .paths import reclaim_work, work_dir
 from .signing import signature_key, signing_key, write_signature
 from .planning import Plan, plan, recipe_hardware  # noqa: F401 - re-exported: the engine's entry points
 from .store import Store, blob_key, manifest_key, open_store, ref_key, staging_key
-from .store.layout import PROFILES_KEY, check_binding, publish_tags, ref_document
+from .store.documents import materialize_blobs, publish_profiles
+from .store.layout import check_binding, publish_tags, ref_document
 from .targets import InputArtifact, ValidationReport
-
-
-@dataclass
-class BuildResult:
-    build_id: str
-    model_id: str
-    recipe: str
-    manifest: str
-    skipped: bool
-    state: str  # published | skipped | repaired | staged | rejected | compile_pending
-    validation: dict[str, Any] | None = None
-    files: list[dict[str, Any]] = field(default_factory=list)
-    compatibility: dict[str, Any] | None = None
-    format: str | None = None
-    reason: str | None = None  # why a build stopped where it did (compile_pending)
-    input: "BuildResult | None" = None  # the build of the recipe's input, for derived recipes
-    bundle: "BuildResult | None" = None  # the export bundle a QPC was compiled from
-    memory_plan: dict[str, Any] | None = None  # each step's estimated memory and disk (memory.MemoryPlan)
-    memory_measured: dict[str, int] | None = None  # each step's measured peak, all its processes (meter.py)
-    step_seconds: dict[str, float] | None = None  # each step's wall time (meter.py)
-
-    def to_json(self) -> dict[str, Any]:
-        doc = {
-            "build_id": self.build_id, "model_id": self.model_id, "recipe": self.recipe, "manifest": self.manifest,
-            "skipped": self.skipped, "state": self.state, "format": self.format, "validation": self.validation,
-            "files": self.files, "memory_plan": self.memory_plan, "memory_measured": self.memory_measured,
-            "step_seconds": self.step_seconds,
-        }
-        if self.reason:
-            doc["reason"] = self.reason
-        for name in ("input", "bundle"):
-            sub = getattr(self, name)
-            if sub is not None:
-                doc[name] = {"recipe": sub.recipe, "build_id": sub.build_id, "state": sub.state, "format": sub.format,
-                             "manifest": sub.manifest, "memory_plan": sub.memory_plan,
-                             "memory_measured": sub.memory_measured, "step_seconds": sub.step_seconds}
-        return doc
 
 
 def published_manifest(p: Plan, store: Store) -> Manifest | None:
@@ -247,23 +209,6 @@ def integrity_problems(p: Plan, store: Store) -> list[str]:
     return problems
 
 
-def materialize_blobs(store: Store, files: list[FileEntry], dest: Path) -> None:
-    """Place a build's files under dest (hard link or copy), verifying each sha256."""
-    for f in files:
-        target = dest / f.path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        local = store.local_path(blob_key(f.sha256))
-        if local is not None:
-            try:
-                target.hardlink_to(local)
-            except OSError:
-                shutil.copyfile(local, target)
-        else:
-            store.download_file(blob_key(f.sha256), target)
-        if target.stat().st_size != f.size or sha256_file(target) != f.sha256:
-            raise StoreError(f"{store.uri}: blob for {f.path} does not match its manifest digest")
-
-
 def validate_staged(p: Plan, store: Store) -> ValidationReport:
     """Validate the staged candidate numerically; the result is recorded in the staging record.
 
@@ -339,7 +284,7 @@ def publish_staged(p: Plan, store: Store, config: Config | None = None) -> Build
     store.write_bytes(ref_key(p.model_id, p.recipe.id, latest_tag), ref)
     store.delete(staging_key(p.build_id))
     if config is not None:
-        publish_profiles(store, config)
+        publish_profiles(store, config.registry.runtime_profiles)
     return _result(p, store, "published", manifest, skipped=False)
 
 
@@ -354,14 +299,6 @@ def _refuse_missing_blobs(store: Store, p: Plan, manifest: Manifest, mkey: str) 
     raise StoreError(f"{store.uri}: build {p.build_id[:12]} of {p.model_id} ({p.recipe.id}) lost {len(gone)} blob(s) "
                      f"before publishing ({gone[0].path}: {gone[0].sha256[:12]}; a gc ran while it was staged?): "
                      f"nothing was published, build it again")
-
-
-def publish_profiles(store: Store, config: Config) -> None:
-    """Keep the store's copy of the runtime profiles current, so pull works without registry.yaml."""
-    doc = {"runtime_profiles": [prof.model_dump(mode="json") for prof in config.registry.runtime_profiles]}
-    body = json.dumps(doc, sort_keys=True, indent=1).encode()
-    if store.read_bytes(PROFILES_KEY) != body:
-        store.write_bytes(PROFILES_KEY, body)
 
 
 def build_and_publish(source: str, recipe_id: str, config: Config, store_uri: str | None = None,

@@ -8,7 +8,6 @@ Pulls of one DIR are serialized by a lock file next to it, so concurrent pulls w
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -20,14 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from .blob_cache import TransferStats, fetch_blob, missing_bytes, reclaim_partials
-from .errors import HiveError, IntegrityError, ResourceError, StoreError
+from .errors import HiveError, IntegrityError, ResourceError
 from .hashing import sha256_file
 from .manifest import Manifest
 from .paths import check_model_id, exclusive_lock, model_slug, safe_relpath
 from .progress import bar
 from .signing import trusted_keys, verify
 from .store import Store, manifest_key, open_store, ref_key
-from .store.layout import BUNDLE_TAG_PREFIX, PROFILES_KEY, check_binding, is_digest
+from .store.documents import load_manifest
+from .store.layout import BUNDLE_TAG_PREFIX, PROFILES_KEY, is_digest
 from .engine_versions import engine_check
 from .serve_policy import serving_summary
 
@@ -50,17 +50,6 @@ def parse_model(spec: str) -> tuple[str, str | None]:
         shown = build if len(build) <= 80 else build[:77] + "..."
         raise HiveError(f"{shown!r} is not a build id (64 lowercase hex digits; pull takes org/name[@build_id])")
     return model, build or None
-
-
-def load_manifest(store: Store, key: str, expected_sha: str | None, model_id: str) -> Manifest:
-    raw = store.read_bytes(key)
-    if raw is None:
-        raise StoreError(f"{store.uri}: manifest {key} is missing")
-    if expected_sha and hashlib.sha256(raw).hexdigest() != expected_sha:
-        raise IntegrityError(f"{store.uri}: manifest {key} does not match the sha256 its ref records")
-    m = Manifest.parse(raw, f"{store.uri}: manifest {key}")
-    check_binding(m, key, model_id, store.uri)
-    return m
 
 
 def candidates(store: Store, model_id: str, tag: str, build_id: str | None) -> list[Candidate]:

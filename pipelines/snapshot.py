@@ -23,6 +23,14 @@ WANTED_PATTERNS = [
     "chat_template.json", "model_index.json", "*.safetensors", "model.safetensors.index.json",
     "README.md", "LICENSE", "LICENSE.txt",
 ]
+# Besides the weights, the files vLLM and transformers read from a model directory, which every kind's artifact
+# carries as they are; licence and model card travel with the weights. Pickles, original/, consolidated* and
+# params.json never do (consolidated*.safetensors silently switches vLLM to the Mistral load format).
+CARRIED_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
+    "chat_template.json", "README.md", "LICENSE", "LICENSE.txt",
+)
 EXCLUDED_PATTERNS = ["original/*", "consolidated*.safetensors"]
 PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle"]
 MARKER = ".hive-aot-snapshot.json"

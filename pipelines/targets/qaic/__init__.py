@@ -165,7 +165,7 @@ class QaicExportTarget(Target):
 
     def build(self, ctx: BuildContext, out_dir: Path) -> BuiltArtifact:
         from ...paths import link_or_copy
-        from ..vllm.prepare import CARRIED_FILES
+        from ...snapshot import CARRIED_FILES
         from .export import export
 
         snap = ctx.snapshot

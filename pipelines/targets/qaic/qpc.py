@@ -15,11 +15,13 @@ import shutil
 from typing import TYPE_CHECKING, Any
 
 from ...errors import EngineFailed, NotApplicableError, StoreError
+from ...build_result import BuildResult
 from ...hashing import sha256_file, sha256_json
 from ...manifest import FileEntry, Manifest
 from ...paths import work_dir
 from ...signing import write_signature
 from ...store import Store, manifest_key, ref_key
+from ...store.documents import load_manifest, materialize_blobs, publish_profiles
 from ...store.layout import BUNDLE_TAG_PREFIX, check_binding, publish_tags
 from .. import HardwareStep
 from .layout import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
@@ -28,7 +30,6 @@ from .compile import COMPILE_DIR, QPC_DIR, CompileOptions, Sdk, command, compile
 from .serving import describe
 
 if TYPE_CHECKING:
-    from ...build import BuildResult
     from ...config import Config
 
 QPC_FORMAT_VERSION = 1
@@ -51,8 +52,6 @@ def qpc_toolchain(sdk: Sdk) -> dict[str, str]:
 
 def bundle_manifest(store: Store, model_id: str, recipe_id: str, build_id: str | None = None) -> Manifest:
     """The published export bundle of a compile recipe: by build id, else its `bundle-latest` ref."""
-    from ...pull import load_manifest
-
     if build_id is None:
         ref = store.read_ref(ref_key(model_id, recipe_id, BUNDLE_LATEST))
         if ref is None:
@@ -77,10 +76,8 @@ def _profiles(config: "Config | None", recipe_id: str) -> list[dict[str, Any]]:
     return [p.model_dump(mode="json") for p in profiles if p.active and "qpc" in p.loads]
 
 
-def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | None" = None) -> "BuildResult":
+def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | None" = None) -> BuildResult:
     """Compile a published bundle with this host's SDK and publish the QPC (or find it published)."""
-    from ...build import BuildResult, materialize_blobs, publish_profiles
-
     model_id, recipe_id = bundle.model.id, bundle.recipe.id
     opts = CompileOptions.parse(bundle.recipe.options)
     build_id = qpc_build_id(bundle.build_id, sdk)
@@ -153,7 +150,7 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
     write_signature(store, key, m.to_bytes())  # before the refs, when a signing key is configured
     _write_refs(store, m, move=True)
     if config is not None:
-        publish_profiles(store, config)
+        publish_profiles(store, config.registry.runtime_profiles)
     return BuildResult(build_id=build_id, model_id=model_id, recipe=recipe_id, manifest=where, skipped=False,
                        state="published", files=[e.model_dump() for e in entries], format="qpc",
                        validation={**validation, "qpc": {**validation["qpc"], "compile_seconds": round(seconds, 1)}})
@@ -184,7 +181,7 @@ class QpcCompile(HardwareStep):
     def missing(self) -> str | None:
         return None if find_sdk() is not None else no_sdk_reason()
 
-    def finish(self, bundle_result: "BuildResult", store: Store, config: "Config") -> "BuildResult":
+    def finish(self, bundle_result: BuildResult, store: Store, config: "Config") -> BuildResult:
         """After a bundle is published: compile it here if this host has the SDK, else say it is pending."""
         sdk = find_sdk()
         if sdk is None:
@@ -197,7 +194,7 @@ class QpcCompile(HardwareStep):
         return res
 
     def finish_published(self, model_id: str, config: "Config", store: Store, recipe: str | None = None,
-                         input_build_id: str | None = None) -> list["BuildResult"]:
+                         input_build_id: str | None = None) -> list[BuildResult]:
         """The published bundles of the model (one recipe, or every qaic recipe that has one), compiled with
         this host's SDK and published as QPCs."""
         sdk = find_sdk()

@@ -20,16 +20,9 @@ import numpy as np
 
 from ...errors import ModelFormatError
 from ...safetensors_io import TensorSource, to_float32
+from ...snapshot import CARRIED_FILES  # noqa: F401 - re-exported: engine_check reads it from here
 from ...source_checks import FLOAT_DTYPES, refuse_quantized_without_config
 
-# Besides the weights, the files vLLM (and transformers) read from a model directory; licence and
-# model card travel with the weights. Pickles, original/, consolidated* and params.json never do
-# (consolidated*.safetensors silently switches vLLM to the Mistral load format).
-CARRIED_FILES = (
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-    "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
-    "chat_template.json", "README.md", "LICENSE", "LICENSE.txt",
-)
 INDEX = "model.safetensors.index.json"
 KEPT_DTYPES = {"I64", "I32", "I16", "BOOL"}  # buffers (position ids, masks): carried as stored
 BF16_MAX = 3.3895313892515355e38

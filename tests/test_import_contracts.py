@@ -1,0 +1,73 @@
+"""The import contracts of pyproject.toml ([tool.importlinter]), checked with import-linter on the real package:
+the layers from the entry points down to the leaf utilities, the three kinds independent of each other, the
+light pull client, Dagster only in orchestration. And the same contracts catch a break: a copy of the package
+with one forbidden import added fails the contract it breaks, by name."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTRACTS = ("Layers from the entry points down to the leaf utilities", "The three kinds are independent of each other",
+             "The light pull client: no torch, numpy, transformers, Dagster, planner",
+             "Only orchestration, definitions and assets import Dagster")
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """lint-imports of the venv this suite runs in, on the package under `root` (found first on sys.path)."""
+    env = {**os.environ, "PYTHONPATH": str(root), "COLUMNS": "200"}  # one line per contract name
+    return subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()",
+                           "--no-cache"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_package_keeps_every_contract():
+    proc = lint_imports(ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    for name in CONTRACTS:
+        assert f"{name} KEPT" in proc.stdout.splitlines(), (name, proc.stdout[-3000:])
+    assert "Contracts: 4 kept, 0 broken." in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def broken_copy(tmp_path_factory) -> Path:
+    """The package copied with three forbidden imports: the pull client importing numpy, one kind importing
+    another, the store (a low layer) importing the engine."""
+    root = tmp_path_factory.mktemp("contracts")
+    shutil.copytree(ROOT / "pipelines", root / "pipelines", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", root / "pyproject.toml")
+    added = {"pipelines/pull.py": "import numpy  # noqa\n",
+             "pipelines/targets/gguf/__init__.py": "from ..vllm import prepare  # noqa\n",
+             "pipelines/store/base.py": "from .. import build  # noqa\n"}
+    for rel, line in added.items():
+        path = root / rel
+        path.write_text(path.read_text() + "\n" + line)
+    return root
+
+
+def test_a_forbidden_import_breaks_the_contract_it_crosses(broken_copy):
+    proc = lint_imports(broken_copy)
+    out = proc.stdout
+    assert proc.returncode == 1, out[-3000:]
+    assert "Contracts: 1 kept, 3 broken." in out, out[-3000:]
+    assert "pipelines.pull is not allowed to import numpy" in out
+    assert "pipelines.targets.gguf is not allowed to import pipelines.targets.vllm" in out
+    assert "pipelines.store is not allowed to import pipelines.build:\n\n- pipelines.store.base -> pipelines.build" in out, out
+
+
+def test_the_readme_layout_names_every_module():
+    """README's layout block names each module of pipelines/ (a family module is covered by `families/`)."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Layout"):]
+    block = section[section.index("```") + 3:section.index("```", section.index("```") + 3)]
+    named = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", block))
+    modules = [p for p in (ROOT / "pipelines").rglob("*.py") if p.name != "__init__.py" and p.parent.name != "families"]
+    assert len(modules) > 100
+    assert sorted(str(p.relative_to(ROOT)) for p in modules if p.stem not in named) == []
