@@ -1,7 +1,7 @@
 """The registry of artifact kinds: a kind's name -> the class that builds it ("module:Class").
 
 The three kinds hive-aot ships are listed here; another package adds a kind without editing hive-aot by
-declaring an entry point in the `hive_aot.targets` group (`toy = "toy_kind:ToyTarget"` in its pyproject's
+declaring an entry point in the `hive_aot.targets` group (`mlx = "hive_aot_mlx:MlxTarget"` in its pyproject's
 `[project.entry-points."hive_aot.targets"]`): recipes may then name it, and the planner, the engine, the
 compatibility check, Dagster and pull treat it as they treat the built-in ones. A plug-in may not take a
 built-in kind's name.
