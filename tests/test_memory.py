@@ -134,11 +134,19 @@ def test_reference_of_llama3_8b_is_bounded_by_its_largest_unit_not_the_model():
     assert reference_memory(wider)[0] > need + unit  # twice the vocabulary: a unit as large again, and logits
 
 
+# The sizes of the published Llama-3-8B GGUFs (llama.cpp's own conversions), bytes: what the plans are held to.
+PUBLISHED_LLAMA3_8B_GGUF = {"f16": 16.07e9, "bf16": 16.07e9, "q8_0": 8.54e9, "Q4_K_M": 4.92e9, "Q6_K": 6.60e9}
+
+
+def near_published(size: int, file_type: str) -> bool:
+    return abs(size / PUBLISHED_LLAMA3_8B_GGUF[file_type] - 1) < 0.03
+
+
 def test_gguf_sizes_of_llama3_8b_match_llama_cpp():
     """Within a few percent of the published Llama-3-8B GGUFs (f16 16.07 GB, q8_0 8.54 GB, Q4_K_M 4.92 GB)."""
     f = facts_from_tensors(header_of(llama_shapes(LLAMA3_8B)).values(), LLAMA3_8B)
-    for file_type, published in (("f16", 16.07e9), ("q8_0", 8.54e9), ("Q4_K_M", 4.92e9), ("Q6_K", 6.60e9)):
-        assert abs(gguf_bytes(f, file_type) / published - 1) < 0.03, file_type
+    for file_type in ("f16", "q8_0", "Q4_K_M", "Q6_K"):
+        assert near_published(gguf_bytes(f, file_type), file_type), file_type
     assert gguf_bytes(f, "Q9_UNKNOWN") == gguf_bytes(f, "Q8_0")  # unknown types: the largest quantized size
 
 
@@ -160,7 +168,7 @@ def test_plan_of_llama3_8b_from_a_sparse_snapshot(llama3_8b, project_config, ple
     # only row slices of it.
     assert f16.peak.step == "reference" and f16.steps[0].memory < GIB
     convert, validate = f16.steps[0], f16.steps[-1]
-    assert convert.disk == gguf_bytes(f16.facts, "f16")
+    assert near_published(convert.disk, "f16")
     assert validate.mapped == convert.disk  # the GGUF is mapped by llama.cpp: reported, not counted
     assert validate.memory < 3 * GIB
 
@@ -168,14 +176,14 @@ def test_plan_of_llama3_8b_from_a_sparse_snapshot(llama3_8b, project_config, ple
     steps = {s.step: s for s in q4.steps}
     # quantized as it streams (tensor_quant.py): only the output on disk, the converter's row slices in memory
     assert list(steps) == ["convert", "publish", "reference", "validate"] and q4.fits()
-    inter, out = gguf_bytes(q4.facts, "bf16"), gguf_bytes(q4.facts, "Q4_K_M")
-    assert steps["convert"].disk == out and steps["convert"].memory < GIB
+    assert near_published(steps["convert"].disk, "Q4_K_M") and steps["convert"].memory < GIB
     # Where libllama lacks llama-ext.h (or with an imatrix): the bf16 intermediate, then libllama's quantizer.
     with monkeypatch.context() as m:
         m.setattr(tensor_quant, "unavailable", lambda: "this libllama lacks llama_quant_compute_types")
         steps = {s.step: s for s in _plan(llama3_8b, project_config, "gguf-q4_k_m").steps}
     assert list(steps) == ["convert", "quantize", "publish", "reference", "validate"]
-    assert steps["convert"].disk == inter and steps["quantize"].disk == inter + out
+    inter, out = steps["convert"].disk, steps["quantize"].disk - steps["convert"].disk
+    assert near_published(inter, "bf16") and near_published(out, "Q4_K_M")  # the intermediate, then both at once
     assert steps["quantize"].mapped == inter and steps["quantize"].memory < 5 * GIB  # 2 fp32 copies of 1.96 GiB
 
     for rid in ("vllm-bf16", "vllm-fp8", "qaic-export", "qaic-mxfp6", "qaic-fp16"):
@@ -211,7 +219,7 @@ def test_disk_need_counts_the_intermediate_and_blobs_kept_on_the_same_file_syste
     assert quantize.startswith("step 'quantize' needs 19.5 GiB of disk in ")
     assert q4.steps[2].step == "publish" and q4.steps[2].disk == 0  # hard links on the work root's file system
     needs = {s.step: need for s, need in q4.disk_needs()}
-    assert needs["validate"] == q4.steps[-1].disk + gguf_bytes(q4.facts, "Q4_K_M")  # the blob stays in the store
+    assert near_published(needs["validate"] - q4.steps[-1].disk, "Q4_K_M")  # the published blob stays in the store
 
 
 def test_reference_need_of_a_snapshot(llama3_8b):
