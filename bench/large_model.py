@@ -69,6 +69,7 @@ sys.path.insert(0, str(REPO / "tests"))  # factories.write_test_config
 
 from cli_trace import child_step  # noqa: E402 - bench/ is this script's directory
 from pipelines import synthetic  # noqa: E402
+from pipelines.units import parse_size  # noqa: E402
 
 PY = sys.executable
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
@@ -94,10 +95,6 @@ def human(n: float | None) -> str:
         if abs(n) >= div:
             return f"{n / div:.2f} {unit}"
     return f"{int(n)} B"
-
-
-def parse_size(text: str) -> int:
-    return synthetic.parse_size(text)
 
 
 def du(path: Path) -> int:

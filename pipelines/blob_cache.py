@@ -39,10 +39,11 @@ from .errors import HiveError, IntegrityError
 from .hashing import sha256_file
 from .paths import cache_root, exclusive_lock, lock_is_free, read_small_file, release_lock, try_lock
 from .store import Store, blob_key
+from . import settings
 
 FILE_MODE = 0o644
 PART_BYTES = 64 << 20  # bytes per ranged read: a killed pull loses at most this much per worker
-PART_SIZE_ENV = "HIVE_AOT_PULL_PART_SIZE"  # e.g. 16M: smaller parts lose less to a kill, cost more requests
+PART_SIZE_ENV = settings.PULL_PART_SIZE.name
 MIN_PART_BYTES = 64 << 10  # below this, requests cost more than a kill could lose (1 byte: 15 s for 256 KiB)
 MAX_PART_LIST_BYTES = 64 << 20  # far above any real part list (a 10 GB blob in 64 KiB parts lists ~1 MB)
 PART_WORKERS = 8  # ranged reads in flight per blob
@@ -190,7 +191,7 @@ def missing_bytes(digest: str, size: int) -> int:
 def part_bytes_setting() -> int:
     from .units import parse_size
 
-    value = os.environ.get(PART_SIZE_ENV)
+    value = settings.PULL_PART_SIZE.get()
     return max(MIN_PART_BYTES, parse_size(value, PART_SIZE_ENV)) if value else PART_BYTES
 
 

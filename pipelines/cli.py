@@ -69,6 +69,16 @@ def cmd_check(args) -> int:
     return {"compatible": EXIT_OK, "requires_review": EXIT_REVIEW}.get(compat.status, EXIT_INCOMPATIBLE)
 
 
+def cmd_settings(args) -> int:
+    from . import settings
+
+    rows = settings.describe()
+    human = "\n".join(f"{r['name']:30} {'set' if r['set'] else '-':4} {r['value'] if r['value'] is not None else '':24} "
+                      f"{r['meaning']}" for r in rows)
+    _emit(args, rows, human)
+    return EXIT_OK
+
+
 def cmd_registry(args) -> int:
     from .config import Config
 
@@ -332,6 +342,11 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--dry-run", action="store_true")
     sp.add_argument("--min-age", type=float, default=3600.0, help="only collect items older than this many seconds")
     sp.set_defaults(func=cmd_gc)
+
+    sp = sub.add_parser("settings", help="every HIVE_AOT_* environment variable: its effective value (secrets "
+                                         "masked) and meaning")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_settings)
 
     sp = sub.add_parser("registry", help="the architecture database and runtime profiles")
     rsub = sp.add_subparsers(dest="registry_command", required=True)

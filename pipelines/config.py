@@ -29,6 +29,7 @@ from .paths import check_model_id
 from .store.layout import RECIPE_ID_RE  # one grammar for recipe ids here and in the store's keys
 from .kinds import known as known_kinds, target_class, target_for
 from .thresholds import Thresholds
+from . import settings
 
 
 class _Strict(BaseModel):
@@ -208,7 +209,7 @@ def packaged_defaults_dir() -> Path:
 
 def registry_path(explicit: str | os.PathLike | None = None) -> Path | None:
     """The deployment registry: `--registry`, else `$HIVE_AOT_REGISTRY`, else ./registry.yaml if it exists."""
-    given = explicit or os.environ.get("HIVE_AOT_REGISTRY")
+    given = explicit or settings.REGISTRY.get()
     if given:
         return Path(given).expanduser().resolve()
     local = Path("registry.yaml").resolve()
@@ -230,7 +231,7 @@ def _parse_registry(path: Path, how: str = "") -> Registry:
 def load_registry(explicit: str | os.PathLike | None = None) -> tuple[Registry, Path | None]:
     """The packaged defaults extended by the deployment registry (if any), and that registry's path."""
     path = registry_path(explicit)
-    how = "--registry" if explicit else ("$HIVE_AOT_REGISTRY" if os.environ.get("HIVE_AOT_REGISTRY") else "")
+    how = "--registry" if explicit else ("$HIVE_AOT_REGISTRY" if settings.REGISTRY.is_set() else "")
     defaults = _parse_registry(packaged_defaults_dir() / "registry.yaml").model_copy(update={"models": []})
     if path is None:
         return defaults, None
@@ -240,8 +241,9 @@ def load_registry(explicit: str | os.PathLike | None = None) -> tuple[Registry, 
 
 def recipes_dir(registry: Registry | None, reg_path: Path | None, explicit: str | os.PathLike | None = None) -> Path | None:
     """Where the deployment's own recipes are: `--recipes`, `$HIVE_AOT_RECIPES`, or the registry's recipes_dir."""
-    if explicit or os.environ.get("HIVE_AOT_RECIPES"):
-        return Path(explicit or os.environ["HIVE_AOT_RECIPES"]).expanduser().resolve()
+    given = explicit or settings.RECIPES.get()
+    if given:
+        return Path(given).expanduser().resolve()
     if registry is not None and reg_path is not None and registry.recipes_dir:
         return (reg_path.parent / registry.recipes_dir).resolve()
     return None

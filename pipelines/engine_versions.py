@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from .manifest import Manifest
+from . import settings
 
-ENGINE_VERSIONS_ENV = "HIVE_AOT_ENGINE_VERSIONS"  # e.g. "llama_cpp_python=0.3.36,vllm=0.33.0" for engines not installed as Python packages
+ENGINE_VERSIONS_ENV = settings.ENGINE_VERSIONS.name
 
 
 def engine_check(m: Manifest) -> list[dict[str, Any]]:
@@ -16,7 +16,7 @@ def engine_check(m: Manifest) -> list[dict[str, Any]]:
     from importlib import metadata
 
     validated = (m.validation or {}).get("engines") or {}
-    given = dict(item.split("=", 1) for item in os.environ.get(ENGINE_VERSIONS_ENV, "").split(",") if "=" in item)
+    given = dict(item.split("=", 1) for item in settings.ENGINE_VERSIONS.items() if "=" in item)
     out = []
     for package, version in sorted(validated.items()):
         here = given.get(package)

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from .errors import DiskFull
 from .units import KIB, MIB, human_bytes, parse_size
+from . import settings
 
-BUDGET_ENV = "HIVE_AOT_MEMORY_BUDGET"
+BUDGET_ENV = settings.MEMORY_BUDGET.name
 
 
 def host_available_memory() -> int:
@@ -90,7 +91,7 @@ def _cgroup_available() -> int | None:
 
 def memory_budget() -> tuple[int, str]:
     """(bytes, where they come from): `HIVE_AOT_MEMORY_BUDGET`, else what this host has available."""
-    raw = os.environ.get(BUDGET_ENV)
+    raw = settings.MEMORY_BUDGET.get()
     if raw is not None and raw.strip():
         return parse_size(raw, BUDGET_ENV), BUDGET_ENV
     return host_available_memory(), "memory available on this host"

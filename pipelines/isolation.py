@@ -30,6 +30,7 @@ from typing import Any
 from . import errors, meter, warm
 from .errors import EngineCrashed, EngineFailed, HiveError
 from .paths import work_dir
+from . import settings
 
 _SIGNAL_MEANING = {
     "SIGILL": "illegal instruction: the library uses CPU instructions this host lacks",
@@ -162,7 +163,7 @@ def peak_memory() -> dict[str, int]:
 
 
 def _inject_fault(step: str) -> None:
-    spec = os.environ.get("HIVE_AOT_FAULT", "")
+    spec = settings.FAULT.get() or ""
     where, _, what = spec.rpartition(":")
     if not where or where not in step:
         return

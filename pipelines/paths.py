@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import SourceError
+from . import settings
 
 
 def cache_root() -> Path:
     """Local cache for snapshots, reference logits and pulled blobs (`$HIVE_AOT_CACHE`)."""
-    return Path(os.environ.get("HIVE_AOT_CACHE") or Path.home() / ".cache" / "hive-aot")
+    return Path(settings.CACHE.get() or Path.home() / ".cache" / "hive-aot")
 
 
 def work_root() -> Path:

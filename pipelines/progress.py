@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 from tqdm import tqdm
+from . import settings
 
 
 def bar(total: int | None = None, desc: str = "", unit: str = "B") -> tqdm:
-    disable = None if not os.environ.get("HIVE_AOT_PROGRESS") else False  # None = auto (TTY only)
+    disable = None if not settings.PROGRESS.is_set() else False  # None = auto (TTY only)
     scale = unit == "B"
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=scale, unit_divisor=1024 if scale else 1000,
                 file=sys.stderr, disable=disable, leave=False, dynamic_ncols=True)

@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 from .errors import ConfigError, HiveError
 from .kinds import known as known_kinds, target_for
 from .targets import MODEL_DIR, ServerProgram
+from . import settings
 
 if TYPE_CHECKING:
     from .manifest import Manifest
 
-PROGRAMS_ENV = "HIVE_AOT_SERVE_PROGRAMS"
-ENV_ALLOW_ENV = "HIVE_AOT_SERVE_ENV"
+PROGRAMS_ENV, ENV_ALLOW_ENV = settings.SERVE_PROGRAMS.name, settings.SERVE_ENV.name
 MAX_ARGS, MAX_ARG_CHARS, MAX_ENV = 256, 4096, 64
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 # a value is one word: model ids, numbers, dtypes, device lists; never an option, a space or a control character
@@ -69,7 +69,7 @@ def allowed_programs() -> dict[str, ServerProgram]:
 def pinned_programs() -> dict[str, str]:
     """The operator's program name -> absolute path pins ($HIVE_AOT_SERVE_PROGRAMS)."""
     pins = {}
-    for item in filter(None, (i.strip() for i in os.environ.get(PROGRAMS_ENV, "").split(","))):
+    for item in settings.SERVE_PROGRAMS.items():
         name, eq, path = item.partition("=")
         if not eq or not os.path.isabs(path):
             raise ConfigError(f"{PROGRAMS_ENV}: {item[:80]!r} is not name=/absolute/path")
@@ -133,7 +133,7 @@ def _check_env(env: Any, prog: ServerProgram, model_dir: str) -> dict[str, str]:
         return {}
     if not isinstance(env, dict) or len(env) > MAX_ENV:
         raise ServeRefused("the manifest's serving env is not a mapping of at most 64 names")
-    extra = {n.strip() for n in os.environ.get(ENV_ALLOW_ENV, "").split(",") if n.strip()}
+    extra = set(settings.SERVE_ENV.items())
     out = {}
     for name, value in env.items():
         if not isinstance(name, str) or _ENV_NAME.fullmatch(name) is None:

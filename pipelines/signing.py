@@ -18,15 +18,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, IntegrityError
 from .paths import read_small_file
+from . import settings
 
-SIGNING_KEY_ENV = "HIVE_AOT_SIGNING_KEY"
-TRUSTED_KEYS_ENV = "HIVE_AOT_TRUSTED_KEYS"
+SIGNING_KEY_ENV, TRUSTED_KEYS_ENV = settings.SIGNING_KEY.name, settings.TRUSTED_KEYS.name
 ALGORITHM = "ed25519"
 MAX_KEY_FILE_BYTES = 64 * 1024  # a PEM Ed25519 key is ~120 bytes; /dev/zero as a key file must not fill memory
 
@@ -72,7 +71,7 @@ def _read_pem(path: str, what: str, private: bool):
 
 def signing_key():
     """The publisher's private key, or None when signing is not configured."""
-    path = os.environ.get(SIGNING_KEY_ENV)
+    path = settings.SIGNING_KEY.get()
     return _read_pem(path, SIGNING_KEY_ENV, private=True) if path else None
 
 
@@ -83,7 +82,7 @@ def trusted_keys(paths: str | None = None) -> dict[str, Any]:
     `--trusted-keys ""` meant to override a set variable) is refused, never read as "verify nothing". Only
     an absent flag with the variable unset or empty turns verification off."""
     if paths is None:
-        spec, source = os.environ.get(TRUSTED_KEYS_ENV, ""), TRUSTED_KEYS_ENV
+        spec, source = settings.TRUSTED_KEYS.raw() or "", TRUSTED_KEYS_ENV
         if spec == "":
             return {}
     else:

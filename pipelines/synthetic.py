@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import struct
 import sys
@@ -44,8 +43,10 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from .errors import ConfigError
 # the tokenizer of every synthetic model (re-exported: tests build their small models' tokenizers with it)
 from .spm_tokenizer import spm_merges, spm_vocab, train_spm, write_spm_tokenizer, write_tokenizer  # noqa: F401
+from .units import parse_size
 
 GENERATOR_VERSION = 1  # bump when the bytes written for the same arguments change
 CHUNK = 1 << 20  # elements per generated chunk (4 MiB of float32): cache-friendly, cheap per call
@@ -290,18 +291,6 @@ class Generated:
                 f"({self.weight_bytes / max(self.seconds, 1e-9) / 1e6:.0f} MB/s)")
 
 
-def parse_size(text: str | int) -> int:
-    """`4GiB`, `500MB`, `4G` (binary), `1048576` -> bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*", str(text), re.I)
-    if not m:
-        raise ValueError(f"not a size: {text!r} (e.g. 4GiB, 500MB, 1048576)")
-    num, unit, suffix = float(m.group(1)), m.group(2).upper(), m.group(3).lower()
-    base = 1000 if suffix == "b" and unit else 1024
-    return int(num * base ** " KMGT".index(unit or " "))
-
-
 def generate(out: Path, shape: LlamaShape, *, dtype: str = "bf16", seed: int = 0, max_shard_size: int | str = 4 * GiB,
              tokenizer_vocab: int | None = None, threads: int | None = None, progress: bool = False,
              name: str = "synthetic", sparse: bool = False) -> Generated:
@@ -320,7 +309,7 @@ def generate(out: Path, shape: LlamaShape, *, dtype: str = "bf16", seed: int = 0
     tok_vocab = tokenizer_vocab or shape.vocab_size
     if tok_vocab > shape.vocab_size:
         raise ValueError(f"tokenizer_vocab {tok_vocab} exceeds the embedding's {shape.vocab_size} rows")
-    shards = plan_shards(shape, dtype, parse_size(max_shard_size))
+    shards = plan_shards(shape, dtype, parse_size(max_shard_size, "max_shard_size"))
     total = sum(s.size for s in shards)
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
@@ -404,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         res = generate(args.out, shape, dtype=args.dtype, seed=args.seed, max_shard_size=args.max_shard_size,
                        tokenizer_vocab=args.tokenizer_vocab, threads=args.threads, progress=True, name=args.preset,
                        sparse=args.sparse)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ConfigError) as e:
         print(f"synthetic: error: {e}", file=sys.stderr)
         return 1
     print(res.summary())

@@ -47,8 +47,15 @@ START_TIMEOUT_S = 300
 # --- the client (hive-aot's side) -----------------------------------------------------------------------------
 
 def warm_dir() -> Path | None:
-    value = os.environ.get(WARM_DIR_ENV, "")
+    value = _settings().WARM_DIR.get()
     return Path(value) if value else None
+
+
+def _settings():
+    """pipelines.settings, imported by the client only: the server runs this file as a script, outside the package."""
+    from . import settings
+
+    return settings
 
 
 def _entry_file(entry: str) -> Path:
@@ -163,7 +170,7 @@ def _start_and_connect(path: Path, python: str, entry: str, preload: str, env: d
             return conn
         path.unlink(missing_ok=True)  # a server that died leaves its socket file
         ready_r, ready_w = os.pipe()
-        idle = os.environ.get(IDLE_ENV, "600")
+        idle = _settings().WARM_IDLE.get()
         with open(path.with_suffix(".log"), "ab") as log:
             # -P: this file's directory (pipelines/, whose build.py, config.py... would shadow top-level
             # packages) stays off sys.path.

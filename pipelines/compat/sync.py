@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import HiveError
+from ..paths import cache_root
 
 REGISTRY_MEMBER = "vllm/model_executor/models/registry.py"
 
@@ -102,7 +103,7 @@ def parse_vllm_registry(source: str) -> dict[str, dict[str, Any]]:
 
 def vllm_registry_source(version: str, wheel: Path | None = None) -> str:
     if wheel is None:
-        cache = Path(os.environ.get("HIVE_AOT_CACHE") or Path.home() / ".cache" / "hive-aot") / "downloads" / "vllm"
+        cache = cache_root() / "downloads" / "vllm"
         cache.mkdir(parents=True, exist_ok=True)
         found = sorted(cache.glob(f"vllm-{version}-*.whl"))
         if not found:

@@ -8,7 +8,6 @@ content addresses, and a published build id is skipped.
 
 from __future__ import annotations
 
-import os
 
 import dagster as dg
 
@@ -16,6 +15,7 @@ from ..errors import HiveError
 from .factories import SNAPSHOT_KEY, UPSTREAM_KEY, artifact_key, model_asset_keys
 from .partitions import models_partitions, partition_key
 from .resources import HiveResource
+from .. import settings
 
 # Partitions come from the assets (one dynamic partition per model); the job passes none of its own.
 onboard_job = dg.define_asset_job(
@@ -29,7 +29,7 @@ observe_revisions_job = dg.define_asset_job(
     description="Record each registry model's upstream commit (one Hub call per model, nothing downloaded).")
 
 # Nightly by default; a deployment sets its own cadence without editing code.
-REVISION_CRON = os.environ.get("HIVE_AOT_REVISION_CRON", "0 3 * * *")
+REVISION_CRON = settings.REVISION_CRON.get()
 
 
 def _config_or_reason(hive: HiveResource, context):

@@ -10,9 +10,9 @@ S3PickleIOManager as `io_manager` (deploy/README.md).
 
 from __future__ import annotations
 
-import os
 
 import dagster as dg
+from .. import settings
 
 # A kind's hardware step (the AI 100 compile) goes to the queue named after its pool (`-q ai100_compile`), served
 # by the workers on hosts with that hardware.
@@ -22,10 +22,10 @@ CELERY_QUEUE_TAG = "dagster-celery/queue"
 def executor_from_env() -> dg.ExecutorDefinition | None:
     """The Celery executor when HIVE_AOT_CELERY_BROKER is set (HIVE_AOT_CELERY_BACKEND defaults to the broker),
     else None: Dagster's default multiprocess executor."""
-    broker = os.environ.get("HIVE_AOT_CELERY_BROKER")
+    broker = settings.CELERY_BROKER.get()
     if not broker:
         return None
     from dagster_celery import celery_executor
 
-    return celery_executor.configured({"broker": broker, "backend": os.environ.get("HIVE_AOT_CELERY_BACKEND", broker)},
+    return celery_executor.configured({"broker": broker, "backend": settings.CELERY_BACKEND.get() or broker},
                                       name="celery")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from functools import cached_property
 
 import dagster as dg
 
 from ..config import Config, ModelEntry
 from ..store import Store, default_store_uri, open_store
+from .. import settings
 
 
 class HiveResource(dg.ConfigurableResource):
@@ -50,5 +50,5 @@ class HiveResource(dg.ConfigurableResource):
 
 def default_resource() -> HiveResource:
     # Resolved when definitions load; step processes load the same definitions with the same env.
-    return HiveResource(registry=os.environ.get("HIVE_AOT_REGISTRY", ""), recipes=os.environ.get("HIVE_AOT_RECIPES", ""),
-                        store=os.environ.get("HIVE_AOT_STORE", ""))
+    return HiveResource(registry=settings.REGISTRY.get() or "", recipes=settings.RECIPES.get() or "",
+                        store=settings.STORE.get() if settings.STORE.is_set() else "")

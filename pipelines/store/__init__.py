@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -17,10 +16,11 @@ from ..errors import StoreError
 
 from .base import Store
 from .layout import blob_key, manifest_key, ref_key, staging_key
+from .. import settings
 
 
 def default_store_uri() -> str:
-    return os.environ.get("HIVE_AOT_STORE") or "./artifacts"
+    return settings.STORE.get()
 
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")

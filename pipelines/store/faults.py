@@ -18,8 +18,9 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from .. import settings
 
-EVENTS_ENV, KILL_ENV = "HIVE_AOT_STORE_EVENTS", "HIVE_AOT_STORE_KILL"
+EVENTS_ENV, KILL_ENV = settings.STORE_EVENTS.name, settings.STORE_KILL.name
 _seen: dict[str, int] = {}
 _lock = threading.Lock()
 
@@ -29,7 +30,7 @@ def area(key: str) -> str:
 
 
 def store_event(phase: str, key: str) -> None:
-    record, kill = os.environ.get(EVENTS_ENV), os.environ.get(KILL_ENV)
+    record, kill = settings.STORE_EVENTS.get(), settings.STORE_KILL.get()
     if not (record or kill):
         return
     event = f"{phase}:{area(key)}"

@@ -27,6 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ...errors import EngineFailed
+from ... import settings
 
 DEFAULT_SDK_ROOT = "/opt/qti-aic"
 NAMED_SPECIALIZATIONS_FROM = (1, 22)  # SDKs before this reject the named form
@@ -219,7 +220,7 @@ def _xml_version(path: Path) -> str | None:
 
 
 def sdk_root() -> Path:
-    return Path(os.environ.get("HIVE_AOT_QAIC_SDK") or DEFAULT_SDK_ROOT)
+    return Path(settings.QAIC_SDK.get())
 
 
 def find_sdk() -> Sdk | None:
@@ -237,7 +238,7 @@ def find_sdk() -> Sdk | None:
 
 def no_sdk_reason() -> str:
     root = sdk_root()
-    how = "$HIVE_AOT_QAIC_SDK" if os.environ.get("HIVE_AOT_QAIC_SDK") else "the default location"
+    how = "$HIVE_AOT_QAIC_SDK" if settings.QAIC_SDK.is_set() else "the default location"
     return f"no Cloud AI SDK on this host ({root}, {how}, has no versions/apps.xml and compiler)"
 
 

@@ -10,7 +10,6 @@ and wrote a non-empty `programqpc.bin`; the manifest then carries the vllm-qaic 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +27,7 @@ from .layout import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
 from .bundle import COMMAND_FILE
 from .compile import COMPILE_DIR, QPC_DIR, CompileOptions, Sdk, command, compile_files, fill, find_sdk, no_sdk_reason, run
 from .serving import describe
+from ... import settings
 
 if TYPE_CHECKING:
     from ...config import Config
@@ -39,7 +39,6 @@ PROGRAM = "programqpc.bin"
 # marked in the manifest (`build.stand_in`), and pull refuses it unless told that a stand-in is wanted.
 STAND_IN_MARK = b"HIVE-AOT STAND-IN"
 SDK_FILE = f"{COMPILE_DIR}/sdk.json"
-COMPILE_TIMEOUT_S = float(os.environ.get("HIVE_AOT_QAIC_COMPILE_TIMEOUT", 6 * 3600))
 
 
 def qpc_build_id(bundle_build_id: str, sdk: Sdk) -> str:
@@ -108,7 +107,7 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
             (src / rel).write_bytes(body)
         argv = command(opts, f"{ONNX_DIR}/model.onnx", sdk.version, compiler=str(sdk.compiler))
-        seconds = run(fill(argv, src, art / QPC_DIR), work / "compile.log", what, COMPILE_TIMEOUT_S)
+        seconds = run(fill(argv, src, art / QPC_DIR), work / "compile.log", what, float(settings.QAIC_COMPILE_TIMEOUT.get()))
         program = art / QPC_DIR / PROGRAM
         if not program.is_file() or program.stat().st_size == 0:
             raise EngineFailed(f"{what}: the compiler exited 0 but wrote no {QPC_DIR}/{PROGRAM}; nothing was published")

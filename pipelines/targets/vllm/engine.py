@@ -23,9 +23,9 @@ from ... import meter, warm
 from ...errors import EngineCrashed, EngineFailed, HiveError
 from ...isolation import run_measured
 from ...paths import cache_root, work_dir
+from ... import settings
 
 RUNNER = Path(__file__).with_name("runner.py")
-START_TIMEOUT_S = int(os.environ.get("HIVE_AOT_VLLM_TIMEOUT", "1200"))
 
 
 class NoEngine(HiveError):
@@ -34,7 +34,7 @@ class NoEngine(HiveError):
 
 def python_path() -> Path | None:
     """The vLLM venv's interpreter: $HIVE_AOT_VLLM_PYTHON, else this checkout's .venvs/vllm-cpu."""
-    given = os.environ.get("HIVE_AOT_VLLM_PYTHON")
+    given = settings.VLLM_PYTHON.get()
     if given:
         return Path(given)
     local = Path(__file__).resolve().parents[3] / ".venvs" / "vllm-cpu" / "bin" / "python"
@@ -109,19 +109,20 @@ def run(job: dict[str, Any], artifact_digests: list[tuple[str, str]], step: str)
                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
         env.pop("PYTHONPATH", None)  # the vLLM venv must not see hive-aot's packages
         argv = [str(py), str(RUNNER), str(job_path), str(result_path)]
+        timeout_s = float(settings.VLLM_TIMEOUT.get())
         with open(err_path, "w") as err:
             try:
                 # A warm server (HIVE_AOT_WARM_DIR) has imported vLLM already; else a fresh process.
-                warm_result = warm.run(str(py), str(RUNNER), argv[1:], cwd=tmp, env=env, timeout=START_TIMEOUT_S,
+                warm_result = warm.run(str(py), str(RUNNER), argv[1:], cwd=tmp, env=env, timeout=timeout_s,
                                        output=err.fileno())
                 if warm_result is not None:
                     rc, peak = warm_result
                     meter.child(peak)
                 else:
-                    rc, peak = run_measured(argv, timeout=START_TIMEOUT_S, cwd=tmp, env=env, stdout=err,
+                    rc, peak = run_measured(argv, timeout=timeout_s, cwd=tmp, env=env, stdout=err,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
             except subprocess.TimeoutExpired:
-                raise EngineFailed(f"{step}: vLLM did not finish within {START_TIMEOUT_S} s "
+                raise EngineFailed(f"{step}: vLLM did not finish within {timeout_s:.0f} s "
                                    "(HIVE_AOT_VLLM_TIMEOUT)") from None
         stderr = err_path.read_text(errors="replace")
         if rc < 0:

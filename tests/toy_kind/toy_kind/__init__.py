@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import Field
 
 from pipelines.hashing import sha256_json
-from pipelines.memory import BASE_STEP, FP32, StepNeed
+from pipelines.memory import BASE_STEP, StepNeed
 from pipelines.snapshot import CARRIED_FILES
 from pipelines.targets import MODEL_DIR, BuildContext, BuiltArtifact, ServerProgram, Target, ValidationReport
 from pipelines.thresholds import Thresholds, check_thresholds, gate
@@ -44,9 +44,9 @@ class ToyTarget(Target):
         size = env.facts.parameters * 2
         convert = StepNeed("toy", BASE_STEP + env.facts.fp32_bytes + size, disk=size, where=env.work,
                            detail="the whole model in fp32 and fp16 (a toy: real kinds stream)")
-        validate = env.reference()
-        return [convert, env.reference(), StepNeed("validate", validate.memory, where=env.refs,
-                                                   disk=validate.disk, detail="the artifact through the reference"),
+        reference = env.reference()
+        return [convert, reference, StepNeed("validate", reference.memory, where=env.refs,
+                                             disk=reference.disk, detail="the artifact through the reference"),
                 env.publish(size)]
 
     @staticmethod

@@ -1,0 +1,108 @@
+"""Every `HIVE_AOT_*` environment variable hive-aot reads, declared once: its name, default, audience and meaning.
+
+No other module reads one from the environment (tests/test_settings.py holds the package to that), so this
+file, `hive-aot settings` and the README's table are the whole list. Values are read when asked for, never
+cached at import: a parent that sets one before starting a step, or a test that sets one, is seen. An empty
+value counts as unset everywhere (`HIVE_AOT_STORE= hive-aot ls` falls back to the default, as shells expect).
+
+Stdlib only and importing nothing of the project's: the pull client, the warm-process client and the vLLM
+runner's interpreter all read their settings through it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+OPERATOR, TESTS = "operator", "tests"  # who sets it: a deployment, or the test suite's fault injection
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    meaning: str
+    default: str | None = None  # what an unset (or empty) variable means; None: the feature is off / derived
+    audience: str = OPERATOR
+    secret: bool = False  # its value may carry a credential (a broker URL with a password): never shown
+
+    def get(self) -> str | None:
+        """The variable's value, else the default; surrounding whitespace is not part of a value."""
+        value = os.environ.get(self.name, "").strip()
+        return value or self.default
+
+    def raw(self) -> str | None:
+        """Exactly what the environment holds (None: absent), for a reader that must tell a blank value from an
+        absent one (trusted keys fail closed on a value that names nothing)."""
+        return os.environ.get(self.name)
+
+    def is_set(self) -> bool:
+        return bool(os.environ.get(self.name, "").strip())
+
+    def items(self) -> list[str]:
+        """A comma-separated list's non-empty items, stripped."""
+        return [item.strip() for item in (self.get() or "").split(",") if item.strip()]
+
+    def shown(self) -> str | None:
+        """The value as it may be printed: a secret's only as `(set)`."""
+        if self.secret and self.is_set():
+            return "(set)"
+        return self.get()
+
+
+# --- where things are --------------------------------------------------------------------------------------------
+REGISTRY = Setting("HIVE_AOT_REGISTRY", "deployment registry YAML (models, profiles, policies); else ./registry.yaml "
+                   "if present, else the embedded defaults")
+RECIPES = Setting("HIVE_AOT_RECIPES", "directory of the deployment's own recipes; else the registry's recipes_dir")
+STORE = Setting("HIVE_AOT_STORE", "artifact store URI: a directory, file://, or s3://bucket/prefix", "./artifacts")
+CACHE = Setting("HIVE_AOT_CACHE", "local cache: snapshots, reference logits, pulled blobs, downloads "
+                "(default ~/.cache/hive-aot)")
+PULL_PART_SIZE = Setting("HIVE_AOT_PULL_PART_SIZE", "size of one ranged GET of a pull (e.g. 16M): smaller parts "
+                         "lose less to a kill and cost more requests")
+
+# --- resources and engines ---------------------------------------------------------------------------------------
+MEMORY_BUDGET = Setting("HIVE_AOT_MEMORY_BUDGET", "memory a build may plan for (12G, 12GiB, 800M, bytes); else "
+                        "what the host has available")
+VLLM_PYTHON = Setting("HIVE_AOT_VLLM_PYTHON", "interpreter of the vLLM venv that validates vLLM artifacts; else "
+                      "the checkout's .venvs/vllm-cpu")
+VLLM_TIMEOUT = Setting("HIVE_AOT_VLLM_TIMEOUT", "seconds a vLLM validation engine may take to start", "1200")
+QAIC_SDK = Setting("HIVE_AOT_QAIC_SDK", "root of the Cloud AI 100 Apps/Platform SDK (qaic-exec)", "/opt/qti-aic")
+QAIC_COMPILE_TIMEOUT = Setting("HIVE_AOT_QAIC_COMPILE_TIMEOUT", "seconds one qaic-exec compile may take",
+                               str(6 * 3600))
+ENGINE_VERSIONS = Setting("HIVE_AOT_ENGINE_VERSIONS", "engine versions for engines not installed as Python "
+                          "packages, e.g. llama_cpp_python=0.3.36,vllm=0.33.0 (they key build ids)")
+WARM_DIR = Setting("HIVE_AOT_WARM_DIR", "directory (0700, yours) for warm step servers: a step's child is forked "
+                   "from a server that has its imports done; unset: every child is a fresh interpreter")
+WARM_IDLE = Setting("HIVE_AOT_WARM_IDLE", "seconds a warm step server waits for a job before it exits", "600")
+PROGRESS = Setting("HIVE_AOT_PROGRESS", "any value: progress bars even when stderr is not a terminal")
+
+# --- trust -------------------------------------------------------------------------------------------------------
+SIGNING_KEY = Setting("HIVE_AOT_SIGNING_KEY", "Ed25519 private key (PEM) that signs every manifest published")
+TRUSTED_KEYS = Setting("HIVE_AOT_TRUSTED_KEYS", "public keys (comma-separated PEM paths): pull and serve require "
+                       "a signature by one of them")
+SERVE_PROGRAMS = Setting("HIVE_AOT_SERVE_PROGRAMS", "serving programs pinned to absolute paths, e.g. "
+                         "vllm=/opt/vllm/bin/vllm,llama-server=/usr/local/bin/llama-server")
+SERVE_ENV = Setting("HIVE_AOT_SERVE_ENV", "extra environment variable names a manifest's serving command may set "
+                    "(comma-separated)")
+
+# --- orchestration -----------------------------------------------------------------------------------------------
+CELERY_BROKER = Setting("HIVE_AOT_CELERY_BROKER", "Celery broker URL: every Dagster step becomes a Celery task",
+                        secret=True)
+CELERY_BACKEND = Setting("HIVE_AOT_CELERY_BACKEND", "Celery result backend URL; else the broker", secret=True)
+REVISION_CRON = Setting("HIVE_AOT_REVISION_CRON", "cron of the upstream-revision sensor's observation job",
+                        "0 3 * * *")
+
+# --- fault injection (the test suite's) --------------------------------------------------------------------------
+FAULT = Setting("HIVE_AOT_FAULT", "<step>:<SIGNAL>: that step's isolated child kills itself with the signal",
+                audience=TESTS)
+STORE_EVENTS = Setting("HIVE_AOT_STORE_EVENTS", "file: the store appends each write event's name (a calibration "
+                       "run of the kill tests)", audience=TESTS)
+STORE_KILL = Setting("HIVE_AOT_STORE_KILL", "<event>[#<n>]: SIGKILL the process group at the n-th store event",
+                     audience=TESTS)
+
+ALL: tuple[Setting, ...] = tuple(v for v in list(globals().values()) if isinstance(v, Setting))
+
+
+def describe() -> list[dict[str, str | bool | None]]:
+    """Each setting as `hive-aot settings` reports it: name, effective value (a secret's masked), whether set."""
+    return [{"name": s.name, "value": s.shown(), "set": s.is_set(), "default": s.default, "audience": s.audience,
+             "meaning": s.meaning} for s in ALL]

@@ -1,0 +1,159 @@
+"""pipelines/settings.py is the one place a HIVE_AOT_* variable is read, and the README's table is its list."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipelines import cli, paths, settings, signing
+from pipelines.errors import ConfigError
+from pipelines.store import default_store_uri
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "pipelines"
+NAME = re.compile(r"HIVE_AOT_[A-Z0-9_]+")
+
+
+def _constant_names(tree: ast.Module) -> dict[str, str]:
+    """Module-level NAME = "HIVE_AOT_..." (and tuple) assignments: the names a read may go through."""
+    found: dict[str, str] = {}
+    for node in tree.body:
+        if not isinstance(node, ast.Assign):
+            continue
+        for target in node.targets:
+            pairs = (zip(target.elts, node.value.elts) if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple)
+                     else [(target, node.value)])
+            for name, value in pairs:
+                if isinstance(name, ast.Name) and isinstance(value, ast.Constant) and isinstance(value.value, str):
+                    found[name.id] = value.value
+    return found
+
+
+def environment_reads(source: str) -> list[str]:
+    """The HIVE_AOT_* names a module's source reads from os.environ / os.getenv (directly or through a
+    module-level constant), as `line: NAME`."""
+    tree = ast.parse(source)
+    constants = _constant_names(tree)
+
+    def resolve(node: ast.AST) -> str | None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, ast.Name):
+            return constants.get(node.id)
+        return None
+
+    def is_environ(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "environ") or (isinstance(node, ast.Name) and node.id == "environ")
+
+    reads = []
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Call) and node.args:
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr in ("get", "setdefault", "pop") and is_environ(func.value):
+                key = resolve(node.args[0])
+            elif (isinstance(func, ast.Attribute) and func.attr == "getenv") or (isinstance(func, ast.Name) and func.id == "getenv"):
+                key = resolve(node.args[0])
+        elif isinstance(node, ast.Subscript) and is_environ(node.value) and isinstance(node.ctx, ast.Load):
+            key = resolve(node.slice)
+        if key and key.startswith("HIVE_AOT_"):
+            reads.append(f"{node.lineno}: {key}")
+    return reads
+
+
+def _modules():
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if p.name != "settings.py"]
+
+
+def test_the_read_detector_finds_every_form_of_read():
+    source = '''
+import os
+from os import environ, getenv
+KEY = "HIVE_AOT_STORE"
+A, B = "HIVE_AOT_CACHE", "HIVE_AOT_FAULT"
+os.environ.get("HIVE_AOT_REGISTRY")
+os.environ[KEY]
+environ.get(B, "")
+os.getenv("HIVE_AOT_WARM_DIR")
+getenv(A)
+os.environ.setdefault("HIVE_AOT_RECIPES", "x")
+os.environ["HIVE_AOT_FAULT"] = "written, not read"
+os.environ.get("PATH")
+'''
+    assert [r.split(": ")[1] for r in environment_reads(source)] == [
+        "HIVE_AOT_REGISTRY", "HIVE_AOT_STORE", "HIVE_AOT_FAULT", "HIVE_AOT_WARM_DIR", "HIVE_AOT_CACHE", "HIVE_AOT_RECIPES"]
+
+
+def test_no_module_but_settings_reads_a_hive_aot_variable():
+    reads = {str(p.relative_to(ROOT)): r for p in _modules() if (r := environment_reads(p.read_text()))}
+    assert reads == {}, f"read these through pipelines.settings instead: {reads}"
+
+
+def test_every_hive_aot_name_the_package_spells_out_is_declared():
+    """A name written in full anywhere in the code (warm.py's, which runs as a script and cannot import settings;
+    messages; docstrings) is a declared setting: a misspelt or undeclared variable fails here."""
+    declared = {s.name for s in settings.ALL}
+    serving_image = {"HIVE_AOT_MODEL"}  # the serving image's entrypoint variable, named in serve's messages
+    spelled = {name for p in _modules() for name in NAME.findall(p.read_text())}
+    assert spelled - declared - serving_image == set()
+    assert len(declared) == len(settings.ALL), "a name declared twice"
+
+
+def test_settings_is_a_stdlib_leaf():
+    tree = ast.parse((PACKAGE / "settings.py").read_text())
+    imported = {(n.module or "" if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+                for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                for a in (n.names if isinstance(n, ast.Import) else [None])}
+    assert all(isinstance(n, ast.Import) or n.level == 0 for n in ast.walk(tree) if isinstance(n, ast.ImportFrom))
+    assert imported <= set(sys.stdlib_module_names) | {"__future__"}, imported
+
+
+def test_the_readme_table_is_the_declared_list():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Settings (environment variables)", 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines() if line.startswith("| `HIVE_AOT_")]
+    table = {r[0].strip("`"): (r[1].strip("`") if r[1] != "-" else None, r[2]) for r in rows}
+    assert table == {s.name: (s.default, s.audience) for s in settings.ALL}
+
+
+def test_values_are_read_when_asked_and_empty_means_unset(monkeypatch, tmp_path):
+    monkeypatch.setenv("HIVE_AOT_CACHE", str(tmp_path))
+    assert paths.cache_root() == tmp_path  # set after every import: still seen
+    monkeypatch.setenv("HIVE_AOT_STORE", "")
+    assert default_store_uri() == "./artifacts"
+    monkeypatch.setenv("HIVE_AOT_STORE", "  s3://bucket/prefix ")
+    assert default_store_uri() == "s3://bucket/prefix"
+    monkeypatch.setenv("HIVE_AOT_SERVE_ENV", " A, ,B ,")
+    assert settings.SERVE_ENV.items() == ["A", "B"]
+
+
+def test_trusted_keys_that_name_nothing_still_fail_closed(monkeypatch):
+    """Blank is "named, but nothing": refused, not read as "verify nothing" (only an absent/empty variable is off)."""
+    monkeypatch.setenv("HIVE_AOT_TRUSTED_KEYS", " , ")
+    with pytest.raises(ConfigError, match="names no public key file"):
+        signing.trusted_keys()
+    monkeypatch.setenv("HIVE_AOT_TRUSTED_KEYS", "")
+    assert signing.trusted_keys() == {}
+
+
+def test_the_cli_lists_every_setting_and_masks_credentials(monkeypatch, capsys):
+    secret = "redis://:hunter2-secret@broker:6379/0"
+    monkeypatch.setenv("HIVE_AOT_CELERY_BROKER", secret)
+    monkeypatch.setenv("HIVE_AOT_MEMORY_BUDGET", "12G")
+    monkeypatch.delenv("HIVE_AOT_WARM_IDLE", raising=False)
+    assert cli.main(["settings", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "hunter2" not in out
+    rows = {r["name"]: r for r in json.loads(out)}
+    assert set(rows) == {s.name for s in settings.ALL}
+    assert rows["HIVE_AOT_CELERY_BROKER"]["value"] == "(set)" and rows["HIVE_AOT_CELERY_BROKER"]["set"] is True
+    assert rows["HIVE_AOT_MEMORY_BUDGET"]["value"] == "12G"
+    assert rows["HIVE_AOT_WARM_IDLE"] == {**rows["HIVE_AOT_WARM_IDLE"], "value": "600", "set": False}
+    assert cli.main(["settings"]) == 0
+    human = capsys.readouterr().out
+    assert "hunter2" not in human and len(human.splitlines()) == len(settings.ALL)
