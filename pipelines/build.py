@@ -25,11 +25,10 @@ from .host import disk_full_cause, disk_full_error
 from .manifest import FileEntry, Manifest, ModelInfo, RecipeInfo
 from .memory import MemoryPlan, plan_build
 from .paths import reclaim_work, work_dir
-from .signing import signature_key, signing_key, write_signature
 from .planning import Plan, plan, recipe_hardware  # noqa: F401 - re-exported: the engine's entry points
-from .store import Store, blob_key, manifest_key, open_store, ref_key, staging_key
-from .store.documents import materialize_blobs, publish_profiles
-from .store.layout import check_binding, publish_tags, ref_document
+from .store import Store, blob_key, manifest_key, open_store, staging_key
+from .store.documents import commit_manifest, materialize_blobs, publish_profiles, repair_commit
+from .store.layout import check_binding
 from .targets import InputArtifact, ValidationReport
 
 
@@ -105,7 +104,7 @@ def stage(p: Plan, store: Store) -> BuildResult:
     """
     existing = published_manifest(p, store)
     if existing is not None and all(store.blob_intact(f.sha256, f.size) for f in existing.files):
-        _ensure_refs(store, p, existing)
+        repair_commit(store, existing, pending=p.pending(existing))
         res = _result(p, store, "skipped", existing, skipped=True)
         res.memory_plan = _reported_plan(p, store)
         return res
@@ -145,7 +144,7 @@ def stage(p: Plan, store: Store) -> BuildResult:
         if entries != existing.files:
             raise IntegrityError(f"{store.uri}: build {p.build_id[:12]} has damaged blobs and rebuilding it gave other "
                                  "bytes than its manifest records: cannot repair (was the build not deterministic?)")
-        _ensure_refs(store, p, existing)
+        repair_commit(store, existing, pending=p.pending(existing))
         res = _result(p, store, "repaired", existing, skipped=False)
         res.memory_plan = resources.to_json()
         return res
@@ -243,45 +242,24 @@ def validate_staged(p: Plan, store: Store) -> ValidationReport:
     return report
 
 
-def _ref_doc(p: Plan, manifest: Manifest) -> bytes:
-    return ref_document(p.model_id, p.recipe.id, manifest)
-
-
 def validation_record(p: Plan, report: ValidationReport) -> dict[str, Any]:
     return {"passed": report.passed, "failures": report.failures, "metrics": report.metrics,
             "thresholds": p.recipe.validation.model_dump(mode="json"), **report.details}
-
-
-def _ensure_refs(store: Store, p: Plan, manifest: Manifest) -> None:
-    """Repair refs after an interrupted publish (manifest written, refs not); never moves an existing tag. With
-    a signing key, a manifest published unsigned (before the key, or interrupted) gets its signature first."""
-    mkey = manifest_key(p.model_id, p.recipe.id, manifest.build_id)
-    if signing_key() is not None and not store.exists(signature_key(mkey)):
-        write_signature(store, mkey, store.read_bytes(mkey) or manifest.to_bytes())
-    for tag in publish_tags(manifest.model.commit, p.pending(manifest)):
-        key = ref_key(p.model_id, p.recipe.id, tag)
-        if not store.exists(key):
-            store.write_bytes(key, _ref_doc(p, manifest))
 
 
 def publish_staged(p: Plan, store: Store, config: Config | None = None) -> BuildResult:
     """Manifest, then refs: the `latest` ref write is the commit point."""
     existing = published_manifest(p, store)
     if existing is not None:
-        _ensure_refs(store, p, existing)
+        repair_commit(store, existing, pending=p.pending(existing))
         store.delete(staging_key(p.build_id))  # a concurrent builder's candidate of the same build
         return _result(p, store, "skipped", existing, skipped=True)
     state, manifest = _staged(store, p)
     if state != "validated":
         raise ValidationFailed(f"build {p.build_id[:12]} is {state}, not validated: refusing to publish")
-    mkey = manifest_key(p.model_id, p.recipe.id, p.build_id)
-    store.write_bytes(mkey, manifest.to_bytes())
-    _refuse_missing_blobs(store, p, manifest, mkey)  # from here on, every gc keeps them (staging_lease.py)
-    write_signature(store, mkey, manifest.to_bytes())  # before the refs, when a signing key is configured
-    ref = _ref_doc(p, manifest)
-    commit_tag, latest_tag = publish_tags(manifest.model.commit, p.pending(manifest))
-    store.write_bytes(ref_key(p.model_id, p.recipe.id, commit_tag), ref)
-    store.write_bytes(ref_key(p.model_id, p.recipe.id, latest_tag), ref)
+    # Once the manifest is written, every gc keeps its blobs (staging_lease.py): check they outlived the wait.
+    commit_manifest(store, manifest, pending=p.pending(manifest),
+                    before_refs=lambda mkey: _refuse_missing_blobs(store, p, manifest, mkey))
     store.delete(staging_key(p.build_id))
     if config is not None:
         publish_profiles(store, config.registry.runtime_profiles)

@@ -169,7 +169,10 @@ def cmd_plan(args) -> int:
                      + ("\n  (build id: computed when a build hashes the source)" if q.build_id is None else ""))
         if not published and not mp.fits():
             refusals.append(f"{mp.recipe} of {mp.model_id}: {'; '.join(mp.problems())}")
-    _emit(args, {"plans": docs, "fits": not refusals}, "\n".join(texts))
+    hardware = chain[-1].target.hardware_step
+    planned = hardware.planned() if hardware is not None else (None, None)
+    _emit(args, {"plans": docs, "fits": not refusals, "hardware_step": planned[0]},
+          "\n".join(texts + [planned[1]] * (hardware is not None)))
     if refusals:
         print(f"hive-aot: error: {ResourceError('; '.join(refusals) + '; a build would be refused')}", file=sys.stderr)
         return EXIT_RESOURCES

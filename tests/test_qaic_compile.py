@@ -185,6 +185,45 @@ def test_compile_refuses_a_recipe_whose_kind_has_no_hardware_step(pending):
     assert proc.returncode == 1 and "recipe qaic-export (qaic-export) has no step to run on other hardware" in line, line
 
 
+@pytest.mark.parametrize("with_sdk", [False, True])
+def test_plan_names_the_hardware_step_and_whether_this_host_has_it(pending, tmp_path, with_sdk):
+    env = {"HIVE_AOT_QAIC_SDK": str(make_sdk(tmp_path / "sdk", "1.22.0") if with_sdk else tmp_path / "no-sdk")}
+    proc = hive("plan", str(pending["model"]), "--model-id", MODEL, "--recipe", "qaic-tiny", "--registry",
+                str(pending["reg"]), "--store", str(pending["store"]), "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    step = doc(proc)["hardware_step"]
+    assert (step["step"], step["needs"], step["here"]) == ("qpc", "the Cloud AI SDK", with_sdk)
+    assert (step["missing"] is None) == with_sdk and (with_sdk or "no Cloud AI SDK on this host" in step["missing"])
+    text = hive("plan", str(pending["model"]), "--model-id", MODEL, "--recipe", "qaic-tiny", "--registry",
+                str(pending["reg"]), "--store", str(pending["store"]), env=env).stdout.splitlines()[-1]
+    assert text.startswith("  then qpc: needs the Cloud AI SDK; ")
+    assert ("the build runs it" in text) == with_sdk and ("`hive-aot compile`" in text) != with_sdk
+
+
+def test_an_interrupted_compile_publish_is_repaired_signature_first(pending, tmp_path):
+    """The compile commits through the engine's sequence: a rerun after a kill between manifest and refs (or
+    before a signing key existed) signs the manifest, then writes the missing refs, moving no tag."""
+    from test_signing import _keypair
+
+    store = _qpc_store(pending, tmp_path)
+    env = {"HIVE_AOT_QAIC_SDK": str(make_sdk(tmp_path / "sdk", "1.22.0"))}
+    first = doc(hive("compile", MODEL, "--registry", str(pending["reg"]), "--store", str(store), "--json", env=env))[0]
+    refs = store / "refs" / SLUG / "qaic-tiny"
+    signatures = store / "signatures" / SLUG / "qaic-tiny"
+    assert (refs / "latest").is_file() and not signatures.exists()  # no key: unsigned
+    (refs / "latest").unlink()
+    private, public = _keypair(tmp_path, "k")
+    proc = hive("compile", MODEL, "--registry", str(pending["reg"]), "--store", str(store), "--json",
+                env={**env, "HIVE_AOT_SIGNING_KEY": str(private)})
+    again = doc(proc)[0]
+    assert again["state"] == "skipped" and again["build_id"] == first["build_id"], proc.stderr
+    assert json.loads((refs / "latest").read_text())["build_id"] == first["build_id"]
+    assert (signatures / f"{first['build_id']}.json.sig").is_file()
+    pulled = hive("pull", MODEL, "--target", "vllm-qaic", "--dest", str(tmp_path / "d"), "--store", str(store),
+                  "--registry", str(pending["reg"]), "--allow-stand-in", "--trusted-keys", str(public), "--json")
+    assert pulled.returncode == 0 and doc(pulled)["build_id"] == first["build_id"], pulled.stderr
+
+
 def _qpc_store(pending, tmp_path: Path) -> Path:
     store = tmp_path / "store"
     shutil.copytree(pending["store"], store)

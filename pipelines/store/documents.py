@@ -1,5 +1,7 @@
-"""Reading and placing what a store holds, shared by the engine, the hardware steps and pull: a manifest
-checked against the key it was asked for, a build's files placed and verified, the runtime profiles' copy."""
+"""Reading, placing and committing what a store holds, shared by the engine, the hardware steps and pull: a
+manifest checked against the key it was asked for, a build's files placed and verified, a manifest committed
+(manifest, signature, refs: one sequence for every publish) or its interrupted commit repaired, the runtime
+profiles' copy."""
 
 from __future__ import annotations
 
@@ -7,15 +9,16 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from pydantic import BaseModel
 
 from ..errors import IntegrityError, StoreError
 from ..hashing import sha256_file
 from ..manifest import FileEntry, Manifest
+from ..signing import signature_key, signing_key, write_signature
 from .base import Store
-from .layout import PROFILES_KEY, blob_key, check_binding
+from .layout import PROFILES_KEY, blob_key, check_binding, manifest_key, publish_tags, ref_document, ref_key
 
 
 def load_manifest(store: Store, key: str, expected_sha: str | None, model_id: str) -> Manifest:
@@ -52,3 +55,34 @@ def publish_profiles(store: Store, profiles: Iterable[BaseModel]) -> None:
     body = json.dumps(doc, sort_keys=True, indent=1).encode()
     if store.read_bytes(PROFILES_KEY) != body:
         store.write_bytes(PROFILES_KEY, body)
+
+
+def commit_manifest(store: Store, manifest: Manifest, *, pending: bool,
+                    before_refs: Callable[[str], None] | None = None) -> str:
+    """Publish a manifest whose blobs are in the store: its bytes, then its signature (when a signing key is
+    configured), then the `<commit>` and `latest` refs (`bundle-...` for a bundle that waits for its hardware
+    step). The `latest` write is the commit point: no ref ever names a manifest that is not there, and a
+    signature is there before anything names the manifest. `before_refs(key)` runs once the manifest is
+    written (a last check that may take it back and fail). Returns the manifest's key."""
+    key = manifest_key(manifest.model.id, manifest.recipe.id, manifest.build_id)
+    body = manifest.to_bytes()
+    store.write_bytes(key, body)
+    if before_refs is not None:
+        before_refs(key)
+    write_signature(store, key, body)
+    ref = ref_document(manifest.model.id, manifest.recipe.id, manifest)
+    for tag in publish_tags(manifest.model.commit, pending):
+        store.write_bytes(ref_key(manifest.model.id, manifest.recipe.id, tag), ref)
+    return key
+
+
+def repair_commit(store: Store, manifest: Manifest, *, pending: bool) -> None:
+    """Finish a commit that was interrupted after the manifest was written: its signature (with a signing key,
+    also for a manifest published before the key existed) and any missing ref; an existing tag never moves."""
+    key = manifest_key(manifest.model.id, manifest.recipe.id, manifest.build_id)
+    if signing_key() is not None and not store.exists(signature_key(key)):
+        write_signature(store, key, store.read_bytes(key) or manifest.to_bytes())
+    for tag in publish_tags(manifest.model.commit, pending):
+        ref = ref_key(manifest.model.id, manifest.recipe.id, tag)
+        if not store.exists(ref):
+            store.write_bytes(ref, ref_document(manifest.model.id, manifest.recipe.id, manifest))

@@ -199,6 +199,15 @@ class HardwareStep:
         """Why this host cannot run the step (None: it can)."""
         raise NotImplementedError
 
+    def planned(self) -> tuple[dict[str, Any], str]:
+        """What `plan` says of this step after the engine's steps: as JSON and as one line."""
+        missing = self.missing()
+        doc = {"step": self.name, "needs": self.needs, "here": missing is None, "missing": missing}
+        where = ("this host has it: the build runs it" if missing is None else
+                 f"{missing}: the build publishes its input with the step pending, and "
+                 f"`hive-aot compile` on a host that has it finishes it from the store")
+        return doc, f"  then {self.name}: needs {self.needs}; {where}"
+
     def finish(self, result: Any, store: Any, config: Any) -> Any:
         """Right after the engine published `result`: run the step here, or mark the result pending."""
         raise NotImplementedError

@@ -18,10 +18,9 @@ from ...build_result import BuildResult
 from ...hashing import sha256_file, sha256_json
 from ...manifest import FileEntry, Manifest
 from ...paths import work_dir
-from ...signing import write_signature
 from ...store import Store, manifest_key, ref_key
-from ...store.documents import load_manifest, materialize_blobs, publish_profiles
-from ...store.layout import BUNDLE_TAG_PREFIX, check_binding, publish_tags
+from ...store.documents import commit_manifest, load_manifest, materialize_blobs, publish_profiles, repair_commit
+from ...store.layout import BUNDLE_TAG_PREFIX, check_binding
 from .. import HardwareStep
 from .layout import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
 from .bundle import COMMAND_FILE
@@ -87,7 +86,7 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
         m = Manifest.parse(existing, f"{store.uri}: {key}")
         check_binding(m, key, model_id, store.uri)
         if all(store.blob_intact(f.sha256, f.size) for f in m.files):
-            _write_refs(store, m, move=False)
+            repair_commit(store, m, pending=False)
             return BuildResult(build_id=build_id, model_id=model_id, recipe=recipe_id, manifest=where, skipped=True,
                                state="skipped", validation=m.validation, files=[f.model_dump() for f in m.files], format="qpc")
     store.check_writable()
@@ -145,9 +144,7 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
                   if stand_in else {})},
         validation=validation, serving=serving,
     )
-    store.write_bytes(key, m.to_bytes())
-    write_signature(store, key, m.to_bytes())  # before the refs, when a signing key is configured
-    _write_refs(store, m, move=True)
+    commit_manifest(store, m, pending=False)
     if config is not None:
         publish_profiles(store, config.registry.runtime_profiles)
     return BuildResult(build_id=build_id, model_id=model_id, recipe=recipe_id, manifest=where, skipped=False,
@@ -157,17 +154,6 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
 
 def program_size(entries: list[FileEntry]) -> int:
     return next((e.size for e in entries if e.path == f"{QPC_DIR}/{PROGRAM}"), 0)
-
-
-def _write_refs(store: Store, m: Manifest, move: bool) -> None:
-    """`<commit>` and `latest` name the QPC; a skipped compile only repairs missing refs."""
-    from ...store.layout import ref_document
-
-    doc = ref_document(m.model.id, m.recipe.id, m)
-    for tag in publish_tags(m.model.commit, pending=False):
-        k = ref_key(m.model.id, m.recipe.id, tag)
-        if move or not store.exists(k):
-            store.write_bytes(k, doc)
 
 
 class QpcCompile(HardwareStep):
