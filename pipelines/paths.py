@@ -225,6 +225,20 @@ def confined(root: Path, rel: str, within: Path | None = None) -> Path:
     return p
 
 
+def publish_cache_entry(tmp: Path, entry: Path, done: str) -> None:
+    """Rename a finished scratch directory whole into the cache as `entry` (the work root is inside the cache
+    root: one file system), so readers never see a partial entry; `done` is the file written last. A concurrent
+    builder's finished entry stands (same key, same content); an entry without `done` is damaged (a file lost
+    from the cache) and is replaced, rather than failing every later build."""
+    try:
+        os.rename(tmp, entry)
+    except OSError:
+        if (entry / done).is_file():
+            return
+        shutil.rmtree(entry, ignore_errors=True)
+        os.rename(tmp, entry)
+
+
 def link_or_copy(src: Path, dest: Path) -> None:
     """A hard link when the source already has the served mode (0644), else a copy: a link shares the
     inode, and setting the mode on it would change the user's source file."""

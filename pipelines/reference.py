@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,7 +112,7 @@ def compute(model_dir: Path, content_digest: str, ids: list[list[int]], gen_ids:
 
         with meter.step("reference"):
             from .isolation import run_isolated
-            from .paths import work_dir
+            from .paths import publish_cache_entry, work_dir
 
             files = files if files is not None else sorted(model_dir.glob("*.safetensors"))
             root.parent.mkdir(parents=True, exist_ok=True)
@@ -133,11 +132,7 @@ def compute(model_dir: Path, content_digest: str, ids: list[list[int]], gen_ids:
                 else:  # streamed: in a child, whose memory goes back when it ends and whose OOM kill is one line
                     run_isolated("pipelines.reference:compute_into", engine="transformers", needs_torch=True,
                                  step=step or f"the transformers reference of {model_dir.name}", **args)
-                try:
-                    os.rename(tmp, root)  # the work root is inside the cache root: one file system
-                except OSError:
-                    if not (root / "done.json").is_file():  # else a concurrent builder finished first: same numbers
-                        raise
+                publish_cache_entry(tmp, root, "done.json")
     done = json.loads((root / "done.json").read_text())
     return Reference(ids, LazyLogits(root, len(ids)), gen_ids, done["generation_ids"], done.get("usage", {}))
 

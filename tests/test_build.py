@@ -171,14 +171,6 @@ def test_build_id_changes_with_recipe_options(tiny_llama, config, tmp_path):
     assert plan(str(tiny_llama), "gguf-f16", Config.load(reg), MODEL).build_id != base.build_id
 
 
-def test_build_id_changes_with_toolchain():
-    args = ("org/m", "local-x", [("a", "0" * 64)], '{"id":"r"}')
-    a = compute_build_id(*args, {"gguf": "0.19.0", "hive_aot_gguf_format": "1"})
-    assert a == compute_build_id(*args, {"hive_aot_gguf_format": "1", "gguf": "0.19.0"})
-    assert a != compute_build_id(*args, {"gguf": "0.19.0", "hive_aot_gguf_format": "2"})
-    assert a != compute_build_id(*args, {"gguf": "0.20.0", "hive_aot_gguf_format": "1"})
-
-
 def test_interrupted_publish_is_repaired(published, tiny_llama, tconfig, tmp_path):
     src, first = published
     store = tmp_path / "store"

@@ -7,7 +7,6 @@ in memory, and streaming really reads each block once per pass.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -119,29 +118,6 @@ def test_a_tensor_of_the_wrong_shape_is_one_line(families, tmp_path):
     with StreamedCausalLM(d, sorted(d.glob("*.safetensors"))) as lm:
         with pytest.raises(ModelFormatError, match=r"mlp\.gate_proj\.weight has shape \[128, 64\], the config implies \[96, 64\]"):
             lm.logits(IDS)
-
-
-def test_reference_compute_streams_in_a_child_and_caches(families, monkeypatch, tmp_path):
-    """With a small memory budget the reference is computed streamed, in a child process, and gives the
-    same numbers as in memory; the cache then answers without computing."""
-    monkeypatch.setenv("HIVE_AOT_CACHE", str(tmp_path / "cache"))
-    d = families["qwen2"]
-    files = sorted(d.glob("*.safetensors"))
-    ids = [IDS, IDS[:7]]
-    monkeypatch.setenv("HIVE_AOT_MEMORY_BUDGET", "1M")
-    streamed = reference.compute(d, "digest-a", ids, GEN_PROMPT, 6, files=files)
-    assert streamed.usage["resident"] is False and streamed.usage["peak_rss"] > 0  # measured in the child
-    monkeypatch.delenv("HIVE_AOT_MEMORY_BUDGET")
-    in_memory = reference.compute(d, "digest-b", ids, GEN_PROMPT, 6, files=files)
-    assert in_memory.usage["resident"] is True
-    for a, b in zip(streamed.logits, in_memory.logits):
-        assert np.abs(np.asarray(a) - np.asarray(b)).max() <= 1e-5
-    assert streamed.generation_ids == in_memory.generation_ids
-    cached = list((tmp_path / "cache" / "reference").iterdir())
-    assert len(cached) == 2 and all((c / "done.json").is_file() for c in cached)
-    assert json.loads((cached[0] / "done.json").read_text())["generation_ids"]
-    again = reference.compute(d, "digest-a", ids, GEN_PROMPT, 6, files=files)
-    assert again.generation_ids == streamed.generation_ids and again.usage == streamed.usage
 
 
 # --- the same machinery for artifacts: batches, slices, load-time transforms ----------------------------------

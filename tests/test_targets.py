@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.manifest import Manifest
 from pipelines.kinds import BUILTIN, ENTRY_POINT_GROUP, refresh, target_class, target_for
 from pipelines.kinds import known as known_kinds
 from pipelines.targets import HardwareStep, Target, serve_command
@@ -85,22 +84,6 @@ def test_serve_command_fills_in_the_pulled_directory():
     desc = {"command": ["vllm", "serve", "{model_dir}", "--served-model-name", "org/m"]}
     assert serve_command(desc, "/models/m") == ["vllm", "serve", "/models/m", "--served-model-name", "org/m"]
     assert serve_command({"command": None}, "/x") is None
-
-
-def _manifest(serving: dict) -> Manifest:
-    return Manifest.model_validate({
-        "build_id": "0" * 64, "model": {"id": "o/m", "revision": "r", "commit": "c", "source": "local",
-                                        "content_digest": "d"},
-        "recipe": {"id": "gguf-f16", "kind": "gguf", "digest": "x", "options": {}},
-        "runtime_profiles": ["llm-llamacpp-cpu"], "format": "gguf", "files": [], "toolchain": {}, "serving": serving})
-
-
-def test_manifests_from_before_per_profile_serving_still_describe_their_profile():
-    legacy = _manifest({"engine": "llama.cpp", "model_file": "m.gguf", "n_ctx": 2048})
-    assert legacy.serving_for("llm-llamacpp-cpu") == {"engine": "llama.cpp", "model_file": "m.gguf", "n_ctx": 2048}
-    current = _manifest({"llm-llamacpp-cpu": {"engine": "llama.cpp", "command": ["llama-server"]}})
-    assert current.serving_for("llm-llamacpp-cpu")["command"] == ["llama-server"]
-    assert current.serving_for("vllm-cu121") == {}
 
 
 def test_each_kind_says_its_numbers_in_one_line():

@@ -158,7 +158,7 @@ def compute(snapshot, out_path: Path, *, text: str | None = None, step: str | No
     from importlib.metadata import version
 
     from ...isolation import run_isolated
-    from ...paths import cache_root, link_or_copy, work_dir
+    from ...paths import cache_root, link_or_copy, publish_cache_entry, work_dir
     from ...reference import encode
     from ...tokenizer_cache import CachedTokenizer
 
@@ -185,11 +185,7 @@ def compute(snapshot, out_path: Path, *, text: str | None = None, step: str | No
                                    dataset="hive-aot calibration.txt")
             os.chmod(tmp / "imatrix.gguf", 0o644)
             (tmp / "summary.json").write_text(json.dumps(summary))
-            try:
-                os.rename(tmp, cached)  # the work root is inside the cache root: one file system
-            except OSError:
-                if not (cached / "summary.json").is_file():  # else a concurrent builder finished first
-                    raise
+            publish_cache_entry(tmp, cached, "summary.json")
     link_or_copy(cached / "imatrix.gguf", out_path)
     return json.loads((cached / "summary.json").read_text())
 
