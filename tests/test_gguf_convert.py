@@ -34,6 +34,7 @@ from pipelines.sources import fetch
 from pipelines.targets.gguf import convert as convert_mod
 from pipelines.targets.gguf.families import llama as llama_family
 from pipelines.targets.gguf.families import qwen2 as qwen2_family
+from pipelines.targets.gguf.families import shared as shared_blocks
 from pipelines.targets.gguf.families.spec import IDENTITY
 from pipelines.targets.gguf.convert import convert
 from pipelines.targets.gguf.validate import validate_gguf
@@ -293,7 +294,7 @@ def test_llama3_rope_freqs_matter(llama3_model, tmp_path, monkeypatch):
 
 def test_q_k_permutation_matters(small_llama, tmp_path, monkeypatch):
     """Negative control: without llama.cpp's rotary pair layout the GGUF loads but is garbage."""
-    monkeypatch.setattr(llama_family, "permute_qk", lambda w, n_head: w)
+    monkeypatch.setattr(shared_blocks, "permute_qk", lambda w, n_head: w)
     _, metrics, _ = convert_and_validate(small_llama, tmp_path / "unpermuted.gguf")
     assert metrics["finite"] is True  # it loads and runs: only parity can catch this
     assert metrics["top1_agreement"] < 0.5

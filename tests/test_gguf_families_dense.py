@@ -29,8 +29,8 @@ from gguf_family_check import (assert_full_vocab_recognised, check_family, conve
 from gguf_reader import FastGGUFReader
 from pipelines.errors import ModelFormatError
 from pipelines.targets.gguf import convert as convert_mod
-from pipelines.targets.gguf.families import llama as llama_family
-from pipelines.targets.gguf.families.llama import PERMUTE_K, PERMUTE_Q
+from pipelines.targets.gguf.families import shared as shared_blocks
+from pipelines.targets.gguf.families.shared import PERMUTE_K, PERMUTE_Q
 from pipelines.targets.gguf.families.spec import IDENTITY, PLUS_ONE
 
 VOCAB = SMALL_BPE_VOCAB  # SmolLM2's tokenizer cut to 2,048 tokens (gguf_family_check)
@@ -219,7 +219,7 @@ def _llama_permuted(monkeypatch) -> None:
 
 
 def _unpermuted(monkeypatch) -> None:
-    monkeypatch.setattr(llama_family, "permute_qk", lambda w, n_head: w)
+    monkeypatch.setattr(shared_blocks, "permute_qk", lambda w, n_head: w)
 
 
 def _without_plus_one(monkeypatch) -> None:

@@ -1,5 +1,9 @@
 """Every GGUF family, one module each: a module of this package that defines `FAMILY` (or `FAMILIES`) is
-registered. Adding a family is adding a module; nothing else lists them."""
+registered. Adding a family is adding a module; nothing else lists them.
+
+Two modules are not families: `spec` is the vocabulary the declarations are written in (and the one-line
+refusals they share), `shared` holds the rules, transforms and constants several families reuse (the Llama
+layout most of them descend from): a family module declares its family, not a library for the others."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import re
 from ....errors import ModelFormatError
 from .spec import Family, HParams, Rule
 
-_NOT_FAMILIES = {"spec"}
+_NOT_FAMILIES = {"shared", "spec"}  # the vocabulary and the shared declarations, not families
 
 
 def _discover() -> tuple[Family, ...]:

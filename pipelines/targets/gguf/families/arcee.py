@@ -8,7 +8,7 @@ up -> relu(x)^2 -> down. llama.cpp's arcee loads no attention output bias and no
 
 from __future__ import annotations
 
-from .llama import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, VOCAB_AND_ROPE_DIMS, attention, llama3_rope_freqs
+from .shared import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, VOCAB_AND_ROPE_DIMS, attention, llama3_rope_freqs
 from .spec import Family, HParams, T, refuse_rope, refuse_true, require_activation, tensor
 
 RELU2_MLP = (

@@ -18,25 +18,18 @@ from __future__ import annotations
 import gguf
 
 from ....errors import ModelFormatError
-from .llama import LAYER, ROTARY_BUFFERS, SWIGLU, attention
-from .spec import IDENTITY, K, R, Family, HParams, T, derived, param, tensor
+from .shared import LAYER, ROTARY_BUFFERS, SWIGLU, attention
+from .spec import (IDENTITY, K, R, Family, HParams, T, derived, param, refuse_false, refuse_rope, refuse_true,
+                   require_activation, tensor)
 
 QK_NORM_MIN_LAYERS = 64  # llama.cpp's command-r loads attn_q_norm / attn_k_norm from this many layers on
 
 
 def _check(hp: HParams) -> None:
-    if hp.get("tie_word_embeddings", True) is False:
-        raise ModelFormatError("command-r with tie_word_embeddings=false is not supported: llama.cpp's command-r "
-                               "uses token_embd as its output matrix")
-    if hp.get("attention_bias"):
-        raise ModelFormatError("command-r with attention_bias=true is not supported: llama.cpp's command-r has no "
-                               "attention biases")
-    if hp.rope["rope_type"] != "default":
-        raise ModelFormatError(f"rope scaling type {hp.rope['rope_type']!r} is not supported for command-r GGUF: "
-                               "llama.cpp runs its rope unscaled")
-    if hp.find("hidden_act", default="silu") != "silu":
-        raise ModelFormatError(f"command-r with activation {hp.get('hidden_act')!r} is not supported: llama.cpp's "
-                               "command-r runs a SiLU-gated MLP")
+    refuse_false(hp, "command-r", "tie_word_embeddings", "llama.cpp's command-r uses token_embd as its output matrix")
+    refuse_true(hp, "command-r", "attention_bias", "llama.cpp's command-r has no attention biases")
+    refuse_rope(hp, "command-r", ("default",), why="llama.cpp runs its rope unscaled")
+    require_activation(hp, "command-r", "silu", "llama.cpp's command-r runs a SiLU-gated MLP")
     qk_norm, big = bool(hp.get("use_qk_norm")), hp.n_layers >= QK_NORM_MIN_LAYERS
     if qk_norm != big:
         raise ModelFormatError(f"command-r with use_qk_norm={str(qk_norm).lower()} and {hp.n_layers} layers is not "

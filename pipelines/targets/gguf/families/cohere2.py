@@ -24,8 +24,9 @@ import gguf
 
 from ....errors import ModelFormatError
 from .gemma2 import layer_types
-from .llama import LAYER, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention
-from .spec import A, IDENTITY, K, R, Family, HParams, T, derived, param, tensor
+from .shared import LAYER, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention
+from .spec import (A, IDENTITY, K, R, Family, HParams, T, derived, param, refuse_false, refuse_rope, refuse_true,
+                   require_activation, require_whole_heads, tensor)
 
 PERIOD = 4  # HF's (and llama.cpp's) default: every 4th layer full attention, the others sliding
 
@@ -39,24 +40,14 @@ def sliding_pattern(hp: HParams) -> list[bool]:
 
 
 def _check(hp: HParams) -> None:
-    if hp.get("tie_word_embeddings", True) is False:
-        raise ModelFormatError("cohere2 with tie_word_embeddings=false is not supported: llama.cpp's cohere2 uses "
-                               "token_embd as its output matrix")
-    if hp.get("attention_bias"):
-        raise ModelFormatError("cohere2 with attention_bias=true is not supported: llama.cpp's cohere2 has no "
-                               "attention output bias")
-    if hp.rope["rope_type"] != "default":
-        raise ModelFormatError(f"rope scaling type {hp.rope['rope_type']!r} is not supported for cohere2 GGUF: "
-                               "llama.cpp runs its rope unscaled")
+    refuse_false(hp, "cohere2", "tie_word_embeddings", "llama.cpp's cohere2 uses token_embd as its output matrix")
+    refuse_true(hp, "cohere2", "attention_bias", "llama.cpp's cohere2 has no attention output bias")
+    refuse_rope(hp, "cohere2", ("default",), why="llama.cpp runs its rope unscaled")
     if not hp.get("sliding_window"):
         raise ModelFormatError("cohere2 with sliding_window=null is not supported: llama.cpp's cohere2 requires a "
                                "sliding window")
-    if hp.find("hidden_act", default="silu") != "silu":
-        raise ModelFormatError(f"cohere2 with activation {hp.get('hidden_act')!r} is not supported: llama.cpp's "
-                               "cohere2 runs a SiLU-gated MLP")
-    if hp.head_dim * hp.n_head != hp.hidden:
-        raise ModelFormatError(f"cohere2 GGUF needs head_dim * num_attention_heads == hidden_size ({hp.hidden}), "
-                               f"config has {hp.head_dim} * {hp.n_head}")
+    require_activation(hp, "cohere2", "silu", "llama.cpp's cohere2 runs a SiLU-gated MLP")
+    require_whole_heads(hp, "cohere2")
     sliding_pattern(hp)  # a malformed layer_types list is refused here, not while writing keys
 
 

@@ -9,7 +9,7 @@ biases and no rope factor tensor: `use_bias` and llama3 rope scaling are refused
 
 from __future__ import annotations
 
-from .llama import EMBEDDINGS, NORMS, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention
+from .shared import EMBEDDINGS, NORMS, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention
 from .spec import Family, HParams, IDENTITY, refuse_rope, refuse_true, require_activation
 
 

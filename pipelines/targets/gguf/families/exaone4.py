@@ -18,7 +18,7 @@ any other needs `sliding_window: null`; the rest is refused. llama.cpp sizes the
 from __future__ import annotations
 
 from ....errors import ModelFormatError
-from .llama import EMBEDDINGS, LAYER, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention, llama3_rope_freqs
+from .shared import EMBEDDINGS, LAYER, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention, llama3_rope_freqs
 from .spec import (A, Family, HParams, IDENTITY, T, derived, refuse_rope, require_activation, require_whole_heads,
                   tensor)
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from ....errors import ModelFormatError
-from .gpt2 import check_gelu
-from .llama import ROTARY_BUFFERS
-from .spec import A, K, Family, HParams, Rule, T, derived, reshaped, tensor, weight_and_bias
+from .shared import GELU, ROTARY_BUFFERS
+from .spec import (A, K, Family, HParams, Rule, T, derived, refuse_false, refuse_true, require_activation, reshaped,
+                   tensor, weight_and_bias)
 
 LAYER = "transformer.h.{bid}"
 
@@ -50,16 +50,13 @@ QKV = reshaped("falcon_qkv", lambda w, hp: regroup_qkv(w, kv_heads(hp), hp.n_hea
 
 
 def _check(hp: HParams) -> None:
-    if hp.get("alibi"):
-        raise ModelFormatError("falcon with alibi=true is not supported: llama.cpp's falcon uses rotary positions")
-    if hp.get("bias"):
-        raise ModelFormatError("falcon with bias=true is not supported: llama.cpp's falcon has no linear biases")
-    if not hp.get("new_decoder_architecture") and hp.get("parallel_attn") is False:
-        raise ModelFormatError("falcon with parallel_attn=false is not supported: llama.cpp's falcon runs attention "
-                               "and MLP in parallel")
+    refuse_true(hp, "falcon", "alibi", "llama.cpp's falcon uses rotary positions")
+    refuse_true(hp, "falcon", "bias", "llama.cpp's falcon has no linear biases")
+    if not hp.get("new_decoder_architecture"):  # the new layout is always parallel, whatever parallel_attn says
+        refuse_false(hp, "falcon", "parallel_attn", "llama.cpp's falcon runs attention and MLP in parallel")
     if hp.n_head % kv_heads(hp):
         raise ModelFormatError(f"falcon with {hp.n_head} heads cannot share {kv_heads(hp)} kv heads")
-    check_gelu(hp, "falcon", "activation", default="gelu")
+    require_activation(hp, "falcon", GELU, "llama.cpp's falcon runs a GELU MLP", key="activation")
 
 
 def _not_two_norms(hp: HParams, bid: int) -> bool:

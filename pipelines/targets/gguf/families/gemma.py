@@ -13,10 +13,9 @@ The checks here are shared by Gemma 2 and 3.
 
 from __future__ import annotations
 
-from ....errors import ModelFormatError
-from .gpt2 import check_gelu
-from .llama import LAYER, ROTARY_BUFFERS, SWIGLU, attention
-from .spec import IDENTITY, PLUS_ONE, Family, HParams, T, tensor
+from .shared import GELU, LAYER, ROTARY_BUFFERS, SWIGLU, attention
+from .spec import (IDENTITY, PLUS_ONE, Family, HParams, T, refuse_false, refuse_rope, refuse_true, require_activation,
+                   tensor)
 
 ARCHITECTURES = ("GemmaForCausalLM",)
 
@@ -31,18 +30,12 @@ ATTENTION = attention(q=IDENTITY, k=IDENTITY)
 def check_gemma(hp: HParams, arch: str, activation_key: str, rope_types: tuple[str, ...], *,
                 tied_only: bool = True) -> None:
     """What the llama.cpp graphs of Gemma 1-3 cannot run (Gemma 3 alone may have an output matrix)."""
-    if tied_only and hp.get("tie_word_embeddings", True) is False:
-        raise ModelFormatError(f"{arch} with tie_word_embeddings=false is not supported: llama.cpp's {arch} uses "
-                               "token_embd as its output matrix")
-    if hp.get("attention_bias"):
-        raise ModelFormatError(f"{arch} with attention_bias=true is not supported: llama.cpp's {arch} has no "
-                               "attention biases")
-    if hp.get("use_bidirectional_attention"):
-        raise ModelFormatError(f"{arch} with use_bidirectional_attention=true (an embedding model) is not supported: "
-                               "llama.cpp runs it causally")
-    if hp.rope["rope_type"] not in rope_types:
-        raise ModelFormatError(f"rope scaling type {hp.rope['rope_type']!r} is not supported for {arch} GGUF yet")
-    check_gelu(hp, arch, activation_key, default="gelu_pytorch_tanh")
+    if tied_only:
+        refuse_false(hp, arch, "tie_word_embeddings", f"llama.cpp's {arch} uses token_embd as its output matrix")
+    refuse_true(hp, arch, "attention_bias", f"llama.cpp's {arch} has no attention biases")
+    refuse_true(hp, arch, "use_bidirectional_attention", "that is an embedding model, and llama.cpp runs it causally")
+    refuse_rope(hp, arch, rope_types)
+    require_activation(hp, arch, GELU, f"llama.cpp's {arch} runs a GELU MLP", key=activation_key)
 
 
 FAMILY = Family(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ....errors import ModelFormatError
 from .gemma import ATTENTION, EMBEDDINGS, check_gemma
-from .llama import LAYER, ROTARY_BUFFERS, SWIGLU
+from .shared import LAYER, ROTARY_BUFFERS, SWIGLU
 from .spec import A, K, PLUS_ONE, Family, HParams, T, derived, param, tensor
 
 NORMS = (

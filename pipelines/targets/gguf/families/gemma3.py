@@ -23,8 +23,8 @@ from __future__ import annotations
 from ....errors import ModelFormatError
 from .gemma import ATTENTION, EMBEDDINGS, check_gemma
 from .gemma2 import NORMS, check_attention_scale, check_window, sliding_pattern
-from .llama import LAYER, ROTARY_BUFFERS, SWIGLU
-from .spec import A, K, PLUS_ONE, R, Family, HParams, T, derived, param, tensor
+from .shared import LAYER, ROTARY_BUFFERS, SWIGLU
+from .spec import A, K, PLUS_ONE, R, Family, HParams, T, derived, param, refuse_scaled_sliding_rope, tensor
 
 PERIOD = 6  # HF's default sliding_window_pattern: five sliding layers, then a full one
 
@@ -52,9 +52,7 @@ def _check(hp: HParams) -> None:
     if hp.get("attn_logit_softcapping") is not None:
         raise ModelFormatError("gemma3 with attn_logit_softcapping set is not supported: llama.cpp's gemma3 does not "
                                "soft-cap attention scores")
-    if local_rope(hp)["rope_type"] != "default":
-        raise ModelFormatError(f"gemma3 with a {local_rope(hp)['rope_type']!r} rope on the sliding layers is not "
-                               "supported: llama.cpp runs their rope unscaled")
+    refuse_scaled_sliding_rope("gemma3", local_rope(hp))
     check_attention_scale(hp, "gemma3", 62)
     check_window(hp, "gemma3", _period(hp))
 

@@ -20,8 +20,8 @@ rope scalings llama.cpp cannot reproduce here, and another activation than SiLU.
 from __future__ import annotations
 
 from ....errors import ModelFormatError
-from .llama import EMBEDDINGS, LAYER, ROTARY_BUFFERS, attention
-from .spec import IDENTITY, K, R, Family, HParams, T, derived, param, tensor
+from .shared import EMBEDDINGS, LAYER, ROTARY_BUFFERS, attention
+from .spec import IDENTITY, K, R, Family, HParams, T, derived, param, refuse_rope, require_activation, tensor
 
 DEFAULT_ROTARY_FACTOR = 0.5  # Glm4Config's default partial_rotary_factor
 
@@ -44,11 +44,8 @@ def _check(hp: HParams) -> None:
     if rope.get("mrope_section") is not None:
         raise ModelFormatError("glm4 GGUF with mrope_section (GLM-4V M-RoPE) is not supported: the text model's "
                                "rope is written without dimension sections")
-    if rope["rope_type"] not in ("default", "linear"):
-        raise ModelFormatError(f"rope scaling type {rope['rope_type']!r} is not supported for glm4 GGUF yet")
-    if hp.find("hidden_act", default="silu") != "silu":
-        raise ModelFormatError(f"glm4 with activation {hp.get('hidden_act')!r} is not supported: llama.cpp's glm4 "
-                               "runs a SwiGLU MLP")
+    refuse_rope(hp, "glm4", ("default", "linear"))
+    require_activation(hp, "glm4", "silu", "llama.cpp's glm4 runs a SwiGLU MLP")
     if rotary_dims(hp) % 2 or not 0 < rotary_dims(hp) <= hp.head_dim:
         raise ModelFormatError(f"glm4 GGUF needs an even rotary dimension count in 2..head_dim, config gives "
                                f"{rotary_dims(hp)}")

@@ -9,22 +9,13 @@ mask buffers `attn.bias` / `attn.masked_bias`, which llama.cpp's converter drops
 
 from __future__ import annotations
 
-from ....errors import ModelFormatError
-from .spec import IDENTITY, K, TRANSPOSE, Family, HParams, T, derived, tensor, weight_and_bias
+from .shared import GELU
+from .spec import (IDENTITY, K, TRANSPOSE, Family, HParams, T, derived, refuse_false, refuse_true,
+                   require_activation, tensor, weight_and_bias)
 
 LAYER = "transformer.h.{bid}"
 # Old checkpoints save the attention's causal mask (and its fill value) as tensors; they are not weights.
 MASK_BUFFERS = (r"transformer\.h\.\d+\.attn\.(masked_)?bias",)
-
-# llama.cpp's GELU is the tanh approximation: the same function as these, and within a few 1e-4 of the
-# exact erf GELU ("gelu"), which llama.cpp's own converter maps to it as well (Pythia, Falcon, StarCoder).
-GELU = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_python")
-
-
-def check_gelu(hp: HParams, arch: str, *keys: str, default: str = "gelu_new") -> None:
-    act = hp.find(*keys, default=default)
-    if act not in GELU:
-        raise ModelFormatError(f"{arch} with activation {act!r} is not supported: llama.cpp's {arch} runs a GELU MLP")
 
 
 def ffn_length(hp: HParams) -> int:
@@ -33,13 +24,10 @@ def ffn_length(hp: HParams) -> int:
 
 
 def _check(hp: HParams) -> None:
-    if hp.get("scale_attn_by_inverse_layer_idx"):
-        raise ModelFormatError("gpt2 with scale_attn_by_inverse_layer_idx=true is not supported: llama.cpp scales "
-                               "every layer's attention by 1/sqrt(head_dim)")
-    if hp.get("scale_attn_weights") is False:
-        raise ModelFormatError("gpt2 with scale_attn_weights=false is not supported: llama.cpp scales attention "
-                               "by 1/sqrt(head_dim)")
-    check_gelu(hp, "gpt2", "activation_function")
+    refuse_true(hp, "gpt2", "scale_attn_by_inverse_layer_idx",
+                "llama.cpp scales every layer's attention by 1/sqrt(head_dim)")
+    refuse_false(hp, "gpt2", "scale_attn_weights", "llama.cpp scales attention by 1/sqrt(head_dim)")
+    require_activation(hp, "gpt2", GELU, "llama.cpp's gpt2 runs a GELU MLP", key="activation_function")
 
 
 def conv1d(t, hf_prefix: str):

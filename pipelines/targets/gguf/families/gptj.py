@@ -16,8 +16,10 @@ from __future__ import annotations
 import numpy as np
 
 from ....errors import ModelFormatError
-from .gpt2 import MASK_BUFFERS, check_gelu, ffn_length
-from .spec import A, K, R, Family, HParams, T, derived, name, reshaped, tensor, weight_and_bias
+from .gpt2 import MASK_BUFFERS, ffn_length
+from .shared import GELU
+from .spec import (A, K, R, Family, HParams, T, derived, name, refuse_true, require_activation, reshaped, tensor,
+                   weight_and_bias)
 
 LAYER = "transformer.h.{bid}"
 
@@ -47,10 +49,8 @@ def _check(hp: HParams) -> None:
     rot = rotary_dim(hp)
     if rot % 2 or rot > hp.head_dim:
         raise ModelFormatError(f"gptj rotary_dim={rot} must be even and at most the head size {hp.head_dim}")
-    if hp.get("tie_word_embeddings"):
-        raise ModelFormatError("gptj with tie_word_embeddings=true is not supported: llama.cpp's phi2 needs its own "
-                               "output matrix and bias")
-    check_gelu(hp, "gptj", "activation_function")
+    refuse_true(hp, "gptj", "tie_word_embeddings", "llama.cpp's phi2 needs its own output matrix and bias")
+    require_activation(hp, "gptj", GELU, "llama.cpp's gptj runs a GELU MLP", key="activation_function")
 
 
 FAMILY = Family(

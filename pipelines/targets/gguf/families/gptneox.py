@@ -9,10 +9,10 @@ default) or sequential blocks are both llama.cpp graphs, chosen by the key of th
 
 from __future__ import annotations
 
-from ....errors import ModelFormatError
 from .falcon import regroup_qkv
-from .gpt2 import check_gelu
-from .spec import K, R, Family, HParams, T, derived, reshaped, tensor, weight_and_bias
+from .shared import GELU
+from .spec import (K, R, Family, HParams, T, derived, refuse_false, refuse_true, require_activation, reshaped, tensor,
+                   weight_and_bias)
 
 LAYER = "gpt_neox.layers.{bid}"
 
@@ -31,13 +31,9 @@ QKV = reshaped("neox_qkv", lambda w, hp: regroup_qkv(w, hp.n_head, 1, hp.head_di
 
 
 def _check(hp: HParams) -> None:
-    if hp.get("attention_bias") is False:
-        raise ModelFormatError("gptneox with attention_bias=false is not supported: llama.cpp's gptneox needs the "
-                               "qkv and output biases")
-    if hp.get("tie_word_embeddings"):
-        raise ModelFormatError("gptneox with tie_word_embeddings=true is not supported: llama.cpp's gptneox needs "
-                               "its own output matrix (embed_out)")
-    check_gelu(hp, "gptneox", "hidden_act", default="gelu")
+    refuse_false(hp, "gptneox", "attention_bias", "llama.cpp's gptneox needs the qkv and output biases")
+    refuse_true(hp, "gptneox", "tie_word_embeddings", "llama.cpp's gptneox needs its own output matrix (embed_out)")
+    require_activation(hp, "gptneox", GELU, "llama.cpp's gptneox runs a GELU MLP")
 
 
 FAMILY = Family(

@@ -10,7 +10,7 @@ llama's (adjacent pairs), so Q and K are permuted as for Llama; the MLP may carr
 from __future__ import annotations
 
 from ....errors import ModelFormatError
-from .llama import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention, llama3_rope_freqs
+from .shared import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention, llama3_rope_freqs
 from .spec import A, K, Family, HParams, T, derived, tensor
 
 MLP_BIASES = tuple(tensor(t, f"{LAYER}.mlp.{hf}.bias", suffix="bias", optional=True)

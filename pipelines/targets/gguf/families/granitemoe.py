@@ -17,7 +17,7 @@ and is not declared.
 from __future__ import annotations
 
 from .granite import FAMILY as GRANITE
-from .llama import EMBEDDINGS, LAYER, NORMS, attention
+from .shared import EMBEDDINGS, LAYER, NORMS, attention
 from .spec import Family, HParams, Rule, T, name, split_axis, tensor
 
 MOE = LAYER + ".block_sparse_moe"

@@ -18,9 +18,8 @@ rope scalings (llama3, yarn, ...) and activations other than SiLU.
 
 from __future__ import annotations
 
-from ....errors import ModelFormatError
-from .llama import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention
-from .spec import IDENTITY, K, R, Family, HParams, T, derived, tensor
+from .shared import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention
+from .spec import IDENTITY, K, R, Family, HParams, T, derived, refuse_rope, refuse_true, require_activation, tensor
 
 QK_NORMS = (
     tensor(T.ATTN_Q_NORM, LAYER + ".self_attn.query_layernorm.weight"),
@@ -43,15 +42,9 @@ def freq_base(hp: HParams) -> float:
 
 
 def _check(hp: HParams) -> None:
-    kind = hp.rope["rope_type"]
-    if kind not in ("default", "dynamic"):
-        raise ModelFormatError(f"rope scaling type {kind!r} is not supported for hunyuan-dense GGUF yet")
-    if hp.get("attention_bias"):
-        raise ModelFormatError("hunyuan-dense with attention_bias=true is not supported: llama.cpp's hunyuan-dense "
-                               "has no attention output bias")
-    if hp.find("hidden_act", default="silu") != "silu":
-        raise ModelFormatError(f"hunyuan-dense with activation {hp.get('hidden_act')!r} is not supported: "
-                               "llama.cpp's hunyuan-dense runs a SiLU-gated MLP")
+    refuse_rope(hp, "hunyuan-dense", ("default", "dynamic"))
+    refuse_true(hp, "hunyuan-dense", "attention_bias", "llama.cpp's hunyuan-dense has no attention output bias")
+    require_activation(hp, "hunyuan-dense", "silu", "llama.cpp's hunyuan-dense runs a SiLU-gated MLP")
 
 
 FAMILY = Family(

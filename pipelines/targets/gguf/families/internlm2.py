@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from ....errors import ModelFormatError
 from ....native import split_internlm2_wqkv
-from .llama import ROTARY_BUFFERS, VOCAB_AND_ROPE_DIMS, permute_qk
-from .spec import Family, HParams, Rule, T, Transform, name, tensor
+from .shared import ROTARY_BUFFERS, VOCAB_AND_ROPE_DIMS, permute_qk
+from .spec import Family, HParams, Rule, T, Transform, name, refuse_true, require_whole_heads, tensor
 
 LAYER = "model.layers.{bid}"
 
@@ -34,12 +34,9 @@ SPLIT_QKV = Transform("split_internlm2_wqkv+permute_qk", _split_qkv, _qkv_shapes
 
 
 def _check(hp: HParams) -> None:
-    if hp.get("bias"):
-        raise ModelFormatError("internlm2 GGUF: llama.cpp's internlm2 has no attention biases (config bias: true)")
-    if hp.get("tie_word_embeddings"):
-        raise ModelFormatError("internlm2 GGUF: llama.cpp's internlm2 requires an untied output matrix")
-    if hp.head_dim * hp.n_head != hp.hidden:
-        raise ModelFormatError("internlm2 GGUF needs head_dim == hidden_size / num_attention_heads")
+    refuse_true(hp, "internlm2", "bias", "llama.cpp's internlm2 has no attention biases")
+    refuse_true(hp, "internlm2", "tie_word_embeddings", "llama.cpp's internlm2 requires an untied output matrix")
+    require_whole_heads(hp, "internlm2")
 
 
 FAMILY = Family(

@@ -9,7 +9,7 @@ hold one `block_sparse_moe.experts.{xid}.w1/w2/w3` per expert: gate, down, up. l
 
 from __future__ import annotations
 
-from .llama import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, VOCAB_AND_ROPE_DIMS, attention, llama3_rope_freqs
+from .shared import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, VOCAB_AND_ROPE_DIMS, attention, llama3_rope_freqs
 from .spec import Family, T, experts, tensor
 
 MOE = LAYER + ".block_sparse_moe"

@@ -11,7 +11,7 @@ no rope factor tensor and an attention output of [hidden, hidden]: other layouts
 
 from __future__ import annotations
 
-from .llama import EMBEDDINGS, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention
+from .shared import EMBEDDINGS, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention
 from .spec import (A, Family, HParams, derived, param, refuse_rope, refuse_true, require_activation,
                   require_whole_heads)
 

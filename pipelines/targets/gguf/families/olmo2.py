@@ -23,8 +23,9 @@ rope_theta is refused too.)
 from __future__ import annotations
 
 from ....errors import ModelFormatError
-from .llama import LAYER, ROTARY_BUFFERS, SWIGLU, attention
-from .spec import A, IDENTITY, Family, HParams, T, derived, refuse_rope, refuse_true, require_activation, tensor
+from .shared import LAYER, ROTARY_BUFFERS, SWIGLU, attention
+from .spec import (A, IDENTITY, Family, HParams, T, derived, refuse_rope, refuse_scaled_sliding_rope, refuse_true,
+                   require_activation, tensor)
 
 # --- OLMo 3's sliding windows ----------------------------------------------------------------------
 
@@ -82,9 +83,7 @@ def _check(hp: HParams) -> None:
     require_activation(hp, "olmo2", "silu", "llama.cpp's olmo2 runs a SiLU-gated MLP")
     if sliding_pattern(hp):
         local = sliding_rope(hp)
-        if local["rope_type"] != "default":
-            raise ModelFormatError(f"olmo2 with a {local['rope_type']!r} rope on the sliding layers is not "
-                                   "supported: llama.cpp runs their rope unscaled")
+        refuse_scaled_sliding_rope("olmo2", local)
         if float(local["rope_theta"]) != float(hp.rope["rope_theta"]):
             raise ModelFormatError(f"olmo2 with sliding layers at rope base {float(local['rope_theta'])} and full "
                                    f"layers at {float(hp.rope['rope_theta'])} is not supported: llama.cpp's olmo2 "

@@ -15,10 +15,10 @@ qkv clipping. Those configs are refused in one line.
 from __future__ import annotations
 
 from ....errors import ModelFormatError
-from .llama import EMBEDDINGS, NORMS, ROTARY_BUFFERS, VOCAB_AND_ROPE_DIMS, attention
 from .qwen2_moe import check_moe, routed_experts
 from .qwen3 import QK_NORMS
-from .spec import IDENTITY, Family, HParams
+from .shared import EMBEDDINGS, NORMS, ROTARY_BUFFERS, VOCAB_AND_ROPE_DIMS, attention
+from .spec import IDENTITY, Family, HParams, refuse_true, require_activation, require_whole_heads
 
 
 def _check(hp: HParams) -> None:
@@ -29,18 +29,12 @@ def _check(hp: HParams) -> None:
     if hp.n_head_kv != hp.n_head:
         raise ModelFormatError(f"olmoe GGUF needs num_key_value_heads == num_attention_heads ({hp.n_head}): "
                                f"llama.cpp's olmoe k_norm is {{n_embd}}, config has {hp.n_head_kv} key/value heads")
-    if hp.head_dim * hp.n_head != hp.hidden:
-        raise ModelFormatError(f"olmoe GGUF needs head_dim * num_attention_heads == hidden_size ({hp.hidden}), "
-                               f"config has {hp.head_dim} * {hp.n_head}")
+    require_whole_heads(hp, "olmoe")
     if hp.get("clip_qkv") is not None:
         raise ModelFormatError(f"olmoe with clip_qkv={hp.get('clip_qkv')} is not supported: llama.cpp's olmoe "
                                "does not clip q/k/v")
-    if hp.get("attention_bias"):
-        raise ModelFormatError("olmoe with attention_bias=true is not supported: llama.cpp's olmoe has no "
-                               "attention output bias")
-    if hp.find("hidden_act", default="silu") != "silu":
-        raise ModelFormatError(f"olmoe with activation {hp.get('hidden_act')!r} is not supported: llama.cpp's "
-                               "olmoe runs SiLU-gated experts")
+    refuse_true(hp, "olmoe", "attention_bias", "llama.cpp's olmoe has no attention output bias")
+    require_activation(hp, "olmoe", "silu", "llama.cpp's olmoe runs SiLU-gated experts")
 
 
 FAMILY = Family(

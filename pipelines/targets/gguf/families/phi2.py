@@ -10,19 +10,15 @@ and needs its own output matrix, so qk_layernorm and tied embeddings are refused
 
 from __future__ import annotations
 
-from ....errors import ModelFormatError
-from .gpt2 import check_gelu
-from .llama import LAYER, ROTARY_BUFFERS
-from .spec import R, Family, HParams, T, derived, rotary_dims, tensor, weight_and_bias
+from .shared import GELU, LAYER, ROTARY_BUFFERS
+from .spec import (R, Family, HParams, T, derived, refuse_true, require_activation, rotary_dims, tensor,
+                   weight_and_bias)
 
 
 def _check(hp: HParams) -> None:
-    if hp.get("qk_layernorm"):
-        raise ModelFormatError("phi2 with qk_layernorm=true is not supported: llama.cpp's phi2 has no Q/K norms")
-    if hp.get("tie_word_embeddings"):
-        raise ModelFormatError("phi2 with tie_word_embeddings=true is not supported: llama.cpp's phi2 needs its own "
-                               "output matrix and bias")
-    check_gelu(hp, "phi2", "hidden_act")
+    refuse_true(hp, "phi2", "qk_layernorm", "llama.cpp's phi2 has no Q/K norms")
+    refuse_true(hp, "phi2", "tie_word_embeddings", "llama.cpp's phi2 needs its own output matrix and bias")
+    require_activation(hp, "phi2", GELU, "llama.cpp's phi2 runs a GELU MLP")
 
 
 FAMILY = Family(

@@ -16,8 +16,8 @@ import math
 import numpy as np
 
 from ....errors import ModelFormatError
-from .llama import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS
-from .spec import A, R, Family, HParams, T, derived, name, rotary_dims, tensor
+from .shared import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS
+from .spec import A, R, Family, HParams, T, derived, name, refuse_rope, rotary_dims, tensor
 
 LONGROPE = ("longrope", "su")
 
@@ -56,9 +56,7 @@ def rope_factors(hp: HParams) -> dict[str, np.ndarray]:
 
 
 def _check(hp: HParams) -> None:
-    kind = hp.rope["rope_type"]
-    if kind not in ("default",) + LONGROPE:
-        raise ModelFormatError(f"rope scaling type {kind!r} is not supported for phi3 GGUF yet")
+    refuse_rope(hp, "phi3", ("default",) + LONGROPE)
     rope_factors(hp)
 
 

@@ -3,14 +3,12 @@ which rotates halves as HF does, so nothing is permuted."""
 
 from __future__ import annotations
 
-from ....errors import ModelFormatError
-from .llama import EMBEDDINGS, NORMS, ROTARY_BUFFERS, SWIGLU, attention
-from .spec import Family, HParams, IDENTITY
+from .shared import EMBEDDINGS, NORMS, ROTARY_BUFFERS, SWIGLU, attention
+from .spec import IDENTITY, Family, HParams, refuse_rope
 
 
 def _check(hp: HParams) -> None:
-    if hp.rope["rope_type"] not in ("default", "linear", "yarn"):
-        raise ModelFormatError(f"rope scaling type {hp.rope['rope_type']!r} is not supported for qwen2 GGUF yet")
+    refuse_rope(hp, "qwen2")
 
 
 FAMILY = Family(

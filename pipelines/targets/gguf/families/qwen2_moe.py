@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from ....errors import ModelFormatError
-from .llama import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, attention
-from .spec import IDENTITY, K, Family, HParams, T, Transform, experts, param, tensor
+from .shared import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, attention
+from .spec import IDENTITY, K, Family, HParams, T, Transform, experts, param, refuse_rope, refuse_true, tensor
 
 FLATTEN = Transform("flatten", lambda xs, hp: [np.ascontiguousarray(xs[0].reshape(-1))],
                     lambda s, hp: [(int(np.prod(s[0])),)])
@@ -49,8 +49,7 @@ def dense_layers(hp: HParams) -> list[int]:
 
 def check_moe(arch: str, hp: HParams, *, renormalizes: bool) -> None:
     """One-line refusals of the MoE configs llama.cpp's `arch` graph cannot run."""
-    if hp.rope["rope_type"] not in ("default", "linear", "yarn"):
-        raise ModelFormatError(f"rope scaling type {hp.rope['rope_type']!r} is not supported for {arch} GGUF yet")
+    refuse_rope(hp, arch)
     dense = dense_layers(hp)
     if dense:
         raise ModelFormatError(f"{arch} GGUF: layers {dense} are dense (mlp_only_layers / decoder_sparse_step), "
@@ -62,9 +61,7 @@ def check_moe(arch: str, hp: HParams, *, renormalizes: bool) -> None:
 
 def _check(hp: HParams) -> None:
     check_moe("qwen2moe", hp, renormalizes=False)
-    if hp.get("tie_word_embeddings", False):
-        raise ModelFormatError("qwen2moe GGUF: llama.cpp requires an untied output matrix, config has "
-                               "tie_word_embeddings=true")
+    refuse_true(hp, "qwen2moe", "tie_word_embeddings", "llama.cpp's qwen2moe requires an untied output matrix")
 
 
 FAMILY = Family(

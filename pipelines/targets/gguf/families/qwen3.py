@@ -6,9 +6,8 @@ setting (Qwen3-4B: 128 with hidden 2560 / 32 heads) and is written as the key/va
 
 from __future__ import annotations
 
-from ....errors import ModelFormatError
-from .llama import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, SWIGLU, attention
-from .spec import IDENTITY, Family, HParams, T, tensor
+from .shared import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, SWIGLU, attention
+from .spec import IDENTITY, Family, HParams, T, refuse_rope, tensor
 
 QK_NORMS = (
     tensor(T.ATTN_Q_NORM, LAYER + ".self_attn.q_norm.weight"),
@@ -17,8 +16,7 @@ QK_NORMS = (
 
 
 def _check(hp: HParams) -> None:
-    if hp.rope["rope_type"] not in ("default", "linear", "yarn"):
-        raise ModelFormatError(f"rope scaling type {hp.rope['rope_type']!r} is not supported for qwen3 GGUF yet")
+    refuse_rope(hp, "qwen3")
 
 
 FAMILY = Family(

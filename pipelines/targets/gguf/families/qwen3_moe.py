@@ -9,9 +9,9 @@ are refused in one line rather than converted into a model that computes somethi
 
 from __future__ import annotations
 
-from .llama import EMBEDDINGS, NORMS, ROTARY_BUFFERS, attention
 from .qwen2_moe import check_moe, routed_experts
 from .qwen3 import QK_NORMS
+from .shared import EMBEDDINGS, NORMS, ROTARY_BUFFERS, attention
 from .spec import IDENTITY, K, Family, HParams, param
 
 

@@ -11,7 +11,7 @@ rope scaling (no rope factor tensor there) is refused.
 from __future__ import annotations
 
 from ....errors import ModelFormatError
-from .llama import EMBEDDINGS, NORMS, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention
+from .shared import EMBEDDINGS, NORMS, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention
 from .spec import Family, HParams, refuse_rope, refuse_true, require_activation
 
 NOPE_PERIOD = 4  # llama.cpp's smollm3: n_no_rope_layer_step

@@ -161,7 +161,7 @@ def rope_params(hp: HParams) -> list[tuple[str, Any, type]]:
         # Dynamic NTK rescales the base only for sequences longer than max_position_embeddings, the GGUF's
         # context length: inside it the model's rope is the default one, which llama.cpp computes.
         pass
-    elif kind not in ("default", "llama3"):  # llama3's scaling is the rope_freqs tensor (llama.py)
+    elif kind not in ("default", "llama3"):  # llama3's scaling is the rope_freqs tensor (shared.py)
         raise ModelFormatError(f"rope scaling type {kind!r} is not supported for GGUF yet")
     return out
 
@@ -180,15 +180,38 @@ def refuse_true(hp: HParams, arch: str, key: str, why: str) -> None:
         raise ModelFormatError(f"{arch} with {key}=true is not supported: {why}")
 
 
-def refuse_rope(hp: HParams, arch: str, allowed: tuple[str, ...] = ("default", "linear", "yarn")) -> None:
+def refuse_false(hp: HParams, arch: str, key: str, why: str) -> None:
+    """Refuse a config that turns off `key` (biases, attention scaling ...) that llama.cpp's `arch` always has.
+    Only an explicit false: an unset key means the config class's default, which is the layout llama.cpp runs."""
+    if hp.get(key) is False:
+        raise ModelFormatError(f"{arch} with {key}=false is not supported: {why}")
+
+
+def refuse_rope(hp: HParams, arch: str, allowed: tuple[str, ...] = ("default", "linear", "yarn"), *,
+                why: str | None = None) -> None:
+    """Refuse a rope scaling type llama.cpp's `arch` does not implement; `why` says so when it never will."""
     kind = hp.rope["rope_type"]
     if kind not in allowed:
-        raise ModelFormatError(f"rope scaling type {kind!r} is not supported for {arch} GGUF yet")
+        raise ModelFormatError(f"rope scaling type {kind!r} is not supported for {arch} GGUF"
+                               + (f": {why}" if why else " yet"))
 
 
-def require_activation(hp: HParams, arch: str, expected: str, why: str, key: str = "hidden_act") -> None:
-    act = hp.find(key, default=expected)
-    if act != expected:
+def refuse_scaled_sliding_rope(arch: str, sliding_rope: dict[str, Any]) -> None:
+    """Refuse a scaled rope of its own on the sliding-window layers (Gemma 3, OLMo 3): llama.cpp scales only
+    the global layers' rope. `sliding_rope` is the sliding layers' rope with its `rope_type` filled in."""
+    kind = sliding_rope["rope_type"]
+    if kind != "default":
+        raise ModelFormatError(f"{arch} with a {kind!r} rope on the sliding layers is not supported: llama.cpp "
+                               "runs their rope unscaled")
+
+
+def require_activation(hp: HParams, arch: str, expected: str | tuple[str, ...], why: str,
+                       key: str = "hidden_act") -> None:
+    """Refuse an MLP activation that llama.cpp's `arch` does not run. `expected` may be several spellings of
+    the one function it runs (GELU's); an unset `key` is the config class's default, which is one of them."""
+    accepted = (expected,) if isinstance(expected, str) else expected
+    act = hp.find(key, default=accepted[0])
+    if act not in accepted:
         raise ModelFormatError(f"{arch} with activation {act!r} is not supported: {why}")
 
 

@@ -15,21 +15,15 @@ activations are refused.
 
 from __future__ import annotations
 
-from ....errors import ModelFormatError
-from .llama import LAYER, ROTARY_BUFFERS, SWIGLU, attention
-from .spec import (IDENTITY, STACK, K, R, Family, HParams, Rule, T, derived, name, rotary_dims, tensor,
-                  weight_and_bias)
+from .shared import LAYER, ROTARY_BUFFERS, SWIGLU, attention
+from .spec import (IDENTITY, STACK, K, R, Family, HParams, Rule, T, derived, name, refuse_rope, refuse_true,
+                   require_activation, rotary_dims, tensor, weight_and_bias)
 
 
 def _check(hp: HParams) -> None:
-    if hp.get("tie_word_embeddings"):
-        raise ModelFormatError("stablelm with tie_word_embeddings=true is not supported: llama.cpp's stablelm needs "
-                               "its own output matrix")
-    if hp.rope["rope_type"] not in ("default", "linear", "yarn"):
-        raise ModelFormatError(f"rope scaling type {hp.rope['rope_type']!r} is not supported for stablelm GGUF yet")
-    if hp.find("hidden_act", default="silu") != "silu":
-        raise ModelFormatError(f"stablelm with activation {hp.get('hidden_act')!r} is not supported: llama.cpp's "
-                               "stablelm runs a SiLU-gated MLP")
+    refuse_true(hp, "stablelm", "tie_word_embeddings", "llama.cpp's stablelm needs its own output matrix")
+    refuse_rope(hp, "stablelm")
+    require_activation(hp, "stablelm", "silu", "llama.cpp's stablelm runs a SiLU-gated MLP")
 
 
 FAMILY = Family(

@@ -9,10 +9,10 @@ transformers 5 stores GPTBigCode's linears as nn.Linear ([out, in]): nothing is 
 
 from __future__ import annotations
 
-from ....errors import ModelFormatError
 from .falcon import regroup_qkv
-from .gpt2 import MASK_BUFFERS, check_gelu, ffn_length
-from .spec import A, K, Family, HParams, T, derived, reshaped, tensor, weight_and_bias
+from .gpt2 import MASK_BUFFERS, ffn_length
+from .shared import GELU
+from .spec import A, K, Family, HParams, T, derived, refuse_false, require_activation, reshaped, tensor, weight_and_bias
 
 LAYER = "transformer.h.{bid}"
 
@@ -27,10 +27,8 @@ QKV = reshaped("bigcode_qkv", lambda w, hp: regroup_qkv(w, kv_heads(hp), hp.n_he
 
 
 def _check(hp: HParams) -> None:
-    if hp.get("scale_attn_weights") is False:
-        raise ModelFormatError("starcoder with scale_attn_weights=false is not supported: llama.cpp scales attention "
-                               "by 1/sqrt(head_dim)")
-    check_gelu(hp, "starcoder", "activation_function", default="gelu_pytorch_tanh")
+    refuse_false(hp, "starcoder", "scale_attn_weights", "llama.cpp scales attention by 1/sqrt(head_dim)")
+    require_activation(hp, "starcoder", GELU, "llama.cpp's starcoder runs a GELU MLP", key="activation_function")
 
 
 FAMILY = Family(

@@ -7,17 +7,13 @@ requires the output and MLP biases, so use_bias=false is refused.
 
 from __future__ import annotations
 
-from ....errors import ModelFormatError
-from .gpt2 import check_gelu
-from .llama import LAYER, ROTARY_BUFFERS, attention
-from .spec import IDENTITY, Family, HParams, T, tensor, weight_and_bias
+from .shared import GELU, LAYER, ROTARY_BUFFERS, attention
+from .spec import IDENTITY, Family, HParams, T, refuse_false, require_activation, tensor, weight_and_bias
 
 
 def _check(hp: HParams) -> None:
-    if hp.get("use_bias") is False:
-        raise ModelFormatError("starcoder2 with use_bias=false is not supported: llama.cpp's starcoder2 needs the "
-                               "attention output and MLP biases")
-    check_gelu(hp, "starcoder2", "hidden_act", default="gelu_pytorch_tanh")
+    refuse_false(hp, "starcoder2", "use_bias", "llama.cpp's starcoder2 needs the attention output and MLP biases")
+    require_activation(hp, "starcoder2", GELU, "llama.cpp's starcoder2 runs a GELU MLP")
 
 
 FAMILY = Family(
