@@ -1,5 +1,7 @@
 """The retained-state decoder of the AI 100 export: one engine, written with standard ONNX ops only (opset 17),
-reading the weights of a transformers causal LM as its family declares them (families.py).
+reading the weights of a transformers causal LM as its family declares them (families/). The engine holds no
+per-family branch: where families differ (norms, q/k/v splits, q/k norms, rotary style and RoPE table, MLP,
+MoE scoring and expert layout) it calls the block the family declares (families/blocks.py).
 
 The same module is traced into the ONNX graph (export.py) and run in torch to predict the device's quality
 (quality.py). Its forward is three stages, so a driver can run it unit by unit on a streamed model (one layer
@@ -24,6 +26,7 @@ from __future__ import annotations
 import functools
 
 from .families import family_for
+from .families.blocks import Heads, RopeSource
 
 
 def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_len: int | None = None):
@@ -66,6 +69,7 @@ def _decoder_class():
             self.n_heads = int(cfg.num_attention_heads)
             self.n_kv = int(fam.kv_heads or getattr(cfg, "num_key_value_heads", None) or self.n_heads)
             self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
+            self.heads = Heads(self.n_heads, self.n_kv, self.head_dim)
             self.max_positions = int(cfg.max_position_embeddings)
             self.vocab = int(cfg.vocab_size)
             n = len(self.layers)
@@ -89,81 +93,29 @@ def _decoder_class():
                 self.moe_normalize = bool(getattr(cfg, norm) if isinstance(norm, str) else norm)
                 self.moe_top_k = int(cfg.num_experts_per_tok)
             if fam.rotary is not None:
-                cos, sin = self._rope_tables(model, base, ctx_len)
+                source = RopeSource(base, getattr(self.layers[0], fam.attn), self.head_dim, self.max_positions, ctx_len)
+                with torch.no_grad():
+                    cos, sin = fam.rope_table(source)
                 self.register_buffer("cos_table", cos, persistent=False)
                 self.register_buffer("sin_table", sin, persistent=False)
                 self.rot_dim = int(cos.shape[-1])  # < head_dim: partial rotary, the rest passes through
 
-        # -- construction helpers ------------------------------------------------------------------
-
-        def _rope_tables(self, model, base, ctx_len):
-            """Static [max_positions, rotary_dim] cos/sin tables, laid out for the family's rotary style."""
-            fam, max_pos = self.fam, self.max_positions
-            with torch.no_grad():
-                if fam.rope_table == "gptj":  # [max_pos, rot] = [sin | cos] per frequency, pairs interleaved
-                    sincos = getattr(self.layers[0], fam.attn).embed_positions[:max_pos].float()
-                    sin, cos = sincos.chunk(2, dim=-1)
-                    return cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
-                rot = base.rotary_emb
-
-                def table(length):
-                    probe = torch.zeros(1, length, self.head_dim)
-                    cos, sin = rot(probe, torch.arange(length).unsqueeze(0))
-                    cos, sin = cos[0].float(), sin[0].float()
-                    if fam.rope_table == "halves":  # GPT-OSS returns one frequency per pair of halves
-                        cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
-                    return cos, sin
-
-                cos, sin = table(max_pos)
-                if ctx_len and ctx_len < max_pos:  # length-dependent RoPE: the mode of a ctx_len sequence below it
-                    c, s = table(ctx_len)
-                    cos, sin = torch.cat((c, cos[ctx_len:])), torch.cat((s, sin[ctx_len:]))
-                return cos, sin
-
         # -- building blocks ---------------------------------------------------------------------
 
         def norm(self, module, x):
-            if self.fam.norm == "layer":
-                return F.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)
-            eps = getattr(module, "variance_epsilon", None)
-            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + (module.eps if eps is None else eps))
-            return y * (1.0 + module.weight) if self.fam.norm == "rms_1p" else y * module.weight
+            return self.fam.norm(module, x)
 
         def rotate(self, x, cos, sin):
             rot = self.rot_dim
             x_rot, x_pass = (x, None) if rot == self.head_dim else (x[..., :rot], x[..., rot:])
-            if self.fam.rotary == "interleaved":
-                pairs = torch.stack((-x_rot[..., 1::2], x_rot[..., 0::2]), dim=-1)
-                turned = pairs.flatten(-2)
-            else:
-                half = rot // 2
-                turned = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
-            out = x_rot * cos + turned * sin
+            out = x_rot * cos + self.fam.rotary(x_rot, rot) * sin
             return out if x_pass is None else torch.cat((out, x_pass), dim=-1)
 
         def qkv(self, attn, x):
             """q [B, S, H, D], k and v [B, S, KV, D] from the family's projections."""
-            fam, bsz, seq = self.fam, x.shape[0], x.shape[1]
-            nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
-            if fam.qkv_layout in ("separate", "split"):
-                if fam.qkv_layout == "separate":
-                    q, k, v = (getattr(attn, name)(x) for name in fam.qkv)
-                else:
-                    q, k, v = getattr(attn, fam.qkv)(x).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-                if fam.qk_norm == "full":
-                    q, k = self.norm(attn.q_norm, q), self.norm(attn.k_norm, k)
-                q, k, v = q.view(bsz, seq, nh, hd), k.view(bsz, seq, nkv, hd), v.view(bsz, seq, nkv, hd)
-            elif fam.qkv_layout == "per_head":
-                fused = getattr(attn, fam.qkv)(x).view(bsz, seq, nh, 3, hd)
-                q, k, v = fused[..., 0, :], fused[..., 1, :], fused[..., 2, :]
-            elif fam.qkv_layout == "grouped":
-                r = nh // nkv
-                fused = getattr(attn, fam.qkv)(x).view(bsz, seq, nkv, r + 2, hd)
-                q, k, v = fused[:, :, :, :r].reshape(bsz, seq, nh, hd), fused[:, :, :, r], fused[:, :, :, r + 1]
-            else:
-                raise ValueError(f"unknown qkv_layout {fam.qkv_layout!r}")
-            if fam.qk_norm == "head":
-                q, k = self.norm(attn.q_norm, q), self.norm(attn.k_norm, k)
+            fam = self.fam
+            q, k, v = fam.qkv(attn, x, self.heads, fam.qk_norm, self.norm)
+            q, k = fam.qk_norm.heads(self.norm, attn, q, k)
             return q, k, v
 
         def write_cache(self, past, new, position_ids, rows):
@@ -195,11 +147,7 @@ def _decoder_class():
             if self.attn_softcap:
                 scores = torch.tanh(scores / self.attn_softcap) * self.attn_softcap
             scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
-            if self.fam.sinks:  # one more softmax column per head, dropped after normalization
-                sink = attn.sinks.view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
-                probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
-            else:
-                probs = torch.softmax(scores, dim=-1)
+            probs = self.fam.probs(attn, scores)
             out = torch.matmul(probs, v_cache).transpose(1, 2).reshape(bsz, seq, self.n_heads * self.head_dim)
             return getattr(attn, self.fam.o_proj)(out), k_full, v_full
 
@@ -207,15 +155,7 @@ def _decoder_class():
             fam = self.fam
             if fam.moe is not None and hasattr(mlp, fam.moe.experts):
                 return self.moe(mlp, x)
-            spec = fam.mlp
-            act = getattr(mlp, spec.act)
-            proj = [getattr(mlp, name) for name in spec.proj]
-            if spec.kind == "gated":
-                return proj[2](act(proj[0](x)) * proj[1](x))
-            if spec.kind == "gated_fused":
-                gate, up = proj[0](x).chunk(2, dim=-1)
-                return proj[1](up * act(gate))
-            return proj[1](act(proj[0](x)))  # plain
+            return fam.mlp(mlp, x)
 
         def moe(self, mlp, x):
             """Static MoE: TopK routing as transformers computes it, the top-k weights scattered into a dense
@@ -224,31 +164,14 @@ def _decoder_class():
             tokens = x.reshape(-1, x.shape[-1])
             router = getattr(mlp, spec.router)
             logits = F.linear(tokens, router.weight, getattr(router, "bias", None))
-            if spec.scoring == "softmax_topk":
-                top, index = torch.topk(torch.softmax(logits, dim=-1), self.moe_top_k, dim=-1)
-                if self.moe_normalize:
-                    top = top / top.sum(dim=-1, keepdim=True)
-            else:  # topk_softmax
-                top, index = torch.topk(logits, self.moe_top_k, dim=-1)
-                top = torch.softmax(top, dim=-1)
+            top, index = spec.scoring(logits, self.moe_top_k, self.moe_normalize)
             weights = torch.zeros_like(logits).scatter(1, index, top)  # [tokens, experts]
             experts = getattr(mlp, spec.experts)
             out = None
             for e in range(experts.num_experts):
-                y = self.expert(experts, e, tokens) * weights[:, e:e + 1]
+                y = spec.layout(experts, e, tokens) * weights[:, e:e + 1]
                 out = y if out is None else out + y
             return out.view(x.shape)
-
-        def expert(self, experts, e, x):
-            if self.fam.moe.layout == "stacked":
-                gate, up = F.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
-                return F.linear(experts.act_fn(gate) * up, experts.down_proj[e])
-            # gpt_oss: [in, out] weights, gate/up interleaved, clamped SwiGLU with (up + 1)
-            gate_up = torch.matmul(x, experts.gate_up_proj[e]) + experts.gate_up_proj_bias[e]
-            gate = gate_up[..., 0::2].clamp(max=experts.limit)
-            up = gate_up[..., 1::2].clamp(min=-experts.limit, max=experts.limit)
-            glu = gate * torch.sigmoid(gate * experts.alpha)
-            return torch.matmul((up + 1) * glu, experts.down_proj[e]) + experts.down_proj_bias[e]
 
         # -- the whole decoder ---------------------------------------------------------------------
 
@@ -272,26 +195,16 @@ def _decoder_class():
 
         def layer_step(self, i, h, rope, masks, past_k, past_v, position_ids, rows):
             """Decoder layer i: (the new hidden states, its key and value caches with the new K/V written)."""
-            fam, layer, rm = self.fam, self.layers[i], self.residual_multiplier
-            norms = fam.norms
-            x = self.norm(getattr(layer, norms.pre_attn), h) if norms.pre_attn else h
-            a, k_full, v_full = self.attention(i, getattr(layer, fam.attn), x, rope, masks[self.windows[i]],
-                                               past_k, past_v, position_ids, rows)
-            if norms.post_attn:
-                a = self.norm(getattr(layer, norms.post_attn), a)
-            if fam.parallel:
-                m_in = self.norm(getattr(layer, norms.pre_mlp), h) if norms.pre_mlp else x
-            else:
-                h = h + (a * rm if rm is not None else a)
-                m_in = self.norm(getattr(layer, norms.pre_mlp), h) if norms.pre_mlp else h
-            m = self.mlp(layer.mlp, m_in)
-            if norms.post_mlp:
-                m = self.norm(getattr(layer, norms.post_mlp), m)
-            if fam.parallel:
-                h = h + (a + m if rm is None else (a + m) * rm)
-            else:
-                h = h + (m * rm if rm is not None else m)
-            return h, k_full, v_full
+            fam, layer = self.fam, self.layers[i]
+
+            def slot(name, x):
+                return x if name is None else self.norm(getattr(layer, name), x)
+
+            def attend(x):
+                return self.attention(i, getattr(layer, fam.attn), x, rope, masks[self.windows[i]], past_k, past_v,
+                                      position_ids, rows)
+
+            return fam.residual(h, slot, attend, lambda x: self.mlp(layer.mlp, x), fam.norms, self.residual_multiplier)
 
         def end(self, h, position_ids):
             """Final norm and head: logits of the last valid position (every position with all_positions)."""

@@ -1,0 +1,85 @@
+"""What the AI 100 export needs to know about each decoder family: one declarative module per family.
+
+Each family module names its `ARCHITECTURES` and its `FAMILY`: a `Family` (spec.py), or a function of the
+transformers config where the layout depends on it (Falcon, GPTBigCode). The layout blocks they pick from
+(norms, q/k/v splits, RoPE tables, MLPs, MoE) are in blocks.py; the one decoder engine that reads the
+declarations is decoder.py. Adding a family is a module here plus its line in `_MODULES`, listed explicitly so
+that what the export supports is read in one place, not discovered.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ....errors import NotApplicableError
+from . import (falcon, gemma, gemma2, gpt2, gpt_bigcode, gpt_oss, gptj, granite, llama, mixtral, olmo2, phi3, qwen3,
+               qwen3_moe)
+from .llama import LLAMA
+from .spec import Family, Moe, Norms
+
+_MODULES = (llama, qwen3, gemma, gemma2, phi3, granite, olmo2, gpt2, gptj, gpt_bigcode, falcon, mixtral, qwen3_moe,
+            gpt_oss)
+
+
+def _collect() -> dict[str, Family | Callable[[Any], Family]]:
+    specs: dict[str, Family | Callable[[Any], Family]] = {}
+    for module in _MODULES:
+        for arch in module.ARCHITECTURES:
+            if arch in specs:
+                raise RuntimeError(f"{arch} is declared twice among the AI 100 families (again in {module.__name__})")
+            specs[arch] = module.FAMILY
+    return specs
+
+
+FAMILY_SPECS: dict[str, Family | Callable[[Any], Family]] = _collect()
+
+
+def unsupported(arch: str) -> Exception:
+    """The one-line refusal of an architecture without a declaration here."""
+    return NotApplicableError(f"no AI 100 ONNX export for {arch} (supported: {', '.join(sorted(FAMILY_SPECS))})")
+
+
+def architecture(config: Any) -> str:
+    """The architecture named first in a config (a transformers config or config.json's dict)."""
+    names = config.get("architectures") if isinstance(config, dict) else getattr(config, "architectures", None)
+    return (names or ["<no architectures in config.json>"])[0]
+
+
+def family_for(config: Any) -> tuple[str, Family]:
+    """(architecture, its Family) for a transformers config; NotApplicableError (one line) when unsupported."""
+    arch = architecture(config)
+    spec = FAMILY_SPECS.get(arch)
+    if spec is None:
+        raise unsupported(arch)
+    return arch, spec if isinstance(spec, Family) else spec(config)
+
+
+def matmul_weights(model: Any) -> list[tuple[Any, str, int]]:
+    """Every weight the exported graph multiplies as a constant MatMul operand (what `-mxfp6-matmul`
+    compresses), as (module, parameter name, reduction axis): nn.Linear weights (axis -1), GPT-2 Conv1D
+    weights ([in, out]: axis 0), MoE routers (axis -1) and stacked expert weights (the axis their expert
+    layout reduces over). Embeddings are Gathers, norms and biases are not MatMul weights."""
+    import torch
+
+    _arch, fam = family_for(model.config)
+    found: list[tuple[Any, str, int]] = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            found.append((module, "weight", -1))
+        elif type(module).__name__ == "Conv1D" and module.weight.dim() == 2:
+            found.append((module, "weight", 0))
+    if fam.moe is not None:
+        for layer in getattr(getattr(model, fam.base), fam.layers):
+            experts = getattr(layer.mlp, fam.moe.experts, None)
+            if experts is None:
+                continue
+            router = getattr(layer.mlp, fam.moe.router)
+            if not isinstance(router, torch.nn.Linear):
+                found.append((router, "weight", -1))
+            axis = fam.moe.layout.reduction_axis
+            found += [(experts, "gate_up_proj", axis), (experts, "down_proj", axis)]
+    return found
+
+
+__all__ = ["FAMILY_SPECS", "LLAMA", "Family", "Moe", "Norms", "architecture", "family_for", "matmul_weights",
+           "unsupported"]
