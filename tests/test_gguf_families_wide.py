@@ -256,7 +256,7 @@ REFUSALS = [
      r"rope scaling type 'yarn' is not supported for glm4"),
     ("granitemoe", {"head_dim": 32}, r"granite GGUF needs head_dim == hidden_size / num_attention_heads"),
     ("olmoe", {"norm_topk_prob": True}, r"olmoe GGUF: llama.cpp never renormalizes"),
-    ("olmoe", {"tie_word_embeddings": True}, r"olmoe GGUF: llama.cpp requires an untied output"),
+    ("olmoe", {"tie_word_embeddings": True}, r"olmoe with tie_word_embeddings=true is not supported: llama.cpp's olmoe requires an untied output"),
     ("olmoe", {"num_key_value_heads": 2}, r"olmoe GGUF needs num_key_value_heads == num_attention_heads"),
     ("olmoe", {"clip_qkv": 8.0}, r"olmoe with clip_qkv=8.0 is not supported"),
     ("olmoe", {"attention_bias": True}, r"olmoe with attention_bias=true is not supported"),

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipelines import prompts
-from pipelines.errors import HiveError
+from pipelines.errors import EngineFailed, HiveError
 from pipelines.targets.vllm.validate import compare_engine, evaluate
 
 PERTURBED = "model.layers.1.mlp.down_proj.weight"
@@ -86,6 +86,23 @@ def test_wrong_top_tokens_and_logprobs_are_counted(teacher_forced):
                for lg, s in zip(tf, ids)]
     off_by_one, _ = compare_engine(tf, ids, greedy, {"sequences": shifted, "greedy": greedy}, ref)
     assert off_by_one["vllm_max_logprob_delta"] > 0.5
+
+
+@pytest.mark.parametrize("cut", ["a sequence", "a position", "a greedy run"])
+def test_an_engine_result_that_leaves_questions_out_is_refused(teacher_forced, cut):
+    """Answers the engine left out must not drop out of the comparison and raise the agreement."""
+    ids, tf, ref, greedy = teacher_forced
+    rows = [engine_rows(lg, s) for lg, s in zip(tf, ids)]
+    answered = list(greedy)
+    if cut == "a sequence":
+        rows = rows[:1]
+    elif cut == "a position":
+        rows[1] = rows[1][:-1]
+    else:
+        answered = answered[:-1]
+    with pytest.raises(EngineFailed, match="an incomplete result") as e:
+        compare_engine(tf, ids, greedy, {"sequences": rows, "greedy": answered}, ref)
+    assert "\n" not in str(e.value)
 
 
 def test_greedy_divergence_at_a_near_tie_is_not_an_engine_error():

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ... import parity, prompts, reference
-from ...errors import HiveError
+from ...errors import EngineFailed, HiveError
 from ...memory import model_facts
 from ...paths import work_dir
 from ...tokenizer_cache import CachedTokenizer
@@ -78,6 +78,7 @@ def compare_engine(tf_logits: list[np.ndarray], ids: list[list[int]], tf_greedy:
                    result: dict[str, Any], ref_logits: list[np.ndarray]) -> tuple[dict[str, Any], dict[str, Any]]:
     """vLLM (runner result) against transformers on the same files and ids; and its top-1 against the
     source's fp32 reference (end to end: what serving from this artifact in vLLM gives)."""
+    _check_complete(ids, tf_greedy, result)
     agree = total = ref_agree = 0
     max_delta = 0.0
     for seq, logits, ref, rows in zip(ids, tf_logits, ref_logits, result["sequences"]):
@@ -107,6 +108,18 @@ def compare_engine(tf_logits: list[np.ndarray], ids: list[list[int]], tf_greedy:
     details = {"greedy": per_prompt, "engine": result.get("vllm"), "load_seconds": result.get("load_seconds"),
                "cached": result.get("cached", False)}
     return metrics, details
+
+
+def _check_complete(ids: list[list[int]], tf_greedy: list[dict[str, Any]], result: dict[str, Any]) -> None:
+    """The engine's result answers every question asked: a sequence or a greedy run it left out would
+    otherwise drop out of the comparison (zip) and leave the agreement looking better than it is."""
+    rows = [len(r) for r in result.get("sequences", [])]
+    wanted = [len(seq) - 1 for seq in ids]
+    greedy = len(result.get("greedy", []))
+    if rows != wanted or greedy != len(tf_greedy):
+        raise EngineFailed(f"vLLM answered {len(rows)} of {len(ids)} sequences ({sum(rows)} of {sum(wanted)} "
+                           f"positions) and {greedy} of {len(tf_greedy)} greedy runs: an incomplete result, "
+                           "nothing was published")
 
 
 def _artifact_run(identical: bool, whole: bool, resident: bool, unit_loads: int | None) -> str:

@@ -23,9 +23,7 @@ from .spec import IDENTITY, Family, HParams, refuse_true, require_activation, re
 
 def _check(hp: HParams) -> None:
     check_moe("olmoe", hp, renormalizes=False)
-    if hp.get("tie_word_embeddings", False):
-        raise ModelFormatError("olmoe GGUF: llama.cpp requires an untied output matrix, config has "
-                               "tie_word_embeddings=true")
+    refuse_true(hp, "olmoe", "tie_word_embeddings", "llama.cpp's olmoe requires an untied output matrix")
     if hp.n_head_kv != hp.n_head:
         raise ModelFormatError(f"olmoe GGUF needs num_key_value_heads == num_attention_heads ({hp.n_head}): "
                                f"llama.cpp's olmoe k_norm is {{n_embd}}, config has {hp.n_head_kv} key/value heads")
