@@ -8,7 +8,6 @@ content addresses, and a published build id is skipped.
 
 from __future__ import annotations
 
-
 import dagster as dg
 
 from ..errors import HiveError

@@ -10,8 +10,8 @@ S3PickleIOManager as `io_manager` (deploy/README.md).
 
 from __future__ import annotations
 
-
 import dagster as dg
+
 from .. import settings
 
 # A kind's hardware step (the AI 100 compile) goes to the queue named after its pool (`-q ai100_compile`), served
