@@ -1,10 +1,12 @@
 """The import contracts of pyproject.toml ([tool.importlinter]), checked with import-linter on the real package:
 the layers from the entry points down to the leaf utilities, the three kinds independent of each other, the
 light pull client, Dagster only in orchestration. And the same contracts catch a break: a copy of the package
-with one forbidden import added fails the contract it breaks, by name."""
+with one forbidden import added fails the contract it breaks, by name. Plus one rule import-linter would need
+every module listed for: a GGUF family module imports spec, shared and at most the family it is a variant of."""
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -71,3 +73,35 @@ def test_the_readme_layout_names_every_module():
     modules = [p for p in (ROOT / "pipelines").rglob("*.py") if p.name != "__init__.py" and p.parent.name != "families"]
     assert len(modules) > 100
     assert sorted(str(p.relative_to(ROOT)) for p in modules if p.stem not in named) == []
+
+
+# A variant may import the family it varies (its parent lineage); no family imports an unrelated one.
+GGUF_FAMILY_LINEAGE = {"gemma2": {"gemma"}, "gemma3": {"gemma", "gemma2"}, "granitemoe": {"granite"}}
+GGUF_FAMILY_LIBRARIES = {"spec", "shared"}  # the vocabulary and the blocks several families share
+
+
+def sibling_imports(path: Path) -> set[str]:
+    """The sibling modules a module imports (`from .x import ...` / `from . import x`)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+    return found
+
+
+def test_a_gguf_family_imports_shared_blocks_not_other_families(tmp_path):
+    """A GGUF family module imports spec, shared and at most its own parent lineage: what several unrelated
+    families reuse lives in shared.py, so no family is also a library for the others."""
+    families = ROOT / "pipelines" / "targets" / "gguf" / "families"
+    modules = {p.stem: p for p in families.glob("*.py") if p.name != "__init__.py"}
+    assert set(GGUF_FAMILY_LIBRARIES) <= set(modules) and len(modules) > 30
+    stray = {name: sorted(sibling_imports(path) - GGUF_FAMILY_LIBRARIES - GGUF_FAMILY_LINEAGE.get(name, set()))
+             for name, path in modules.items() if name not in GGUF_FAMILY_LIBRARIES}
+    assert {name: found for name, found in stray.items() if found} == {}
+    # the libraries import no family
+    assert {name: sorted(sibling_imports(modules[name]) - {"spec"}) for name in GGUF_FAMILY_LIBRARIES} == \
+        {"spec": [], "shared": []}
+    # the check sees both spellings of a sibling import, and not the package's other modules
+    module = tmp_path / "starcoder.py"
+    module.write_text("from ....errors import ModelFormatError\nfrom .falcon import regroup_qkv\nfrom . import gpt2\n")
+    assert sibling_imports(module) == {"falcon", "gpt2"}

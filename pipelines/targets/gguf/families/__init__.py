@@ -3,7 +3,10 @@ registered. Adding a family is adding a module; nothing else lists them.
 
 Two modules are not families: `spec` is the vocabulary the declarations are written in (and the one-line
 refusals they share), `shared` holds the rules, transforms and constants several families reuse (the Llama
-layout most of them descend from): a family module declares its family, not a library for the others."""
+layout most of them descend from, and the blocks families of different lineages have in common): a family
+module declares its family, not a library for the others. A family imports spec and shared, and at most
+the family it is a variant of (gemma2 and gemma3 from gemma, gemma3 from gemma2, granitemoe from granite);
+tests/test_import_contracts.py holds that."""
 
 from __future__ import annotations
 

@@ -8,13 +8,9 @@ up -> relu(x)^2 -> down. llama.cpp's arcee loads no attention output bias and no
 
 from __future__ import annotations
 
-from .shared import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, VOCAB_AND_ROPE_DIMS, attention, llama3_rope_freqs
-from .spec import Family, HParams, T, refuse_rope, refuse_true, require_activation, tensor
-
-RELU2_MLP = (
-    tensor(T.FFN_UP, LAYER + ".mlp.up_proj.weight"),
-    tensor(T.FFN_DOWN, LAYER + ".mlp.down_proj.weight"),
-)
+from .shared import (EMBEDDINGS, NORMS, RELU2_MLP, ROTARY_BUFFERS, VOCAB_AND_ROPE_DIMS, attention,
+                     llama3_rope_freqs)
+from .spec import Family, HParams, refuse_rope, refuse_true, require_activation
 
 
 def _check(hp: HParams) -> None:

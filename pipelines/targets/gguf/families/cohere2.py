@@ -23,8 +23,7 @@ from __future__ import annotations
 import gguf
 
 from ....errors import ModelFormatError
-from .gemma2 import layer_types
-from .shared import LAYER, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention
+from .shared import LAYER, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention, layer_types
 from .spec import (A, IDENTITY, K, R, Family, HParams, T, derived, param, refuse_false, refuse_rope, refuse_true,
                    require_activation, require_whole_heads, tensor)
 

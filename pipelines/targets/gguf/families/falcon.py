@@ -12,26 +12,12 @@ those configs are refused.
 
 from __future__ import annotations
 
-import numpy as np
-
 from ....errors import ModelFormatError
-from .shared import GELU, ROTARY_BUFFERS
+from .shared import GELU, ROTARY_BUFFERS, regroup_qkv
 from .spec import (A, K, Family, HParams, Rule, T, derived, refuse_false, refuse_true, require_activation, reshaped,
                    tensor, weight_and_bias)
 
 LAYER = "transformer.h.{bid}"
-
-
-def regroup_qkv(w: np.ndarray, groups: int, q_per_group: int, head_dim: int) -> np.ndarray:
-    """[groups, q_per_group + 2, head_dim, ...] (each group's queries, its key, its value) -> [all q; all k;
-    all v]. The weight ([rows, in]) and the bias ([rows]) of a fused qkv go through the same regrouping."""
-    rows, rest = w.shape[0], w.shape[1:]
-    if rows != groups * (q_per_group + 2) * head_dim:
-        raise ModelFormatError(f"a fused qkv of {rows} rows is not {groups} groups of {q_per_group} queries + key + "
-                               f"value of {head_dim}")
-    g = w.reshape(groups, q_per_group + 2, head_dim, *rest)
-    parts = (g[:, :q_per_group], g[:, q_per_group], g[:, q_per_group + 1])
-    return np.ascontiguousarray(np.concatenate([p.reshape(-1, *rest) for p in parts]))
 
 
 def kv_heads(hp: HParams) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ....errors import ModelFormatError
 from .gemma import ATTENTION, EMBEDDINGS, check_gemma
-from .shared import LAYER, ROTARY_BUFFERS, SWIGLU
+from .shared import LAYER, ROTARY_BUFFERS, SWIGLU, layer_types
 from .spec import A, K, PLUS_ONE, Family, HParams, T, derived, param, tensor
 
 NORMS = (
@@ -26,18 +26,6 @@ NORMS = (
     tensor(T.FFN_NORM, LAYER + ".pre_feedforward_layernorm.weight", PLUS_ONE),
     tensor(T.FFN_POST_NORM, LAYER + ".post_feedforward_layernorm.weight", PLUS_ONE),
 )
-
-
-def layer_types(hp: HParams, period: int) -> list[str]:
-    """Each layer's attention ("sliding_attention" / "full_attention"): the config's list, or HF's default
-    (every `period`-th layer full, the others sliding) for configs that predate `layer_types`."""
-    types = hp.get("layer_types")
-    if types is None:
-        types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(hp.n_layers)]
-    if len(types) != hp.n_layers or set(types) - {"sliding_attention", "full_attention"}:
-        raise ModelFormatError(f"config.json layer_types must name sliding_attention or full_attention for each of "
-                               f"the {hp.n_layers} layers, got {types!r}")
-    return list(types)
 
 
 def sliding_pattern(hp: HParams, period: int) -> list[bool] | None:

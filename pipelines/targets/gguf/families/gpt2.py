@@ -9,18 +9,11 @@ mask buffers `attn.bias` / `attn.masked_bias`, which llama.cpp's converter drops
 
 from __future__ import annotations
 
-from .shared import GELU
+from .shared import GELU, MASK_BUFFERS, ffn_length
 from .spec import (IDENTITY, K, TRANSPOSE, Family, HParams, T, derived, refuse_false, refuse_true,
                    require_activation, tensor, weight_and_bias)
 
 LAYER = "transformer.h.{bid}"
-# Old checkpoints save the attention's causal mask (and its fill value) as tensors; they are not weights.
-MASK_BUFFERS = (r"transformer\.h\.\d+\.attn\.(masked_)?bias",)
-
-
-def ffn_length(hp: HParams) -> int:
-    """n_inner when set, else GPT-2's 4 x n_embd (llama.cpp needs the key to size the MLP)."""
-    return int(hp.find("n_inner", "intermediate_size", default=4 * hp.hidden))
 
 
 def _check(hp: HParams) -> None:

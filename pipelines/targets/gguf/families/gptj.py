@@ -16,8 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ....errors import ModelFormatError
-from .gpt2 import MASK_BUFFERS, ffn_length
-from .shared import GELU
+from .shared import GELU, MASK_BUFFERS, ffn_length
 from .spec import (A, K, R, Family, HParams, T, derived, name, refuse_true, require_activation, reshaped, tensor,
                    weight_and_bias)
 

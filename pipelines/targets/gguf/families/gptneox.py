@@ -9,8 +9,7 @@ default) or sequential blocks are both llama.cpp graphs, chosen by the key of th
 
 from __future__ import annotations
 
-from .falcon import regroup_qkv
-from .shared import GELU
+from .shared import GELU, regroup_qkv
 from .spec import (K, R, Family, HParams, T, derived, refuse_false, refuse_true, require_activation, reshaped, tensor,
                    weight_and_bias)
 

@@ -16,8 +16,7 @@ rope scaling are refused.
 
 from __future__ import annotations
 
-from .arcee import RELU2_MLP
-from .shared import LAYER, ROTARY_BUFFERS, attention
+from .shared import LAYER, RELU2_MLP, ROTARY_BUFFERS, attention
 from .spec import (A, Family, HParams, IDENTITY, K, PLUS_ONE, R, T, derived, param, refuse_rope, refuse_true,
                   require_activation, require_whole_heads, tensor, weight_and_bias)
 

@@ -14,22 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ....errors import ModelFormatError
-from .shared import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, attention
-from .spec import IDENTITY, K, Family, HParams, T, Transform, experts, param, refuse_rope, refuse_true, tensor
+from .shared import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, attention, check_moe, routed_experts
+from .spec import IDENTITY, K, Family, HParams, T, Transform, param, refuse_true, tensor
 
 FLATTEN = Transform("flatten", lambda xs, hp: [np.ascontiguousarray(xs[0].reshape(-1))],
                     lambda s, hp: [(int(np.prod(s[0])),)])
-
-
-def routed_experts(prefix: str = LAYER + ".mlp") -> tuple:
-    """The router and the stacked gate/up/down projections of Qwen-style per-expert MLPs."""
-    return (
-        tensor(T.FFN_GATE_INP, prefix + ".gate.weight"),
-        experts(T.FFN_GATE_EXP, prefix + ".experts.{xid}.gate_proj.weight"),
-        experts(T.FFN_UP_EXP, prefix + ".experts.{xid}.up_proj.weight"),
-        experts(T.FFN_DOWN_EXP, prefix + ".experts.{xid}.down_proj.weight"),
-    )
 
 
 SHARED_EXPERT = (
@@ -38,25 +27,6 @@ SHARED_EXPERT = (
     tensor(T.FFN_UP_SHEXP, LAYER + ".mlp.shared_expert.up_proj.weight"),
     tensor(T.FFN_DOWN_SHEXP, LAYER + ".mlp.shared_expert.down_proj.weight"),
 )
-
-
-def dense_layers(hp: HParams) -> list[int]:
-    """Layers transformers builds with a dense MLP instead of experts (`mlp_only_layers`, `decoder_sparse_step`)."""
-    only = set(hp.get("mlp_only_layers") or ())
-    step = int(hp.get("decoder_sparse_step") or 1)
-    return [i for i in range(hp.n_layers) if i in only or (i + 1) % step != 0]
-
-
-def check_moe(arch: str, hp: HParams, *, renormalizes: bool) -> None:
-    """One-line refusals of the MoE configs llama.cpp's `arch` graph cannot run."""
-    refuse_rope(hp, arch)
-    dense = dense_layers(hp)
-    if dense:
-        raise ModelFormatError(f"{arch} GGUF: layers {dense} are dense (mlp_only_layers / decoder_sparse_step), "
-                               f"but llama.cpp runs every {arch} layer as MoE")
-    if bool(hp.get("norm_topk_prob", False)) != renormalizes:
-        raise ModelFormatError(f"{arch} GGUF: llama.cpp {'always' if renormalizes else 'never'} renormalizes the "
-                               f"top-k expert weights, config has norm_topk_prob={hp.get('norm_topk_prob')}")
 
 
 def _check(hp: HParams) -> None:

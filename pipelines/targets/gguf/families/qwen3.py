@@ -6,13 +6,8 @@ setting (Qwen3-4B: 128 with hidden 2560 / 32 heads) and is written as the key/va
 
 from __future__ import annotations
 
-from .shared import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, SWIGLU, attention
-from .spec import IDENTITY, Family, HParams, T, refuse_rope, tensor
-
-QK_NORMS = (
-    tensor(T.ATTN_Q_NORM, LAYER + ".self_attn.q_norm.weight"),
-    tensor(T.ATTN_K_NORM, LAYER + ".self_attn.k_norm.weight"),
-)
+from .shared import EMBEDDINGS, NORMS, QK_NORMS, ROTARY_BUFFERS, SWIGLU, attention
+from .spec import IDENTITY, Family, HParams, refuse_rope
 
 
 def _check(hp: HParams) -> None:

@@ -1,17 +1,15 @@
 """Qwen3-MoE: Qwen3 attention (q_norm/k_norm, NEOX rope, nothing permuted) with routed experts and no shared
 expert, llama.cpp arch `qwen3moe`.
 
-Per-expert `mlp.experts.{xid}.*_proj` are stacked as for Qwen2-MoE; the expert width is its own key
-(`moe_intermediate_size`). llama.cpp's graph runs every layer as MoE and always renormalizes the top-k
-weights, so `mlp_only_layers` / `decoder_sparse_step` layouts with dense layers and `norm_topk_prob=false`
+Per-expert `mlp.experts.{xid}.*_proj` are stacked as for Qwen2-MoE (`shared.routed_experts`); the expert
+width is its own key (`moe_intermediate_size`). llama.cpp's graph runs every layer as MoE and always
+renormalizes the top-k weights, so `mlp_only_layers` / `decoder_sparse_step` layouts with dense layers and `norm_topk_prob=false`
 are refused in one line rather than converted into a model that computes something else.
 """
 
 from __future__ import annotations
 
-from .qwen2_moe import check_moe, routed_experts
-from .qwen3 import QK_NORMS
-from .shared import EMBEDDINGS, NORMS, ROTARY_BUFFERS, attention
+from .shared import EMBEDDINGS, NORMS, QK_NORMS, ROTARY_BUFFERS, attention, check_moe, routed_experts
 from .spec import IDENTITY, K, Family, HParams, param
 
 

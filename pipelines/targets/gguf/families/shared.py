@@ -2,8 +2,11 @@
 
 Most of the families descend from the HF Llama layout (`model.layers.{bid}` blocks, q/k/v/o projections,
 RMS norms, a SwiGLU MLP): its tensor rules, the Q/K rope permutation and the Llama 3.1 `rope_freqs`
-tensor are declared here once; `llama.py` and its descendants compose them. Declarations only (rules,
-transforms, constants): the vocabulary they are written in is `spec.py`.
+tensor are declared here once; `llama.py` and its descendants compose them. After it, the blocks that
+families of different lineages have in common: the GPT-style `transformer.h` checkpoints' buffers and MLP
+width, the regrouping of a fused qkv, the squared-ReLU MLP, the q/k norms, the per-layer attention types
+of sliding-window models and the routed experts of Qwen-style MoE layers. Declarations only (rules,
+transforms, constants, the checks they imply): the vocabulary they are written in is `spec.py`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import math
 import numpy as np
 
 from ....errors import ModelFormatError
-from .spec import K, R, HParams, Rule, T, derived, name, param, reshaped, tensor
+from .spec import K, R, HParams, Rule, T, derived, experts, name, param, refuse_rope, reshaped, tensor
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -92,3 +95,84 @@ def llama3_rope_freqs(hp: HParams) -> dict[str, np.ndarray]:
             smooth = (old_ctx / wavelen - low) / (high - low)
             factors.append(1.0 / ((1 - smooth) / factor + smooth))
     return {name(T.ROPE_FREQS): np.asarray(factors, dtype=np.float32)}
+
+
+# --- GPT-style checkpoints (`transformer.h.{bid}` blocks: GPT-2, GPT-J, StarCoder) --------------------------
+
+# Old checkpoints save the attention's causal mask (and its fill value) as tensors; they are not weights.
+MASK_BUFFERS = (r"transformer\.h\.\d+\.attn\.(masked_)?bias",)
+
+
+def ffn_length(hp: HParams) -> int:
+    """n_inner when set, else GPT-2's 4 x n_embd (llama.cpp needs the key to size the MLP)."""
+    return int(hp.find("n_inner", "intermediate_size", default=4 * hp.hidden))
+
+
+def regroup_qkv(w: np.ndarray, groups: int, q_per_group: int, head_dim: int) -> np.ndarray:
+    """[groups, q_per_group + 2, head_dim, ...] (each group's queries, its key, its value) -> [all q; all k;
+    all v], llama.cpp's `attn_qkv` (Falcon, GPT-NeoX, multi-head StarCoder). The weight ([rows, in]) and the
+    bias ([rows]) of a fused qkv go through the same regrouping."""
+    rows, rest = w.shape[0], w.shape[1:]
+    if rows != groups * (q_per_group + 2) * head_dim:
+        raise ModelFormatError(f"a fused qkv of {rows} rows is not {groups} groups of {q_per_group} queries + key + "
+                               f"value of {head_dim}")
+    g = w.reshape(groups, q_per_group + 2, head_dim, *rest)
+    parts = (g[:, :q_per_group], g[:, q_per_group], g[:, q_per_group + 1])
+    return np.ascontiguousarray(np.concatenate([p.reshape(-1, *rest) for p in parts]))
+
+
+# --- variants of the Llama block ------------------------------------------------------------------------
+
+# A gate-less MLP, up -> relu(x)^2 -> down (Arcee, Nemotron): SwiGLU's up and down projections, no gate.
+RELU2_MLP = tuple(rule for rule in SWIGLU if rule.outputs != (name(T.FFN_GATE),))
+
+# RMS norms of the queries and keys before the rope, stored as the plain weight (Qwen3, Qwen3-MoE, OLMoE).
+QK_NORMS = (
+    tensor(T.ATTN_Q_NORM, LAYER + ".self_attn.q_norm.weight"),
+    tensor(T.ATTN_K_NORM, LAYER + ".self_attn.k_norm.weight"),
+)
+
+
+# --- sliding-window attention (Gemma 2/3, Cohere 2) ---------------------------------------------------------
+
+def layer_types(hp: HParams, period: int) -> list[str]:
+    """Each layer's attention ("sliding_attention" / "full_attention"): the config's list, or HF's default
+    (every `period`-th layer full, the others sliding) for configs that predate `layer_types`."""
+    types = hp.get("layer_types")
+    if types is None:
+        types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(hp.n_layers)]
+    if len(types) != hp.n_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise ModelFormatError(f"config.json layer_types must name sliding_attention or full_attention for each of "
+                               f"the {hp.n_layers} layers, got {types!r}")
+    return list(types)
+
+
+# --- routed experts (Qwen2-MoE, Qwen3-MoE, OLMoE) ------------------------------------------------------------
+
+def routed_experts(prefix: str = LAYER + ".mlp") -> tuple[Rule, ...]:
+    """The router and the stacked gate/up/down projections of Qwen-style per-expert MLPs."""
+    return (
+        tensor(T.FFN_GATE_INP, prefix + ".gate.weight"),
+        experts(T.FFN_GATE_EXP, prefix + ".experts.{xid}.gate_proj.weight"),
+        experts(T.FFN_UP_EXP, prefix + ".experts.{xid}.up_proj.weight"),
+        experts(T.FFN_DOWN_EXP, prefix + ".experts.{xid}.down_proj.weight"),
+    )
+
+
+def dense_layers(hp: HParams) -> list[int]:
+    """Layers transformers builds with a dense MLP instead of experts (`mlp_only_layers`, `decoder_sparse_step`)."""
+    only = set(hp.get("mlp_only_layers") or ())
+    step = int(hp.get("decoder_sparse_step") or 1)
+    return [i for i in range(hp.n_layers) if i in only or (i + 1) % step != 0]
+
+
+def check_moe(arch: str, hp: HParams, *, renormalizes: bool) -> None:
+    """One-line refusals of the MoE configs llama.cpp's `arch` graph cannot run."""
+    refuse_rope(hp, arch)
+    dense = dense_layers(hp)
+    if dense:
+        raise ModelFormatError(f"{arch} GGUF: layers {dense} are dense (mlp_only_layers / decoder_sparse_step), "
+                               f"but llama.cpp runs every {arch} layer as MoE")
+    if bool(hp.get("norm_topk_prob", False)) != renormalizes:
+        raise ModelFormatError(f"{arch} GGUF: llama.cpp {'always' if renormalizes else 'never'} renormalizes the "
+                               f"top-k expert weights, config has norm_topk_prob={hp.get('norm_topk_prob')}")
