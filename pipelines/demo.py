@@ -62,7 +62,7 @@ def main() -> int:
         top1 = f"{chk['top1_agreement']:.4f}" if "top1_agreement" in chk else "-"
         kl = f"{chk['mean_kl']:.5f}" if "mean_kl" in chk else "-"
         size = human_bytes(r["size"]) if "size" in r else "-"  # the units every command prints
-        skipped = "yes" if r["state"] == "skipped" else "no"
+        skipped = "yes" if r.get("skipped") or r["state"] == "skipped" else "no"
         print(f"{r['recipe']:14} {size:>10} {top1:>7} {kl:>9} {_engine_column(chk):38} {r.get('build_id', '')[:12]:14} "
               f"{skipped:8} {r['state']}" + (f" ({r['error']})" if r.get("error") else ""))
     if not report["success"]:

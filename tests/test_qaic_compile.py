@@ -406,6 +406,11 @@ def test_dagster_wires_the_export_into_the_compile_and_shows_the_prediction(pend
     assert mats["published/qaic-tiny"]["state"].value == "compile_pending"
     assert mats["published/qaic-tiny"]["build_id"].value == pending["doc"]["build_id"]
     assert "qpc/qaic-tiny" not in mats and "artifact/gguf-f16" not in mats  # not requested: nothing built
+    # the onboarding summary (make demo's table) says the reused bundle was skipped, its compile still pending
+    from pipelines.orchestration.onboard import _summarize
+
+    (row,) = _summarize(result, Config.load(reg), MODEL, ["qaic-tiny"])
+    assert (row["state"], row["skipped"], row["build_id"]) == ("compile_pending", True, pending["doc"]["build_id"])
     evals = {e.asset_key.to_user_string(): e for e in result.get_asset_check_evaluations()
              if e.check_name == "numerical_parity"}
     md = evals["artifact/qaic-tiny"].metadata

@@ -88,7 +88,9 @@ def _summarize(result: dg.ExecuteInProcessResult, config: Config, model_id: str,
         if pub is not None:
             md = (compiled or pub).metadata
             row.update(state=md["state"].value, build_id=md["build_id"].value, manifest=md["manifest"].value,
-                       size=md["size_bytes"].value)
+                       size=md["size_bytes"].value,
+                       # a bundle reused by build id is skipped although its state stays compile_pending
+                       skipped=bool(md["skipped"].value) if "skipped" in md else md["state"].value == "skipped")
             if compiled is not None:
                 row["bundle_build_id"] = pub.metadata["build_id"].value
         elif (chk is not None and not chk.passed) or artifact_key(rid) in broken:
