@@ -10,7 +10,7 @@ LD_PRELOAD. So the command is checked against the `server_programs` the installe
   `HIVE_AOT_SERVE_PROGRAMS=vllm=/opt/vllm/bin/vllm,llama-server=/usr/local/bin/llama-server`, decides
   which file runs);
 - the leading positionals are the program's own, every flag is one the kind writes, each value a plain
-  word or a path inside the pulled directory;
+  word, a path inside the pulled directory, or a JSON object of the keys the kind names, each a plain value;
 - flags that run code shipped with the model (`--trust-remote-code`) need a manifest signed by a trusted
   key, or the operator's `--allow-remote-code`;
 - env names are the kind's own or listed by the operator in `HIVE_AOT_SERVE_ENV`; no NUL anywhere, and
@@ -21,6 +21,7 @@ The arguments a container passes after `--` are the operator's own and are appen
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -124,8 +125,27 @@ def _check_value(name: str, value: str, kind: str, model_dir: str) -> None:
         root = os.path.realpath(model_dir)
         if not (inside == root or inside.startswith(root + os.sep)):
             raise ServeRefused(f"{name} must name a file in the pulled directory {model_dir}, not {value[:120]!r}")
+    elif kind.startswith("json:"):
+        _check_json(name, value, kind.removeprefix("json:").split(","))
     elif _WORD.fullmatch(value) is None:
         raise ServeRefused(f"{name}: {value[:80]!r} is not a plain value")
+
+
+def _check_json(name: str, value: str, keys: list[str]) -> None:
+    """A JSON object whose keys are among `keys`, each value a plain word or a number (never nested)."""
+    try:
+        doc = json.loads(value)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise ServeRefused(f"{name}: {value[:80]!r} is not a JSON object")
+    for key, item in doc.items():
+        if key not in keys:
+            raise ServeRefused(f"{name}: key {key[:40]!r} is not one hive-aot writes (allowed: {', '.join(keys)})")
+        plain = (isinstance(item, (int, float)) and not isinstance(item, bool)) or (
+            isinstance(item, str) and _WORD.fullmatch(item) is not None)
+        if not plain:
+            raise ServeRefused(f"{name}: {key} is not a plain value")
 
 
 def _check_env(env: Any, prog: ServerProgram, model_dir: str) -> dict[str, str]:

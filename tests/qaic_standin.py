@@ -4,7 +4,8 @@ It is NOT a compiler and what it writes is NOT a QPC. It stands in for the real 
 hive-aot hands a compiler: it accepts exactly the flags of the compile contract (reference/ai100-qpc.md),
 refuses anything else as the SDK does, checks every input file against the ONNX (retained-state pairs,
 dynamic axes vs specialization symbols, custom IO precisions, the partition's device count, the
-specialization format for its own SDK version), and writes a labelled placeholder `programqpc.bin`
+specialization format for its own SDK version, a target LM's num_logits_to_keep in every
+specialization), and writes a labelled placeholder `programqpc.bin`
 holding what it checked. `make_sdk()` lays out an SDK-shaped directory around it for
 $HIVE_AOT_QAIC_SDK. `STANDIN_FAIL=<text>` makes it fail as a compiler does (stderr, exit 1).
 The real-SDK test (tests/test_qaic_compile.py) runs the real binary where /opt/qti-aic exists.
@@ -102,6 +103,11 @@ def main(argv: list[str], exe: Path) -> None:
             fail(f"specialization symbol(s) {sorted(unknown)} are not dynamic axes of the model")
         if "full_batch_size" in sym and "batch_index" not in inputs:
             fail("full_batch_size needs a batch_index input")
+        if "num_logits_to_keep" in inputs:  # a target LM: every specialization sizes its logits, within its tokens
+            if "num_logits_to_keep" not in sym:
+                fail("specialization leaves the dynamic axis num_logits_to_keep unset")
+            if not 1 <= int(sym["num_logits_to_keep"]) <= int(sym["seq_len"]):
+                fail(f"num_logits_to_keep {sym['num_logits_to_keep']} is not within seq_len {sym['seq_len']}")
 
     io = Path(values["-custom-IO-list-file"]).read_text() if past else ""
     pairs = re.findall(r"- IOName: (\S+)\n\s+Precision: (\S+)", io)

@@ -226,7 +226,8 @@ MODEL_DIR = "{model_dir}"  # placeholder in serving commands; pull substitutes t
 class ServerProgram:
     """What a serving container may exec for a kind's artifacts, whatever a store's manifest says
     (serve_policy.py checks the recorded command against it). `options`: flag -> "switch" (no value),
-    "value" (one plain word) or "model-path" (a path inside the pulled directory). `remote_code`: the flags
+    "value" (one plain word), "model-path" (a path inside the pulled directory) or "json:<key>,<key>" (a JSON
+    object of those keys only, each a plain word or number). `remote_code`: the flags
     that make the server run code shipped with the model. `env`: names the manifest may set, each "value"
     or "model-path"."""
 

@@ -2,7 +2,8 @@
 
 - `qaic-export` (recipe qaic-export, any host): our own PyTorch -> ONNX export with retained-state KV
   (export.py), validated in onnxruntime against transformers fp32 (prefill + decode steps, state fed
-  back). An intermediate artifact: no runtime profile loads ONNX; compile recipes read it.
+  back; with `target_lm: true` the target LM of speculative decoding, also checked in steps of K+1 tokens).
+  An intermediate artifact: no runtime profile loads ONNX; compile recipes read it.
 - `qaic` (recipes qaic-mxfp6, qaic-fp16; `input: qaic-export`): the compile of that ONNX for one serving
   shape. Its build writes the compile inputs beside the export's ONNX (specializations.json,
   custom_io.yaml, the partition file, the exact command: compile.py) and its validation predicts the
@@ -25,7 +26,7 @@ from ...errors import NotApplicableError
 from ...tokenizer_cache import CachedTokenizer
 from ...thresholds import Thresholds, check_thresholds, gate, metric_text
 from .. import BuildContext, BuiltArtifact, Target, ValidationReport
-from .compile import COMPILE_DIR, CompileOptions
+from .compile import COMPILE_DIR, NOT_A_TARGET_LM, CompileOptions
 from .layout import BUNDLE_FORMAT, BUNDLE_FORMAT_VERSION, EXPORT_FORMAT_VERSION, EXPORT_REPORT, ONNX_DIR
 from .qpc import QpcCompile
 from .server import QAIC_SERVER
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from ...compat.database import Architecture
 
 PARITY_DECODE_STEPS = 8
+PARITY_SPECULATIVE_TOKENS = 5  # a target LM export is checked in steps of the seed's quick start (K = 5)
+EXPORT_OPTIONS = ("batch_index", "weight_dtype", "target_lm")
 
 
 def _version(dist: str) -> str:
@@ -59,6 +62,11 @@ def _supports(arch: "Architecture | None", architecture: str, exported: frozense
     """In the AI 100 validated matrix and exported by us: `exported` names the decoder families or encoders."""
     return (arch is not None and arch.active and arch.qaic and arch.transformers_known
             and (architecture in exported or arch.name in exported))
+
+
+def _multimodal(config: dict[str, Any]) -> bool:
+    """A vision-language (or speech) model: its config nests a vision or audio tower."""
+    return any(isinstance(config.get(k), dict) for k in ("vision_config", "audio_config"))
 
 
 def is_encoder(config: dict[str, Any]) -> bool:
@@ -144,9 +152,10 @@ class QaicExportTarget(Target):
     def option_problems(options: dict[str, Any]) -> list[str]:
         from .plan import WEIGHT_DTYPES
 
-        problems = [f"unknown option {k!r}" for k in options if k not in ("batch_index", "weight_dtype")]
-        if not isinstance(options.get("batch_index", True), bool):
-            problems.append("batch_index must be true or false")
+        problems = [f"unknown option {k!r}" for k in options if k not in EXPORT_OPTIONS]
+        for name in ("batch_index", "target_lm"):
+            if not isinstance(options.get(name, True), bool):
+                problems.append(f"{name} must be true or false")
         if options.get("weight_dtype", "float16") not in WEIGHT_DTYPES:
             problems.append(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}")
         return problems
@@ -157,6 +166,11 @@ class QaicExportTarget(Target):
 
     def supports(self, arch, architecture: str, config: dict[str, Any], options: dict[str, Any]) -> bool:
         return _supports(arch, architecture, _families() | _encoders())
+
+    def plan_problems(self, ctx: BuildContext) -> list[str]:
+        if ctx.recipe.options.get("target_lm") and (is_encoder(ctx.config) or _multimodal(ctx.config)):
+            return [f"target_lm: {NOT_A_TARGET_LM}"]
+        return []
 
     def toolchain(self) -> dict[str, str]:
         return {"hive_aot_qaic_export_format": str(EXPORT_FORMAT_VERSION), "torch": _version("torch"),
@@ -177,7 +191,8 @@ class QaicExportTarget(Target):
         else:
             batch_index = bool(ctx.recipe.options.get("batch_index", True))
             report = export(snap.dir, out_dir / ONNX_DIR / "model.onnx", batch_index=batch_index,
-                            weight_dtype=ctx.recipe.options.get("weight_dtype", "float16"))
+                            weight_dtype=ctx.recipe.options.get("weight_dtype", "float16"),
+                            logits_to_keep=bool(ctx.recipe.options.get("target_lm", False)))
         files = [f"{ONNX_DIR}/{name}" for name in report.files]
         known = {}
         digests = {f.path: f.sha256 for f in snap.files}
@@ -186,7 +201,9 @@ class QaicExportTarget(Target):
                 link_or_copy(snap.dir / name, out_dir / name)
                 files.append(name)
                 known[name] = digests[name]
-        info = {"encoder": is_encoder(ctx.config), **{k: v for k, v in vars(report).items() if k not in ("path",)}}
+        # logits_to_keep is recorded only when set: the report of every other export keeps its bytes
+        info = {"encoder": is_encoder(ctx.config), **{k: v for k, v in vars(report).items()
+                                                      if k != "path" and (k != "logits_to_keep" or v)}}
         (out_dir / EXPORT_REPORT).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
         files.append(EXPORT_REPORT)
         return BuiltArtifact(root=out_dir, files=files, info={"export": info}, known_digests=known)
@@ -233,14 +250,20 @@ class QaicExportTarget(Target):
         graph = onnx_path
         if check.layers is not None:
             graph = slice_graph(ctx.snapshot.dir, onnx_path, check.layers, onnx_path.with_name(f"slice-{check.layers}.onnx"))
+        from .ort import speculative_draft_steps
+
         ids = [list(tok(text).input_ids)[:48] for text in prompts.PARITY_TEXTS[:2]]
-        ctx_len = max(len(i) for i in ids) + PARITY_DECODE_STEPS + 8
+        spd = PARITY_SPECULATIVE_TOKENS if ctx.recipe.options.get("target_lm") else None
+        steps = max(PARITY_DECODE_STEPS, speculative_draft_steps(spd) + spd) if spd else PARITY_DECODE_STEPS
+        ctx_len = max(len(i) for i in ids) + steps + 8
         resident = reference_resident(facts, check.layers, budget)
         runs = ort_parity(ctx.snapshot.dir, graph, ids, decode_steps=PARITY_DECODE_STEPS, ctx_len=ctx_len,
-                          layers=check.layers, weight_dtype=weight_dtype, resident=resident)
+                          layers=check.layers, weight_dtype=weight_dtype, resident=resident, speculative=spd)
         deltas = [r["max_abs_logit_delta"] for r in runs]
         metrics = {"ort_top1_agreement": min(r["top1_agreement"] for r in runs),
                    "ort_steps": sum(r["steps"] for r in runs), "finite": all(r["finite"] for r in runs)}
+        if spd:  # decode steps of K+1 tokens, every logit compared
+            metrics["ort_speculative_steps"] = sum(r["speculative"]["steps"] for r in runs)
         if all(d is not None for d in deltas):  # not finite: the gate says it was not measured
             metrics["ort_max_abs_delta"] = parity.round6(max(deltas))
         details = {"ort": [{k: v for k, v in r.items() if k != "tokens"} for r in runs], "ort_check": check.to_json(),
@@ -289,6 +312,12 @@ class QaicTarget(Target):
     def input_problems(options: dict[str, Any], input_options: dict[str, Any]) -> list[str]:
         if options.get("full_batch_size", 8) and input_options.get("batch_index", True) is False:
             return ["options.full_batch_size: continuous batching needs an input export with batch_index: true"]
+        spd, tlm = options.get("num_speculative_tokens") is not None, bool(input_options.get("target_lm", False))
+        if spd and not tlm:
+            return ["options.num_speculative_tokens: the target LM needs an input export with target_lm: true "
+                    "(logits for every token of a decode step)"]
+        if tlm and not spd:
+            return ["the input export has target_lm: true (a num_logits_to_keep input): set num_speculative_tokens"]
         return []
 
     @staticmethod
@@ -303,6 +332,8 @@ class QaicTarget(Target):
     def plan_problems(self, ctx: BuildContext) -> list[str]:
         """What makes this serving shape impossible for the model, before any work."""
         opts = CompileOptions.parse(ctx.recipe.options)
+        if opts.num_speculative_tokens and (is_encoder(ctx.config) or _multimodal(ctx.config)):
+            return [NOT_A_TARGET_LM]
         positions = _max_positions(ctx.config)
         if positions is not None and opts.ctx_len > positions:
             return [f"ctx_len {opts.ctx_len} is beyond the model's {positions} positions (max_position_embeddings)"]

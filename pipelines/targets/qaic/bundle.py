@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import BuildContext, BuiltArtifact
 from ...paths import link_or_copy
-from .layout import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
+from .layout import BUNDLE_FORMAT, EXPORT_REPORT, KEEP_INPUT, ONNX_DIR
 from .compile import COMPILE_DIR, CompileOptions, command, compile_files
 
 COMMAND_FILE = f"{COMPILE_DIR}/command.json"
@@ -45,7 +45,7 @@ def write_bundle(ctx: BuildContext, out_dir: Path) -> BuiltArtifact:
     # `needs`: what pull and status name when they say where the pending compile can run
     info = {"state": "compile_pending", "format": BUNDLE_FORMAT, "needs": "the Cloud AI SDK",
             "input": {"recipe": inp.recipe, "build_id": inp.build_id},
-            "compile": {"command": doc["argv"], "sdk_version": opts.sdk_version, "options": opts.model_dump()}}
+            "compile": {"command": doc["argv"], "sdk_version": opts.sdk_version, "options": opts.recorded()}}
     return BuiltArtifact(root=out_dir, files=files, info=info, known_digests=known, format=BUNDLE_FORMAT)
 
 
@@ -75,8 +75,13 @@ def check_bundle(root: Path, files: dict[str, str], opts: CompileOptions) -> lis
     if extra:
         problems.append(f"custom_io.yaml names tensors the ONNX does not have (first: {extra[0]})")
     problems += _check_symbols(root, graph)
-    if opts.full_batch_size and "batch_index" not in [i.name for i in graph.input]:
+    inputs = [i.name for i in graph.input]
+    if opts.full_batch_size and "batch_index" not in inputs:
         problems.append("full_batch_size is set but the ONNX has no batch_index input (export with batch_index: true)")
+    if bool(opts.num_speculative_tokens) != (KEEP_INPUT in inputs):
+        problems.append(f"num_speculative_tokens is {'set' if opts.num_speculative_tokens else 'not set'} but the ONNX "
+                        f"{'has no' if opts.num_speculative_tokens else 'has a'} {KEEP_INPUT} input (the target LM's: "
+                        "export with target_lm: true for speculative decoding, without it otherwise)")
     return problems
 
 

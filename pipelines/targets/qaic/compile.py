@@ -3,7 +3,9 @@ the Apps SDK found on this host (or not), and the run itself (reference/ai100-qp
 
 Everything here is plain Python (no torch, no onnx) so the compile host needs only the SDK and hive-aot.
 - `CompileOptions`: the recipe's options (serving shape, precisions, SDK the bundle is prepared for);
-- `specializations()`: `specializations.json` in the named (SDK >= 1.22) or legacy flat form;
+- `specializations()`: `specializations.json` in the named (SDK >= 1.22) or legacy flat form; with
+  `num_speculative_tokens` K the target LM's (QEfficient's TLM): Prefill keeps 1 logit, Decode runs K+1 tokens
+  and keeps all their logits (the export's `num_logits_to_keep` axis);
 - `custom_io()`: `custom_io.yaml`, the precision of every `past_*` input and its `_RetainedState` output
   (mxint8 KV cache is not a flag, it is this file);
 - `partition()`: the tensor-slicing partition file listing devices 0..N-1 (multi-device);
@@ -28,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from ...errors import EngineFailed
 from ... import settings
+from .layout import KEEP_INPUT
 
 DEFAULT_SDK_ROOT = "/opt/qti-aic"
 NAMED_SPECIALIZATIONS_FROM = (1, 22)  # SDKs before this reject the named form
@@ -35,6 +38,10 @@ QAIC_COMPILE_FROM = (1, 21)  # older SDKs compile with `qaic-exec ... -compile-o
 BUNDLE, QPC = "{bundle}", "{qpc}"  # placeholders in a recorded command: the bundle directory, the QPC output
 COMPILE_DIR = "compile"  # the compile inputs inside a bundle and a QPC artifact
 QPC_DIR = "qpc"  # the compiler's output directory (VLLM_QAIC_QPC_PATH)
+MAX_SPECULATIVE_TOKENS = 16  # n-gram speculation proposes a few tokens; more is a typo, and a costlier decode graph
+NOT_A_TARGET_LM = ("speculative decoding (num_speculative_tokens) compiles a causal LM decoder as its target "
+                   "(task: generate); embedding models have no decode step, and vision-language models cannot "
+                   "combine it on Cloud AI 100")
 
 
 def _version_tuple(v: str) -> tuple[int, ...]:
@@ -60,6 +67,10 @@ class CompileOptions(BaseModel):
     mos: int | None = Field(None, ge=1, description="-mos: maximum output splits (compiler tuning)")
     ols: int | None = Field(None, ge=1, description="-ols: overlap split factor (compiler tuning)")
     depth_first: bool = Field(False, description="-aic-enable-depth-first")
+    num_speculative_tokens: int | None = Field(
+        None, ge=1, le=MAX_SPECULATIVE_TOKENS, strict=True,
+        description="speculative decoding's target LM: decode steps of K+1 tokens returning every logit (needs an "
+                    "input export with target_lm: true); served with vLLM's n-gram speculation of K tokens")
     sdk_version: str = Field("1.22", pattern=r"^\d+\.\d+(\.\d+)*$",
                              description="the Apps SDK the bundle's files are written for; a compile host re-derives them for its own")
 
@@ -69,7 +80,18 @@ class CompileOptions(BaseModel):
             raise ValueError(f"prefill_seq_len {self.prefill_seq_len} is larger than ctx_len {self.ctx_len}")
         if self.task == "embedding" and self.full_batch_size is not None:
             raise ValueError("an embedding model has no KV cache to batch continuously: full_batch_size must be null")
+        k = self.num_speculative_tokens
+        if k is not None and self.task != "generate":
+            raise ValueError(NOT_A_TARGET_LM)
+        if k is not None and k + 1 > self.prefill_seq_len:
+            raise ValueError(f"num_speculative_tokens {k}: a decode step of {k + 1} tokens is longer than "
+                             f"prefill_seq_len {self.prefill_seq_len} (QEfficient needs prefill_seq_len >= K+1)")
         return self
+
+    def recorded(self) -> dict[str, Any]:
+        """The options as a bundle records them (an option left unset that older bundles did not know is left out,
+        so their bytes stay the same)."""
+        return self.model_dump(exclude={"num_speculative_tokens"} if self.num_speculative_tokens is None else None)
 
     @property
     def retained_state(self) -> bool:
@@ -115,10 +137,13 @@ def specializations(opts: CompileOptions, sdk_version: str | None = None) -> dic
         encode = {"batch_size": str(opts.batch_size), "seq_len": str(opts.ctx_len)}
         return {"specializations": [{"name": "Encode", "symbols": encode} if named else encode]}
     prefill = {"batch_size": str(opts.batch_size), "seq_len": str(opts.prefill_seq_len), "ctx_len": str(opts.ctx_len)}
-    decode = {"batch_size": str(opts.decode_batch), "seq_len": "1", "ctx_len": str(opts.ctx_len)}
+    step = (opts.num_speculative_tokens or 0) + 1  # the target LM verifies K drafts after the last token
+    decode = {"batch_size": str(opts.decode_batch), "seq_len": str(step), "ctx_len": str(opts.ctx_len)}
     if opts.full_batch_size:
         prefill["full_batch_size"] = decode["full_batch_size"] = str(opts.full_batch_size)
         prefill["batch_size"] = "1"
+    if opts.num_speculative_tokens:  # logits: the prefill's last position, every position of a decode step
+        prefill[KEEP_INPUT], decode[KEEP_INPUT] = "1", str(step)
     if named:
         return {"specializations": [{"name": "Prefill", "symbols": prefill}, {"name": "Decode", "symbols": decode}]}
     return {"specializations": [prefill, decode]}

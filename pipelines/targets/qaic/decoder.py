@@ -13,6 +13,10 @@ with its cache update), `end` (final norm, head). Composed, they are `forward`:
   `batch_index` [batch, 1] int64 names the cache row of each batch row: its new K/V are scattered into that
   row (ScatterND at (row, head, position)) and its attention reads that row; the retained state is the whole
   [full_batch_size, ...] cache;
+- as the target LM of speculative decoding (`logits_to_keep=True`, QEfficient's TLM) a last input
+  `num_logits_to_keep` [N, 1] int64 whose length N alone is read: `logits` are [batch, N, vocab], the last N
+  positions up to the last valid one, so a decode step of K+1 tokens (the last accepted token and K drafts)
+  is verified in one run; without it the graph is the plain one, input for input;
 - outputs `logits` [batch, 1, vocab] for the last valid position (the largest position id), then
   `past_key.{i}_RetainedState` / `past_value.{i}_RetainedState`: the cache with the new K/V scattered in at
   `position_ids` (ScatterElements);
@@ -29,10 +33,12 @@ from .families import family_for
 from .families.blocks import Heads, RopeSource
 
 
-def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_len: int | None = None):
+def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_len: int | None = None,
+                  logits_to_keep: bool = False):
     """The retained-state decoder (a torch module) of a transformers causal LM of a supported family.
 
-    forward(input_ids, position_ids, *past[, batch_index]) -> (logits, *retained); `all_positions = True`
+    forward(input_ids, position_ids, *past[, batch_index][, num_logits_to_keep]) -> (logits, *retained);
+    `logits_to_keep`: the target LM's `num_logits_to_keep` input (see the module's doc); `all_positions = True`
     returns logits for every position instead of the last valid one (quality prediction). `kv_transform`
     is applied to the new K/V before they are written to the cache (MXINT8 emulation; never exported).
     `ctx_len` picks the RoPE mode of length-dependent scalings (longrope, dynamic) for the positions below
@@ -40,7 +46,9 @@ def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_le
     sequence (Phi-3 longrope: long factors once a sequence passes original_max_position_embeddings); a
     static table cannot, so with ctx_len above that length, sequences shorter than it differ from transformers.
     """
-    return _decoder_class()(model, kv_transform=kv_transform, batch_index=batch_index, ctx_len=ctx_len).eval()
+    decoder = _decoder_class()(model, kv_transform=kv_transform, batch_index=batch_index, ctx_len=ctx_len)
+    decoder.logits_to_keep = logits_to_keep
+    return decoder.eval()
 
 
 @functools.cache
@@ -52,6 +60,7 @@ def _decoder_class():
 
     class RetainedStateDecoder(nn.Module):
         all_positions = False  # quality prediction scores every position; the exported graph only the last
+        logits_to_keep = False  # the target LM of speculative decoding: a last input num_logits_to_keep [N, 1]
 
         def __init__(self, model, *, kv_transform, batch_index, ctx_len):
             super().__init__()
@@ -206,15 +215,22 @@ def _decoder_class():
 
             return fam.residual(h, slot, attend, lambda x: self.mlp(layer.mlp, x), fam.norms, self.residual_multiplier)
 
-        def end(self, h, position_ids):
-            """Final norm and head: logits of the last valid position (every position with all_positions)."""
+        def end(self, h, position_ids, keep=None):
+            """Final norm and head: logits of the last valid position (every position with all_positions; the
+            last `keep.shape[0]` positions up to the last valid one with the target LM's num_logits_to_keep)."""
             h = self.norm(self.final_norm, h)
             if not self.all_positions:
                 # the last valid position (largest position id) of each row: a one-hot [B, 1, S] MatMul keeps
                 # logits' shape [B, 1, vocab] static for the compiler
                 seq = position_ids.shape[1]
                 last = position_ids.argmax(dim=1, keepdim=True)  # [B, 1]
-                pick = (torch.arange(seq, dtype=last.dtype).view(1, seq) == last).to(h.dtype).unsqueeze(1)
+                slots = torch.arange(seq, dtype=last.dtype)
+                if keep is None:
+                    pick = (slots.view(1, seq) == last).to(h.dtype).unsqueeze(1)
+                else:  # N rows ending at the last valid one (starting at 0 when it is closer than N): [B, N, S]
+                    n = keep.shape[0]
+                    rows = (last + 1 - n).clamp(min=0) + torch.arange(n, dtype=last.dtype).view(1, n)  # [B, N]
+                    pick = (slots.view(1, 1, seq) == rows.unsqueeze(-1)).to(h.dtype)
                 h = torch.matmul(pick, h)
             logits = self.lm_head(h)
             if self.logits_divisor is not None:
@@ -224,12 +240,15 @@ def _decoder_class():
             return logits
 
         def forward(self, input_ids, position_ids, *rest):
+            keep = None
+            if self.logits_to_keep:
+                rest, keep = rest[:-1], rest[-1]
             past, rows = (rest[:-1], rest[-1].view(-1)) if self.batch_index else (rest, None)
             h, rope, masks = self.begin(input_ids, position_ids, past[0].shape[2])
             retained = []
             for i in range(len(self.layers)):
                 h, k_full, v_full = self.layer_step(i, h, rope, masks, past[2 * i], past[2 * i + 1], position_ids, rows)
                 retained += [k_full, v_full]
-            return (self.end(h, position_ids), *retained)
+            return (self.end(h, position_ids, keep), *retained)
 
     return RetainedStateDecoder

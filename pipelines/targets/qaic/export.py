@@ -35,6 +35,7 @@ from ...errors import ModelFormatError
 from .decoder import build_decoder
 from .external_data import DataWriter, Weights, stored_dtype, stored_initializers
 from .families import FAMILY_SPECS, architecture, unsupported
+from .layout import KEEP_INPUT
 from .plan import WEIGHT_DTYPES
 
 OPSET = 17
@@ -57,6 +58,7 @@ class ExportReport:
     architecture: str = ""
     ctx_len: int = 0  # the cache length of the export sample (ctx_len stays a dynamic axis)
     batch_index: bool = False  # continuous batching: `batch_index` input, past inputs [full_batch_size, ...]
+    logits_to_keep: bool = False  # speculative decoding's target LM: `num_logits_to_keep` input, logits [B, N, vocab]
     files: list[str] = field(default_factory=list)  # written, relative to the model's folder: publish all of them
     weight_dtype: str = "float16"
     data_bytes: int = 0
@@ -122,6 +124,7 @@ def trace_graph(decoder, ctx_len: int):
     import torch
 
     layers, n_kv, head_dim, batch_index = len(decoder.layers), decoder.n_kv, decoder.head_dim, decoder.batch_index
+    keep = decoder.logits_to_keep
     names_in = ["input_ids", "position_ids"] + [f"past_{kv}.{i}" for i in range(layers) for kv in ("key", "value")]
     names_out = ["logits"] + [f"past_{kv}.{i}_RetainedState" for i in range(layers) for kv in ("key", "value")]
     bsz, full, seq = (2, 3, 4) if batch_index else (1, 1, 4)
@@ -136,6 +139,11 @@ def trace_graph(decoder, ctx_len: int):
         names_in.append("batch_index")
         sample.append(torch.tensor([[2], [0]]))
         axes["batch_index"] = {0: "batch_size"}
+    if keep:  # only its length is read: the number of positions whose logits the graph returns
+        names_in.append(KEEP_INPUT)
+        sample.append(torch.zeros(3, 1, dtype=torch.long))
+        axes[KEEP_INPUT] = {0: KEEP_INPUT}
+        axes["logits"] = {0: "batch_size", 1: KEEP_INPUT}
     buf = io.BytesIO()
     with torch.no_grad(), _shape_inference_without_values():
         torch.onnx.export(decoder, tuple(sample), buf, input_names=names_in, output_names=names_out,
@@ -147,7 +155,7 @@ def trace_graph(decoder, ctx_len: int):
 def _report(decoder, out_path: Path, ctx_len: int, writer: DataWriter, n_inits: int, weight_dtype: str) -> ExportReport:
     return ExportReport(str(out_path), len(decoder.layers), decoder.n_kv, decoder.head_dim, decoder.vocab,
                         decoder.max_positions, True, architecture=decoder.arch, ctx_len=ctx_len,
-                        batch_index=decoder.batch_index, files=[out_path.name, out_path.name + DATA_SUFFIX],
+                        batch_index=decoder.batch_index, logits_to_keep=decoder.logits_to_keep, files=[out_path.name, out_path.name + DATA_SUFFIX],
                         weight_dtype=weight_dtype, data_bytes=writer.offset, initializers=n_inits,
                         clipped_to_fp16=writer.clipped)
 
@@ -177,13 +185,14 @@ def _write(model, decoder, weights: Weights, out_path: Path, ctx_len: int, weigh
 
 
 def export(model_dir: Path, out_path: Path, *, ctx_len: int = 128, batch_index: bool = False,
-           weight_dtype: str = "float16") -> ExportReport:
+           weight_dtype: str = "float16", logits_to_keep: bool = False) -> ExportReport:
     """Export a checkpoint of a supported family to `out_path` and `<out_path>.data`, streamed from its
-    safetensors (memory: the graph and a few chunks). Refuses other architectures (NotApplicableError)."""
+    safetensors (memory: the graph and a few chunks). Refuses other architectures (NotApplicableError).
+    `logits_to_keep`: the target LM of speculative decoding (decoder.py), an export of its own."""
     check_architecture(model_dir)
     model, rules, source = placeholder_model(model_dir)
     try:
-        decoder = build_decoder(model, batch_index=batch_index, ctx_len=ctx_len)
+        decoder = build_decoder(model, batch_index=batch_index, ctx_len=ctx_len, logits_to_keep=logits_to_keep)
         graph, _names = trace_graph(decoder, ctx_len)
         return _write(graph, decoder, Weights(decoder, model, rules, source), out_path, ctx_len, weight_dtype)
     finally:
@@ -204,9 +213,10 @@ def slice_graph(model_dir: Path, onnx_path: Path, layers: int, out_path: Path) -
     full = onnx.load(str(onnx_path), load_external_data=False)
     lookup = {t.name: t for t in full.graph.initializer}
     batch_index = any(i.name == "batch_index" for i in full.graph.input)
+    keep = any(i.name == KEEP_INPUT for i in full.graph.input)
     model, rules, source = placeholder_model(model_dir, layers=layers)
     try:
-        decoder = build_decoder(model, batch_index=batch_index, ctx_len=16)
+        decoder = build_decoder(model, batch_index=batch_index, ctx_len=16, logits_to_keep=keep)
         graph, _names = trace_graph(decoder, 16)
         stored_initializers(graph, decoder, Weights(decoder, model, rules, source), lookup=lookup)
     finally:

@@ -7,3 +7,6 @@ BUNDLE_FORMAT_VERSION = 1
 ONNX_DIR = "onnx"
 EXPORT_REPORT = "export.json"
 BUNDLE_FORMAT = "qaic-export-bundle"  # what a qaic build publishes until a host with the SDK compiles it
+# the target LM of speculative decoding: an input whose length is the number of positions `logits` returns (and
+# the dynamic axis and specialization symbol of that length), as QEfficient's TLM export names it
+KEEP_INPUT = "num_logits_to_keep"

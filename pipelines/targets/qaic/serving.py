@@ -3,10 +3,13 @@
 vLLM on AI 100 loads a prebuilt QPC from `VLLM_QAIC_QPC_PATH` and checks nothing up front: ctx_len must
 equal --max-model-len, the decode batch (full_batch_size) --max-num-seqs, the prefill length the
 sequence length the server captures, the device count its device group (reference/ai100-qpc.md).
+A target LM (num_speculative_tokens K) is served with vLLM's n-gram speculation of K tokens, and in that mode
+vllm-qaic reads the prebuilt QPC from `VLLM_QAIC_SPEC_TARGET_QPC_PATH`, never `VLLM_QAIC_QPC_PATH`.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from .. import MODEL_DIR
@@ -25,8 +28,19 @@ def engine_args(opts: CompileOptions, model_id: str, trust_remote_code: bool) ->
         "quantization": "mxfp6" if opts.mxfp6 else None,
         "kv_cache_dtype": "mxint8" if opts.mxint8 else None,
         "trust_remote_code": trust_remote_code,
+        "speculative_config": speculative_config(opts.num_speculative_tokens) if opts.num_speculative_tokens else None,
     }
     return {k: v for k, v in args.items() if v is not None and v is not False}
+
+
+def speculative_config(k: int) -> str:
+    """--speculative-config of the seed's quick start: n-gram drafts (no draft model) verified by the target QPC."""
+    return json.dumps({"method": "ngram", "num_speculative_tokens": k}, separators=(",", ":"))
+
+
+def qpc_env(opts: CompileOptions) -> str:
+    """The variable vllm-qaic reads the prebuilt QPC from: the target's in speculative mode."""
+    return "VLLM_QAIC_SPEC_TARGET_QPC_PATH" if opts.num_speculative_tokens else "VLLM_QAIC_QPC_PATH"
 
 
 def describe(opts: CompileOptions, profile: dict[str, Any], model_id: str, trust_remote_code: bool,
@@ -41,10 +55,11 @@ def describe(opts: CompileOptions, profile: dict[str, Any], model_id: str, trust
         "engine": "vllm-qaic", "image": profile.get("image"),
         "engine_args": args,
         "env": {"HF_HUB_OFFLINE": "1", **((profile.get("serving") or {}).get("env") or {}),
-                "VLLM_QAIC_QPC_PATH": f"{MODEL_DIR}/{QPC_DIR}"},
+                qpc_env(opts): f"{MODEL_DIR}/{QPC_DIR}"},
         "command": argv,
         "compiled_for": {"task": opts.task, "ctx_len": opts.ctx_len, "prefill_seq_len": opts.prefill_seq_len,
                          "batch_size": opts.batch_size, "full_batch_size": opts.full_batch_size,
                          "num_devices": opts.num_devices, "num_cores": opts.num_cores,
-                         "weights": opts.precision, "kv_cache": opts.kv_precision, **sdk},
+                         "weights": opts.precision, "kv_cache": opts.kv_precision, **sdk,
+                         **({"num_speculative_tokens": opts.num_speculative_tokens} if opts.num_speculative_tokens else {})},
     }
