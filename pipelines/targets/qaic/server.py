@@ -13,6 +13,6 @@ QAIC_SERVER = ServerProgram(
     options={f"--{flag}": kind for flag, kind in {
         "served-model-name": "value", "task": "value", "max-model-len": "value", "max-num-seqs": "value",
         "max-seq-len-to-capture": "value", "device-group": "value", "quantization": "value",
-        "kv-cache-dtype": "value", "trust-remote-code": "switch"}.items()},
+        "kv-cache-dtype": "value", "trust-remote-code": "switch", "disable-sliding-window": "switch"}.items()},
     remote_code=frozenset({"--trust-remote-code"}),
     env={"HF_HUB_OFFLINE": "value", "VLLM_QAIC_QPC_PATH": "model-path"})
