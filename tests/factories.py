@@ -393,6 +393,9 @@ TINY_CAUSAL_LMS: dict[str, tuple[str, str, dict[str, Any]]] = {
         parallel_attn=True, new_decoder_architecture=False, alibi=False, max_position_embeddings=256,
         initializer_range=0.2)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(_TINY)),
+    # LayerNorms and every projection with biases, a plain c_fc/c_proj MLP; a window of 16 on every layer: the
+    # parity test's 12 + 8 positions pass it. At initializer_range 0.2 greedy decoding repeats one token.
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(_TINY, sliding_window=16, initializer_range=0.5)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_TINY, num_local_experts=4, num_experts_per_tok=2)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         _TINY, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=False,

@@ -94,7 +94,7 @@ def _ids(n: int, seed: int = 0) -> list[int]:
 # name -> KV heads the export must keep (multi-query families keep one, not one per query head)
 TINY_KV_HEADS = {"qwen3": 2, "gemma": 2, "gemma2": 2, "phi3": 2, "gpt2": 4, "gptj": 4, "gpt_bigcode": 1,
                  "gpt_bigcode_mha": 4, "granite": 2, "falcon": 2, "falcon_mqa": 1, "olmo2": 2, "mixtral": 2,
-                 "qwen3_moe": 2, "gpt_oss": 2}
+                 "qwen3_moe": 2, "gpt_oss": 2, "starcoder2": 2}
 
 
 def test_every_tiny_family_is_declared():
@@ -106,7 +106,8 @@ def test_every_tiny_family_is_declared():
 @pytest.mark.parametrize("name", sorted(TINY_CAUSAL_LMS))
 def test_family_runs_in_onnxruntime_with_transformers_parity(name, tmp_path):
     """Prefill 12 random ids + 8 greedy decode steps in ORT, retained state fed back, against transformers fp32.
-    gpt_oss: its sliding layers (window 16) are masked as transformers does; these 20 positions pass the window."""
+    gpt_oss, starcoder2: their sliding layers (window 16) are masked as transformers does; these 20 positions
+    pass the window."""
     model_dir = make_tiny_causal_lm(name, tmp_path / name)
     out = tmp_path / "onnx" / "model.onnx"
     rep = export(model_dir, out, ctx_len=32)

@@ -13,7 +13,10 @@ Routing (the seed's rules; each target is the active profile of that role for th
   -> vLLM; other architectures transformers knows -> the transformers fallback
 - `--hardware cpu`: the GGUF tier (the gguf-role profile, llm-llamacpp-cpu) when a recipe it loads applies,
   else transformers-cpu
-- `--hardware qaic-*`: vllm-qaic, compatible for the AI 100 validated matrix, requires_review otherwise
+- `--hardware qaic-*`: vllm-qaic serves only what hive-aot compiles, so the recipes it loads decide first: none
+  converts the model -> incompatible, saying why (their targets' `refusal`: "no hive-aot exporter for <task>
+  models yet"), never routed; else compatible for the AI 100 validated matrix, and requires_review for an
+  exported architecture outside it until the registry marks the model reviewed (then compatible)
 - unknown class: incompatible, or requires_review with `auto_map` (remote code, never executed here)
 - any `auto_map`: requires_review until the registry marks the model reviewed
 Deactivated profiles are never chosen.
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 
 from ..safetensors_io import TensorSource
@@ -121,9 +124,10 @@ def _answer(status: Status, profile: str | None, level: str, detail: str) -> tup
 
 def _route(rec: Architecture | None, arch: str | None, task: str, hw: Hardware, profiles: _Profiles,
            auto_map: bool, reviewed: bool, gguf_applies: bool, closest: str | None,
-           gguf_after_review: bool = False) -> tuple[Status, str | None, Check]:
+           unbuilt: Callable[[str], str | None], gguf_after_review: bool = False) -> tuple[Status, str | None, Check]:
     """(status, runtime profile, the architecture_known check explaining it). `gguf_after_review`: a GGUF
-    recipe converts this remote-code repo with hive-aot's own mapping once a human reviews it."""
+    recipe converts this remote-code repo with hive-aot's own mapping once a human reviews it. `unbuilt(role)`:
+    why no recipe that the role's profile loads converts the model (None: one does)."""
 
     def pick(role: str) -> str | None:
         return profiles.pick(hw, role)
@@ -132,6 +136,20 @@ def _route(rec: Architecture | None, arch: str | None, task: str, hw: Hardware, 
         prof = pick(role)
         return _answer("compatible", prof, "pass", detail) if prof else _answer(
             "incompatible", None, "fail", f"{detail}; no {why_not} backend on {hw.vendor}")
+
+    def compiled_ahead(detail: str) -> tuple[Status, str | None, Check]:
+        # vllm-qaic loads only the QPCs hive-aot compiles: what its recipes convert decides, before remote code,
+        # SSM or any other rule (nothing else could serve the model there).
+        why = unbuilt("qaic")
+        if why:
+            return _answer("incompatible", None, "fail", f"{detail}; {why}")
+        if rec is not None and rec.qaic:
+            return _answer("compatible", pick("qaic"), "pass", f"{detail}; in the AI 100 validated matrix")
+        if reviewed:
+            return _answer("compatible", pick("qaic"), "pass", f"{detail}; not in the AI 100 validated matrix, "
+                           "reviewed: hive-aot's export builds it")
+        return _answer("requires_review", pick("qaic"), "warn", f"{detail}; not in the AI 100 validated matrix: "
+                       "hive-aot's export builds it once the model is reviewed (reviewed: true in registry.yaml)")
 
     def remote_code(detail: str) -> tuple[Status, str | None, Check]:
         # The seed's universal fallback serves custom modeling_*.py with transformers, after review; a config
@@ -148,6 +166,8 @@ def _route(rec: Architecture | None, arch: str | None, task: str, hw: Hardware, 
         return served_by("diffusers", f"diffusers pipeline {arch}", "diffusers")
     if rec is None:
         hint = f" (closest known: {closest})" if closest else ""
+        if hw.vendor == "qaic":
+            return compiled_ahead(f"{arch} is not in the architecture database{hint}")
         if auto_map:
             return remote_code(f"{arch} is not in the architecture database; it ships remote code{hint}")
         return _answer("incompatible", None, "fail", f"{arch} is not in the architecture database{hint}")
@@ -156,6 +176,8 @@ def _route(rec: Architecture | None, arch: str | None, task: str, hw: Hardware, 
         detail = f"{arch} is an alias of {detail}"
     if rec.tested:
         detail += ", tested on " + ", ".join(p + (f" ({v} tok/s)" if v else "") for p, v in rec.tested.items())
+    if hw.vendor == "qaic":
+        return compiled_ahead(detail)
     if not rec.active:
         why = f"vLLM dropped {rec.name} after {rec.vllm_last_version}" if rec.vllm_last_version else f"{rec.name} is inactive"
         if auto_map:
@@ -166,10 +188,6 @@ def _route(rec: Architecture | None, arch: str | None, task: str, hw: Hardware, 
     if task == "ssm-hybrid":
         return _answer("requires_review", pick("ssm"), "warn",
                        f"{detail}; SSM/hybrid: fine-tuning templates only, untested, no public inference endpoint")
-    if hw.vendor == "qaic":
-        if rec.qaic:
-            return _answer("compatible", pick("qaic"), "pass", f"{detail}; in the AI 100 validated matrix")
-        return _answer("requires_review", pick("qaic"), "warn", f"{detail}; not in the AI 100 validated matrix")
     if task == "text-to-audio":
         return served_by("generative", detail, "generative")
     if task in SPECIALIST_TASKS:
@@ -241,6 +259,19 @@ def classify(
         return (target_for(r.kind).supports(rec, arch, cfg, r.options)
                 and (quant_method is None or target_for(r.kind).reads_prequantized))
 
+    def unbuilt(role: str) -> str | None:
+        """Why no recipe that the vendor's `role` profile loads converts this model (None: one does)."""
+        prof = profiles.pick(hw, role)
+        loaded = [r for r in recipes if prof is not None and prof in r.runtime_profiles]
+        if any(recipe_applies(r) for r in loaded):
+            return None
+        if not loaded:
+            return f"no recipe here builds for {prof or f'a {role} profile'}"
+        if quant_method is not None and not any(target_for(r.kind).reads_prequantized for r in loaded):
+            return f"pre-quantized ({quant_method}): the recipes {prof} loads convert unquantized float weights only"
+        why = dict.fromkeys(target_for(r.kind).refusal(rec, arch, cfg, r.options) for r in loaded)
+        return "; ".join(w for w in why if w) or f"no recipe {prof} loads converts {arch}"
+
     status: Status
     if arch is None:
         checks.append(Check(name="architecture_known", status="fail", detail="config.json has no architectures field"))
@@ -256,7 +287,7 @@ def classify(
             close = difflib.get_close_matches(arch, list(db.architectures), n=1, cutoff=0.6)
             closest = f"{close[0]} ({db.architectures[close[0]].family} family)" if close else None
         status, profile, arch_check = _route(rec, arch, task, hw, profiles, auto_map, reviewed, gguf_applies, closest,
-                                             gguf_after_review=gguf_convertible and not gguf_applies)
+                                             unbuilt, gguf_after_review=gguf_convertible and not gguf_applies)
         checks.append(arch_check)
         mismatch = _model_type_problem(cfg, rec, arch) if rec is not None and not auto_map else None
         if mismatch:  # remote code brings its own model_type; review covers it

@@ -1,8 +1,9 @@
 """Build targets: one module per artifact kind, each behind the same small interface.
 
 A target owns everything specific to its kind:
-- **applicability**: which architectures it converts (`supports`), which artifact format it writes
-  (`artifact_format`, matched against the `loads:` of the runtime profiles its recipes name);
+- **applicability**: which architectures it converts (`supports`; `refusal` says why not, in words), which
+  artifact format it writes (`artifact_format`, matched against the `loads:` of the runtime profiles its
+  recipes name);
 - **the build**: files written under a work directory (`build`), with the sha256 of files copied
   unchanged from the source handed over instead of re-hashed; the memory and disk each of its steps needs
   (`plan_steps`, checked against the host before any work);
@@ -149,6 +150,11 @@ class Target:
     def supports(self, arch: "Architecture | None", architecture: str, config: dict[str, Any],
                  options: dict[str, Any]) -> bool:
         raise NotImplementedError
+
+    def refusal(self, arch: "Architecture | None", architecture: str, config: dict[str, Any],
+                options: dict[str, Any]) -> str | None:
+        """Why this kind does not convert the model, one clause for `check` (None: `supports` says it does)."""
+        return None if self.supports(arch, architecture, config, options) else f"no {self.kind} recipe converts {architecture}"
 
     def plan_problems(self, ctx: BuildContext) -> list[str]:
         """Why this build cannot run, said before any work (empty: none)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import Field
 
@@ -27,12 +27,11 @@ from ...tokenizer_cache import CachedTokenizer
 from ...thresholds import Thresholds, check_thresholds, gate, metric_text
 from .. import BuildContext, BuiltArtifact, Target, ValidationReport
 from .compile import COMPILE_DIR, NOT_A_TARGET_LM, CompileOptions
+from .families import architecture as config_architecture, window_served_full
 from .layout import BUNDLE_FORMAT, BUNDLE_FORMAT_VERSION, EXPORT_FORMAT_VERSION, EXPORT_REPORT, ONNX_DIR
 from .qpc import QpcCompile
 from .server import QAIC_SERVER
-
-if TYPE_CHECKING:
-    from ...compat.database import Architecture
+from .support import decoder_archs, encoder_archs, exported, is_encoder, refusal
 
 PARITY_DECODE_STEPS = 8
 PARITY_SPECULATIVE_TOKENS = 5  # a target LM export is checked in steps of the seed's quick start (K = 5)
@@ -46,32 +45,9 @@ def _version(dist: str) -> str:
         return "absent"
 
 
-def _families() -> frozenset[str]:
-    from .export import FAMILIES
-
-    return frozenset(FAMILIES)
-
-
-def _encoders() -> frozenset[str]:
-    from .encoders import ENCODERS
-
-    return ENCODERS
-
-
-def _supports(arch: "Architecture | None", architecture: str, exported: frozenset[str]) -> bool:
-    """In the AI 100 validated matrix and exported by us: `exported` names the decoder families or encoders."""
-    return (arch is not None and arch.active and arch.qaic and arch.transformers_known
-            and (architecture in exported or arch.name in exported))
-
-
 def _multimodal(config: dict[str, Any]) -> bool:
     """A vision-language (or speech) model: its config nests a vision or audio tower."""
     return any(isinstance(config.get(k), dict) for k in ("vision_config", "audio_config"))
-
-
-def is_encoder(config: dict[str, Any]) -> bool:
-    archs = config.get("architectures") or []
-    return bool(archs) and archs[0] in _encoders()
 
 
 def _max_positions(config: dict[str, Any]) -> int | None:
@@ -165,7 +141,10 @@ class QaicExportTarget(Target):
         return "onnx"
 
     def supports(self, arch, architecture: str, config: dict[str, Any], options: dict[str, Any]) -> bool:
-        return _supports(arch, architecture, _families() | _encoders())
+        return exported(arch, architecture, decoder_archs() | encoder_archs())
+
+    def refusal(self, arch, architecture: str, config: dict[str, Any], options: dict[str, Any]) -> str | None:
+        return refusal(arch, architecture, decoder_archs() | encoder_archs())
 
     def plan_problems(self, ctx: BuildContext) -> list[str]:
         if ctx.recipe.options.get("target_lm") and (is_encoder(ctx.config) or _multimodal(ctx.config)):
@@ -324,10 +303,16 @@ class QaicTarget(Target):
     def artifact_format(options: dict[str, Any]) -> str:
         return "qpc"
 
-    def supports(self, arch, architecture: str, config: dict[str, Any], options: dict[str, Any]) -> bool:
+    @staticmethod
+    def _compiled(options: dict[str, Any]) -> frozenset[str]:
         """Decoder compiles for the exported decoder families, embedding compiles for the encoders."""
-        embedding = options.get("task", "generate") == "embedding"
-        return _supports(arch, architecture, _encoders() if embedding else _families())
+        return encoder_archs() if options.get("task", "generate") == "embedding" else decoder_archs()
+
+    def supports(self, arch, architecture: str, config: dict[str, Any], options: dict[str, Any]) -> bool:
+        return exported(arch, architecture, self._compiled(options))
+
+    def refusal(self, arch, architecture: str, config: dict[str, Any], options: dict[str, Any]) -> str | None:
+        return refusal(arch, architecture, self._compiled(options))
 
     def plan_problems(self, ctx: BuildContext) -> list[str]:
         """What makes this serving shape impossible for the model, before any work."""
@@ -337,6 +322,11 @@ class QaicTarget(Target):
         positions = _max_positions(ctx.config)
         if positions is not None and opts.ctx_len > positions:
             return [f"ctx_len {opts.ctx_len} is beyond the model's {positions} positions (max_position_embeddings)"]
+        window = window_served_full(ctx.config)
+        if window is not None and opts.ctx_len > window:
+            return [f"ctx_len {opts.ctx_len} is beyond the {window}-token sliding window that the export of "
+                    f"{config_architecture(ctx.config)} serves as full attention (disable_sliding_window): beyond it the "
+                    "graph would differ from the model (use ctx_len <= sliding_window)"]
         rope = ctx.config.get("rope_scaling") or {}
         original = ctx.config.get("original_max_position_embeddings")
         if (isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) == "longrope"

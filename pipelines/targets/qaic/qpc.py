@@ -25,6 +25,7 @@ from .. import HardwareStep
 from .layout import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
 from .bundle import COMMAND_FILE
 from .compile import COMPILE_DIR, QPC_DIR, CompileOptions, Sdk, command, compile_files, fill, find_sdk, no_sdk_reason, run
+from .families import window_served_full
 from .serving import describe
 from ... import settings
 
@@ -95,6 +96,7 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
         src, art = work / "bundle", work / "artifact"
         materialize_blobs(store, bundle.files, src)
         layers = int(json.loads((src / EXPORT_REPORT).read_text())["layers"])
+        model_config = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
         art.mkdir()
         # Compile inputs for this host's SDK, written into the artifact (never into the linked blobs).
         inputs = compile_files(layers, opts, sdk.version)
@@ -130,7 +132,9 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
             entries.append(FileEntry(path=rel, sha256=digest, size=path.stat().st_size))
     qpc_files = [e for e in entries if e.path.startswith(f"{QPC_DIR}/")]
     trust = config is not None and model_id in config.registry.trust_remote_code_allowlist
-    serving = {p["id"]: describe(opts, p, model_id, trust, sdk.toolchain()) for p in _profiles(config, recipe_id)}
+    full = window_served_full(model_config) is not None  # Gemma 2: the server must not window what the graph does not
+    serving = {p["id"]: describe(opts, p, model_id, trust, sdk.toolchain(), disable_sliding_window=full)
+               for p in _profiles(config, recipe_id)}
     validation = dict(bundle.validation or {})
     # No timings in the manifest: its bytes are the same for a build id whichever host compiled it.
     validation["qpc"] = {"program_bytes": program_size(qpc_files), "files": len(qpc_files)}

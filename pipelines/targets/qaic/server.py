@@ -13,7 +13,7 @@ QAIC_SERVER = ServerProgram(
     options={f"--{flag}": kind for flag, kind in {
         "served-model-name": "value", "task": "value", "max-model-len": "value", "max-num-seqs": "value",
         "max-seq-len-to-capture": "value", "device-group": "value", "quantization": "value",
-        "kv-cache-dtype": "value", "trust-remote-code": "switch",
+        "kv-cache-dtype": "value", "trust-remote-code": "switch", "disable-sliding-window": "switch",
         # a target LM's n-gram speculation (serving.speculative_config): these keys only, each a plain value
         "speculative-config": "json:method,num_speculative_tokens"}.items()},
     remote_code=frozenset({"--trust-remote-code"}),

@@ -16,7 +16,10 @@ from .. import MODEL_DIR
 from .compile import QPC_DIR, CompileOptions
 
 
-def engine_args(opts: CompileOptions, model_id: str, trust_remote_code: bool) -> dict[str, Any]:
+def engine_args(opts: CompileOptions, model_id: str, trust_remote_code: bool,
+                disable_sliding_window: bool = False) -> dict[str, Any]:
+    """`disable_sliding_window`: the export computes full attention where the config declares a window (Gemma 2,
+    families.window_served_full), as the seed's serving notes ask of the Gemma family under vLLM."""
     args: dict[str, Any] = {
         "served_model_name": model_id,
         "task": "embedding" if opts.task == "embedding" else None,
@@ -29,6 +32,7 @@ def engine_args(opts: CompileOptions, model_id: str, trust_remote_code: bool) ->
         "kv_cache_dtype": "mxint8" if opts.mxint8 else None,
         "trust_remote_code": trust_remote_code,
         "speculative_config": speculative_config(opts.num_speculative_tokens) if opts.num_speculative_tokens else None,
+        "disable_sliding_window": disable_sliding_window,
     }
     return {k: v for k, v in args.items() if v is not None and v is not False}
 
@@ -44,9 +48,9 @@ def qpc_env(opts: CompileOptions) -> str:
 
 
 def describe(opts: CompileOptions, profile: dict[str, Any], model_id: str, trust_remote_code: bool,
-             sdk: dict[str, str]) -> dict[str, Any]:
+             sdk: dict[str, str], disable_sliding_window: bool = False) -> dict[str, Any]:
     """The vllm-qaic description recorded in a QPC's manifest (pull prints image, env and command)."""
-    args = engine_args(opts, model_id, trust_remote_code)
+    args = engine_args(opts, model_id, trust_remote_code, disable_sliding_window)
     argv = ["vllm", "serve", MODEL_DIR]
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")

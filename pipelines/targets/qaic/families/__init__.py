@@ -13,12 +13,12 @@ from typing import Any, Callable
 
 from ....errors import NotApplicableError
 from . import (falcon, gemma, gemma2, gpt2, gpt_bigcode, gpt_oss, gptj, granite, llama, mixtral, olmo2, phi3, qwen3,
-               qwen3_moe)
+               qwen3_moe, starcoder2)
 from .llama import LLAMA
 from .spec import Family, Moe, Norms
 
-_MODULES = (llama, qwen3, gemma, gemma2, phi3, granite, olmo2, gpt2, gptj, gpt_bigcode, falcon, mixtral, qwen3_moe,
-            gpt_oss)
+_MODULES = (llama, qwen3, gemma, gemma2, phi3, granite, olmo2, starcoder2, gpt2, gptj, gpt_bigcode, falcon, mixtral,
+            qwen3_moe, gpt_oss)
 
 
 def _collect() -> dict[str, Family | Callable[[Any], Family]]:
@@ -54,6 +54,19 @@ def family_for(config: Any) -> tuple[str, Family]:
     return arch, spec if isinstance(spec, Family) else spec(config)
 
 
+def window_served_full(config: dict[str, Any]) -> int | None:
+    """The sliding window config.json declares that the export computes as full attention (a family declared
+    `sliding=False`: Gemma 2, as vLLM serves it on AI 100); None where the export honors the window or there
+    is none. The server is then told so (`disable_sliding_window`) and sequences must stay within the window,
+    where full attention equals the model. Declarations that depend on the config (Falcon, GPTBigCode) keep
+    the default, honoring any window."""
+    spec = FAMILY_SPECS.get(architecture(config))
+    window = config.get("sliding_window")
+    if not isinstance(spec, Family) or spec.sliding or not isinstance(window, int) or window <= 0:
+        return None
+    return window
+
+
 def matmul_weights(model: Any) -> list[tuple[Any, str, int]]:
     """Every weight the exported graph multiplies as a constant MatMul operand (what `-mxfp6-matmul`
     compresses), as (module, parameter name, reduction axis): nn.Linear weights (axis -1), GPT-2 Conv1D
@@ -82,4 +95,4 @@ def matmul_weights(model: Any) -> list[tuple[Any, str, int]]:
 
 
 __all__ = ["FAMILY_SPECS", "LLAMA", "Family", "Moe", "Norms", "architecture", "family_for", "matmul_weights",
-           "unsupported"]
+           "unsupported", "window_served_full"]

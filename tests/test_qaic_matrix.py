@@ -1,0 +1,165 @@
+"""The Cloud AI 100 matrix as `check --hardware qaic-ai100` answers it (issue 25, items 4 and 6).
+
+Every row of the seed (ai100-aot-supported-models.txt) either gets the qaic recipes, with the test that exports a
+tiny random model of it and runs it in onnxruntime against transformers named here (and in the README's table),
+or says that hive-aot has no exporter for it. Nothing is ever "compatible -> vllm-qaic" with no recipe, no other
+task is routed to vllm-qaic, `reviewed: true` builds an exported architecture outside the matrix, and Gemma-2 is
+served with the sliding window disabled, as its export computes it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from factories import TINY_CAUSAL_LMS, make_tiny_causal_lm, write_test_config
+
+from pipelines.compat import classify, database
+
+_ROOT = Path(__file__).resolve().parent.parent
+_FAMILY = "test_qaic_export.py::test_family_runs_in_onnxruntime_with_transformers_parity"
+_EXPORT = "test_qaic_export.py::test_export_runs_in_onnxruntime_with_transformers_parity"
+_ENCODER = "test_qaic_encoders.py::test_ort_parity_with_transformers_padded_batches_included"
+# The seed's rows hive-aot builds -> the test exporting a tiny random model of each in onnxruntime parity.
+COVERED = {
+    "LlamaForCausalLM": f"{_EXPORT}[llama]", "MistralForCausalLM": f"{_EXPORT}[mistral]",
+    "Qwen2ForCausalLM": f"{_EXPORT}[qwen2]", "MixtralForCausalLM": f"{_FAMILY}[mixtral]",
+    "Olmo2ForCausalLM": f"{_FAMILY}[olmo2]", "FalconForCausalLM": f"{_FAMILY}[falcon]",
+    "Qwen3MoeForCausalLM": f"{_FAMILY}[qwen3_moe]", "GemmaForCausalLM": f"{_FAMILY}[gemma]",
+    "Gemma2ForCausalLM": f"{_FAMILY}[gemma2]", "GptOssForCausalLM": f"{_FAMILY}[gpt_oss]",
+    "GPTBigCodeForCausalLM": f"{_FAMILY}[gpt_bigcode]", "Starcoder2ForCausalLM": f"{_FAMILY}[starcoder2]",
+    "GPTJForCausalLM": f"{_FAMILY}[gptj]", "GPT2LMHeadModel": f"{_FAMILY}[gpt2]",
+    "GraniteForCausalLM": f"{_FAMILY}[granite]", "Phi3ForCausalLM": f"{_FAMILY}[phi3]",
+    **{a: f"{_ENCODER}[{a}]" for a in ("BertModel", "MPNetForMaskedLM", "RobertaModel", "XLMRobertaModel",
+                                       "XLMRobertaForSequenceClassification")},
+}
+# The seed's rows without an exporter yet -> their task.
+NO_EXPORTER = {
+    **dict.fromkeys(("InternVLChatModel", "LlavaForConditionalGeneration", "MllamaForConditionalGeneration",
+                     "LlavaNextForConditionalGeneration", "Llama4ForConditionalGeneration",
+                     "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+                     "Qwen3VLMoeForConditionalGeneration"), "vision-language"),
+    "WhisperForConditionalGeneration": "seq2seq-audio",
+}
+SANE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 512}
+
+
+@pytest.fixture(scope="module")
+def db(config):
+    return database.build(config.registry)
+
+
+def qaic(config, arch: str, **kw):
+    cfg = {"architectures": [arch], **SANE, **kw.pop("extra", {})}
+    return classify(cfg, recipes=config.recipes.values(), registry=config.registry, files=["tokenizer.json"],
+                    hardware="qaic-ai100", **kw)
+
+
+def _known(c) -> str:
+    return next(x.detail for x in c.checks if x.name == "architecture_known")
+
+
+def test_the_registry_matrix_is_the_seed_rows(db):
+    assert {a.name for a in db.architectures.values() if a.qaic} == set(COVERED) | set(NO_EXPORTER)
+
+
+@pytest.mark.parametrize("arch", sorted(COVERED))
+def test_every_covered_row_gets_the_qaic_recipes(arch, config):
+    c = qaic(config, arch)
+    assert (c.status, c.runtime_profile_id) == ("compatible", "vllm-qaic"), c.checks
+    assert "qaic-export" in c.recipes and len(c.recipes) >= 2 and "in the AI 100 validated matrix" in _known(c)
+
+
+@pytest.mark.parametrize("arch,task", sorted({**NO_EXPORTER, "PatchTSTForPrediction": "time-series",
+                                              "BiTCN": "time-series", "MambaForCausalLM": "ssm-hybrid"}.items()))
+def test_rows_without_an_exporter_say_so_and_are_never_routed(arch, task, config):
+    for c in (qaic(config, arch), qaic(config, arch, reviewed=True),
+              qaic(config, arch, reviewed=True, extra={"auto_map": {"AutoModel": "modeling_x.X"}})):
+        assert (c.status, c.runtime_profile_id, c.recipes) == ("incompatible", None, []), c.checks
+        assert _known(c).endswith(f"; no hive-aot exporter for {task} models yet"), _known(c)
+
+
+def test_no_answer_is_compatible_without_a_recipe_and_only_exported_tasks_are_routed(config, db):
+    from pipelines.targets.qaic.support import EXPORTS, decoder_archs, encoder_archs
+
+    assert {db.lookup(a).task for a in decoder_archs()} == {"causal-lm"}
+    assert {db.lookup(a).task for a in encoder_archs()} <= {t for t, e in EXPORTS.items() if e == "encoder"}
+    routed = set()
+    for a in db.architectures:
+        c = qaic(config, a)
+        if c.status == "incompatible":
+            assert c.runtime_profile_id is None and c.recipes == [], a
+            continue
+        assert c.runtime_profile_id == "vllm-qaic" and c.recipes, (a, c.status, c.checks)
+        routed.add(db.lookup(a).task)
+    assert routed == {"causal-lm", "embedding", "reranker"}
+    phi = qaic(config, "PhiForCausalLM")  # a causal LM no family declares: named, with what is covered
+    assert phi.status == "incompatible" and "no hive-aot exporter for PhiForCausalLM yet" in _known(phi)
+
+
+def test_the_readme_matrix_names_each_row_and_its_test(db):
+    text = (_ROOT / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| .*\| `tests/(test_qaic_\w+\.py::[\w\[\]]+)` \|$", text, re.M))
+    assert rows == COVERED
+    missing = re.findall(r"^\| `(\w+)` \| .*\| no hive-aot exporter for ([\w-]+) models yet \|$", text, re.M)
+    assert dict(missing) == NO_EXPORTER
+    for test in COVERED.values():  # each named test exists, with that case
+        path, func, case = re.fullmatch(r"(\S+)::(\w+)\[(\w+)\]", test).groups()
+        body = (_ROOT / "tests" / path).read_text()
+        assert f"def {func}(" in body and (case in TINY_CAUSAL_LMS or f'"{case}"' in body), test
+
+
+def _config(tmp_path: Path, model_id: str, source: Path, reviewed: bool):
+    from pipelines.config import Config
+
+    models = [{"id": model_id, "source": str(source), "recipes": ["qaic-mxfp6"], "reviewed": reviewed}]
+    return Config.load(write_test_config(tmp_path / f"cfg-{reviewed}", _ROOT, models=models))
+
+
+def test_reviewed_builds_an_exported_architecture_outside_the_matrix(tmp_path):
+    """Qwen3 (exported, not in the seed's matrix): requires_review with the qaic recipes, and once the registry says
+    `reviewed: true` the plan goes through; before, the answer stayed "recipe qaic-export does not apply"."""
+    from pipelines.errors import NotApplicableError
+    from pipelines.planning import plan
+
+    model = make_tiny_causal_lm("qwen3", tmp_path / "qwen3", max_position_embeddings=4096)  # qaic-mxfp6: 2048
+    with pytest.raises(NotApplicableError) as refused:
+        plan(str(model), "qaic-mxfp6", _config(tmp_path, "test-org/qwen3", model, False), "test-org/qwen3", hashed=False)
+    assert "requires review" in str(refused.value) and "set reviewed: true" in str(refused.value)
+    p = plan(str(model), "qaic-mxfp6", _config(tmp_path, "test-org/qwen3", model, True), "test-org/qwen3", hashed=False)
+    assert (p.compatibility.status, p.compatibility.runtime_profile_id) == ("compatible", "vllm-qaic")
+    assert p.recipe.id == "qaic-mxfp6" and p.parent.recipe.id == "qaic-export"
+    assert "reviewed: hive-aot's export builds it" in _known(p.compatibility)
+
+
+def test_gemma2_is_served_without_the_window_its_export_does_not_compute(tmp_path):
+    from types import SimpleNamespace
+
+    from pipelines import serve_policy
+    from pipelines.targets.qaic import QaicTarget
+    from pipelines.targets.qaic.compile import CompileOptions
+    from pipelines.targets.qaic.families import window_served_full
+    from pipelines.targets.qaic.serving import describe
+
+    gemma2 = {"architectures": ["Gemma2ForCausalLM"], "sliding_window": 4096, "max_position_embeddings": 8192}
+    assert window_served_full(gemma2) == 4096
+    assert window_served_full({**gemma2, "architectures": ["Starcoder2ForCausalLM"]}) is None  # masked in the graph
+    assert window_served_full({"architectures": ["GemmaForCausalLM"]}) is None  # no window at all
+    opts = CompileOptions.parse({"ctx_len": 2048})
+    served = describe(opts, {"image": "x"}, "google/gemma-2-2b", False, {}, disable_sliding_window=True)
+    assert served["engine_args"]["disable_sliding_window"] is True and "--disable-sliding-window" in served["command"]
+    argv = [a.replace("{model_dir}", "/m") for a in served["command"]]
+    serve_policy.check(argv, {"VLLM_QAIC_QPC_PATH": "/m/qpc"}, "/m", remote_code_allowed=False)  # a server runs it
+    plain = describe(opts, {"image": "x"}, "meta-llama/Llama-3.2-1B", False, {})
+    assert "disable_sliding_window" not in plain["engine_args"]
+    # beyond the window the full-attention graph would not be the model: refused before any work
+    ctx = SimpleNamespace(recipe=SimpleNamespace(options={"ctx_len": 8192}), config=gemma2)
+    [problem] = QaicTarget().plan_problems(ctx)
+    assert "ctx_len 8192 is beyond the 4096-token sliding window" in problem and "\n" not in problem
+    assert QaicTarget().plan_problems(SimpleNamespace(recipe=ctx.recipe, config={**gemma2, "sliding_window": None,
+                                                                                 "max_position_embeddings": 8192})) == []
+    recipe = yaml.safe_load((_ROOT / "recipes" / "qaic-mxfp6.yaml").read_text())
+    assert recipe["options"]["ctx_len"] <= 4096  # the shipped shape serves every Gemma-2
