@@ -3,7 +3,9 @@
 It is NOT a compiler and what it writes is NOT a QPC. It stands in for the real binary only to test what
 hive-aot hands a compiler: it accepts exactly the flags of the compile contract (reference/ai100-qpc.md),
 refuses anything else as the SDK does, checks every input file against the ONNX (retained-state pairs,
-dynamic axes vs specialization symbols, custom IO precisions, the partition's device count, the
+dynamic axes vs specialization symbols, custom IO precisions, the partition file (devices 0..N-1, one p2p
+connection over them, each device with -aic-num-cores), -allow-mxint8-mdp-io only beside a partition, the
+hardware version (ai100 or ai200), -mos/-ols positive, the
 specialization format for its own SDK version, a target LM's num_logits_to_keep in every
 specialization), and writes a labelled placeholder `programqpc.bin`
 holding what it checked. `make_sdk()` lays out an SDK-shaped directory around it for
@@ -20,11 +22,13 @@ import sys
 from pathlib import Path
 
 LABEL = b"HIVE-AOT STAND-IN COMPILER OUTPUT: NOT A QPC\n"  # starts with qpc.STAND_IN_MARK
-FLAGS = {"-aic-hw", "-retained-state", "-convert-to-fp16", "-mxfp6-matmul", "-aic-enable-depth-first", "-compile-only"}
+FLAGS = {"-aic-hw", "-retained-state", "-convert-to-fp16", "-mxfp6-matmul", "-aic-enable-depth-first", "-compile-only",
+         "-allow-mxint8-mdp-io"}
 VALUED = {"-aic-hw-version", "-m", "-aic-num-cores", "-mos", "-ols", "-network-specialization-config",
           "-custom-IO-list-file", "-mdp-load-partition-config", "-aic-binary-dir"}
 REQUIRED = {"-aic-hw", "-aic-hw-version", "-m", "-convert-to-fp16", "-aic-num-cores",
             "-network-specialization-config", "-aic-binary-dir"}
+HW_VERSIONS = {"ai100", "ai200"}
 RETAINED = {"-retained-state", "-custom-IO-list-file"}  # required for a graph with KV state, refused without
 
 
@@ -59,11 +63,16 @@ def main(argv: list[str], exe: Path) -> None:
     missing = REQUIRED - flags - set(values)
     if missing:
         fail(f"missing {', '.join(sorted(missing))}")
-    if values["-aic-hw-version"] != "ai100":
+    if values["-aic-hw-version"] not in HW_VERSIONS:
         fail(f"unknown hardware version {values['-aic-hw-version']}")
     cores = int(values["-aic-num-cores"])
     if not 1 <= cores <= 16:
         fail(f"-aic-num-cores={cores} out of range")
+    for tuning in ("-mos", "-ols"):
+        if tuning in values and not (values[tuning].isdigit() and int(values[tuning]) >= 1):
+            fail(f"{tuning}={values[tuning]}: expected a positive integer")
+    if "-allow-mxint8-mdp-io" in flags and "-mdp-load-partition-config" not in values:
+        fail("-allow-mxint8-mdp-io compresses traffic between devices: it needs -mdp-load-partition-config")
 
     import onnx
 
@@ -123,6 +132,10 @@ def main(argv: list[str], exe: Path) -> None:
         ids = [d["deviceId"] for d in mdp["partitions"][0]["devices"]]
         if ids != list(range(len(ids))) or len(ids) < 2:
             fail(f"partition devices {ids} must be 0..N-1 with N >= 2")
+        if mdp["connections"] != [{"devices": ids, "type": "p2p"}]:
+            fail(f"partition connections {mdp['connections']} must be one p2p connection over devices {ids}")
+        if {d["numCores"] for d in mdp["partitions"][0]["devices"]} != {cores}:
+            fail(f"partition devices must each have -aic-num-cores={cores} cores")
         devices = len(ids)
 
     out = Path(values["-aic-binary-dir"])

@@ -21,6 +21,7 @@ from qaic_standin import LABEL, make_sdk
 from test_cli import doc, hive, one_error_line
 
 from pipelines.targets.qaic.compile import CompileOptions, command, compile_files, custom_io, specializations
+from pipelines.targets.qaic.serving import describe
 
 MODEL = "test-org/tiny-llama"
 SLUG = "test-org--tiny-llama"
@@ -75,10 +76,134 @@ def test_custom_io_partition_and_command_per_option():
     ({**SHAPE, "ctx_len": "long"}, "ctx_len: Input should be a valid integer"),
     ({**SHAPE, "turbo": True}, "turbo: Extra inputs are not permitted"),
     ({**SHAPE, "sdk_version": "latest"}, "sdk_version: String should match pattern"),
+    ({**SHAPE, "hw_version": "ai300"}, "hw_version: Input should be 'ai100' or 'ai200'"),
+    ({**SHAPE, "hw_version": "AI200"}, "hw_version: Input should be 'ai100' or 'ai200'"),
+    ({**SHAPE, "allow_mxint8_mdp_io": True}, "allow_mxint8_mdp_io compresses the traffic between the devices tensor "
+                                             "slicing splits the model over: it needs num_devices > 1"),
+    ({**SHAPE, "num_devices": 2, "allow_mxint8_mdp_io": "yes"}, "allow_mxint8_mdp_io: Input should be a valid boolean"),
 ])
 def test_bad_options_are_one_line_each(options, message):
     problems = CompileOptions.problems(options)
     assert len(problems) == 1 and message in problems[0], problems
+
+
+# --- compile options as QEfficient's, flag by flag, and what the stand-in compiler accepts -------------
+
+
+def _argv(hw="ai100", tuning=(), devices=1) -> list[str]:
+    """The contract's command for SHAPE: each tuning option after the cores, the partition after custom IO."""
+    mdp = [f"-mdp-load-partition-config={{bundle}}/compile/mdp_ts_{devices}.json"] if devices > 1 else []
+    return ["qaic-compile", "-aic-hw", f"-aic-hw-version={hw}", "-m={bundle}/onnx/model.onnx", "-retained-state",
+            "-convert-to-fp16", "-mxfp6-matmul", "-aic-num-cores=4", *tuning,
+            "-network-specialization-config={bundle}/compile/specializations.json",
+            "-custom-IO-list-file={bundle}/compile/custom_io.yaml", *mdp, "-aic-binary-dir={qpc}"]
+
+
+OPTION_FLAGS = [  # (options over SHAPE, the command QEfficient's _compile would emit for them)
+    ({}, _argv()),
+    ({"hw_version": "ai100"}, _argv()),
+    ({"hw_version": "ai200"}, _argv(hw="ai200")),
+    ({"depth_first": True}, _argv(tuning=["-aic-enable-depth-first"])),
+    ({"mos": 2}, _argv(tuning=["-mos=2"])),
+    ({"ols": 3}, _argv(tuning=["-ols=3"])),
+    ({"num_devices": 4}, _argv(devices=4)),
+    ({"num_devices": 2, "allow_mxint8_mdp_io": True}, _argv(tuning=["-allow-mxint8-mdp-io"], devices=2)),
+    ({"num_devices": 2, "allow_mxint8_mdp_io": True, "mos": 1, "depth_first": True, "hw_version": "ai200"},
+     _argv(hw="ai200", tuning=["-mos=1", "-aic-enable-depth-first", "-allow-mxint8-mdp-io"], devices=2)),
+]
+
+
+@pytest.mark.parametrize("options, argv", OPTION_FLAGS)
+def test_each_compile_option_emits_its_flag_and_nothing_else(options, argv):
+    opts = CompileOptions.parse({**SHAPE, **options})
+    assert command(opts, "onnx/model.onnx") == argv
+    # an option added later is recorded in the bundle only when it is not its default (older bundles keep their bytes)
+    recorded = opts.recorded()
+    for key in ("hw_version", "allow_mxint8_mdp_io"):
+        assert (key in recorded) == (key in options and options[key] != CompileOptions.model_fields[key].default)
+    assert CompileOptions.parse(recorded) == opts
+    # the QPC's serving binding names the card generation only when it is not the AI 100 (older QPCs keep their bytes)
+    assert describe(opts, {}, MODEL, False, {})["compiled_for"].get("hw_version") == \
+        ("ai200" if options.get("hw_version") == "ai200" else None)
+
+
+SHIPPED = {  # the commands the shipped recipes compiled with before the hardware version and MDP IO options
+    "qaic-mxfp6": ["qaic-compile", "-aic-hw", "-aic-hw-version=ai100", "-m={bundle}/onnx/model.onnx", "-retained-state",
+                   "-convert-to-fp16", "-mxfp6-matmul", "-aic-num-cores=16",
+                   "-network-specialization-config={bundle}/compile/specializations.json",
+                   "-custom-IO-list-file={bundle}/compile/custom_io.yaml", "-aic-binary-dir={qpc}"],
+    "qaic-fp16": ["qaic-compile", "-aic-hw", "-aic-hw-version=ai100", "-m={bundle}/onnx/model.onnx", "-retained-state",
+                  "-convert-to-fp16", "-aic-num-cores=16",
+                  "-network-specialization-config={bundle}/compile/specializations.json",
+                  "-custom-IO-list-file={bundle}/compile/custom_io.yaml", "-aic-binary-dir={qpc}"],
+    "qaic-embed-mxfp6": ["qaic-compile", "-aic-hw", "-aic-hw-version=ai100", "-m={bundle}/onnx/model.onnx",
+                         "-convert-to-fp16", "-mxfp6-matmul", "-aic-num-cores=16",
+                         "-network-specialization-config={bundle}/compile/specializations.json", "-aic-binary-dir={qpc}"],
+}
+RECORDED_KEYS = {"task", "num_cores", "ctx_len", "prefill_seq_len", "batch_size", "full_batch_size", "num_devices",
+                 "mxfp6", "mxint8", "mos", "ols", "depth_first", "sdk_version"}
+
+
+@pytest.mark.parametrize("recipe", sorted(SHIPPED))
+def test_shipped_recipes_compile_and_record_as_before(recipe):
+    opts = CompileOptions.parse(yaml.safe_load((Path.cwd() / "recipes" / f"{recipe}.yaml").read_text())["options"])
+    assert command(opts, "onnx/model.onnx") == SHIPPED[recipe]
+    assert set(opts.recorded()) == RECORDED_KEYS and not opts.depth_first and opts.mos is None
+
+
+def test_the_standin_compiler_checks_each_option(tmp_path):
+    """Every option's flag through the stand-in: accepted and recorded as given; a flag it does not know, a hardware
+    version other than ai100/ai200, MDP IO compression without a partition and a partition whose devices do not
+    have the program's cores are refused as the SDK refuses (exit status, one stderr line)."""
+    import subprocess
+
+    from test_qaic_qpc import LAYERS, OPTIONS, retained_state_onnx
+
+    from pipelines.targets.qaic.compile import fill
+
+    exe = make_sdk(tmp_path / "sdk", "1.22.0") / "exec" / "qaic-compile"
+
+    def compile_with(options: dict, edit=lambda argv: argv) -> tuple[subprocess.CompletedProcess, dict | None]:
+        opts = CompileOptions.parse({**OPTIONS, **options})
+        bundle = tmp_path / f"b{len(list(tmp_path.iterdir()))}"
+        for rel, body in {"onnx/model.onnx": retained_state_onnx(), **compile_files(LAYERS, opts)}.items():
+            (bundle / rel).parent.mkdir(parents=True, exist_ok=True)
+            (bundle / rel).write_bytes(body)
+        argv = edit(fill(command(opts, "onnx/model.onnx", compiler=str(exe)), bundle, bundle / "qpc"))
+        proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+        program = bundle / "qpc" / "programqpc.bin"
+        return proc, json.loads(program.read_bytes()[len(LABEL):]) if proc.returncode == 0 else None
+
+    for options, flags, values, devices in [
+        ({}, [], {"-aic-hw-version": "ai100"}, 1),
+        ({"hw_version": "ai200"}, [], {"-aic-hw-version": "ai200"}, 1),
+        ({"depth_first": True, "mos": 2, "ols": 3}, ["-aic-enable-depth-first"], {"-mos": "2", "-ols": "3"}, 1),
+        ({"num_devices": 4}, [], {}, 4),
+        ({"num_devices": 2, "allow_mxint8_mdp_io": True}, ["-allow-mxint8-mdp-io"], {}, 2),
+    ]:
+        proc, checked = compile_with(options)
+        assert proc.returncode == 0, proc.stderr
+        assert checked["flags"] == sorted(["-aic-hw", "-convert-to-fp16", "-mxfp6-matmul", "-retained-state", *flags])
+        assert {k: v for k, v in checked["values"].items() if k in ("-aic-hw-version", "-mos", "-ols")} \
+            == {"-aic-hw-version": "ai100", **values}
+        assert checked["devices"] == devices and checked["values"]["-aic-num-cores"] == "4"
+
+    def partition_cores(argv):
+        mdp = Path(next(a for a in argv if a.startswith("-mdp-load")).split("=", 1)[1])
+        doc = json.loads(mdp.read_text())
+        doc["partitions"][0]["devices"][1]["numCores"] = 8
+        mdp.write_text(json.dumps(doc))
+        return argv
+
+    for options, edit, message in [
+        ({}, lambda argv: [*argv, "-aic-turbo"], "Unknown command line argument '-aic-turbo'"),
+        ({}, lambda argv: [a.replace("=ai100", "=ai300") for a in argv], "unknown hardware version ai300"),
+        ({}, lambda argv: [*argv, "-allow-mxint8-mdp-io"], "-allow-mxint8-mdp-io compresses traffic between devices"),
+        ({}, lambda argv: [*argv, "-mos=0"], "-mos=0: expected a positive integer"),
+        ({"num_devices": 2}, partition_cores, "partition devices must each have -aic-num-cores=4 cores"),
+    ]:
+        proc, _ = compile_with(options, edit)
+        assert proc.returncode != 0 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 # --- derived builds, end to end through the CLI ---------------------------------------------------

@@ -10,7 +10,9 @@ Everything here is plain Python (no torch, no onnx) so the compile host needs on
   (mxint8 KV cache is not a flag, it is this file);
 - `partition()`: the tensor-slicing partition file listing devices 0..N-1 (multi-device);
 - `command()`: the argv of `qaic-compile` (SDK >= 1.21) or `qaic-exec ... -compile-only` (older), with
-  `{bundle}` / `{qpc}` placeholders so the same command is recorded in the bundle and run anywhere;
+  `{bundle}` / `{qpc}` placeholders so the same command is recorded in the bundle and run anywhere; each
+  tuning option is emitted only when set, as QEfficient's `_compile` does (`-mos`, `-ols`,
+  `-aic-enable-depth-first`, `-allow-mxint8-mdp-io`), and `-aic-hw-version` names the card generation;
 - `find_sdk()`: `$HIVE_AOT_QAIC_SDK`, else /opt/qti-aic; its apps/platform versions from `versions/*.xml`;
 - `run()`: the compiler in a child process, its stderr tail in the error when it fails.
 """
@@ -39,6 +41,11 @@ BUNDLE, QPC = "{bundle}", "{qpc}"  # placeholders in a recorded command: the bun
 COMPILE_DIR = "compile"  # the compile inputs inside a bundle and a QPC artifact
 QPC_DIR = "qpc"  # the compiler's output directory (VLLM_QAIC_QPC_PATH)
 MAX_SPECULATIVE_TOKENS = 16  # n-gram speculation proposes a few tokens; more is a typo, and a costlier decode graph
+# Options added after bundles were first published: left out of `recorded()` while at their default, so the
+# bundles (and QPC manifests) of recipes that do not use them keep their bytes.
+ADDED_LATER = ("num_speculative_tokens", "hw_version", "allow_mxint8_mdp_io")
+NO_MDP_IO = ("allow_mxint8_mdp_io compresses the traffic between the devices tensor slicing splits the model over: "
+             "it needs num_devices > 1")
 NOT_A_TARGET_LM = ("speculative decoding (num_speculative_tokens) compiles a causal LM decoder as its target "
                    "(task: generate); embedding models have no decode step, and vision-language models cannot "
                    "combine it on Cloud AI 100")
@@ -66,7 +73,16 @@ class CompileOptions(BaseModel):
     mxint8: bool = Field(True, description="MXINT8 KV cache (custom_io.yaml), else float16")
     mos: int | None = Field(None, ge=1, description="-mos: maximum output splits (compiler tuning)")
     ols: int | None = Field(None, ge=1, description="-ols: overlap split factor (compiler tuning)")
-    depth_first: bool = Field(False, description="-aic-enable-depth-first")
+    depth_first: bool = Field(
+        False, description="-aic-enable-depth-first: depth-first (DFS) scheduling with the default memory size "
+                           "(QEfficient's default is off; vllm-qaic turns it on only when it compiles itself)")
+    allow_mxint8_mdp_io: bool = Field(
+        False, strict=True,
+        description="-allow-mxint8-mdp-io: MXINT8-compress the traffic between the devices of a tensor-sliced "
+                    "compile (num_devices > 1); lossy, and not part of the quality prediction")
+    hw_version: Literal["ai100", "ai200"] = Field(
+        "ai100", description="-aic-hw-version: the Cloud AI card generation the QPC runs on (QEfficient detects "
+                             "ai200 from the device's firmware; a build host without a card gets ai100)")
     num_speculative_tokens: int | None = Field(
         None, ge=1, le=MAX_SPECULATIVE_TOKENS, strict=True,
         description="speculative decoding's target LM: decode steps of K+1 tokens returning every logit (needs an "
@@ -80,6 +96,8 @@ class CompileOptions(BaseModel):
             raise ValueError(f"prefill_seq_len {self.prefill_seq_len} is larger than ctx_len {self.ctx_len}")
         if self.task == "embedding" and self.full_batch_size is not None:
             raise ValueError("an embedding model has no KV cache to batch continuously: full_batch_size must be null")
+        if self.allow_mxint8_mdp_io and self.num_devices < 2:
+            raise ValueError(NO_MDP_IO)
         k = self.num_speculative_tokens
         if k is not None and self.task != "generate":
             raise ValueError(NOT_A_TARGET_LM)
@@ -89,9 +107,11 @@ class CompileOptions(BaseModel):
         return self
 
     def recorded(self) -> dict[str, Any]:
-        """The options as a bundle records them (an option left unset that older bundles did not know is left out,
-        so their bytes stay the same)."""
-        return self.model_dump(exclude={"num_speculative_tokens"} if self.num_speculative_tokens is None else None)
+        """The options as a bundle records them (an option at its default that older bundles did not know is left
+        out, so their bytes stay the same)."""
+        fields = type(self).model_fields
+        unset = {k for k in ADDED_LATER if getattr(self, k) == fields[k].default}
+        return self.model_dump(exclude=unset or None)
 
     @property
     def retained_state(self) -> bool:
@@ -185,7 +205,7 @@ def command(opts: CompileOptions, onnx_rel: str, sdk_version: str | None = None,
     version = sdk_version or opts.sdk_version
     modern = _version_tuple(version) >= QAIC_COMPILE_FROM
     exe = compiler or ("qaic-compile" if modern else "qaic-exec")
-    argv = [exe, "-aic-hw", "-aic-hw-version=ai100", f"-m={BUNDLE}/{onnx_rel}"]
+    argv = [exe, "-aic-hw", f"-aic-hw-version={opts.hw_version}", f"-m={BUNDLE}/{onnx_rel}"]
     if opts.retained_state:
         argv.append("-retained-state")
     argv.append("-convert-to-fp16")
@@ -200,6 +220,8 @@ def command(opts: CompileOptions, onnx_rel: str, sdk_version: str | None = None,
         argv.append(f"-ols={opts.ols}")
     if opts.depth_first:
         argv.append("-aic-enable-depth-first")
+    if opts.allow_mxint8_mdp_io:  # validated: only with num_devices > 1, beside the partition file below
+        argv.append("-allow-mxint8-mdp-io")
     argv.append(f"-network-specialization-config={BUNDLE}/{COMPILE_DIR}/specializations.json")
     if opts.retained_state:
         argv.append(f"-custom-IO-list-file={BUNDLE}/{COMPILE_DIR}/custom_io.yaml")

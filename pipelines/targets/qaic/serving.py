@@ -65,5 +65,6 @@ def describe(opts: CompileOptions, profile: dict[str, Any], model_id: str, trust
                          "batch_size": opts.batch_size, "full_batch_size": opts.full_batch_size,
                          "num_devices": opts.num_devices, "num_cores": opts.num_cores,
                          "weights": opts.precision, "kv_cache": opts.kv_precision, **sdk,
-                         **({"num_speculative_tokens": opts.num_speculative_tokens} if opts.num_speculative_tokens else {})},
+                         **({"num_speculative_tokens": opts.num_speculative_tokens} if opts.num_speculative_tokens else {}),
+                         **({"hw_version": opts.hw_version} if opts.hw_version != "ai100" else {})},
     }
