@@ -31,16 +31,21 @@ data file beside the .onnx (QEfficient's layout; the device converts to fp16 at 
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:  # numpy and torch are imported where used: the compile host reads the compile inputs only
+    import numpy as np
 
 OPSET = 17
 ARCHITECTURES = frozenset({"WhisperForConditionalGeneration"})
 DATA_SUFFIX = ".data"
 SELF, CROSS = ("key_self", "value_self"), ("key_cross", "value_cross")
+# Every Whisper (tiny .. large-v3-turbo) encodes 3000 frames into 1500 positions; QEfficient's Encoder
+# specialization and vLLM's max_num_batched_tokens / hf_overrides fix that length, so the compile does too.
+ENCODER_CTX = 1500
 
 
 @dataclass
@@ -48,7 +53,7 @@ class WhisperExportReport:
     path: str
     files: list[str]  # relative to the .onnx's folder
     architecture: str
-    decoder_layers: int
+    layers: int  # decoder layers (each retains self and cross K/V)
     heads: int
     head_dim: int
     vocab: int
@@ -65,12 +70,19 @@ def past_names(layers: int) -> list[str]:
     return [f"past_{kv}.{i}" for i in range(layers) for kv in SELF + CROSS]
 
 
-def specializations(cfg, *, batch_size: int = 1, ctx_len: int = 150) -> list[dict[str, Any]]:
-    """QEfficient's two specializations of the one graph: `Encoder` (the real log-mel, the start token) and
-    `Decode` (a one-frame dummy feature, one token). ctx_len: the decoder's cache (vLLM's max_model_len)."""
-    enc = int(cfg.max_source_positions)
-    common = {"batch_size": batch_size, "seq_len": 1, "encoder_ctx_len": enc, "decoder_ctx_len": ctx_len}
-    return [{"name": "Encoder", **common, "feature_len": 2 * enc}, {"name": "Decode", **common, "feature_len": 1}]
+def custom_io_names(layers: int) -> list[str]:
+    """Every retained tensor (custom_io.yaml): each past input and its _RetainedState output."""
+    return [f"{p}{suffix}" for p in past_names(layers) for suffix in ("", "_RetainedState")]
+
+
+def specializations(batch_size: int, ctx_len: int, named: bool = True, encoder_ctx: int = ENCODER_CTX) -> dict[str, Any]:
+    """specializations.json of the one graph (QEfficient's): `Encoder` (the real log-mel of 2 x encoder_ctx
+    frames, the start token) and `Decode` (a one-frame dummy feature, one token); ctx_len: the decoder's cache
+    (vLLM's max_model_len). Every value a string; `named`: SDK >= 1.22's named form."""
+    common = {"batch_size": str(batch_size), "seq_len": "1", "encoder_ctx_len": str(encoder_ctx),
+              "decoder_ctx_len": str(ctx_len)}
+    specs = [("Encoder", {**common, "feature_len": str(2 * encoder_ctx)}), ("Decode", {**common, "feature_len": "1"})]
+    return {"specializations": [{"name": n, "symbols": s} if named else s for n, s in specs]}
 
 
 def build_whisper(model):
@@ -203,6 +215,8 @@ def run_ort_whisper(onnx_path: Path, features: np.ndarray, start: list[int], dec
     """The Encoder step (the log-mel [1, mels, frames] and the start tokens, one call per start token: the
     first with the real features, the next ones already Decode calls), then `decode_steps` greedy Decode steps
     (a [1, mels, 1] zero feature) feeding every retained state back. -> {"logits": per step, "tokens"}."""
+    import numpy as np
+
     from .ort import session
 
     sess = session(onnx_path)
@@ -226,9 +240,30 @@ def run_ort_whisper(onnx_path: Path, features: np.ndarray, start: list[int], dec
     return {"logits": logits_steps, "tokens": tokens}
 
 
+def log_mel(cfg, seed: int = 0) -> np.ndarray:
+    """A synthetic log-mel [1, num_mel_bins, 2 x max_source_positions] (numpy, deterministic), in the range of
+    Whisper's normalized features: the parity input (no audio file, no feature extractor)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    shape = (1, int(cfg.num_mel_bins), 2 * int(cfg.max_source_positions))
+    return np.clip(rng.standard_normal(shape), -1.5, 1.5).astype(np.float32)
+
+
+def load_model(model_dir: Path):
+    """transformers' WhisperForConditionalGeneration in fp32 with eager attention (no remote code)."""
+    import torch
+    from transformers import WhisperForConditionalGeneration
+
+    return WhisperForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+
+
 def reference_greedy(model, features: np.ndarray, start: list[int], steps: int) -> dict[str, Any]:
     """transformers fp32, end to end: greedy decoding by whole forwards (decoder_input_ids = start + tokens so
     far), the logits of each new position."""
+    import numpy as np
+
     import torch
 
     feats = torch.from_numpy(features.astype(np.float32))
@@ -245,6 +280,8 @@ def whisper_parity(model, onnx_path: Path, features: np.ndarray, start: list[int
                    ctx_len: int = 64) -> dict[str, Any]:
     """ORT (Encoder step, decode_steps Decode steps, state fed back) against transformers fp32: teacher-forced on
     ORT's own tokens (top-1 agreement, max |delta logit|), and both greedy runs' tokens (`tokens_equal`)."""
+    import numpy as np
+
     import torch
 
     from .ort import compare
@@ -261,14 +298,51 @@ def whisper_parity(model, onnx_path: Path, features: np.ndarray, start: list[int
 
 # -- serving ------------------------------------------------------------------------------------------------
 
-def engine_args(cfg, model_id: str, ctx_len: int) -> dict[str, Any]:
-    """vllm-qaic's arguments for a prebuilt Whisper QPC (reference/ai100-qpc.md, Whisper; VQ's
-    encoder_decoder.md): AOT only, read from VLLM_QAIC_QPC_PATH; max_model_len = the decoder's ctx_len; the
-    encoder's rows as the batched-token budget and as hf_overrides' max_source_positions; one sequence; one
-    audio per prompt; prefix caching off. The loader forces prefill_seq_len 1 itself (nothing to pass). The
-    reference names no `--task` for speech-to-text: vLLM infers transcription from the architecture, so none
-    is passed (unconfirmed on a device)."""
-    enc = int(cfg.max_source_positions)
-    return {"served_model_name": model_id, "max_model_len": ctx_len, "max_num_batched_tokens": enc,
-            "max_num_seqs": 1, "hf_overrides": {"max_source_positions": enc},
-            "limit_mm_per_prompt": {"audio": 1}, "enable_prefix_caching": False}
+def compile_problems(opts, config: dict[str, Any]) -> list[str]:
+    """What a Whisper compile (task: transcribe) cannot be, for this config.json: QEfficient's and vllm-qaic's
+    fixed encoder length, the decoder's positions, and the precisions QEfficient leaves off for Whisper (and
+    hive-aot does not emulate for it)."""
+    problems = []
+    if config.get("max_source_positions") != ENCODER_CTX:
+        problems.append(f"max_source_positions {config.get('max_source_positions')}: the Encoder specialization encodes "
+                        f"{2 * ENCODER_CTX} frames into {ENCODER_CTX} positions, as QEfficient and vllm-qaic do")
+    target = config.get("max_target_positions")
+    if isinstance(target, int) and opts.ctx_len > target:
+        problems.append(f"ctx_len {opts.ctx_len} is beyond the decoder's {target} positions (max_target_positions)")
+    if opts.mxfp6 or opts.mxint8:
+        problems.append("task transcribe compiles fp16 weights and an fp16 KV cache (mxfp6: false, mxint8: false)")
+    return problems
+
+
+def serving_args() -> dict[str, Any]:
+    """vllm-qaic's arguments for a prebuilt Whisper QPC beyond the common ones (max_model_len = the decoder's
+    ctx_len, max_num_seqs 1; reference/ai100-qpc.md, Whisper; VQ's encoder_decoder.md): AOT only, read from
+    VLLM_QAIC_QPC_PATH; the encoder's 1500 rows as the batched-token budget and as hf_overrides'
+    max_source_positions; one audio per prompt; prefix caching off. The loader forces prefill_seq_len 1
+    itself, so no capture length is passed. The reference names no `--task` for speech-to-text (vLLM infers
+    transcription from the architecture): none is passed, unconfirmed on a device."""
+    return {"max_num_batched_tokens": ENCODER_CTX, "hf_overrides": json.dumps({"max_source_positions": ENCODER_CTX}),
+            "limit_mm_per_prompt": json.dumps({"audio": 1}), "no_enable_prefix_caching": True}
+
+
+def predict_fp16(model, features: "np.ndarray", start: list[int], steps: int = 8) -> dict[str, Any]:
+    """The device's quality predicted for a -convert-to-fp16 compile: every weight rounded to fp16 (clipped to
+    its range), greedy from the same log-mel, teacher-forced against the fp32 model on the fp16 run's ids."""
+    import copy
+
+    import numpy as np
+    import torch
+
+    from .external_data import FP16_MAX
+
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.clamp(-FP16_MAX, FP16_MAX).half().float())
+    got = reference_greedy(rounded, features, start, steps)
+    with torch.no_grad():
+        ids = torch.tensor([list(start) + got["tokens"][:-1]])
+        ref = model(input_features=torch.from_numpy(features), decoder_input_ids=ids).logits[0, len(start) - 1:].numpy()
+    pred = np.stack(got["logits"])
+    return {"top1": float((ref.argmax(-1) == pred.argmax(-1)).mean()), "max_abs_logit_delta": float(np.abs(ref - pred).max()),
+            "steps": len(pred), "emulated": ["fp16 weights"]}
