@@ -206,8 +206,8 @@ def test_time_series_go_to_specialists(arch, config):
 def test_embeddings_rerankers_and_speech_go_to_specialists(arch, config):
     assert check(config, arch).runtime_profile_id == "specialists-ts-cu121"
     assert check(config, arch, hardware="intel").runtime_profile_id == "specialists-ipex-xpu"
-    # AI 100: vllm-qaic for the encoders hive-aot exports; Whisper has no exporter yet (test_qaic_matrix.py)
-    assert check(config, arch, hardware="qaic-ai100").runtime_profile_id == (None if arch == "Whisper" else "vllm-qaic")
+    # AI 100: vllm-qaic for the encoders and the Whisper graph hive-aot exports (test_qaic_matrix.py)
+    assert check(config, arch, hardware="qaic-ai100").runtime_profile_id == "vllm-qaic"
 
 
 def test_diffusers_pipeline(config, tmp_path):

@@ -13,7 +13,8 @@ from pipelines.config import Config, load_recipe_file, load_registry
 from pipelines.errors import ConfigError, HiveError
 
 REPO = Path.cwd()
-ALL_RECIPES = {*GGUF_RECIPES, "vllm-bf16", "vllm-fp8", "qaic-export", "qaic-mxfp6", "qaic-fp16", "qaic-embed-mxfp6"}
+ALL_RECIPES = {*GGUF_RECIPES, "vllm-bf16", "vllm-fp8", "qaic-export", "qaic-mxfp6", "qaic-fp16", "qaic-embed-mxfp6",
+               "qaic-whisper-fp16"}
 
 
 def test_project_registry_and_recipes_load(config):

@@ -22,6 +22,7 @@ _ROOT = Path(__file__).resolve().parent.parent
 _FAMILY = "test_qaic_export.py::test_family_runs_in_onnxruntime_with_transformers_parity"
 _EXPORT = "test_qaic_export.py::test_export_runs_in_onnxruntime_with_transformers_parity"
 _ENCODER = "test_qaic_encoders.py::test_ort_parity_with_transformers_padded_batches_included"
+_WHISPER = "test_qaic_whisper.py::test_ort_parity_encoder_then_decode_steps_and_greedy_end_to_end"
 # The seed's rows hive-aot builds -> the test exporting a tiny random model of each in onnxruntime parity.
 COVERED = {
     "LlamaForCausalLM": f"{_EXPORT}[llama]", "MistralForCausalLM": f"{_EXPORT}[mistral]",
@@ -34,6 +35,7 @@ COVERED = {
     "GraniteForCausalLM": f"{_FAMILY}[granite]", "Phi3ForCausalLM": f"{_FAMILY}[phi3]",
     **{a: f"{_ENCODER}[{a}]" for a in ("BertModel", "MPNetForMaskedLM", "RobertaModel", "XLMRobertaModel",
                                        "XLMRobertaForSequenceClassification")},
+    "WhisperForConditionalGeneration": f"{_WHISPER}[WhisperForConditionalGeneration]",
 }
 # The seed's rows without an exporter yet -> their task.
 NO_EXPORTER = {
@@ -41,7 +43,6 @@ NO_EXPORTER = {
                      "LlavaNextForConditionalGeneration", "Llama4ForConditionalGeneration",
                      "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                      "Qwen3VLMoeForConditionalGeneration"), "vision-language"),
-    "WhisperForConditionalGeneration": "seq2seq-audio",
 }
 SANE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 512}
@@ -83,9 +84,10 @@ def test_rows_without_an_exporter_say_so_and_are_never_routed(arch, task, config
 
 
 def test_no_answer_is_compatible_without_a_recipe_and_only_exported_tasks_are_routed(config, db):
-    from pipelines.targets.qaic.support import EXPORTS, decoder_archs, encoder_archs
+    from pipelines.targets.qaic.support import EXPORTS, decoder_archs, encoder_archs, speech_archs
 
     assert {db.lookup(a).task for a in decoder_archs()} == {"causal-lm"}
+    assert {db.lookup(a).task for a in speech_archs()} == {"seq2seq-audio"}
     assert {db.lookup(a).task for a in encoder_archs()} <= {t for t, e in EXPORTS.items() if e == "encoder"}
     routed = set()
     for a in db.architectures:
@@ -95,9 +97,22 @@ def test_no_answer_is_compatible_without_a_recipe_and_only_exported_tasks_are_ro
             continue
         assert c.runtime_profile_id == "vllm-qaic" and c.recipes, (a, c.status, c.checks)
         routed.add(db.lookup(a).task)
-    assert routed == {"causal-lm", "embedding", "reranker"}
+    assert routed == {"causal-lm", "embedding", "reranker", "seq2seq-audio"}
     phi = qaic(config, "PhiForCausalLM")  # a causal LM no family declares: named, with what is covered
     assert phi.status == "incompatible" and "no hive-aot exporter for PhiForCausalLM yet" in _known(phi)
+    speech = qaic(config, "Speech2TextForConditionalGeneration")  # another seq2seq-audio model: Whisper only
+    assert speech.status == "incompatible" and speech.recipes == [], speech.checks
+    assert "no hive-aot exporter for Speech2TextForConditionalGeneration yet" in _known(speech)
+    assert "covers WhisperForConditionalGeneration" in _known(speech)
+
+
+def test_whisper_gets_its_own_compile_and_no_other(config):
+    """Whisper: the export and the transcribe compile only; a causal LM or an embedder never gets it."""
+    whisper = qaic(config, "WhisperForConditionalGeneration")
+    assert (whisper.status, whisper.runtime_profile_id) == ("compatible", "vllm-qaic"), whisper.checks
+    assert sorted(whisper.recipes) == ["qaic-export", "qaic-whisper-fp16"]
+    for other in ("LlamaForCausalLM", "BertModel"):
+        assert "qaic-whisper-fp16" not in qaic(config, other).recipes
 
 
 def test_the_readme_matrix_names_each_row_and_its_test(db):

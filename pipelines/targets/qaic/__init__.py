@@ -31,9 +31,10 @@ from .families import architecture as config_architecture, window_served_full
 from .layout import BUNDLE_FORMAT, BUNDLE_FORMAT_VERSION, EXPORT_FORMAT_VERSION, EXPORT_REPORT, ONNX_DIR
 from .qpc import QpcCompile
 from .server import QAIC_SERVER
-from .support import decoder_archs, encoder_archs, exported, is_encoder, refusal
+from .support import decoder_archs, encoder_archs, export_archs, exported, is_encoder, is_speech, refusal, speech_archs
 
 PARITY_DECODE_STEPS = 8
+WHISPER_PARITY_CTX = 32  # the decoder cache of the Whisper parity run (the start token + 8 steps)
 PARITY_SPECULATIVE_TOKENS = 5  # a target LM export is checked in steps of the seed's quick start (K = 5)
 EXPORT_OPTIONS = ("batch_index", "weight_dtype", "target_lm")
 
@@ -106,7 +107,7 @@ def _refuse_bad_source(snap, config: dict[str, Any]) -> None:
     with TensorSource(snap.safetensors_files()) as src:
         refuse_quantized_without_config(src, config)
         refuse_index_mismatch(snap.dir, src)
-        if is_encoder(config):  # exported by torch from loaded weights: nothing else would look at them
+        if is_encoder(config) or is_speech(config):  # exported by torch from loaded weights: nothing else would look at them
             refuse_non_finite(src)
 
 
@@ -122,7 +123,7 @@ class QaicExportTarget(Target):
     def plan_steps(env) -> list:
         from .plan import export_steps
 
-        return export_steps(env, encoder=is_encoder(env.config))
+        return export_steps(env, encoder=is_encoder(env.config) or is_speech(env.config))  # Whisper: whole, as encoders
 
     @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]:
@@ -141,13 +142,14 @@ class QaicExportTarget(Target):
         return "onnx"
 
     def supports(self, arch, architecture: str, config: dict[str, Any], options: dict[str, Any]) -> bool:
-        return exported(arch, architecture, decoder_archs() | encoder_archs())
+        return exported(arch, architecture, export_archs())
 
     def refusal(self, arch, architecture: str, config: dict[str, Any], options: dict[str, Any]) -> str | None:
-        return refusal(arch, architecture, decoder_archs() | encoder_archs())
+        return refusal(arch, architecture, export_archs())
 
     def plan_problems(self, ctx: BuildContext) -> list[str]:
-        if ctx.recipe.options.get("target_lm") and (is_encoder(ctx.config) or _multimodal(ctx.config)):
+        if ctx.recipe.options.get("target_lm") and (is_encoder(ctx.config) or is_speech(ctx.config)
+                                                    or _multimodal(ctx.config)):
             return [f"target_lm: {NOT_A_TARGET_LM}"]
         return []
 
@@ -167,6 +169,10 @@ class QaicExportTarget(Target):
             from .encoders import export_encoder
 
             report = export_encoder(snap.dir, out_dir / ONNX_DIR / "model.onnx")
+        elif is_speech(ctx.config):  # one Encoder/Decode graph, fp32 weights (batch_index, weight_dtype: n/a)
+            from .whisper import export_whisper, load_model
+
+            report = export_whisper(load_model(snap.dir), out_dir / ONNX_DIR / "model.onnx", ctx_len=WHISPER_PARITY_CTX)
         else:
             batch_index = bool(ctx.recipe.options.get("batch_index", True))
             report = export(snap.dir, out_dir / ONNX_DIR / "model.onnx", batch_index=batch_index,
@@ -181,7 +187,7 @@ class QaicExportTarget(Target):
                 files.append(name)
                 known[name] = digests[name]
         # logits_to_keep is recorded only when set: the report of every other export keeps its bytes
-        info = {"encoder": is_encoder(ctx.config), **{k: v for k, v in vars(report).items()
+        info = {"encoder": is_encoder(ctx.config), **({"speech": True} if is_speech(ctx.config) else {}), **{k: v for k, v in vars(report).items()
                                                       if k != "path" and (k != "logits_to_keep" or v)}}
         (out_dir / EXPORT_REPORT).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
         files.append(EXPORT_REPORT)
@@ -204,6 +210,8 @@ class QaicExportTarget(Target):
             if r["top1_agreement"] is not None:
                 metrics["ort_top1_agreement"] = r["top1_agreement"]
             details = {"ort": r}
+        elif is_speech(ctx.config):
+            metrics, details = self._speech_parity(ctx, onnx_path)
         else:
             metrics, details = self._decoder_parity(ctx, tok, onnx_path)
         # Gates on metrics this architecture does not have do not apply (cosine of a decoder, top-1 of an embedder).
@@ -211,6 +219,25 @@ class QaicExportTarget(Target):
                                                    if info.json_schema_extra["metric"] not in metrics})
         failures = check_thresholds(metrics, thresholds)
         return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details=details)
+
+    @staticmethod
+    def _speech_parity(ctx: BuildContext, onnx_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Whisper: the Encoder step on a synthetic log-mel, then Decode steps with the retained self and cross KV
+        fed back, against transformers fp32 on the same ids; and greedy end to end."""
+        from ... import parity
+        from .whisper import load_model, log_mel, whisper_parity
+
+        model = load_model(ctx.snapshot.dir)
+        start = [int(model.config.decoder_start_token_id)]
+        r = whisper_parity(model, onnx_path, log_mel(model.config), start, decode_steps=PARITY_DECODE_STEPS,
+                           ctx_len=WHISPER_PARITY_CTX)
+        metrics = {"ort_top1_agreement": r["top1_agreement"] if r["tokens_equal"] else 0.0, "ort_steps": r["steps"],
+                   "finite": r["finite"]}
+        if r["max_abs_logit_delta"] is not None:
+            metrics["ort_max_abs_delta"] = parity.round6(r["max_abs_logit_delta"])
+        details = {"ort": {k: v for k, v in r.items() if k not in ("tokens", "reference_tokens")},
+                   "reference": "transformers fp32 (WhisperForConditionalGeneration, decoder_input_ids), a synthetic log-mel"}
+        return metrics, details
 
     @staticmethod
     def _decoder_parity(ctx: BuildContext, tok, onnx_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -281,7 +308,7 @@ class QaicTarget(Target):
         from .plan import bundle_steps
 
         weight_dtype = (env.input_options or {}).get("weight_dtype", "float16")
-        return bundle_steps(env, decoder=env.options.get("task", "generate") != "embedding", weight_dtype=weight_dtype)
+        return bundle_steps(env, decoder=env.options.get("task", "generate") == "generate", weight_dtype=weight_dtype)
 
     @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]:
@@ -305,8 +332,10 @@ class QaicTarget(Target):
 
     @staticmethod
     def _compiled(options: dict[str, Any]) -> frozenset[str]:
-        """Decoder compiles for the exported decoder families, embedding compiles for the encoders."""
-        return encoder_archs() if options.get("task", "generate") == "embedding" else decoder_archs()
+        """Decoder compiles for the exported decoder families, embedding compiles for the encoders, transcribe
+        compiles for Whisper."""
+        task = options.get("task", "generate")
+        return encoder_archs() if task == "embedding" else speech_archs() if task == "transcribe" else decoder_archs()
 
     def supports(self, arch, architecture: str, config: dict[str, Any], options: dict[str, Any]) -> bool:
         return exported(arch, architecture, self._compiled(options))
@@ -319,6 +348,10 @@ class QaicTarget(Target):
         opts = CompileOptions.parse(ctx.recipe.options)
         if opts.num_speculative_tokens and (is_encoder(ctx.config) or _multimodal(ctx.config)):
             return [NOT_A_TARGET_LM]
+        if opts.task == "transcribe":
+            from .whisper import compile_problems
+
+            return compile_problems(opts, ctx.config)
         positions = _max_positions(ctx.config)
         if positions is not None and opts.ctx_len > positions:
             return [f"ctx_len {opts.ctx_len} is beyond the model's {positions} positions (max_position_embeddings)"]
@@ -359,6 +392,14 @@ class QaicTarget(Target):
             return ValidationReport(passed=False, failures=problems, metrics={})
         from ... import prompts, reference
 
+        if opts.task == "transcribe":  # Whisper: fp16 weights emulated on a synthetic log-mel
+            from .whisper import load_model, log_mel, predict_fp16
+
+            model = load_model(ctx.snapshot.dir)
+            q = predict_fp16(model, log_mel(model.config), [int(model.config.decoder_start_token_id)], PARITY_DECODE_STEPS)
+            metrics = {"predicted_top1": q["top1"], "predicted_max_abs_logit_delta": q["max_abs_logit_delta"]}
+            failures = check_thresholds(metrics, ctx.recipe.validation)
+            return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details={opts.precision: q})
         tok = CachedTokenizer(ctx.snapshot.dir)
         if not opts.retained_state:
             from .quality import predict_encoder

@@ -61,8 +61,9 @@ class CompileOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    task: Literal["generate", "embedding"] = Field(
-        "generate", description="generate: a decoder with retained-state KV; embedding: an encoder (no KV cache)")
+    task: Literal["generate", "embedding", "transcribe"] = Field(
+        "generate", description="generate: a decoder with retained-state KV; embedding: an encoder (no KV cache); "
+                                "transcribe: Whisper's one Encoder/Decode graph (retained self and cross KV, whisper.py)")
     num_cores: int = Field(16, ge=1, le=16, description="NSP cores per device the program uses")
     ctx_len: int = Field(2048, ge=16, description="KV cache length: --max-model-len")
     prefill_seq_len: int = Field(128, ge=1, description="tokens per prefill step")
@@ -98,6 +99,9 @@ class CompileOptions(BaseModel):
             raise ValueError("an embedding model has no KV cache to batch continuously: full_batch_size must be null")
         if self.allow_mxint8_mdp_io and self.num_devices < 2:
             raise ValueError(NO_MDP_IO)
+        if self.task == "transcribe" and (self.full_batch_size is not None or self.prefill_seq_len != 1):
+            raise ValueError("task transcribe (Whisper) runs one token a step without continuous batching: "
+                             "prefill_seq_len must be 1 and full_batch_size null (QEfficient, vllm-qaic)")
         k = self.num_speculative_tokens
         if k is not None and self.task != "generate":
             raise ValueError(NOT_A_TARGET_LM)
@@ -115,7 +119,7 @@ class CompileOptions(BaseModel):
 
     @property
     def retained_state(self) -> bool:
-        return self.task == "generate"
+        return self.task != "embedding"
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> "CompileOptions":
@@ -153,6 +157,10 @@ def specializations(opts: CompileOptions, sdk_version: str | None = None) -> dic
     sequence at a time into a `full_batch_size` cache and decode runs all slots. An encoder has one
     specialization: the batch at the full sequence length."""
     named = named_specializations(sdk_version or opts.sdk_version)
+    if opts.task == "transcribe":
+        from .whisper import specializations as speech
+
+        return speech(opts.batch_size, opts.ctx_len, named)
     if not opts.retained_state:
         encode = {"batch_size": str(opts.batch_size), "seq_len": str(opts.ctx_len)}
         return {"specializations": [{"name": "Encode", "symbols": encode} if named else encode]}
@@ -172,6 +180,12 @@ def specializations(opts: CompileOptions, sdk_version: str | None = None) -> dic
 def custom_io(layers: int, opts: CompileOptions) -> str:
     """custom_io.yaml: every past input and its retained output at the KV precision."""
     lines = []
+    if opts.task == "transcribe":  # Whisper: self and cross K/V per decoder layer
+        from .whisper import custom_io_names
+
+        for name in custom_io_names(layers):
+            lines += [f"- IOName: {name}", f"  Precision: {opts.kv_precision}", ""]
+        return "\n".join(lines)
     for i in range(layers):
         for kv in ("key", "value"):
             for suffix in ("", "_RetainedState"):

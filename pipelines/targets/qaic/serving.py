@@ -34,6 +34,11 @@ def engine_args(opts: CompileOptions, model_id: str, trust_remote_code: bool,
         "speculative_config": speculative_config(opts.num_speculative_tokens) if opts.num_speculative_tokens else None,
         "disable_sliding_window": disable_sliding_window,
     }
+    if opts.task == "transcribe":  # Whisper (whisper.py): no capture length, its own encoder-decoder arguments
+        from .whisper import serving_args
+
+        args["max_seq_len_to_capture"] = None
+        args.update(serving_args())
     return {k: v for k, v in args.items() if v is not None and v is not False}
 
 

@@ -1,5 +1,5 @@
 """Which models the AI 100 kinds convert, and what `check` says of the others: the one place their supported
-set is decided (the decoder families of families/, the encoders of encoders.py), read through the Target
+set is decided (the decoder families of families/, the encoders of encoders.py, Whisper of whisper.py), read through the Target
 protocol (`supports`, `refusal`).
 
 The registry's validated matrix (`qaic: true`) is the platform's fact, and decides the status `check` answers;
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from ...compat.database import Architecture
 
 # The model tasks an AI 100 export covers, and which export (tests check every exported architecture's task).
-EXPORTS = {"causal-lm": "decoder", "embedding": "encoder", "reranker": "encoder"}
+EXPORTS = {"causal-lm": "decoder", "embedding": "encoder", "reranker": "encoder", "seq2seq-audio": "speech"}
 
 
 def decoder_archs() -> frozenset[str]:
@@ -28,6 +28,18 @@ def encoder_archs() -> frozenset[str]:
     from .encoders import ENCODERS
 
     return ENCODERS
+
+
+def speech_archs() -> frozenset[str]:
+    """Speech-to-text models exported as one Encoder/Decode graph (whisper.py)."""
+    from .whisper import ARCHITECTURES
+
+    return ARCHITECTURES
+
+
+def export_archs() -> frozenset[str]:
+    """Everything the qaic-export recipe converts."""
+    return decoder_archs() | encoder_archs() | speech_archs()
 
 
 def exported(arch: "Architecture | None", architecture: str, names: frozenset[str]) -> bool:
@@ -46,12 +58,21 @@ def refusal(arch: "Architecture | None", architecture: str, names: frozenset[str
         return f"no hive-aot exporter for {arch.task} models yet"
     if not (arch.active and arch.transformers_known):
         return f"no hive-aot exporter for {arch.name}: the export reads transformers' modules, and transformers has none"
-    other = encoder_archs() if names == decoder_archs() else decoder_archs() if names == encoder_archs() else frozenset()
-    if exported(arch, architecture, other):
+    if exported(arch, architecture, export_archs()):  # another compile task builds it
         kind = EXPORTS[arch.task]
-        return f"{arch.name} is exported as an {kind}: a compile with task: {'embedding' if kind == 'encoder' else 'generate'} builds it"
-    covered = decoder_archs() if EXPORTS[arch.task] == "decoder" else encoder_archs()
+        return f"{arch.name} is exported as {TASK_OF[kind][0]}: a compile with task: {TASK_OF[kind][1]} builds it"
+    covered = {"decoder": decoder_archs, "encoder": encoder_archs, "speech": speech_archs}[EXPORTS[arch.task]]()
     return f"no hive-aot exporter for {arch.name} yet (the AI 100 {arch.task} export covers {', '.join(sorted(covered))})"
+
+
+# export -> (what the model is exported as, the compile task that builds it)
+TASK_OF = {"decoder": ("a decoder", "generate"), "encoder": ("an encoder", "embedding"),
+           "speech": ("one Encoder/Decode graph", "transcribe")}
+
+
+def is_speech(config: dict[str, Any]) -> bool:
+    archs = config.get("architectures") or []
+    return bool(archs) and archs[0] in speech_archs()
 
 
 def is_encoder(config: dict[str, Any]) -> bool:
