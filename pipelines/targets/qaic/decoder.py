@@ -34,13 +34,16 @@ from .families.blocks import Heads, RopeSource
 
 
 def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_len: int | None = None,
-                  logits_to_keep: bool = False):
+                  logits_to_keep: bool = False, image_token: int | None = None):
     """The retained-state decoder (a torch module) of a transformers causal LM of a supported family.
 
     forward(input_ids, position_ids, *past[, batch_index][, num_logits_to_keep]) -> (logits, *retained);
     `logits_to_keep`: the target LM's `num_logits_to_keep` input (see the module's doc); `all_positions = True`
     returns logits for every position instead of the last valid one (quality prediction). `kv_transform`
     is applied to the new K/V before they are written to the cache (MXINT8 emulation; never exported).
+    `image_token`: the language graph of a vision-language model (vision/): forward(input_ids, vision_embeds,
+    position_ids, image_idx, *past[, batch_index]) -> (logits, vision_embeds, image_idx_output, *retained), the
+    rows of `vision_embeds` written over the embeddings of the `image_token` placeholders (`merge_image`).
     `ctx_len` picks the RoPE mode of length-dependent scalings (longrope, dynamic) for the positions below
     it: the mode transformers uses for a sequence of that length. transformers switches the mode per
     sequence (Phi-3 longrope: long factors once a sequence passes original_max_position_embeddings); a
@@ -48,6 +51,7 @@ def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_le
     """
     decoder = _decoder_class()(model, kv_transform=kv_transform, batch_index=batch_index, ctx_len=ctx_len)
     decoder.logits_to_keep = logits_to_keep
+    decoder.image_token = image_token
     return decoder.eval()
 
 
@@ -61,6 +65,7 @@ def _decoder_class():
     class RetainedStateDecoder(nn.Module):
         all_positions = False  # quality prediction scores every position; the exported graph only the last
         logits_to_keep = False  # the target LM of speculative decoding: a last input num_logits_to_keep [N, 1]
+        image_token = None  # a VLM's language graph: the placeholder token id vision_embeds rows replace
 
         def __init__(self, model, *, kv_transform, batch_index, ctx_len):
             super().__init__()
@@ -184,11 +189,13 @@ def _decoder_class():
 
         # -- the whole decoder ---------------------------------------------------------------------
 
-        def begin(self, input_ids, position_ids, ctx: int):
+        def begin(self, input_ids, position_ids, ctx: int, image=None):
             """Embeddings (and learned positions), the RoPE rows of the positions, and the masks: slot j is
             visible to the token at position p iff j <= p (and p - j < window): [B, 1, S, ctx] per window."""
             bsz, seq = input_ids.shape
             h = self.embed(input_ids)
+            if image is not None:  # before the multipliers: transformers scales the merged embeddings as a whole
+                h = image(h)
             if self.embed_multiplier is not None:
                 h = h * self.embed_multiplier
             if self.pos_embed is not None:
@@ -239,16 +246,37 @@ def _decoder_class():
                 logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
             return logits
 
-        def forward(self, input_ids, position_ids, *rest):
+        def merge_image(self, h, input_ids, vision_embeds, image_idx):
+            """The image rows over the placeholders (QEfficient's merge): the k-th placeholder of the chunk takes
+            row image_idx + k of the flattened vision_embeds; `image_idx_output` is the next chunk's image_idx, so
+            an image may span prefill chunks. A chunk without placeholders (every decode step) keeps its text."""
+            mask = input_ids == self.image_token  # [B, S]
+            count = torch.cumsum(mask.to(torch.int64), dim=1)
+            rows = count - 1 + image_idx  # [B, S]; -1 (no placeholder yet) gathers a row the mask then drops
+            flat = vision_embeds.reshape(-1, vision_embeds.shape[-1])
+            merged = torch.where(mask.unsqueeze(-1), flat[rows], h)
+            return merged, image_idx + count[:, -1:].sum(dim=0, keepdim=True)
+
+        def forward(self, input_ids, *rest):
+            if self.image_token is not None:
+                vision_embeds, position_ids, image_idx, *rest = rest
+            else:
+                position_ids, *rest = rest
             keep = None
             if self.logits_to_keep:
                 rest, keep = rest[:-1], rest[-1]
             past, rows = (rest[:-1], rest[-1].view(-1)) if self.batch_index else (rest, None)
-            h, rope, masks = self.begin(input_ids, position_ids, past[0].shape[2])
+            image, image_out = None, []
+            if self.image_token is not None:
+                def image(text):
+                    merged, next_idx = self.merge_image(text, input_ids, vision_embeds, image_idx)
+                    image_out[:] = [vision_embeds, next_idx]  # vision_embeds_RetainedState: device state after prefill
+                    return merged
+            h, rope, masks = self.begin(input_ids, position_ids, past[0].shape[2], image)
             retained = []
             for i in range(len(self.layers)):
                 h, k_full, v_full = self.layer_step(i, h, rope, masks, past[2 * i], past[2 * i + 1], position_ids, rows)
                 retained += [k_full, v_full]
-            return (self.end(h, position_ids, keep), *retained)
+            return (self.end(h, position_ids, keep), *image_out, *retained)
 
     return RetainedStateDecoder

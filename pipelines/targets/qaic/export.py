@@ -35,7 +35,7 @@ from ...errors import ModelFormatError
 from .decoder import build_decoder
 from .external_data import DataWriter, Weights, stored_dtype, stored_initializers
 from .families import FAMILY_SPECS, architecture, unsupported
-from .layout import KEEP_INPUT
+from .layout import KEEP_INPUT, RETAINED
 from .plan import WEIGHT_DTYPES
 
 OPSET = 17
@@ -144,6 +144,13 @@ def trace_graph(decoder, ctx_len: int):
         sample.append(torch.zeros(3, 1, dtype=torch.long))
         axes[KEEP_INPUT] = {0: KEEP_INPUT}
         axes["logits"] = {0: "batch_size", 1: KEEP_INPUT}
+    if decoder.image_token is not None:  # a VLM's language graph (QEfficient's names and order)
+        names_in[1:1] = ["vision_embeds"]
+        names_in[3:3] = ["image_idx"]
+        names_out[1:1] = [f"vision_embeds{RETAINED}", "image_idx_output"]
+        sample[1:1] = [torch.zeros(1, 8, decoder.embed.weight.shape[1])]
+        sample[3:3] = [torch.zeros(1, 1, dtype=torch.long)]
+        axes["vision_embeds"] = axes[f"vision_embeds{RETAINED}"] = {0: "vision_batch_size", 1: "vision_size"}
     buf = io.BytesIO()
     with torch.no_grad(), _shape_inference_without_values():
         torch.onnx.export(decoder, tuple(sample), buf, input_names=names_in, output_names=names_out,

@@ -10,3 +10,4 @@ BUNDLE_FORMAT = "qaic-export-bundle"  # what a qaic build publishes until a host
 # the target LM of speculative decoding: an input whose length is the number of positions `logits` returns (and
 # the dynamic axis and specialization symbol of that length), as QEfficient's TLM export names it
 KEEP_INPUT = "num_logits_to_keep"
+RETAINED = "_RetainedState"  # the suffix of a retained-state output (the device keeps it for the next call)

@@ -1,0 +1,132 @@
+"""A vision-language model as QEfficient's dual QPC exports it (reference/ai100-qpc.md, VLMs): the vision
+graph (`onnx/vision/model.onnx`: the family's vision tower + projector, fp32 weights in one external data file)
+and the language graph (`onnx/model.onnx`: the retained-state decoder of the language model, with
+`vision_embeds` / `image_idx` inputs and their retained twins; matrices stored as `weight_dtype`, as every
+decoder export). The language graph is where a compile's serving shape applies; the vision graph compiles to
+its own QPC (one `Vision` specialization, no retained state, never MXFP6).
+
+Memory: the model is loaded whole, in fp32 (transformers' classes, no remote code): `plan` states that up front
+(`vlm_resident_bytes`), and a host whose budget is smaller is refused before any work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from ....errors import ModelFormatError
+from ..layout import ONNX_DIR
+from .spec import VisionFamily
+
+VISION_DIR = f"{ONNX_DIR}/vision"  # the vision graph beside the language graph of ONNX_DIR/model.onnx
+DATA_SUFFIX = ".data"
+OPSET = 17
+
+
+@dataclass
+class VisionReport:
+    """What the vision graph is, for the bundle and the compile (recorded in export.json under `vision`)."""
+
+    architecture: str
+    path: str  # relative to the export's root
+    files: list[str]  # relative to the export's root
+    inputs: list[str]
+    vision_size: int  # image rows per image (the language graph's vision_size symbol)
+    hidden: int
+    image_token_id: int
+    symbols: dict[str, str] = field(default_factory=dict)  # the Vision specialization
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_vlm(model_dir: Path):
+    """transformers' model of the checkpoint in fp32 with eager attention; never remote code."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from ....quiet import quiet_transformers
+
+    quiet_transformers()
+    try:
+        return AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="eager",
+                                                           trust_remote_code=False).eval()
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelFormatError(f"transformers cannot load the vision-language model in {model_dir}: "
+                               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def language_decoder(family: VisionFamily, model, *, batch_index: bool, ctx_len: int | None = None, kv_transform=None):
+    """The retained-state decoder (decoder.py) over the VLM's language model, merging image rows."""
+    from ..decoder import build_decoder
+    from ..families import family_for
+
+    config, stack, head = family.language_model(model)
+    _arch, fam = family_for(config)
+    shim = SimpleNamespace(config=config, lm_head=head, **{fam.base: stack})
+    return build_decoder(shim, batch_index=batch_index, ctx_len=ctx_len, kv_transform=kv_transform,
+                         image_token=family.image_token_id(model.config))
+
+
+def round_language(family: VisionFamily, model, weight_dtype: str) -> None:
+    """Round the language model's matrices to what the export stores (fp16, clipped to its range), in place: the
+    export and the reference then read the same values (the vision graph keeps fp32)."""
+    import torch
+
+    from ..external_data import FP16_MAX, stored_dtype
+
+    _config, stack, head = family.language_model(model)
+    with torch.no_grad():
+        for module in (stack, head):
+            for p in module.parameters():
+                if stored_dtype(p.dim(), weight_dtype) == "float16":
+                    p.copy_(p.clamp(-FP16_MAX, FP16_MAX).half().float())
+
+
+def export_vision(family: VisionFamily, model, root: Path) -> VisionReport:
+    """Trace the family's vision module to `root/onnx/vision/model.onnx` (+ .data)."""
+    import onnx
+    import torch
+
+    module = family.vision_module(model)
+    sample = family.vision_inputs(model.config, 0)
+    names = list(sample)
+    axes = {name: family.vision_axes.get(name, {}) for name in names}
+    axes["vision_embeds"] = {0: "batch_size"}
+    out = Path(root) / VISION_DIR / "model.onnx"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".trace")
+    with torch.no_grad():
+        embeds = module(*(torch.from_numpy(a) for a in sample.values()))
+        torch.onnx.export(module, tuple(torch.from_numpy(a) for a in sample.values()), str(tmp), input_names=names,
+                          output_names=["vision_embeds"], dynamic_axes={k: v for k, v in axes.items() if v},
+                          opset_version=OPSET, do_constant_folding=True, dynamo=False)
+    graph = onnx.load(str(tmp))
+    tmp.unlink()
+    data = out.name + DATA_SUFFIX
+    out.with_name(data).unlink(missing_ok=True)
+    graph.producer_name = "hive-aot"
+    onnx.save_model(graph, str(out), save_as_external_data=True, all_tensors_to_one_file=True, location=data,
+                    size_threshold=0)
+    size = family.vision_size(model.config)
+    if tuple(embeds.shape[1:]) != (size, model.config.get_text_config().hidden_size):
+        raise ModelFormatError(f"the vision module gives {tuple(embeds.shape)}, not [images, {size}, hidden]: the "
+                               "family's declaration does not match this checkpoint")
+    return VisionReport(architecture=model.config.architectures[0], path=f"{VISION_DIR}/model.onnx",
+                        files=[f"{VISION_DIR}/model.onnx", f"{VISION_DIR}/{data}"], inputs=names, vision_size=size,
+                        hidden=int(embeds.shape[-1]), image_token_id=family.image_token_id(model.config),
+                        symbols=family.vision_symbols(model.config))
+
+
+def export_vlm(family: VisionFamily, model, root: Path, *, batch_index: bool = True, weight_dtype: str = "float16",
+               ctx_len: int = 128):
+    """Both graphs of a VLM in memory (already `round_language`d when weight_dtype is float16): (the language
+    graph's ExportReport, the VisionReport)."""
+    from ..export import export_decoder
+
+    vision = export_vision(family, model, root)
+    decoder = language_decoder(family, model, batch_index=batch_index, ctx_len=ctx_len)
+    report = export_decoder(decoder, Path(root) / ONNX_DIR / "model.onnx", ctx_len=ctx_len, weight_dtype=weight_dtype)
+    return report, vision

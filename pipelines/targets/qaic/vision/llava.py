@@ -1,0 +1,59 @@
+"""LLaVA-1.5 (LlavaForConditionalGeneration): a CLIP vision tower, the hidden states of
+`vision_feature_layer` (the CLS row dropped under the "default" strategy), a two-layer projector; the image
+rows replace the `image_token_index` placeholders of a Llama (or any transformers causal LM) decoder.
+One image of `image_size` pixels square gives (image_size / patch_size)^2 rows (576 at 336 / 14).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .spec import VisionFamily, config_value, nested_language_model, pixels
+
+ARCHITECTURES = ("LlavaForConditionalGeneration",)
+
+
+def _vision_module(model):
+    import torch
+
+    class LlavaVision(torch.nn.Module):
+        def __init__(self, vlm):
+            super().__init__()
+            self.inner, cfg = vlm.model, vlm.config
+            self.layer, self.strategy = cfg.vision_feature_layer, cfg.vision_feature_select_strategy
+
+        def forward(self, pixel_values):
+            out = self.inner.get_image_features(pixel_values=pixel_values, vision_feature_layer=self.layer,
+                                                vision_feature_select_strategy=self.strategy)
+            return torch.stack(list(out.pooler_output))  # [images, rows, hidden]
+
+    return LlavaVision(model).eval()
+
+
+def _image_side(config: Any) -> int:
+    return int(config_value(config.vision_config, "image_size"))
+
+
+def _vision_inputs(config: Any, seed: int) -> dict[str, np.ndarray]:
+    side = _image_side(config)
+    return {"pixel_values": pixels((1, 3, side, side), seed)}
+
+
+def _vision_size(config: Any) -> int:
+    rows = (_image_side(config) // int(config.vision_config.patch_size)) ** 2
+    return rows + (1 if config.vision_feature_select_strategy == "full" else 0)
+
+
+FAMILY = VisionFamily(
+    architectures=ARCHITECTURES,
+    vision_module=_vision_module,
+    vision_inputs=_vision_inputs,
+    vision_size=_vision_size,
+    image_token_id=lambda config: int(config_value(config, "image_token_id", "image_token_index")),
+    language_model=nested_language_model,
+    reference_kwargs=lambda config, inputs: {"pixel_values": inputs["pixel_values"]},
+    vision_symbols=lambda config: {"batch_size": "1", "img_size": str(_image_side(config))},
+    vision_axes={"pixel_values": {0: "batch_size", 2: "img_size", 3: "img_size"}},
+)
