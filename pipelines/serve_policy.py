@@ -120,7 +120,10 @@ def check(argv: Any, env: Any, model_dir: str, *, remote_code_allowed: bool) -> 
 
 
 def _check_value(name: str, value: str, kind: str, model_dir: str) -> None:
-    if kind == "model-path":
+    if kind == "model-paths":  # `a:b`: each part a path in the pulled directory (a VLM's dual QPC)
+        for part in value.split(":"):
+            _check_value(name, part, "model-path", model_dir)
+    elif kind == "model-path":
         inside = os.path.realpath(value)
         root = os.path.realpath(model_dir)
         if not (inside == root or inside.startswith(root + os.sep)):
@@ -165,7 +168,7 @@ def _check_env(env: Any, prog: ServerProgram, model_dir: str) -> dict[str, str]:
         if kind is None:
             raise ServeRefused(f"the manifest sets {name} for {prog.name}, which hive-aot never sets (allowed: "
                                f"{', '.join(sorted(prog.env)) or 'none'}; an operator adds names in {ENV_ALLOW_ENV})")
-        if kind == "model-path":
+        if kind in ("model-path", "model-paths"):
             _check_value(name, str(value), kind, model_dir)
         out[name] = str(value)
     return out

@@ -29,7 +29,8 @@ VALUED = {"-aic-hw-version", "-m", "-aic-num-cores", "-mos", "-ols", "-network-s
 REQUIRED = {"-aic-hw", "-aic-hw-version", "-m", "-convert-to-fp16", "-aic-num-cores",
             "-network-specialization-config", "-aic-binary-dir"}
 HW_VERSIONS = {"ai100", "ai200"}
-RETAINED = {"-retained-state", "-custom-IO-list-file"}  # required for a graph with KV state, refused without
+RETAINED = {"-retained-state", "-custom-IO-list-file"}  # required for a graph with KV state
+# A graph without KV state (an encoder, a VLM's vision graph) may still set its IO precisions (no -retained-state).
 
 
 def fail(msg: str) -> None:
@@ -92,8 +93,8 @@ def main(argv: list[str], exe: Path) -> None:
     given = RETAINED & (flags | set(values))
     if past and given != RETAINED:
         fail(f"a graph with retained state needs {', '.join(sorted(RETAINED - given))}")
-    if not past and given:
-        fail(f"{', '.join(sorted(given))} given for a graph without retained state")
+    if not past and "-retained-state" in given:
+        fail("-retained-state given for a graph without retained state")
     symbols = {d.dim_param for v in list(model.graph.input) + list(model.graph.output)
                for d in v.type.tensor_type.shape.dim if d.dim_param}
 
@@ -118,13 +119,21 @@ def main(argv: list[str], exe: Path) -> None:
             if not 1 <= int(sym["num_logits_to_keep"]) <= int(sym["seq_len"]):
                 fail(f"num_logits_to_keep {sym['num_logits_to_keep']} is not within seq_len {sym['seq_len']}")
 
-    io = Path(values["-custom-IO-list-file"]).read_text() if past else ""
+    io = Path(values["-custom-IO-list-file"]).read_text() if "-custom-IO-list-file" in values else ""
     pairs = re.findall(r"- IOName: (\S+)\n\s+Precision: (\S+)", io)
     precisions = {p for _, p in pairs}
     if precisions - {"mxint8", "float16"}:
         fail(f"custom IO precision {sorted(precisions)} unknown")
-    if {n for n, _ in pairs} != set(past) | {f"{n}_RetainedState" for n in past}:
-        fail("custom IO list does not cover exactly the retained-state inputs and outputs")
+    named = {n for n, _ in pairs}
+    kv = set(past) | {f"{n}_RetainedState" for n in past}
+    if not kv <= named:
+        fail("custom IO list does not cover every retained-state input and output")
+    float_io = {v.name for v in list(model.graph.input) + list(model.graph.output)
+                if v.type.tensor_type.elem_type == 1}  # FLOAT: what a custom IO precision may change
+    if named - kv - float_io:
+        fail(f"custom IO names {sorted(named - kv - float_io)[:3]}, not float inputs or outputs of the model")
+    if any(p == "mxint8" for n, p in pairs if n not in kv):
+        fail("mxint8 custom IO is for the KV cache only")
 
     devices = 1
     if "-mdp-load-partition-config" in values:

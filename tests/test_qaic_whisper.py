@@ -6,7 +6,6 @@ against transformers fp32 on the same ids, and greedy end to end."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -141,12 +140,8 @@ def test_whisper_goes_through_check_export_bundle_and_standin_compile(smollm2_di
     """A tiny random Whisper of the real encoder length (1500 positions, 3000 frames): `check --hardware qaic-ai100`
     routes it to qaic-whisper-fp16, whose build exports the one graph (ORT parity gated), writes the Encoder/Decode
     bundle (fp16 quality predicted), and the STAND-IN compile binds vllm-qaic's speech-to-text arguments."""
-    import shutil
-
-    import yaml
-    from factories import write_test_config
-    from qaic_standin import LABEL, make_sdk
-    from test_cli import doc, hive
+    from qaic_flow import run_flow
+    from qaic_standin import LABEL
 
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
@@ -158,33 +153,16 @@ def test_whisper_goes_through_check_export_bundle_and_standin_compile(smollm2_di
                         eos_token_id=2, decoder_start_token_id=1, init_std=0.2)
     model_dir = tmp_path / "whisper"
     WhisperForConditionalGeneration(cfg).save_pretrained(str(model_dir))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_dir / name, model_dir / name)
-    mid, slug = "test-org/tiny-whisper", "test-org--tiny-whisper"
-    reg = write_test_config(tmp_path / "cfg", Path.cwd(), gates={},
-                            models=[{"id": mid, "source": str(model_dir), "recipes": ["qaic-whisper-tiny"]}])
-    recipe = yaml.safe_load((Path.cwd() / "recipes" / "qaic-whisper-fp16.yaml").read_text())
-    recipe.update(id="qaic-whisper-tiny", options={**recipe["options"], "num_cores": 2})
-    (tmp_path / "cfg" / "recipes" / "qaic-whisper-tiny.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
-    check = doc(hive("check", str(model_dir), "--model-id", mid, "--hardware", "qaic-ai100", "--json", "--registry", str(reg)))
-    assert sorted(check["recipes"]) == ["qaic-export", "qaic-whisper-fp16", "qaic-whisper-tiny"]
-    store = tmp_path / "store"
-    proc = hive("build", str(model_dir), "--model-id", mid, "--recipe", "qaic-whisper-tiny", "--registry", str(reg),
-                "--store", str(store), "--json", env={"HIVE_AOT_QAIC_SDK": str(tmp_path / "no-sdk")})
-    assert proc.returncode == 0, proc.stderr
-    d = doc(proc)
-    export = json.loads((store / "manifests" / slug / "qaic-export" / f"{d['input']['build_id']}.json").read_text())
-    m = export["validation"]["metrics"]
-    assert export["build"]["export"]["speech"] is True and m["ort_top1_agreement"] == 1.0 and m["ort_max_abs_delta"] < 1e-3
-    bundle = json.loads((store / "manifests" / slug / "qaic-whisper-tiny" / f"{d['build_id']}.json").read_text())
-    assert bundle["validation"]["metrics"]["predicted_top1"] == 1.0
-    proc = hive("compile", mid, "--registry", str(reg), "--store", str(store), "--json",
-                env={"HIVE_AOT_QAIC_SDK": str(make_sdk(tmp_path / "sdk"))})
-    assert proc.returncode == 0, proc.stderr
-    pulled = doc(hive("pull", mid, "--target", "vllm-qaic", "--dest", str(tmp_path / "served"), "--store", str(store),
-                      "--registry", str(reg), "--json", "--allow-stand-in"))
+    flow = run_flow(tmp_path, model_dir, smollm2_dir, "test-org/tiny-whisper", "qaic-whisper-fp16", "qaic-whisper-tiny",
+                    {"num_cores": 2})
+    assert sorted(flow.check["recipes"]) == ["qaic-export", "qaic-whisper-fp16", "qaic-whisper-tiny"]
+    m = flow.export["validation"]["metrics"]
+    assert flow.export["build"]["export"]["speech"] is True and m["ort_top1_agreement"] == 1.0 and m["ort_max_abs_delta"] < 1e-3
+    assert flow.bundle["validation"]["metrics"]["predicted_top1"] == 1.0
+    pulled = flow.pulled
     argv = pulled["serve_argv"]
     assert argv[argv.index("--max-model-len") + 1] == "150" and argv[argv.index("--max-num-seqs") + 1] == "1"
     assert argv[argv.index("--limit-mm-per-prompt") + 1] == '{"audio": 1}' and "--no-enable-prefix-caching" in argv
+    assert pulled["serve_refused"] is None, pulled["serve_refused"]  # the serve policy runs what the kind wrote
     checked = json.loads((tmp_path / "served" / "qpc" / "programqpc.bin").read_bytes()[len(LABEL):])
     assert [s["name"] for s in checked["specializations"]] == ["Encoder", "Decode"]

@@ -31,11 +31,10 @@ from .families import architecture as config_architecture, window_served_full
 from .layout import BUNDLE_FORMAT, BUNDLE_FORMAT_VERSION, EXPORT_FORMAT_VERSION, EXPORT_REPORT, ONNX_DIR
 from .qpc import QpcCompile
 from .server import QAIC_SERVER
-from .support import decoder_archs, encoder_archs, export_archs, exported, is_encoder, is_speech, refusal, speech_archs
+from .support import (encoder_archs, export_archs, exported, generate_archs, is_encoder, is_speech, is_vision, refusal,
+                      speech_archs)
 
-PARITY_DECODE_STEPS = 8
-WHISPER_PARITY_CTX = 32  # the decoder cache of the Whisper parity run (the start token + 8 steps)
-PARITY_SPECULATIVE_TOKENS = 5  # a target LM export is checked in steps of the seed's quick start (K = 5)
+from .export_parity import PARITY_DECODE_STEPS, WHISPER_PARITY_CTX, decoder_parity, speech_parity
 EXPORT_OPTIONS = ("batch_index", "weight_dtype", "target_lm")
 
 
@@ -107,7 +106,7 @@ def _refuse_bad_source(snap, config: dict[str, Any]) -> None:
     with TensorSource(snap.safetensors_files()) as src:
         refuse_quantized_without_config(src, config)
         refuse_index_mismatch(snap.dir, src)
-        if is_encoder(config) or is_speech(config):  # exported by torch from loaded weights: nothing else would look at them
+        if is_encoder(config) or is_speech(config) or is_vision(config):  # exported from loaded weights: nothing else would look
             refuse_non_finite(src)
 
 
@@ -123,7 +122,8 @@ class QaicExportTarget(Target):
     def plan_steps(env) -> list:
         from .plan import export_steps
 
-        return export_steps(env, encoder=is_encoder(env.config) or is_speech(env.config))  # Whisper: whole, as encoders
+        # Whisper and vision-language models are loaded whole, as encoders are
+        return export_steps(env, encoder=is_encoder(env.config) or is_speech(env.config) or is_vision(env.config))
 
     @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]:
@@ -173,12 +173,18 @@ class QaicExportTarget(Target):
             from .whisper import export_whisper, load_model
 
             report = export_whisper(load_model(snap.dir), out_dir / ONNX_DIR / "model.onnx", ctx_len=WHISPER_PARITY_CTX)
+        elif is_vision(ctx.config):  # two graphs: onnx/model.onnx (language) and onnx/vision/model.onnx
+            from .vision.target import build as build_vision
+
+            report, vision = build_vision(snap.dir, out_dir, ctx.recipe.options)
         else:
             batch_index = bool(ctx.recipe.options.get("batch_index", True))
             report = export(snap.dir, out_dir / ONNX_DIR / "model.onnx", batch_index=batch_index,
                             weight_dtype=ctx.recipe.options.get("weight_dtype", "float16"),
                             logits_to_keep=bool(ctx.recipe.options.get("target_lm", False)))
         files = [f"{ONNX_DIR}/{name}" for name in report.files]
+        if is_vision(ctx.config):
+            files += vision["files"]
         known = {}
         digests = {f.path: f.sha256 for f in snap.files}
         for name in CARRIED_FILES:
@@ -187,8 +193,9 @@ class QaicExportTarget(Target):
                 files.append(name)
                 known[name] = digests[name]
         # logits_to_keep is recorded only when set: the report of every other export keeps its bytes
-        info = {"encoder": is_encoder(ctx.config), **({"speech": True} if is_speech(ctx.config) else {}), **{k: v for k, v in vars(report).items()
-                                                      if k != "path" and (k != "logits_to_keep" or v)}}
+        info = {"encoder": is_encoder(ctx.config), **({"speech": True} if is_speech(ctx.config) else {}),
+                **({"vision": vision} if is_vision(ctx.config) else {}),
+                **{k: v for k, v in vars(report).items() if k != "path" and (k != "logits_to_keep" or v)}}
         (out_dir / EXPORT_REPORT).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
         files.append(EXPORT_REPORT)
         return BuiltArtifact(root=out_dir, files=files, info={"export": info}, known_digests=known)
@@ -211,70 +218,19 @@ class QaicExportTarget(Target):
                 metrics["ort_top1_agreement"] = r["top1_agreement"]
             details = {"ort": r}
         elif is_speech(ctx.config):
-            metrics, details = self._speech_parity(ctx, onnx_path)
+            metrics, details = speech_parity(ctx, onnx_path)
+        elif is_vision(ctx.config):
+            from .vision.target import parity as vision_parity
+
+            metrics, details = vision_parity(ctx.snapshot.dir, artifact_dir, onnx_path, tok, PARITY_DECODE_STEPS,
+                                             ctx.recipe.options.get("weight_dtype", "float16"))
         else:
-            metrics, details = self._decoder_parity(ctx, tok, onnx_path)
+            metrics, details = decoder_parity(ctx, tok, onnx_path)
         # Gates on metrics this architecture does not have do not apply (cosine of a decoder, top-1 of an embedder).
         thresholds = thresholds.model_copy(update={f: None for f, info in type(thresholds).model_fields.items()
                                                    if info.json_schema_extra["metric"] not in metrics})
         failures = check_thresholds(metrics, thresholds)
         return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details=details)
-
-    @staticmethod
-    def _speech_parity(ctx: BuildContext, onnx_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Whisper: the Encoder step on a synthetic log-mel, then Decode steps with the retained self and cross KV
-        fed back, against transformers fp32 on the same ids; and greedy end to end."""
-        from ... import parity
-        from .whisper import load_model, log_mel, whisper_parity
-
-        model = load_model(ctx.snapshot.dir)
-        start = [int(model.config.decoder_start_token_id)]
-        r = whisper_parity(model, onnx_path, log_mel(model.config), start, decode_steps=PARITY_DECODE_STEPS,
-                           ctx_len=WHISPER_PARITY_CTX)
-        metrics = {"ort_top1_agreement": r["top1_agreement"] if r["tokens_equal"] else 0.0, "ort_steps": r["steps"],
-                   "finite": r["finite"]}
-        if r["max_abs_logit_delta"] is not None:
-            metrics["ort_max_abs_delta"] = parity.round6(r["max_abs_logit_delta"])
-        details = {"ort": {k: v for k, v in r.items() if k not in ("tokens", "reference_tokens")},
-                   "reference": "transformers fp32 (WhisperForConditionalGeneration, decoder_input_ids), a synthetic log-mel"}
-        return metrics, details
-
-    @staticmethod
-    def _decoder_parity(ctx: BuildContext, tok, onnx_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-        """onnxruntime on the export (or, when it does not fit the budget, on a graph of its first layers over the
-        same data file) against the streamed reference of the same layers."""
-        from ... import parity, prompts
-        from ...host import memory_budget
-        from ...memory import model_facts
-        from .export import slice_graph
-        from .ort import ort_parity
-        from .plan import ort_check, reference_resident
-
-        facts, budget = model_facts(ctx.snapshot), memory_budget()[0]
-        weight_dtype = ctx.recipe.options.get("weight_dtype", "float16")
-        check = ort_check(facts, budget, weight_dtype)
-        graph = onnx_path
-        if check.layers is not None:
-            graph = slice_graph(ctx.snapshot.dir, onnx_path, check.layers, onnx_path.with_name(f"slice-{check.layers}.onnx"))
-        from .ort import speculative_draft_steps
-
-        ids = [list(tok(text).input_ids)[:48] for text in prompts.PARITY_TEXTS[:2]]
-        spd = PARITY_SPECULATIVE_TOKENS if ctx.recipe.options.get("target_lm") else None
-        steps = max(PARITY_DECODE_STEPS, speculative_draft_steps(spd) + spd) if spd else PARITY_DECODE_STEPS
-        ctx_len = max(len(i) for i in ids) + steps + 8
-        resident = reference_resident(facts, check.layers, budget)
-        runs = ort_parity(ctx.snapshot.dir, graph, ids, decode_steps=PARITY_DECODE_STEPS, ctx_len=ctx_len,
-                          layers=check.layers, weight_dtype=weight_dtype, resident=resident, speculative=spd)
-        deltas = [r["max_abs_logit_delta"] for r in runs]
-        metrics = {"ort_top1_agreement": min(r["top1_agreement"] for r in runs),
-                   "ort_steps": sum(r["steps"] for r in runs), "finite": all(r["finite"] for r in runs)}
-        if spd:  # decode steps of K+1 tokens, every logit compared
-            metrics["ort_speculative_steps"] = sum(r["speculative"]["steps"] for r in runs)
-        if all(d is not None for d in deltas):  # not finite: the gate says it was not measured
-            metrics["ort_max_abs_delta"] = parity.round6(max(deltas))
-        details = {"ort": [{k: v for k, v in r.items() if k != "tokens"} for r in runs], "ort_check": check.to_json(),
-                   "reference": f"transformers fp32, matrices rounded to {weight_dtype} as stored"}
-        return metrics, details
 
     @staticmethod
     def summary(validation: dict[str, Any]) -> str:
@@ -308,7 +264,8 @@ class QaicTarget(Target):
         from .plan import bundle_steps
 
         weight_dtype = (env.input_options or {}).get("weight_dtype", "float16")
-        return bundle_steps(env, decoder=env.options.get("task", "generate") == "generate", weight_dtype=weight_dtype)
+        streamed = env.options.get("task", "generate") == "generate" and not is_vision(env.config)  # a VLM: whole
+        return bundle_steps(env, decoder=streamed, weight_dtype=weight_dtype)
 
     @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]:
@@ -335,7 +292,7 @@ class QaicTarget(Target):
         """Decoder compiles for the exported decoder families, embedding compiles for the encoders, transcribe
         compiles for Whisper."""
         task = options.get("task", "generate")
-        return encoder_archs() if task == "embedding" else speech_archs() if task == "transcribe" else decoder_archs()
+        return encoder_archs() if task == "embedding" else speech_archs() if task == "transcribe" else generate_archs()
 
     def supports(self, arch, architecture: str, config: dict[str, Any], options: dict[str, Any]) -> bool:
         return exported(arch, architecture, self._compiled(options))
@@ -401,6 +358,14 @@ class QaicTarget(Target):
             failures = check_thresholds(metrics, ctx.recipe.validation)
             return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details={opts.precision: q})
         tok = CachedTokenizer(ctx.snapshot.dir)
+        if is_vision(ctx.config):  # both QPCs emulated on a synthetic image
+            from .vision.target import quality
+
+            q = quality(ctx.snapshot.dir, tok, mxfp6=opts.mxfp6, mxint8=opts.mxint8)
+            metrics = {"predicted_top1": q["top1"], "predicted_kl": q["kl"],
+                       "predicted_max_abs_logit_delta": q["max_abs_logit_delta"]}
+            failures = check_thresholds(metrics, ctx.recipe.validation)
+            return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details={opts.precision: q})
         if not opts.retained_state:
             from .quality import predict_encoder
 

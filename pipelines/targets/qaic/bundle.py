@@ -12,15 +12,21 @@ from typing import Any
 from .. import BuildContext, BuiltArtifact
 from ...paths import link_or_copy
 from .layout import BUNDLE_FORMAT, EXPORT_REPORT, KEEP_INPUT, ONNX_DIR
-from .compile import COMPILE_DIR, CompileOptions, command, compile_files
+from .compile import COMPILE_DIR, CompileOptions, command, compile_files, vision_command
 
 COMMAND_FILE = f"{COMPILE_DIR}/command.json"
 
 
-def command_doc(opts: CompileOptions, onnx_rel: str, sdk_version: str, compiler: str | None = None) -> dict[str, Any]:
+def command_doc(opts: CompileOptions, onnx_rel: str, sdk_version: str, compiler: str | None = None,
+                vision: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The recorded command(s): `argv`, and a VLM's `vision_argv` (its vision QPC, compiled beside)."""
     argv = command(opts, onnx_rel, sdk_version, compiler)
-    return {"argv": argv, "sdk_version": sdk_version,
-            "placeholders": {"{bundle}": "the bundle (or artifact) directory", "{qpc}": "the QPC output directory"}}
+    doc = {"argv": argv, "sdk_version": sdk_version,
+           "placeholders": {"{bundle}": "the bundle (or artifact) directory", "{qpc}": "the QPC output directory"}}
+    if vision is not None:
+        doc["vision_argv"] = vision_command(opts, vision, sdk_version, compiler)
+        doc["placeholders"]["{qpc_vision}"] = "the vision QPC's output directory, beside {qpc}"
+    return doc
 
 
 def write_bundle(ctx: BuildContext, out_dir: Path) -> BuiltArtifact:
@@ -35,17 +41,19 @@ def write_bundle(ctx: BuildContext, out_dir: Path) -> BuiltArtifact:
         files.append(rel)
     export_info = json.loads((inp.root / EXPORT_REPORT).read_text())
     onnx_rel = f"{ONNX_DIR}/model.onnx"
-    for rel, body in compile_files(int(export_info["layers"]), opts).items():
+    vision = export_info.get("vision")
+    for rel, body in compile_files(int(export_info["layers"]), opts, vision=vision).items():
         (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
         (out_dir / rel).write_bytes(body)
         files.append(rel)
-    doc = command_doc(opts, onnx_rel, opts.sdk_version)
+    doc = command_doc(opts, onnx_rel, opts.sdk_version, vision=vision)
     (out_dir / COMMAND_FILE).write_text(json.dumps(doc, indent=1) + "\n")
     files.append(COMMAND_FILE)
     # `needs`: what pull and status name when they say where the pending compile can run
     info = {"state": "compile_pending", "format": BUNDLE_FORMAT, "needs": "the Cloud AI SDK",
             "input": {"recipe": inp.recipe, "build_id": inp.build_id},
-            "compile": {"command": doc["argv"], "sdk_version": opts.sdk_version, "options": opts.recorded()}}
+            "compile": {"command": doc["argv"], "sdk_version": opts.sdk_version, "options": opts.recorded(),
+                        **({"vision_command": doc["vision_argv"]} if vision is not None else {})}}
     return BuiltArtifact(root=out_dir, files=files, info=info, known_digests=known, format=BUNDLE_FORMAT)
 
 
@@ -58,7 +66,7 @@ def check_bundle(root: Path, files: dict[str, str], opts: CompileOptions) -> lis
     if onnx_rel not in files:
         return [f"the bundle has no {onnx_rel}"]
     graph = onnx.load(str(root / onnx_rel), load_external_data=False).graph
-    io_names = [v.name for v in list(graph.input) + list(graph.output) if v.name.startswith("past_")]
+    io_names = [v.name for v in list(graph.input) + list(graph.output) if v.name.startswith(("past_", "vision_embeds"))]
     if opts.retained_state and not io_names:
         return ["the ONNX has no retained-state KV cache (an encoder): compile it with task: embedding"]
     if not opts.retained_state:
@@ -75,6 +83,7 @@ def check_bundle(root: Path, files: dict[str, str], opts: CompileOptions) -> lis
     if extra:
         problems.append(f"custom_io.yaml names tensors the ONNX does not have (first: {extra[0]})")
     problems += _check_symbols(root, graph)
+    problems += _check_vision(root, files, graph)
     inputs = [i.name for i in graph.input]
     if opts.full_batch_size and "batch_index" not in inputs:
         problems.append("full_batch_size is set but the ONNX has no batch_index input (export with batch_index: true)")
@@ -85,11 +94,29 @@ def check_bundle(root: Path, files: dict[str, str], opts: CompileOptions) -> lis
     return problems
 
 
-def _check_symbols(root: Path, graph) -> list[str]:
+def _check_vision(root: Path, files: dict[str, str], graph) -> list[str]:
+    """A VLM's language graph comes with its vision graph and that graph's compile inputs, and not otherwise."""
+    from .vision.compile import VISION_COMPILE_DIR
+
+    takes_image = any(i.name == "vision_embeds" for i in graph.input)
+    vision = json.loads((root / EXPORT_REPORT).read_text()).get("vision") if (root / EXPORT_REPORT).is_file() else None
+    if not takes_image:
+        return ["export.json records a vision graph, but the language ONNX takes no vision_embeds"] if vision else []
+    if vision is None or vision["path"] not in files:
+        return ["the language ONNX takes vision_embeds, but the bundle has no vision graph (export.json: vision)"]
+    import onnx
+
+    vision_graph = onnx.load(str(root / vision["path"]), load_external_data=False).graph
+    if [o.name for o in vision_graph.output] != ["vision_embeds"]:
+        return [f"{vision['path']} does not output vision_embeds"]
+    return _check_symbols(root, vision_graph, VISION_COMPILE_DIR)
+
+
+def _check_symbols(root: Path, graph, compile_dir: str = COMPILE_DIR) -> list[str]:
     """Every symbol a specialization sets is a dynamic axis of the ONNX."""
     symbols = {d.dim_param for v in list(graph.input) + list(graph.output)
                for d in v.type.tensor_type.shape.dim if d.dim_param}
-    specs = json.loads((root / COMPILE_DIR / "specializations.json").read_text())["specializations"]
+    specs = json.loads((root / compile_dir / "specializations.json").read_text())["specializations"]
     for spec in specs:
         unknown = set(spec.get("symbols", spec)) - {"name"} - symbols
         if unknown:

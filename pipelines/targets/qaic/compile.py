@@ -152,10 +152,12 @@ def named_specializations(sdk_version: str) -> bool:
     return _version_tuple(sdk_version) >= NAMED_SPECIALIZATIONS_FROM
 
 
-def specializations(opts: CompileOptions, sdk_version: str | None = None) -> dict[str, Any]:
+def specializations(opts: CompileOptions, sdk_version: str | None = None,
+                    vision: dict[str, Any] | None = None) -> dict[str, Any]:
     """Prefill then decode; every value a string. With continuous batching the prefill runs one
     sequence at a time into a `full_batch_size` cache and decode runs all slots. An encoder has one
-    specialization: the batch at the full sequence length."""
+    specialization: the batch at the full sequence length. `vision`: export.json's record of a VLM's vision
+    graph, whose image size the language graph's specializations fix too (vision/compile.py)."""
     named = named_specializations(sdk_version or opts.sdk_version)
     if opts.task == "transcribe":
         from .whisper import specializations as speech
@@ -172,14 +174,24 @@ def specializations(opts: CompileOptions, sdk_version: str | None = None) -> dic
         prefill["batch_size"] = "1"
     if opts.num_speculative_tokens:  # logits: the prefill's last position, every position of a decode step
         prefill[KEEP_INPUT], decode[KEEP_INPUT] = "1", str(step)
+    if vision is not None:
+        from .vision.compile import language_symbols
+
+        prefill.update(language_symbols(vision))
+        decode.update(language_symbols(vision))
     if named:
         return {"specializations": [{"name": "Prefill", "symbols": prefill}, {"name": "Decode", "symbols": decode}]}
     return {"specializations": [prefill, decode]}
 
 
-def custom_io(layers: int, opts: CompileOptions) -> str:
-    """custom_io.yaml: every past input and its retained output at the KV precision."""
+def custom_io(layers: int, opts: CompileOptions, vision: dict[str, Any] | None = None) -> str:
+    """custom_io.yaml: every past input and its retained output at the KV precision (and a VLM's image rows)."""
     lines = []
+    if vision is not None:
+        from .vision.compile import language_custom_io
+
+        for name, precision in language_custom_io():
+            lines += [f"- IOName: {name}", f"  Precision: {precision}", ""]
     if opts.task == "transcribe":  # Whisper: self and cross K/V per decoder layer
         from .whisper import custom_io_names
 
@@ -204,11 +216,18 @@ def partition(num_devices: int, num_cores: int) -> dict[str, Any]:
                             "devices": [{"deviceId": d, "numCores": num_cores} for d in range(num_devices)]}]}
 
 
-def compile_files(layers: int, opts: CompileOptions, sdk_version: str | None = None) -> dict[str, bytes]:
-    """The compile inputs beside the ONNX, by path relative to the bundle (or QPC artifact) root."""
-    files = {f"{COMPILE_DIR}/specializations.json": (json.dumps(specializations(opts, sdk_version), indent=1) + "\n").encode()}
+def compile_files(layers: int, opts: CompileOptions, sdk_version: str | None = None,
+                  vision: dict[str, Any] | None = None) -> dict[str, bytes]:
+    """The compile inputs beside the ONNX, by path relative to the bundle (or QPC artifact) root; `vision`: a
+    VLM's vision graph (export.json), whose own inputs come too (vision/compile.py)."""
+    spec = specializations(opts, sdk_version, vision)
+    files = {f"{COMPILE_DIR}/specializations.json": (json.dumps(spec, indent=1) + "\n").encode()}
     if opts.retained_state:  # an encoder has no KV tensors whose precision to set
-        files[f"{COMPILE_DIR}/custom_io.yaml"] = custom_io(layers, opts).encode()
+        files[f"{COMPILE_DIR}/custom_io.yaml"] = custom_io(layers, opts, vision).encode()
+    if vision is not None:
+        from .vision.compile import vision_files
+
+        files.update(vision_files(vision, named_specializations(sdk_version or opts.sdk_version)))
     if opts.num_devices > 1:
         files[f"{COMPILE_DIR}/{partition_name(opts.num_devices)}"] = (json.dumps(partition(opts.num_devices, opts.num_cores), indent=1) + "\n").encode()
     return files
@@ -245,8 +264,21 @@ def command(opts: CompileOptions, onnx_rel: str, sdk_version: str | None = None,
     return argv
 
 
+def vision_command(opts: CompileOptions, vision: dict[str, Any], sdk_version: str | None = None,
+                   compiler: str | None = None) -> list[str]:
+    """The argv of a VLM's vision QPC (vision/compile.py), same compiler and SDK rules as `command`."""
+    from .vision.compile import vision_command as argv
+
+    modern = _version_tuple(sdk_version or opts.sdk_version) >= QAIC_COMPILE_FROM
+    return argv(opts, vision, compiler or ("qaic-compile" if modern else "qaic-exec"), modern, BUNDLE)
+
+
 def fill(argv: list[str], bundle: Path, qpc: Path) -> list[str]:
-    return [a.replace(BUNDLE, str(bundle)).replace(QPC, str(qpc)) for a in argv]
+    """The placeholders replaced: {bundle}, {qpc} (the language or only QPC) and {qpc_vision} beside it."""
+    from .vision.compile import QPC_VISION, VISION_QPC_DIR
+
+    return [a.replace(BUNDLE, str(bundle)).replace(QPC_VISION, str(qpc.with_name(VISION_QPC_DIR))).replace(QPC, str(qpc))
+            for a in argv]
 
 
 @dataclass(frozen=True)

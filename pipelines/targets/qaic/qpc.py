@@ -24,7 +24,9 @@ from ...store.layout import BUNDLE_TAG_PREFIX, check_binding
 from .. import HardwareStep
 from .layout import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
 from .bundle import COMMAND_FILE
-from .compile import COMPILE_DIR, QPC_DIR, CompileOptions, Sdk, command, compile_files, fill, find_sdk, no_sdk_reason, run
+from .compile import (COMPILE_DIR, QPC_DIR, CompileOptions, Sdk, command, compile_files, fill, find_sdk, no_sdk_reason, run,
+                      vision_command)
+from .vision.compile import VISION_QPC_DIR
 from .families import window_served_full
 from .serving import describe
 from ... import settings
@@ -95,11 +97,12 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
     with work_dir(f"qpc-{build_id[:12]}-") as work:
         src, art = work / "bundle", work / "artifact"
         materialize_blobs(store, bundle.files, src)
-        layers = int(json.loads((src / EXPORT_REPORT).read_text())["layers"])
+        export_info = json.loads((src / EXPORT_REPORT).read_text())
+        layers, vision = int(export_info["layers"]), export_info.get("vision")
         model_config = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
         art.mkdir()
         # Compile inputs for this host's SDK, written into the artifact (never into the linked blobs).
-        inputs = compile_files(layers, opts, sdk.version)
+        inputs = compile_files(layers, opts, sdk.version, vision=vision)
         for rel, body in inputs.items():
             (art / rel).parent.mkdir(parents=True, exist_ok=True)
             (art / rel).write_bytes(body)
@@ -108,14 +111,23 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
             (src / rel).write_bytes(body)
         argv = command(opts, f"{ONNX_DIR}/model.onnx", sdk.version, compiler=str(sdk.compiler))
-        seconds = run(fill(argv, src, art / QPC_DIR), work / "compile.log", what, float(settings.QAIC_COMPILE_TIMEOUT.get()))
-        program = art / QPC_DIR / PROGRAM
-        if not program.is_file() or program.stat().st_size == 0:
-            raise EngineFailed(f"{what}: the compiler exited 0 but wrote no {QPC_DIR}/{PROGRAM}; nothing was published")
-        with open(program, "rb") as f:
-            stand_in = f.read(len(STAND_IN_MARK)) == STAND_IN_MARK
+        programs = [(argv, QPC_DIR)]
+        if vision is not None:  # a VLM's dual QPC: the vision program beside the language one
+            programs.append((vision_command(opts, vision, sdk.version, compiler=str(sdk.compiler)), VISION_QPC_DIR))
+        seconds, stand_in = 0.0, False
+        for args, out_dir in programs:
+            seconds += run(fill(args, src, art / QPC_DIR), work / "compile.log", what,
+                           float(settings.QAIC_COMPILE_TIMEOUT.get()))
+            program = art / out_dir / PROGRAM
+            if not program.is_file() or program.stat().st_size == 0:
+                raise EngineFailed(f"{what}: the compiler exited 0 but wrote no {out_dir}/{PROGRAM}; nothing was published")
+            with open(program, "rb") as f:
+                stand_in = stand_in or f.read(len(STAND_IN_MARK)) == STAND_IN_MARK
         recorded = [str(sdk.compiler.name)] + argv[1:]
-        (art / COMMAND_FILE).write_text(json.dumps({"argv": recorded, "sdk_version": sdk.version}, indent=1) + "\n")
+        doc = {"argv": recorded, "sdk_version": sdk.version}
+        if vision is not None:
+            doc["vision_argv"] = [str(sdk.compiler.name)] + programs[1][0][1:]
+        (art / COMMAND_FILE).write_text(json.dumps(doc, indent=1) + "\n")
         (art / SDK_FILE).write_text(json.dumps(qpc_toolchain(sdk), indent=1, sort_keys=True) + "\n")
         known = {}
         for f in bundle.files:  # config and tokenizer travel with the QPC; the ONNX and bundle inputs do not
@@ -130,10 +142,11 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
             digest = known.get(rel) or sha256_file(path)
             store.put_blob(path, digest)
             entries.append(FileEntry(path=rel, sha256=digest, size=path.stat().st_size))
-    qpc_files = [e for e in entries if e.path.startswith(f"{QPC_DIR}/")]
+    qpc_files = [e for e in entries if e.path.startswith((f"{QPC_DIR}/", f"{VISION_QPC_DIR}/"))]
     trust = config is not None and model_id in config.registry.trust_remote_code_allowlist
     full = window_served_full(model_config) is not None  # Gemma 2: the server must not window what the graph does not
-    serving = {p["id"]: describe(opts, p, model_id, trust, sdk.toolchain(), disable_sliding_window=full)
+    serving = {p["id"]: describe(opts, p, model_id, trust, sdk.toolchain(), disable_sliding_window=full,
+                                 vision=vision is not None)
                for p in _profiles(config, recipe_id)}
     validation = dict(bundle.validation or {})
     # No timings in the manifest: its bytes are the same for a build id whichever host compiled it.
@@ -142,7 +155,8 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
         build_id=build_id, model=bundle.model, recipe=bundle.recipe, runtime_profiles=list(serving), format="qpc",
         files=entries, toolchain={**bundle.toolchain, **qpc_toolchain(sdk)},
         build={"input": {"recipe": recipe_id, "build_id": bundle.build_id, "format": BUNDLE_FORMAT},
-               "export": bundle.build.get("input"), "compile": {"command": recorded, "sdk": qpc_toolchain(sdk)},
+               "export": bundle.build.get("input"), "compile": {"command": recorded, "sdk": qpc_toolchain(sdk),
+                                                                    **({"vision_command": doc["vision_argv"]} if vision else {})},
                "state": "compiled",
                **({"stand_in": f"compiled by a stand-in for {sdk.compiler.name}: not a QPC a device can load"}
                   if stand_in else {})},

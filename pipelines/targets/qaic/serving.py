@@ -14,10 +14,11 @@ from typing import Any
 
 from .. import MODEL_DIR
 from .compile import QPC_DIR, CompileOptions
+from .vision.compile import VISION_QPC_DIR
 
 
 def engine_args(opts: CompileOptions, model_id: str, trust_remote_code: bool,
-                disable_sliding_window: bool = False) -> dict[str, Any]:
+                disable_sliding_window: bool = False, vision: bool = False) -> dict[str, Any]:
     """`disable_sliding_window`: the export computes full attention where the config declares a window (Gemma 2,
     families.window_served_full), as the seed's serving notes ask of the Gemma family under vLLM."""
     args: dict[str, Any] = {
@@ -39,6 +40,8 @@ def engine_args(opts: CompileOptions, model_id: str, trust_remote_code: bool,
 
         args["max_seq_len_to_capture"] = None
         args.update(serving_args())
+    if vision:  # one image per prompt: the vision QPC's one Vision specialization
+        args["limit_mm_per_prompt"] = json.dumps({"image": 1})
     return {k: v for k, v in args.items() if v is not None and v is not False}
 
 
@@ -47,15 +50,22 @@ def speculative_config(k: int) -> str:
     return json.dumps({"method": "ngram", "num_speculative_tokens": k}, separators=(",", ":"))
 
 
+def qpc_path(vision: bool) -> str:
+    """The prebuilt QPC(s) in the pulled model directory: a VLM's dual QPC as `<vision_qpc>:<language_qpc>`,
+    the form vllm-qaic's loader splits (reference/ai100-qpc.md; unconfirmed on a device)."""
+    language = f"{MODEL_DIR}/{QPC_DIR}"
+    return f"{MODEL_DIR}/{VISION_QPC_DIR}:{language}" if vision else language
+
+
 def qpc_env(opts: CompileOptions) -> str:
     """The variable vllm-qaic reads the prebuilt QPC from: the target's in speculative mode."""
     return "VLLM_QAIC_SPEC_TARGET_QPC_PATH" if opts.num_speculative_tokens else "VLLM_QAIC_QPC_PATH"
 
 
 def describe(opts: CompileOptions, profile: dict[str, Any], model_id: str, trust_remote_code: bool,
-             sdk: dict[str, str], disable_sliding_window: bool = False) -> dict[str, Any]:
+             sdk: dict[str, str], disable_sliding_window: bool = False, vision: bool = False) -> dict[str, Any]:
     """The vllm-qaic description recorded in a QPC's manifest (pull prints image, env and command)."""
-    args = engine_args(opts, model_id, trust_remote_code, disable_sliding_window)
+    args = engine_args(opts, model_id, trust_remote_code, disable_sliding_window, vision)
     argv = ["vllm", "serve", MODEL_DIR]
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
@@ -64,7 +74,7 @@ def describe(opts: CompileOptions, profile: dict[str, Any], model_id: str, trust
         "engine": "vllm-qaic", "image": profile.get("image"),
         "engine_args": args,
         "env": {"HF_HUB_OFFLINE": "1", **((profile.get("serving") or {}).get("env") or {}),
-                qpc_env(opts): f"{MODEL_DIR}/{QPC_DIR}"},
+                qpc_env(opts): qpc_path(vision)},
         "command": argv,
         "compiled_for": {"task": opts.task, "ctx_len": opts.ctx_len, "prefill_seq_len": opts.prefill_seq_len,
                          "batch_size": opts.batch_size, "full_batch_size": opts.full_batch_size,

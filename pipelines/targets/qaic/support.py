@@ -1,5 +1,6 @@
 """Which models the AI 100 kinds convert, and what `check` says of the others: the one place their supported
-set is decided (the decoder families of families/, the encoders of encoders.py, Whisper of whisper.py), read through the Target
+set is decided (the decoder families of families/, the encoders of encoders.py, Whisper of whisper.py, the
+vision-language families of vision/), read through the Target
 protocol (`supports`, `refusal`).
 
 The registry's validated matrix (`qaic: true`) is the platform's fact, and decides the status `check` answers;
@@ -15,7 +16,8 @@ if TYPE_CHECKING:
     from ...compat.database import Architecture
 
 # The model tasks an AI 100 export covers, and which export (tests check every exported architecture's task).
-EXPORTS = {"causal-lm": "decoder", "embedding": "encoder", "reranker": "encoder", "seq2seq-audio": "speech"}
+EXPORTS = {"causal-lm": "decoder", "embedding": "encoder", "reranker": "encoder", "seq2seq-audio": "speech",
+           "vision-language": "vision"}
 
 
 def decoder_archs() -> frozenset[str]:
@@ -37,9 +39,21 @@ def speech_archs() -> frozenset[str]:
     return ARCHITECTURES
 
 
+def vision_archs() -> frozenset[str]:
+    """Vision-language models exported as a vision graph and a language graph (vision/, dual QPC)."""
+    from .vision import ARCHITECTURES
+
+    return ARCHITECTURES
+
+
+def generate_archs() -> frozenset[str]:
+    """What a `task: generate` compile builds: decoders, and the language graph (+ vision QPC) of a VLM."""
+    return decoder_archs() | vision_archs()
+
+
 def export_archs() -> frozenset[str]:
     """Everything the qaic-export recipe converts."""
-    return decoder_archs() | encoder_archs() | speech_archs()
+    return decoder_archs() | encoder_archs() | speech_archs() | vision_archs()
 
 
 def exported(arch: "Architecture | None", architecture: str, names: frozenset[str]) -> bool:
@@ -61,18 +75,25 @@ def refusal(arch: "Architecture | None", architecture: str, names: frozenset[str
     if exported(arch, architecture, export_archs()):  # another compile task builds it
         kind = EXPORTS[arch.task]
         return f"{arch.name} is exported as {TASK_OF[kind][0]}: a compile with task: {TASK_OF[kind][1]} builds it"
-    covered = {"decoder": decoder_archs, "encoder": encoder_archs, "speech": speech_archs}[EXPORTS[arch.task]]()
+    covered = {"decoder": decoder_archs, "encoder": encoder_archs, "speech": speech_archs,
+               "vision": vision_archs}[EXPORTS[arch.task]]()
     return f"no hive-aot exporter for {arch.name} yet (the AI 100 {arch.task} export covers {', '.join(sorted(covered))})"
 
 
 # export -> (what the model is exported as, the compile task that builds it)
 TASK_OF = {"decoder": ("a decoder", "generate"), "encoder": ("an encoder", "embedding"),
-           "speech": ("one Encoder/Decode graph", "transcribe")}
+           "speech": ("one Encoder/Decode graph", "transcribe"),
+           "vision": ("a vision graph and a language graph", "generate")}
 
 
 def is_speech(config: dict[str, Any]) -> bool:
     archs = config.get("architectures") or []
     return bool(archs) and archs[0] in speech_archs()
+
+
+def is_vision(config: dict[str, Any]) -> bool:
+    archs = config.get("architectures") or []
+    return bool(archs) and archs[0] in vision_archs()
 
 
 def is_encoder(config: dict[str, Any]) -> bool:

@@ -11,9 +11,9 @@ Memory: the model is loaded whole, in fp32 (transformers' classes, no remote cod
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from ....errors import ModelFormatError
@@ -33,6 +33,7 @@ class VisionReport:
     path: str  # relative to the export's root
     files: list[str]  # relative to the export's root
     inputs: list[str]
+    float_inputs: list[str]  # the image tensors (compiled as float16 IO); the others are integer grids or ids
     vision_size: int  # image rows per image (the language graph's vision_size symbol)
     hidden: int
     image_token_id: int
@@ -58,16 +59,28 @@ def load_vlm(model_dir: Path):
                                f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
 
 
-def language_decoder(family: VisionFamily, model, *, batch_index: bool, ctx_len: int | None = None, kv_transform=None):
-    """The retained-state decoder (decoder.py) over the VLM's language model, merging image rows."""
-    from ..decoder import build_decoder
+def language_shim(family: VisionFamily, model):
+    """The VLM's language model as the decoder families read a causal LM (config, decoder stack under the
+    family's base name, lm_head): a module holding the VLM's own submodules, nothing copied."""
+    import torch
+
     from ..families import family_for
 
     config, stack, head = family.language_model(model)
     _arch, fam = family_for(config)
-    shim = SimpleNamespace(config=config, lm_head=head, **{fam.base: stack})
-    return build_decoder(shim, batch_index=batch_index, ctx_len=ctx_len, kv_transform=kv_transform,
-                         image_token=family.image_token_id(model.config))
+    shim = torch.nn.Module()
+    shim.config = config
+    setattr(shim, fam.base, stack)
+    shim.lm_head = head
+    return shim
+
+
+def language_decoder(family: VisionFamily, model, *, batch_index: bool, ctx_len: int | None = None, kv_transform=None):
+    """The retained-state decoder (decoder.py) over the VLM's language model, merging image rows."""
+    from ..decoder import build_decoder
+
+    return build_decoder(language_shim(family, model), batch_index=batch_index, ctx_len=ctx_len,
+                         kv_transform=kv_transform, image_token=family.image_token_id(model.config))
 
 
 def round_language(family: VisionFamily, model, weight_dtype: str) -> None:
@@ -98,7 +111,9 @@ def export_vision(family: VisionFamily, model, root: Path) -> VisionReport:
     out = Path(root) / VISION_DIR / "model.onnx"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".trace")
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # the vision towers' shape checks become constants of the trace: right for the one compiled image size
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
         embeds = module(*(torch.from_numpy(a) for a in sample.values()))
         torch.onnx.export(module, tuple(torch.from_numpy(a) for a in sample.values()), str(tmp), input_names=names,
                           output_names=["vision_embeds"], dynamic_axes={k: v for k, v in axes.items() if v},
@@ -115,7 +130,8 @@ def export_vision(family: VisionFamily, model, root: Path) -> VisionReport:
         raise ModelFormatError(f"the vision module gives {tuple(embeds.shape)}, not [images, {size}, hidden]: the "
                                "family's declaration does not match this checkpoint")
     return VisionReport(architecture=model.config.architectures[0], path=f"{VISION_DIR}/model.onnx",
-                        files=[f"{VISION_DIR}/model.onnx", f"{VISION_DIR}/{data}"], inputs=names, vision_size=size,
+                        files=[f"{VISION_DIR}/model.onnx", f"{VISION_DIR}/{data}"], inputs=names,
+                        float_inputs=[n for n, a in sample.items() if a.dtype.kind == "f"], vision_size=size,
                         hidden=int(embeds.shape[-1]), image_token_id=family.image_token_id(model.config),
                         symbols=family.vision_symbols(model.config))
 

@@ -1,0 +1,64 @@
+"""The compile contract of a vision-language bundle's second program, as data (plain Python, read on the
+compile host without torch): QEfficient's dual QPC (reference/ai100-qpc.md, VLMs).
+
+- the vision QPC: `onnx/vision/model.onnx` with one `Vision` specialization (the family's symbols, recorded in
+  export.json), no `-retained-state`, never `-mxfp6-matmul`, its image inputs and `vision_embeds` in the model's
+  compute dtype (float16 after `-convert-to-fp16`) through `compile/vision/custom_io.yaml`; one device (the
+  language QPC is the one tensor slicing splits), written to `qpc-vision/`;
+- the language QPC: the usual decoder compile, its Prefill and Decode specializations also fixing
+  `vision_batch_size` (1) and `vision_size` (the image rows), and `vision_embeds` with its retained twin kept in
+  float16 whatever the KV precision.
+vllm-qaic loads a prebuilt dual QPC from one path naming both, `<vision_qpc>:<language_qpc>` (serving.py).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..layout import RETAINED
+
+VISION_COMPILE_DIR = "compile/vision"
+VISION_QPC_DIR = "qpc-vision"  # beside the language QPC's qpc/
+QPC_VISION = "{qpc_vision}"  # the placeholder of the vision QPC's output directory in a recorded command
+IMAGE_ROWS = ("vision_embeds", f"vision_embeds{RETAINED}")  # the language graph's image state
+
+
+def language_symbols(vision: dict[str, Any]) -> dict[str, str]:
+    """What the language graph's Prefill and Decode specializations add: one image of `vision_size` rows."""
+    return {"vision_batch_size": "1", "vision_size": str(int(vision["vision_size"]))}
+
+
+def language_custom_io() -> list[tuple[str, str]]:
+    """The image rows stay in the model's dtype (QEfficient never compresses them to MXINT8)."""
+    return [(name, "float16") for name in IMAGE_ROWS]
+
+
+def vision_specializations(vision: dict[str, Any], named: bool) -> dict[str, Any]:
+    symbols = {k: str(v) for k, v in vision["symbols"].items()}
+    return {"specializations": [{"name": "Vision", "symbols": symbols} if named else symbols]}
+
+
+def vision_custom_io(vision: dict[str, Any]) -> str:
+    lines = []
+    for name in list(vision["float_inputs"]) + ["vision_embeds"]:  # integer inputs (grids, ids) keep their type
+        lines += [f"- IOName: {name}", "  Precision: float16", ""]
+    return "\n".join(lines)
+
+
+def vision_files(vision: dict[str, Any], named: bool) -> dict[str, bytes]:
+    return {f"{VISION_COMPILE_DIR}/specializations.json": (json.dumps(vision_specializations(vision, named), indent=1)
+                                                           + "\n").encode(),
+            f"{VISION_COMPILE_DIR}/custom_io.yaml": vision_custom_io(vision).encode()}
+
+
+def vision_command(opts, vision: dict[str, Any], exe: str, modern: bool, bundle: str) -> list[str]:
+    """The vision QPC's compiler argv (`bundle`: compile.py's placeholder of the bundle directory; the output
+    is the {qpc_vision} placeholder). `opts`: the recipe's CompileOptions (cores, hardware version)."""
+    argv = [exe, "-aic-hw", f"-aic-hw-version={opts.hw_version}", f"-m={bundle}/{vision['path']}", "-convert-to-fp16"]
+    if not modern:
+        argv.append("-compile-only")
+    argv += [f"-aic-num-cores={opts.num_cores}",
+             f"-network-specialization-config={bundle}/{VISION_COMPILE_DIR}/specializations.json",
+             f"-custom-IO-list-file={bundle}/{VISION_COMPILE_DIR}/custom_io.yaml", f"-aic-binary-dir={QPC_VISION}"]
+    return argv

@@ -1,0 +1,171 @@
+"""AI 100 vision-language models (pipelines/targets/qaic/vision/, issue 25 item 1), QEfficient's dual QPC: a tiny
+random LLaVA-1.5 exported as a vision graph and a language graph that merges the image rows over the placeholder
+tokens, run in onnxruntime on a synthetic image (numpy) against transformers fp32 (both halves and end to end);
+the compile inputs of both QPCs; and the whole path check -> export -> bundle -> STAND-IN compile -> pull."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from pipelines.targets.qaic.compile import CompileOptions, command, compile_files, fill, vision_command
+from pipelines.targets.qaic.vision import VISION_FAMILIES, vision_family
+from pipelines.targets.qaic.vision.export import VISION_DIR, export_vlm, load_vlm, round_language
+from pipelines.targets.qaic.vision.parity import image_prompt, run_language, run_vision, vlm_parity
+
+TEXT = [1, 17, 33, 90, 5, 6, 7, 40]
+
+
+def tiny_llava(model_dir: Path, vocab: int = 256, image_token: int = 255, text_layers: int = 2) -> Path:
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=text_layers, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=4096, initializer_range=0.1)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              image_size=56, patch_size=14, projection_dim=32)
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token, vision_feature_layer=-2)
+    LlavaForConditionalGeneration(cfg).save_pretrained(str(model_dir))
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    model_dir = tiny_llava(tmp_path_factory.mktemp("llava") / "model")
+    _arch, family = vision_family(json.loads((model_dir / "config.json").read_text()))
+    model = load_vlm(model_dir)
+    round_language(family, model, "float16")
+    root = tmp_path_factory.mktemp("llava-onnx")
+    report, vision = export_vlm(family, model, root, batch_index=True)
+    return family, model, root, report, vision
+
+
+@pytest.mark.parametrize("case", ["LlavaForConditionalGeneration"])
+def test_both_graphs_match_transformers_end_to_end_on_a_synthetic_image(case, exported):
+    family, model, root, _report, vision = exported
+    assert vision.architecture == case
+    r = vlm_parity(family, model, root / "onnx" / "model.onnx", root / vision.path, TEXT, decode_steps=8)
+    assert r["finite"] and r["steps"] == 9 and r["vision_rows"] == 16 == vision.vision_size
+    assert r["vision_max_abs_delta"] < 1e-4, r
+    assert r["top1_agreement"] == 1.0 and r["max_abs_logit_delta"] < 1e-3, r
+    assert r["tokens_equal"], r
+    assert r["image_rows_consumed"] == 16  # image_idx_output: every row was read by the prefill
+    other = family.vision_inputs(model.config, 1)  # a second image changes what the model says
+    prompt = image_prompt(family, model.config, TEXT)
+    first = run_language(root / "onnx" / "model.onnx", run_vision(root / vision.path, family.vision_inputs(model.config, 0)),
+                         prompt, 0, len(prompt) + 4)["logits"][0]
+    second = run_language(root / "onnx" / "model.onnx", run_vision(root / vision.path, other), prompt, 0,
+                          len(prompt) + 4)["logits"][0]
+    assert np.abs(first - second).max() > 1e-3
+
+
+def test_an_image_split_over_two_prefill_chunks_gives_the_same_logits(exported):
+    """image_idx_output carries the next row into the next chunk, as the device's chunked prefill needs."""
+    from pipelines.targets.qaic.ort import _empty_state, session
+
+    family, model, root, _report, vision = exported
+    embeds = run_vision(root / vision.path, family.vision_inputs(model.config, 0))
+    prompt = image_prompt(family, model.config, TEXT)
+    whole = run_language(root / "onnx" / "model.onnx", embeds, prompt, 0, 32)["logits"][0]
+    sess = session(root / "onnx" / "model.onnx")
+    state = _empty_state(sess, 1, 32)
+    names = [o.name for o in sess.get_outputs()]
+    image = {"vision_embeds": embeds, "image_idx": np.zeros((1, 1), np.int64)}
+    for lo, hi in ((0, 9), (9, len(prompt))):  # the split falls inside the image rows
+        feed = {"input_ids": np.asarray([prompt[lo:hi]]), "position_ids": np.arange(lo, hi)[None],
+                "batch_index": np.zeros((1, 1), np.int64), **image, **state}
+        res = dict(zip(names, sess.run(names, feed)))
+        state = {k: res[f"{k}_RetainedState"] for k in state}
+        image = {"vision_embeds": res["vision_embeds_RetainedState"], "image_idx": res["image_idx_output"]}
+    assert int(image["image_idx"][0, 0]) == 16
+    assert np.abs(res["logits"][0, 0] - whole).max() < 1e-4
+
+
+def test_the_graph_contract(exported):
+    _family, _model, root, report, vision = exported
+    lang = onnx.load(str(root / "onnx" / "model.onnx"), load_external_data=False).graph
+    inits = {t.name for t in lang.initializer}
+    names = [i.name for i in lang.input if i.name not in inits]
+    assert names[:4] == ["input_ids", "vision_embeds", "position_ids", "image_idx"] and names[-1] == "batch_index"
+    assert [o.name for o in lang.output][:3] == ["logits", "vision_embeds_RetainedState", "image_idx_output"]
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in lang.input}
+    assert dims["vision_embeds"] == ["vision_batch_size", "vision_size", 64]
+    vis = onnx.load(str(root / vision.path), load_external_data=False).graph
+    assert [i.name for i in vis.input if i.name not in {t.name for t in vis.initializer}] == ["pixel_values"]
+    assert [o.name for o in vis.output] == ["vision_embeds"]
+    assert vision.path == f"{VISION_DIR}/model.onnx" and vision.float_inputs == ["pixel_values"]
+    assert vision.symbols == {"batch_size": "1", "img_size": "56"} and report.layers == 2
+
+
+def test_the_compile_inputs_and_commands_of_the_dual_qpc(exported):
+    _family, _model, _root, report, vision = exported
+    info = vision.to_json()
+    opts = CompileOptions.parse({"num_cores": 4, "ctx_len": 256, "prefill_seq_len": 32})
+    files = compile_files(report.layers, opts, "1.22", vision=info)
+    specs = json.loads(files["compile/specializations.json"])["specializations"]
+    assert [s["name"] for s in specs] == ["Prefill", "Decode"]
+    assert all(s["symbols"]["vision_size"] == "16" and s["symbols"]["vision_batch_size"] == "1" for s in specs)
+    io = files["compile/custom_io.yaml"].decode()
+    assert "- IOName: vision_embeds\n  Precision: float16" in io
+    assert "- IOName: vision_embeds_RetainedState\n  Precision: float16" in io and "past_key.1_RetainedState" in io
+    assert json.loads(files["compile/vision/specializations.json"]) == {
+        "specializations": [{"name": "Vision", "symbols": {"batch_size": "1", "img_size": "56"}}]}
+    assert files["compile/vision/custom_io.yaml"].decode().split() == [
+        "-", "IOName:", "pixel_values", "Precision:", "float16", "-", "IOName:", "vision_embeds", "Precision:", "float16"]
+    lang, vis = command(opts, "onnx/model.onnx"), vision_command(opts, info)
+    assert "-mxfp6-matmul" in lang and "-retained-state" in lang
+    assert "-mxfp6-matmul" not in vis and "-retained-state" not in vis  # QEfficient: the vision QPC never MXFP6
+    assert vis[3:] == ["-m={bundle}/onnx/vision/model.onnx", "-convert-to-fp16", "-aic-num-cores=4",
+                       "-network-specialization-config={bundle}/compile/vision/specializations.json",
+                       "-custom-IO-list-file={bundle}/compile/vision/custom_io.yaml", "-aic-binary-dir={qpc_vision}"]
+    filled = fill(vis, Path("/b"), Path("/a/qpc"))
+    assert filled[-1] == "-aic-binary-dir=/a/qpc-vision" and filled[3] == "-m=/b/onnx/vision/model.onnx"
+    legacy = json.loads(compile_files(report.layers, opts, "1.20", vision=info)["compile/vision/specializations.json"])
+    assert legacy == {"specializations": [{"batch_size": "1", "img_size": "56"}]}
+
+
+def test_every_declared_family_names_its_architectures_once():
+    assert "LlavaForConditionalGeneration" in VISION_FAMILIES
+    for arch, family in VISION_FAMILIES.items():
+        assert arch in family.architectures
+    from pipelines.errors import NotApplicableError
+
+    with pytest.raises(NotApplicableError, match="no AI 100 vision-language export for FooForConditionalGeneration"):
+        vision_family({"architectures": ["FooForConditionalGeneration"]})
+
+
+def test_llava_goes_through_check_export_bundle_and_standin_compile(smollm2_dir, tmp_path):
+    """check routes a tiny LLaVA to the qaic recipes; the build exports both graphs (ORT parity gated), writes the
+    dual bundle (quality predicted on both QPCs), and the STAND-IN compile builds both programs and binds vllm-qaic
+    to `<vision_qpc>:<language_qpc>` with one image per prompt."""
+    from qaic_flow import run_flow
+    from qaic_standin import LABEL
+
+    vocab = json.loads((smollm2_dir / "config.json").read_text())["vocab_size"]
+    model_dir = tiny_llava(tmp_path / "llava", vocab=vocab + 1, image_token=vocab)
+    # a random tiny model's logits are near-ties, so MXFP6 flips many of them: the gate here is the plumbing
+    flow = run_flow(tmp_path, model_dir, smollm2_dir, "test-org/tiny-llava", "qaic-mxfp6", "qaic-vlm-tiny",
+                    {"num_cores": 2, "ctx_len": 256, "prefill_seq_len": 32}, validation={"min_predicted_top1": 0.3})
+    assert {"qaic-export", "qaic-mxfp6", "qaic-fp16", "qaic-vlm-tiny"} <= set(flow.check["recipes"]), flow.check
+    export, m = flow.export, flow.export["validation"]["metrics"]
+    assert export["build"]["export"]["vision"]["vision_size"] == 16
+    assert m["ort_top1_agreement"] == 1.0 and m["ort_max_abs_delta"] < 1e-3 and m["ort_vision_max_abs_delta"] < 1e-4, m
+    assert {"onnx/vision/model.onnx", "onnx/vision/model.onnx.data", "onnx/model.onnx"} <= {f["path"] for f in export["files"]}
+    assert flow.bundle["build"]["compile"]["vision_command"][-1] == "-aic-binary-dir={qpc_vision}"
+    q = flow.bundle["validation"]["mxfp6"]
+    assert q["emulated"] == ["fp16 vision weights", "mxfp6 language weights", "mxint8 kv cache"] and q["positions"] > 20
+    pulled, served = flow.pulled, flow.served
+    argv = pulled["serve_argv"]
+    assert argv[argv.index("--limit-mm-per-prompt") + 1] == '{"image": 1}'
+    language = json.loads((served / "qpc" / "programqpc.bin").read_bytes()[len(LABEL):])
+    vision = json.loads((served / "qpc-vision" / "programqpc.bin").read_bytes()[len(LABEL):])
+    assert [s["name"] for s in vision["specializations"]] == ["Vision"] and "-mxfp6-matmul" not in vision["flags"]
+    assert language["custom_io"]["vision_embeds"] == "float16" and "-mxfp6-matmul" in language["flags"]
+    assert language["specializations"][0]["symbols"]["vision_size"] == "16"
+    assert pulled["env"]["VLLM_QAIC_QPC_PATH"] == f"{served}/qpc-vision:{served}/qpc"
+    assert pulled["serve_refused"] is None, pulled["serve_refused"]  # the serve policy runs what the kind wrote
