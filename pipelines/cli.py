@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from . import settings
 from .errors import HiveError
 
 from .cli_output import (EXIT_ERROR, EXIT_INCOMPATIBLE, EXIT_OK, EXIT_REJECTED, EXIT_RESOURCES,  # noqa: F401
@@ -70,8 +71,6 @@ def cmd_check(args) -> int:
 
 
 def cmd_settings(args) -> int:
-    from . import settings
-
     rows = settings.describe()
     human = "\n".join(f"{r['name']:30} {'set' if r['set'] else '-':4} {r['value'] if r['value'] is not None else '':24} "
                       f"{r['meaning']}" for r in rows)
@@ -420,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ModuleNotFoundError as e:
         return _fail(args, _missing_extra(args.command, e))
-    except HiveError as e:
+    except (HiveError, settings.SettingError) as e:
         return _fail(args, e)
     except BrokenPipeError:
         # The reader went away (`hive-aot ls | head`): stop quietly, as Unix tools do.
@@ -431,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _fail(args: argparse.Namespace, e: HiveError) -> int:
+def _fail(args: argparse.Namespace, e: "HiveError | settings.SettingError") -> int:
     print(f"hive-aot: error: {e}", file=sys.stderr)
     if getattr(args, "json", False):
         sys.stdout.write(json.dumps({"error": str(e), "exit_code": e.exit_code}) + "\n")

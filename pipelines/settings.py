@@ -17,6 +17,13 @@ from dataclasses import dataclass
 OPERATOR, TESTS = "operator", "tests"  # who sets it: a deployment, or the test suite's fault injection
 
 
+class SettingError(ValueError):
+    """A variable holds a value its reader cannot use (one line: the name, the value, what it must be). The CLI
+    reports it as a configuration error (exit 2), never a traceback."""
+
+    exit_code = 2
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str
@@ -34,6 +41,17 @@ class Setting:
         """Exactly what the environment holds (None: absent), for a reader that must tell a blank value from an
         absent one (trusted keys fail closed on a value that names nothing)."""
         return os.environ.get(self.name)
+
+    def seconds(self) -> float:
+        """The value as a positive number of seconds (a timeout)."""
+        value = self.get()
+        try:
+            seconds = float(value or "")
+        except ValueError:
+            seconds = float("nan")
+        if not seconds > 0 or seconds == float("inf"):
+            raise SettingError(f"{self.name}={value!r}: expected a positive number of seconds")
+        return seconds
 
     def is_set(self) -> bool:
         return bool(os.environ.get(self.name, "").strip())

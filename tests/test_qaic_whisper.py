@@ -63,6 +63,21 @@ def test_ort_parity_encoder_then_decode_steps_and_greedy_end_to_end(case, export
     assert a != b  # the decode steps read the audio (the retained cross KV), not only the tokens
 
 
+def test_the_parity_prompt_is_the_one_generate_builds():
+    """start, language (English), task (transcribe), no timestamps for a multilingual model; an English-only
+    model has no language or task token; a config naming none starts with the start token alone."""
+    from transformers import GenerationConfig
+
+    model = tiny_whisper()
+    model.generation_config = GenerationConfig(is_multilingual=True, lang_to_id={"<|en|>": 10, "<|de|>": 11},
+                                               task_to_id={"transcribe": 20, "translate": 21}, no_timestamps_token_id=30)
+    assert whisper.start_tokens(model) == [1, 10, 20, 30]
+    model.generation_config = GenerationConfig(is_multilingual=False, no_timestamps_token_id=30)
+    assert whisper.start_tokens(model) == [1, 30]
+    model.generation_config = GenerationConfig()
+    assert whisper.start_tokens(model) == [1]
+
+
 def test_the_graph_contract(exported):
     model, report = exported
     graph = onnx.load(report.path, load_external_data=False)
@@ -123,7 +138,8 @@ def test_compile_inputs_and_serving_binding_for_speech_to_text():
         {"name": "Decode", "symbols": {"batch_size": "1", "seq_len": "1", "encoder_ctx_len": "1500",
                                        "decoder_ctx_len": "150", "feature_len": "1"}}]}
     io = files["compile/custom_io.yaml"].decode()
-    assert io.count("- IOName: ") == 16 and "- IOName: past_value_cross.1_RetainedState\n  Precision: float16" in io
+    assert io.count("- IOName: ") == 17 and "- IOName: past_value_cross.1_RetainedState\n  Precision: float16" in io
+    assert io.startswith("- IOName: input_features\n  Precision: float16\n")  # QEfficient: the log-mel in fp16 too
     argv = command(opts, "onnx/model.onnx")
     assert "-retained-state" in argv and "-convert-to-fp16" in argv and "-mxfp6-matmul" not in argv
     d = describe(opts, {"id": "vllm-qaic"}, "openai/whisper-tiny", False, {})

@@ -157,3 +157,24 @@ def test_the_cli_lists_every_setting_and_masks_credentials(monkeypatch, capsys):
     assert cli.main(["settings"]) == 0
     human = capsys.readouterr().out
     assert "hunter2" not in human and len(human.splitlines()) == len(settings.ALL)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf", "1e999"])
+def test_a_timeout_that_is_not_a_positive_number_is_one_line_naming_it(value, monkeypatch):
+    from pipelines.settings import QAIC_COMPILE_TIMEOUT, SettingError
+
+    monkeypatch.setenv(QAIC_COMPILE_TIMEOUT.name, value)
+    with pytest.raises(SettingError) as e:
+        QAIC_COMPILE_TIMEOUT.seconds()
+    assert str(e.value) == f"HIVE_AOT_QAIC_COMPILE_TIMEOUT={value!r}: expected a positive number of seconds"
+    assert e.value.exit_code == 2
+
+
+def test_a_timeout_reads_seconds_and_falls_back_to_its_default(monkeypatch):
+    from pipelines.settings import VLLM_TIMEOUT
+
+    monkeypatch.setenv(VLLM_TIMEOUT.name, " 2.5 ")
+    assert VLLM_TIMEOUT.seconds() == 2.5
+    monkeypatch.setenv(VLLM_TIMEOUT.name, "")
+    assert VLLM_TIMEOUT.seconds() == float(VLLM_TIMEOUT.default)
+

@@ -61,6 +61,11 @@ def _max_positions(config: dict[str, Any]) -> int | None:
     return n
 
 
+def _whole(config: dict[str, Any]) -> str:
+    """What plan says is loaded whole (the models not streamed layer by layer)."""
+    return "vision-language model" if is_vision(config) else "Whisper model" if is_speech(config) else "encoder"
+
+
 class ExportThresholds(Thresholds):
     """onnxruntime against transformers fp32 on the same ids: decoders over prefill + decode steps with the
     retained state fed back (top-1, |delta logit|); encoders over padded batches (|delta| of the hidden
@@ -123,7 +128,8 @@ class QaicExportTarget(Target):
         from .plan import export_steps
 
         # Whisper and vision-language models are loaded whole, as encoders are
-        return export_steps(env, encoder=is_encoder(env.config) or is_speech(env.config) or is_vision(env.config))
+        return export_steps(env, encoder=is_encoder(env.config) or is_speech(env.config) or is_vision(env.config),
+                            whole=_whole(env.config))
 
     @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]:
@@ -265,7 +271,7 @@ class QaicTarget(Target):
 
         weight_dtype = (env.input_options or {}).get("weight_dtype", "float16")
         streamed = env.options.get("task", "generate") == "generate" and not is_vision(env.config)  # a VLM: whole
-        return bundle_steps(env, decoder=streamed, weight_dtype=weight_dtype)
+        return bundle_steps(env, decoder=streamed, weight_dtype=weight_dtype, whole=_whole(env.config))
 
     @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]:
@@ -350,10 +356,10 @@ class QaicTarget(Target):
         from ... import prompts, reference
 
         if opts.task == "transcribe":  # Whisper: fp16 weights emulated on a synthetic log-mel
-            from .whisper import load_model, log_mel, predict_fp16
+            from .whisper import load_model, log_mel, predict_fp16, start_tokens
 
             model = load_model(ctx.snapshot.dir)
-            q = predict_fp16(model, log_mel(model.config), [int(model.config.decoder_start_token_id)], PARITY_DECODE_STEPS)
+            q = predict_fp16(model, log_mel(model.config), start_tokens(model), PARITY_DECODE_STEPS)
             metrics = {"predicted_top1": q["top1"], "predicted_max_abs_logit_delta": q["max_abs_logit_delta"]}
             failures = check_thresholds(metrics, ctx.recipe.validation)
             return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details={opts.precision: q})

@@ -66,6 +66,7 @@ def check_bundle(root: Path, files: dict[str, str], opts: CompileOptions) -> lis
     if onnx_rel not in files:
         return [f"the bundle has no {onnx_rel}"]
     graph = onnx.load(str(root / onnx_rel), load_external_data=False).graph
+    # the retained state custom_io.yaml must cover (the KV cache, a VLM's image rows); it may also name other IO
     io_names = [v.name for v in list(graph.input) + list(graph.output) if v.name.startswith(("past_", "vision_embeds"))]
     if opts.retained_state and not io_names:
         return ["the ONNX has no retained-state KV cache (an encoder): compile it with task: embedding"]
@@ -79,7 +80,7 @@ def check_bundle(root: Path, files: dict[str, str], opts: CompileOptions) -> lis
     missing = sorted(set(io_names) - listed)
     if missing:
         problems.append(f"custom_io.yaml misses {len(missing)} KV tensors of the ONNX (first: {missing[0]})")
-    extra = sorted(listed - set(io_names))
+    extra = sorted(listed - {v.name for v in list(graph.input) + list(graph.output)})
     if extra:
         problems.append(f"custom_io.yaml names tensors the ONNX does not have (first: {extra[0]})")
     problems += _check_symbols(root, graph)

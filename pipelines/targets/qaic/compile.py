@@ -192,9 +192,10 @@ def custom_io(layers: int, opts: CompileOptions, vision: dict[str, Any] | None =
 
         for name, precision in language_custom_io():
             lines += [f"- IOName: {name}", f"  Precision: {precision}", ""]
-    if opts.task == "transcribe":  # Whisper: self and cross K/V per decoder layer
-        from .whisper import custom_io_names
+    if opts.task == "transcribe":  # Whisper: the log-mel in the compute dtype, self and cross K/V per decoder layer
+        from .whisper import FEATURES, custom_io_names
 
+        lines += [f"- IOName: {FEATURES}", "  Precision: float16", ""]
         for name in custom_io_names(layers):
             lines += [f"- IOName: {name}", f"  Precision: {opts.kv_precision}", ""]
         return "\n".join(lines)

@@ -18,17 +18,17 @@ def speech_parity(ctx: BuildContext, onnx_path: Path) -> tuple[dict[str, Any], d
     """Whisper: the Encoder step on a synthetic log-mel, then Decode steps with the retained self and cross KV
     fed back, against transformers fp32 on the same ids; and greedy end to end."""
     from ... import parity
-    from .whisper import load_model, log_mel, whisper_parity
+    from .whisper import load_model, log_mel, start_tokens, whisper_parity
 
     model = load_model(ctx.snapshot.dir)
-    start = [int(model.config.decoder_start_token_id)]
+    start = start_tokens(model)  # the prompt generate builds: start, language, task, no timestamps
     r = whisper_parity(model, onnx_path, log_mel(model.config), start, decode_steps=PARITY_DECODE_STEPS,
                        ctx_len=WHISPER_PARITY_CTX)
     metrics = {"ort_top1_agreement": r["top1_agreement"] if r["tokens_equal"] else 0.0, "ort_steps": r["steps"],
                "finite": r["finite"]}
     if r["max_abs_logit_delta"] is not None:
         metrics["ort_max_abs_delta"] = parity.round6(r["max_abs_logit_delta"])
-    details = {"ort": {k: v for k, v in r.items() if k not in ("tokens", "reference_tokens")},
+    details = {"ort": {k: v for k, v in r.items() if k not in ("tokens", "reference_tokens")}, "prompt": start,
                "reference": "transformers fp32 (WhisperForConditionalGeneration, decoder_input_ids), a synthetic log-mel"}
     return metrics, details
 

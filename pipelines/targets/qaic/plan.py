@@ -102,12 +102,14 @@ def ort_check(facts: "ModelFacts", budget: int, weight_dtype: str) -> OrtCheck:
                                       f"external data ({human_bytes(part)})")
 
 
-def export_steps(env: "PlanEnv", encoder: bool) -> list[StepNeed]:
+def export_steps(env: "PlanEnv", encoder: bool, whole: str = "encoder") -> list[StepNeed]:
+    """`encoder`: the model is loaded whole (an encoder, Whisper, a vision-language model: `whole` names it),
+    else a decoder streamed from its safetensors."""
     facts = env.facts
     if encoder:
         out = facts.fp32_bytes + SMALL_FILES
-        mem, detail = whole_model(facts, ENCODER_EXPORT_FACTOR, "an encoder exported whole, and its protobuf")
-        check, detail_v = whole_model(facts, 2.2, "the reference encoder and the onnxruntime session")
+        mem, detail = whole_model(facts, ENCODER_EXPORT_FACTOR, f"the {whole} loaded and exported whole, and its protobuf")
+        check, detail_v = whole_model(facts, 2.2, f"the reference {whole} and the onnxruntime session")
         return [StepNeed("export", mem, disk=2 * out, where=env.work, detail=detail), env.publish(out),
                 StepNeed("validate", check, disk=env.placed(out), where=env.work, detail=detail_v)]
     weight_dtype = env.options.get("weight_dtype", "float16")
@@ -126,7 +128,7 @@ def export_steps(env: "PlanEnv", encoder: bool) -> list[StepNeed]:
                 f"layers {human_bytes(reference)}; {check.reason}"))]
 
 
-def bundle_steps(env: "PlanEnv", decoder: bool, weight_dtype: str = "float16") -> list[StepNeed]:
+def bundle_steps(env: "PlanEnv", decoder: bool, weight_dtype: str = "float16", whole: str = "encoder") -> list[StepNeed]:
     facts = env.facts
     onnx = export_bytes(facts, weight_dtype)  # the input export, placed in the work dir
     steps = [StepNeed("bundle", BASE_STEP, disk=env.placed(onnx) + SMALL_FILES, where=env.work,
@@ -143,7 +145,7 @@ def bundle_steps(env: "PlanEnv", decoder: bool, weight_dtype: str = "float16") -
                   f"unit {human_bytes(unit * FP32)} (a weight and its emulated copy) + {QUALITY_CHUNK_COPIES} x a chunk "
                   f"{human_bytes(chunk)} for the MX emulation + activations and logits of the parity texts")
     else:
-        mem, detail = whole_model(facts, 2.2, "the encoder and its MXFP6 copy")
+        mem, detail = whole_model(facts, 2.2, f"the {whole} and its emulated copy")
     steps.append(StepNeed("validate", mem, disk=env.placed(onnx), where=env.work, detail=detail,
                           unit=unit_text(facts) if decoder else ""))
     return steps

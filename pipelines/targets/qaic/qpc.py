@@ -117,7 +117,7 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
         seconds, stand_in = 0.0, False
         for args, out_dir in programs:
             seconds += run(fill(args, src, art / QPC_DIR), work / "compile.log", what,
-                           float(settings.QAIC_COMPILE_TIMEOUT.get()))
+                           settings.QAIC_COMPILE_TIMEOUT.seconds())
             program = art / out_dir / PROGRAM
             if not program.is_file() or program.stat().st_size == 0:
                 raise EngineFailed(f"{what}: the compiler exited 0 but wrote no {out_dir}/{PROGRAM}; nothing was published")

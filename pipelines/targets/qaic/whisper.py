@@ -46,6 +46,7 @@ SELF, CROSS = ("key_self", "value_self"), ("key_cross", "value_cross")
 # Every Whisper (tiny .. large-v3-turbo) encodes 3000 frames into 1500 positions; QEfficient's Encoder
 # specialization and vLLM's max_num_batched_tokens / hf_overrides fix that length, so the compile does too.
 ENCODER_CTX = 1500
+FEATURES = "input_features"  # the log-mel input; compiled as float16 IO, as QEfficient does (the model's dtype)
 
 
 @dataclass
@@ -248,6 +249,24 @@ def log_mel(cfg, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     shape = (1, int(cfg.num_mel_bins), 2 * int(cfg.max_source_positions))
     return np.clip(rng.standard_normal(shape), -1.5, 1.5).astype(np.float32)
+
+
+def start_tokens(model) -> list[int]:
+    """The decoder prompt a transcription starts with, from the checkpoint's generation config as transformers'
+    generate builds it: <|startoftranscript|>, the language (English when the model is multilingual), the task
+    (transcribe) and <|notimestamps|>; a model whose config names none of them starts with its start token alone."""
+    gen, cfg = getattr(model, "generation_config", None), model.config
+    ids = [int(cfg.decoder_start_token_id)]
+    lang = (getattr(gen, "lang_to_id", None) or {}).get("<|en|>")
+    task = (getattr(gen, "task_to_id", None) or {}).get("transcribe")
+    no_timestamps = getattr(gen, "no_timestamps_token_id", None)
+    if getattr(gen, "is_multilingual", False) and lang is not None:
+        ids.append(int(lang))
+    if getattr(gen, "is_multilingual", False) and task is not None:
+        ids.append(int(task))
+    if no_timestamps is not None:
+        ids.append(int(no_timestamps))
+    return ids
 
 
 def load_model(model_dir: Path):

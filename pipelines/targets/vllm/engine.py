@@ -109,7 +109,7 @@ def run(job: dict[str, Any], artifact_digests: list[tuple[str, str]], step: str)
                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
         env.pop("PYTHONPATH", None)  # the vLLM venv must not see hive-aot's packages
         argv = [str(py), str(RUNNER), str(job_path), str(result_path)]
-        timeout_s = float(settings.VLLM_TIMEOUT.get())
+        timeout_s = settings.VLLM_TIMEOUT.seconds()
         with open(err_path, "w") as err:
             try:
                 # A warm server (HIVE_AOT_WARM_DIR) has imported vLLM already; else a fresh process.
