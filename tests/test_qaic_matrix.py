@@ -37,12 +37,12 @@ COVERED = {
     **{a: f"{_ENCODER}[{a}]" for a in ("BertModel", "MPNetForMaskedLM", "RobertaModel", "XLMRobertaModel",
                                        "XLMRobertaForSequenceClassification")},
     "WhisperForConditionalGeneration": f"{_WHISPER}[WhisperForConditionalGeneration]",
-    "LlavaForConditionalGeneration": f"{_VISION}[LlavaForConditionalGeneration]",
+    **{a: f"{_VISION}[{a}]" for a in ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                                      "InternVLForConditionalGeneration")},
 }
 # The seed's rows without an exporter yet -> their task.
 NO_EXPORTER = {
-    **dict.fromkeys(("InternVLChatModel", "MllamaForConditionalGeneration",
-                     "LlavaNextForConditionalGeneration", "Llama4ForConditionalGeneration",
+    **dict.fromkeys(("InternVLChatModel", "MllamaForConditionalGeneration", "Llama4ForConditionalGeneration",
                      "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                      "Qwen3VLMoeForConditionalGeneration"), "vision-language"),
 }

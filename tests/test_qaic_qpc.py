@@ -44,7 +44,6 @@ def retained_state_onnx() -> bytes:
     """The interface a retained-state decoder exports (every dynamic axis a specialization sets, batch_index for
     continuous batching, past_* in and *_RetainedState out per layer), with Identity bodies: the compile step
     only hands the graph to the compiler."""
-    import onnx
     from onnx import TensorProto, helper
 
     def value(name, elem, dims):

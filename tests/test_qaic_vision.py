@@ -1,5 +1,5 @@
 """AI 100 vision-language models (pipelines/targets/qaic/vision/, issue 25 item 1), QEfficient's dual QPC: a tiny
-random LLaVA-1.5 exported as a vision graph and a language graph that merges the image rows over the placeholder
+random model of each family (LLaVA-1.5, LLaVA-NeXT, InternVL) exported as a vision graph and a language graph that merges the image rows over the placeholder
 tokens, run in onnxruntime on a synthetic image (numpy) against transformers fp32 (both halves and end to end);
 the compile inputs of both QPCs; and the whole path check -> export -> bundle -> STAND-IN compile -> pull."""
 
@@ -34,27 +34,76 @@ def tiny_llava(model_dir: Path, vocab: int = 256, image_token: int = 255, text_l
     return model_dir
 
 
+def tiny_llava_next(model_dir: Path, vocab: int = 256, image_token: int = 255) -> Path:
+    """Tiles of 28 pixels, pinpoints giving a 2x2 grid for the family's compiled image size, so the trim
+    (unpad_image) and the image_newline rows both show."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=4096, initializer_range=0.1)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=28, patch_size=14, projection_dim=32)
+    cfg = LlavaNextConfig(vision_config=vision, text_config=text, image_token_index=image_token, vision_feature_layer=-1,
+                          image_grid_pinpoints=[[28, 56], [56, 28], [56, 56]])
+    model = LlavaNextForConditionalGeneration(cfg)
+    with torch.no_grad():  # transformers initializes image_newline to zeros-ish noise; make its rows tell
+        model.model.image_newline.normal_(0, 1)
+    model.save_pretrained(str(model_dir))
+    return model_dir
+
+
+def tiny_internvl(model_dir: Path, vocab: int = 256, image_token: int = 255) -> Path:
+    """transformers' native InternVL (the -hf layout): tiles of 28 pixels, pixel shuffle 0.5, a Qwen2 decoder."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration, InternVLVisionConfig, Qwen2Config
+
+    torch.manual_seed(0)
+    text = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=4096, initializer_range=0.1)
+    vision = InternVLVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  image_size=[28, 28], patch_size=[14, 14])
+    cfg = InternVLConfig(vision_config=vision.to_dict(), text_config=text.to_dict(), image_token_id=image_token,
+                         downsample_ratio=0.5, vision_feature_layer=-1)
+    InternVLForConditionalGeneration(cfg).save_pretrained(str(model_dir))
+    return model_dir
+
+
+TINY = {"LlavaForConditionalGeneration": tiny_llava, "LlavaNextForConditionalGeneration": tiny_llava_next,
+        "InternVLForConditionalGeneration": tiny_internvl}
+_EXPORTS: dict[str, tuple] = {}
+
+
+def _export(tmp_path_factory, arch: str):
+    """One tiny model of `arch` exported once per test session module (fp16-rounded language weights)."""
+    if arch not in _EXPORTS:
+        model_dir = TINY[arch](tmp_path_factory.mktemp(arch) / "model")
+        _arch, family = vision_family(json.loads((model_dir / "config.json").read_text()))
+        model = load_vlm(model_dir)
+        round_language(family, model, "float16")
+        root = tmp_path_factory.mktemp(f"{arch}-onnx")
+        report, vision = export_vlm(family, model, root, batch_index=True)
+        _EXPORTS[arch] = (family, model, root, report, vision)
+    return _EXPORTS[arch]
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    model_dir = tiny_llava(tmp_path_factory.mktemp("llava") / "model")
-    _arch, family = vision_family(json.loads((model_dir / "config.json").read_text()))
-    model = load_vlm(model_dir)
-    round_language(family, model, "float16")
-    root = tmp_path_factory.mktemp("llava-onnx")
-    report, vision = export_vlm(family, model, root, batch_index=True)
-    return family, model, root, report, vision
+    return _export(tmp_path_factory, "LlavaForConditionalGeneration")
 
 
-@pytest.mark.parametrize("case", ["LlavaForConditionalGeneration"])
-def test_both_graphs_match_transformers_end_to_end_on_a_synthetic_image(case, exported):
-    family, model, root, _report, vision = exported
+@pytest.mark.parametrize("case", ["LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                                  "InternVLForConditionalGeneration"])
+def test_both_graphs_match_transformers_end_to_end_on_a_synthetic_image(case, tmp_path_factory):
+    """transformers runs the whole model on the same image (its own packing, pixel shuffle, placeholder count
+    check), so a wrong vision_size or row order fails here, not only a wrong number."""
+    family, model, root, _report, vision = _export(tmp_path_factory, case)
     assert vision.architecture == case
     r = vlm_parity(family, model, root / "onnx" / "model.onnx", root / vision.path, TEXT, decode_steps=8)
-    assert r["finite"] and r["steps"] == 9 and r["vision_rows"] == 16 == vision.vision_size
+    assert r["finite"] and r["steps"] == 9 and r["vision_rows"] == vision.vision_size, r
     assert r["vision_max_abs_delta"] < 1e-4, r
     assert r["top1_agreement"] == 1.0 and r["max_abs_logit_delta"] < 1e-3, r
     assert r["tokens_equal"], r
-    assert r["image_rows_consumed"] == 16  # image_idx_output: every row was read by the prefill
+    assert r["image_rows_consumed"] == vision.vision_size  # image_idx_output: every row was read by the prefill
     other = family.vision_inputs(model.config, 1)  # a second image changes what the model says
     prompt = image_prompt(family, model.config, TEXT)
     first = run_language(root / "onnx" / "model.onnx", run_vision(root / vision.path, family.vision_inputs(model.config, 0)),
@@ -100,6 +149,7 @@ def test_the_graph_contract(exported):
     assert [o.name for o in vis.output] == ["vision_embeds"]
     assert vision.path == f"{VISION_DIR}/model.onnx" and vision.float_inputs == ["pixel_values"]
     assert vision.symbols == {"batch_size": "1", "img_size": "56"} and report.layers == 2
+    assert vision.vision_size == (56 // 14) ** 2  # one image of 56 pixels in patches of 14, CLS dropped
 
 
 def test_the_compile_inputs_and_commands_of_the_dual_qpc(exported):
@@ -139,21 +189,25 @@ def test_every_declared_family_names_its_architectures_once():
         vision_family({"architectures": ["FooForConditionalGeneration"]})
 
 
-def test_llava_goes_through_check_export_bundle_and_standin_compile(smollm2_dir, tmp_path):
-    """check routes a tiny LLaVA to the qaic recipes; the build exports both graphs (ORT parity gated), writes the
-    dual bundle (quality predicted on both QPCs), and the STAND-IN compile builds both programs and binds vllm-qaic
-    to `<vision_qpc>:<language_qpc>` with one image per prompt."""
+@pytest.mark.parametrize("arch", sorted(TINY))
+def test_each_family_goes_through_check_export_bundle_and_standin_compile(arch, smollm2_dir, tmp_path):
+    """check routes a tiny model of each family to the qaic recipes; the build exports both graphs (ORT parity
+    gated), writes the dual bundle (quality predicted on both QPCs), and the STAND-IN compile builds both programs
+    (its specializations must name the graphs' own symbols) and binds vllm-qaic to `<vision_qpc>:<language_qpc>`
+    with one image per prompt."""
     from qaic_flow import run_flow
     from qaic_standin import LABEL
 
     vocab = json.loads((smollm2_dir / "config.json").read_text())["vocab_size"]
-    model_dir = tiny_llava(tmp_path / "llava", vocab=vocab + 1, image_token=vocab)
+    model_dir = TINY[arch](tmp_path / "vlm", vocab=vocab + 1, image_token=vocab)
+    family = VISION_FAMILIES[arch]
+    config = load_vlm(model_dir).config
     # a random tiny model's logits are near-ties, so MXFP6 flips many of them: the gate here is the plumbing
-    flow = run_flow(tmp_path, model_dir, smollm2_dir, "test-org/tiny-llava", "qaic-mxfp6", "qaic-vlm-tiny",
+    flow = run_flow(tmp_path, model_dir, smollm2_dir, "test-org/tiny-vlm", "qaic-mxfp6", "qaic-vlm-tiny",
                     {"num_cores": 2, "ctx_len": 256, "prefill_seq_len": 32}, validation={"min_predicted_top1": 0.3})
     assert {"qaic-export", "qaic-mxfp6", "qaic-fp16", "qaic-vlm-tiny"} <= set(flow.check["recipes"]), flow.check
     export, m = flow.export, flow.export["validation"]["metrics"]
-    assert export["build"]["export"]["vision"]["vision_size"] == 16
+    assert export["build"]["export"]["vision"]["vision_size"] == family.vision_size(config)
     assert m["ort_top1_agreement"] == 1.0 and m["ort_max_abs_delta"] < 1e-3 and m["ort_vision_max_abs_delta"] < 1e-4, m
     assert {"onnx/vision/model.onnx", "onnx/vision/model.onnx.data", "onnx/model.onnx"} <= {f["path"] for f in export["files"]}
     assert flow.bundle["build"]["compile"]["vision_command"][-1] == "-aic-binary-dir={qpc_vision}"
@@ -165,7 +219,8 @@ def test_llava_goes_through_check_export_bundle_and_standin_compile(smollm2_dir,
     language = json.loads((served / "qpc" / "programqpc.bin").read_bytes()[len(LABEL):])
     vision = json.loads((served / "qpc-vision" / "programqpc.bin").read_bytes()[len(LABEL):])
     assert [s["name"] for s in vision["specializations"]] == ["Vision"] and "-mxfp6-matmul" not in vision["flags"]
+    assert vision["specializations"][0]["symbols"] == family.vision_symbols(config)
     assert language["custom_io"]["vision_embeds"] == "float16" and "-mxfp6-matmul" in language["flags"]
-    assert language["specializations"][0]["symbols"]["vision_size"] == "16"
+    assert language["specializations"][0]["symbols"]["vision_size"] == str(family.vision_size(config))
     assert pulled["env"]["VLLM_QAIC_QPC_PATH"] == f"{served}/qpc-vision:{served}/qpc"
     assert pulled["serve_refused"] is None, pulled["serve_refused"]  # the serve policy runs what the kind wrote

@@ -71,7 +71,10 @@ def refusal(arch: "Architecture | None", architecture: str, names: frozenset[str
     if arch.task not in EXPORTS:
         return f"no hive-aot exporter for {arch.task} models yet"
     if not (arch.active and arch.transformers_known):
-        return f"no hive-aot exporter for {arch.name}: the export reads transformers' modules, and transformers has none"
+        native = (f"; its transformers-native form {arch.native_form} is exported (the converted checkpoints)"
+                  if arch.native_form in names else "")
+        return (f"no hive-aot exporter for {arch.name}: the export reads transformers' modules, and transformers has "
+                f"none{native}")
     if exported(arch, architecture, export_archs()):  # another compile task builds it
         kind = EXPORTS[arch.task]
         return f"{arch.name} is exported as {TASK_OF[kind][0]}: a compile with task: {TASK_OF[kind][1]} builds it"

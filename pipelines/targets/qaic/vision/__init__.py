@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from ....errors import NotApplicableError
-from . import llava
+from . import internvl, llava, llava_next
 from .spec import VisionFamily
 
-_MODULES = (llava,)
+_MODULES = (llava, llava_next, internvl)
 
 
 def _collect() -> dict[str, VisionFamily]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .spec import VisionFamily, config_value, nested_language_model, pixels
+from .spec import VisionFamily, config_value, image_features_module, pixels
 
 ARCHITECTURES = ("LlavaForConditionalGeneration",)
 
@@ -18,18 +18,7 @@ ARCHITECTURES = ("LlavaForConditionalGeneration",)
 def _vision_module(model):
     import torch
 
-    class LlavaVision(torch.nn.Module):
-        def __init__(self, vlm):
-            super().__init__()
-            self.inner, cfg = vlm.model, vlm.config
-            self.layer, self.strategy = cfg.vision_feature_layer, cfg.vision_feature_select_strategy
-
-        def forward(self, pixel_values):
-            out = self.inner.get_image_features(pixel_values=pixel_values, vision_feature_layer=self.layer,
-                                                vision_feature_select_strategy=self.strategy)
-            return torch.stack(list(out.pooler_output))  # [images, rows, hidden]
-
-    return LlavaVision(model).eval()
+    return image_features_module(model, lambda feats: torch.stack(list(feats)))  # [images, rows, hidden]
 
 
 def _image_side(config: Any) -> int:
@@ -51,9 +40,6 @@ FAMILY = VisionFamily(
     vision_module=_vision_module,
     vision_inputs=_vision_inputs,
     vision_size=_vision_size,
-    image_token_id=lambda config: int(config_value(config, "image_token_id", "image_token_index")),
-    language_model=nested_language_model,
-    reference_kwargs=lambda config, inputs: {"pixel_values": inputs["pixel_values"]},
     vision_symbols=lambda config: {"batch_size": "1", "img_size": str(_image_side(config))},
     vision_axes={"pixel_values": {0: "batch_size", 2: "img_size", 3: "img_size"}},
 )

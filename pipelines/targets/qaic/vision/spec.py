@@ -33,22 +33,26 @@ class VisionFamily:
     - `vision_inputs(config, seed)`: a synthetic image as the vision graph takes it (numpy, deterministic; names
       in graph order), and `vision_axes` the dynamic axes of those inputs;
     - `vision_size(config)`: the image rows one image gives the language model;
-    - `image_token_id(config)`: the placeholder token the image rows replace;
-    - `language_model(model)`: (text config, decoder stack, lm_head) of the VLM in memory;
-    - `reference_kwargs(config, inputs)`: what transformers' forward takes beside input_ids for that image;
-    - `vision_symbols(config)`: the Vision specialization's symbols (every value a string);
-    - `max_image_tokens`: placeholder tokens a prompt may carry before the processor expands them (1: one image).
+    - `image_token_id(config)`: the placeholder token the image rows replace (default: the config's
+      image_token_id / image_token_index);
+    - `language_model(model)`: (text config, decoder stack, lm_head) of the VLM in memory (default:
+      `nested_language_model`, transformers 5's usual layout);
+    - `reference_kwargs(config, inputs)`: what transformers' forward takes beside input_ids for that image
+      (default: pixel_values);
+    - `vision_symbols(config)`: the Vision specialization's symbols (every value a string).
     """
 
     architectures: tuple[str, ...]
     vision_module: Callable[[Any], Any]
     vision_inputs: Callable[[Any, int], dict[str, np.ndarray]]
     vision_size: Callable[[Any], int]
-    image_token_id: Callable[[Any], int]
-    language_model: LanguageModel
-    reference_kwargs: Callable[[Any, dict[str, np.ndarray]], dict[str, Any]]
     vision_symbols: Callable[[Any], dict[str, str]]
     vision_axes: dict[str, dict[int, str]] = field(default_factory=lambda: {"pixel_values": {0: "batch_size"}})
+    # LLaVA-style defaults: most families of transformers share them
+    image_token_id: Callable[[Any], int] = field(default=lambda config: image_token_index(config))
+    language_model: LanguageModel = field(default=lambda model: nested_language_model(model))
+    reference_kwargs: Callable[[Any, dict[str, np.ndarray]], dict[str, Any]] = field(
+        default=lambda config, inputs: {"pixel_values": inputs["pixel_values"]})
 
 
 def config_value(config: Any, *names: str) -> Any:
@@ -75,6 +79,30 @@ def text_causal_lm_config(text_config: Any) -> Any:
         raise NotApplicableError(f"the language model of this VLM ({cfg.model_type}) has no causal LM in transformers")
     cfg.architectures = [name]
     return cfg
+
+
+def image_token_index(config: Any) -> int:
+    """The placeholder token of transformers' LLaVA-style configs (`image_token_id`, older `image_token_index`)."""
+    return int(config_value(config, "image_token_id", "image_token_index"))
+
+
+def image_features_module(model, arrange: Callable[[Any], Any]):
+    """A module running transformers' own `get_image_features` of the VLM (tower, the config's feature layer and
+    select strategy, projector) on pixel_values; `arrange` lays its per-image features out as vision_embeds."""
+    import torch
+
+    class ImageFeatures(torch.nn.Module):
+        def __init__(self, vlm):
+            super().__init__()
+            self.inner, cfg = vlm.model, vlm.config
+            self.layer, self.strategy = cfg.vision_feature_layer, cfg.vision_feature_select_strategy
+
+        def forward(self, pixel_values):
+            out = self.inner.get_image_features(pixel_values=pixel_values, vision_feature_layer=self.layer,
+                                                vision_feature_select_strategy=self.strategy)
+            return arrange(out.pooler_output)
+
+    return ImageFeatures(model).eval()
 
 
 def nested_language_model(model) -> tuple[Any, Any, Any]:
