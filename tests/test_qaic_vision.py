@@ -6,6 +6,7 @@ the compile inputs of both QPCs; and the whole path check -> export -> bundle ->
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -224,3 +225,85 @@ def test_each_family_goes_through_check_export_bundle_and_standin_compile(arch, 
     assert language["specializations"][0]["symbols"]["vision_size"] == str(family.vision_size(config))
     assert pulled["env"]["VLLM_QAIC_QPC_PATH"] == f"{served}/qpc-vision:{served}/qpc"
     assert pulled["serve_refused"] is None, pulled["serve_refused"]  # the serve policy runs what the kind wrote
+
+
+@pytest.mark.parametrize("case", ["LlavaForConditionalGeneration", "InternVLForConditionalGeneration"])
+def test_the_single_qpc_graph_composed_from_both_matches_transformers(case, tmp_path_factory):
+    """kv_offload: false: one graph (vision/single.py) takes the image beside the text and keeps it as device
+    state; composed from the export's two graphs by reference (no weight copied), run in onnxruntime against
+    transformers' whole model, the image fed back from pixel_values_RetainedState on every decode step."""
+    from pipelines.targets.qaic.vision.parity import _reference
+    from pipelines.targets.qaic.vision.single import SINGLE_ONNX, run_single, write_single
+
+    family, model, root, _report, vision = _export(tmp_path_factory, case)
+    out = tmp_path_factory.mktemp("single")
+    for rel in ("onnx/model.onnx.data", f"{VISION_DIR}/model.onnx.data"):  # the bundle links the export's data
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.link(root / rel, out / rel)  # (onnxruntime refuses data behind a symlink out of the model's directory)
+    assert write_single(root, vision.to_json(), out) == SINGLE_ONNX
+    assert (out / SINGLE_ONNX).stat().st_size < 2 << 20  # the graph only: weights stay in the export's files
+    graph = onnx.load(str(out / SINGLE_ONNX), load_external_data=False).graph
+    names_in, names_out = [i.name for i in graph.input], [o.name for o in graph.output]
+    assert names_in[:2] == ["input_ids", "pixel_values"] and "vision_embeds" not in names_in + names_out
+    assert names_out[:3] == ["logits", "pixel_values_RetainedState", "image_idx_output"]
+    inputs = family.vision_inputs(model.config, 0)
+    prompt = image_prompt(family, model.config, TEXT)
+    got = run_single(out / SINGLE_ONNX, inputs, prompt, 6, len(prompt) + 16)
+    ref = _reference(family, model, prompt + got["tokens"][:-1], inputs)[len(prompt) - 1:]
+    assert len(ref) == len(got["logits"]) == 7
+    assert [int(r.argmax()) for r in ref] == got["tokens"]
+    assert max(float(np.abs(r - g).max()) for r, g in zip(ref, got["logits"])) < 1e-3
+
+
+def test_the_single_qpc_compile_inputs_and_its_refusals(exported):
+    from pipelines.targets.qaic.vision.compile import form_problem, language_onnx
+
+    _family, _model, _root, report, vision = exported
+    info = vision.to_json()
+    opts = CompileOptions.parse({"num_cores": 4, "ctx_len": 256, "prefill_seq_len": 32, "full_batch_size": None,
+                                 "kv_offload": False})
+    files = compile_files(report.layers, opts, "1.22", vision=info)
+    assert not any(rel.startswith("compile/vision/") for rel in files)  # one program
+    specs = json.loads(files["compile/specializations.json"])["specializations"]
+    assert [s["symbols"] for s in specs] == [
+        {"batch_size": "1", "seq_len": "32", "ctx_len": "256", "img_size": "56"},
+        {"batch_size": "1", "seq_len": "1", "ctx_len": "256", "img_size": "56"}]
+    io = files["compile/custom_io.yaml"].decode()
+    assert "- IOName: pixel_values\n  Precision: float16" in io and "- IOName: pixel_values_RetainedState\n" in io
+    assert "vision_embeds" not in io
+    assert language_onnx(info, opts) == "onnx/model-single.onnx" and form_problem(info, opts) is None
+    assert command(opts, language_onnx(info, opts))[3] == "-m={bundle}/onnx/model-single.onnx"
+    assert "dual QPC only" in form_problem({**info, "architecture": "LlavaNextForConditionalGeneration",
+                                            "single_qpc": False}, opts)
+    assert "for vision-language models" in form_problem(None, opts)
+    assert form_problem(None, CompileOptions.parse({})) is None
+    assert CompileOptions.problems({"kv_offload": False}) == [
+        "options: kv_offload: false compiles a single QPC, which runs one sequence at a time (continuous batching is dual-QPC "
+        "only): batch_size must be 1 and full_batch_size null"]
+    assert CompileOptions.parse({}).recorded() == CompileOptions.parse({"kv_offload": True}).recorded()
+    assert "kv_offload" not in CompileOptions.parse({}).recorded()  # earlier bundles keep their bytes
+
+
+def test_a_single_qpc_goes_through_bundle_standin_compile_and_pull(smollm2_dir, tmp_path):
+    """LLaVA with kv_offload: false: the bundle carries the composed graph, the STAND-IN compiler builds one
+    program from it (symbols and custom IO checked against that graph), served from one QPC path, one sequence."""
+    from qaic_flow import run_flow
+    from qaic_standin import LABEL
+
+    vocab = json.loads((smollm2_dir / "config.json").read_text())["vocab_size"]
+    model_dir = tiny_llava(tmp_path / "vlm", vocab=vocab + 1, image_token=vocab)
+    flow = run_flow(tmp_path, model_dir, smollm2_dir, "test-org/tiny-vlm", "qaic-mxfp6", "qaic-vlm-single",
+                    {"num_cores": 2, "ctx_len": 256, "prefill_seq_len": 32, "full_batch_size": None,
+                     "kv_offload": False}, validation={"min_predicted_top1": 0.3})
+    assert "onnx/model-single.onnx" in {f["path"] for f in flow.bundle["files"]}
+    compile_doc = flow.bundle["build"]["compile"]
+    assert "vision_command" not in compile_doc and compile_doc["command"][3] == "-m={bundle}/onnx/model-single.onnx"
+    assert compile_doc["options"]["kv_offload"] is False
+    pulled, served = flow.pulled, flow.served
+    program = json.loads((served / "qpc" / "programqpc.bin").read_bytes()[len(LABEL):])
+    assert program["custom_io"]["pixel_values_RetainedState"] == "float16"
+    assert program["specializations"][0]["symbols"]["img_size"] == "56"
+    assert not (served / "qpc-vision").exists()
+    assert pulled["env"]["VLLM_QAIC_QPC_PATH"] == f"{served}/qpc"
+    argv = pulled["serve_argv"]
+    assert argv[argv.index("--max-num-seqs") + 1] == "1" and pulled["serve_refused"] is None

@@ -11,8 +11,10 @@ from typing import Any
 
 from .. import BuildContext, BuiltArtifact
 from ...paths import link_or_copy
-from .layout import BUNDLE_FORMAT, EXPORT_REPORT, KEEP_INPUT, ONNX_DIR
+from ...errors import NotApplicableError
+from .layout import BUNDLE_FORMAT, EXPORT_REPORT, KEEP_INPUT, RETAINED
 from .compile import COMPILE_DIR, CompileOptions, command, compile_files, vision_command
+from .vision.compile import form_problem, language_onnx
 
 COMMAND_FILE = f"{COMPILE_DIR}/command.json"
 
@@ -23,7 +25,7 @@ def command_doc(opts: CompileOptions, onnx_rel: str, sdk_version: str, compiler:
     argv = command(opts, onnx_rel, sdk_version, compiler)
     doc = {"argv": argv, "sdk_version": sdk_version,
            "placeholders": {"{bundle}": "the bundle (or artifact) directory", "{qpc}": "the QPC output directory"}}
-    if vision is not None:
+    if vision is not None and opts.kv_offload:
         doc["vision_argv"] = vision_command(opts, vision, sdk_version, compiler)
         doc["placeholders"]["{qpc_vision}"] = "the vision QPC's output directory, beside {qpc}"
     return doc
@@ -40,8 +42,15 @@ def write_bundle(ctx: BuildContext, out_dir: Path) -> BuiltArtifact:
         link_or_copy(inp.root / rel, out_dir / rel)
         files.append(rel)
     export_info = json.loads((inp.root / EXPORT_REPORT).read_text())
-    onnx_rel = f"{ONNX_DIR}/model.onnx"
     vision = export_info.get("vision")
+    problem = form_problem(vision, opts)
+    if problem:
+        raise NotApplicableError(f"recipe {ctx.recipe.id}: {problem}")
+    onnx_rel = language_onnx(vision, opts)
+    if onnx_rel not in known:  # the single QPC's graph, composed from the export's two (vision/single.py)
+        from .vision.single import write_single
+
+        files.append(write_single(out_dir, vision, out_dir))
     for rel, body in compile_files(int(export_info["layers"]), opts, vision=vision).items():
         (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
         (out_dir / rel).write_bytes(body)
@@ -53,7 +62,7 @@ def write_bundle(ctx: BuildContext, out_dir: Path) -> BuiltArtifact:
     info = {"state": "compile_pending", "format": BUNDLE_FORMAT, "needs": "the Cloud AI SDK",
             "input": {"recipe": inp.recipe, "build_id": inp.build_id},
             "compile": {"command": doc["argv"], "sdk_version": opts.sdk_version, "options": opts.recorded(),
-                        **({"vision_command": doc["vision_argv"]} if vision is not None else {})}}
+                        **({"vision_command": doc["vision_argv"]} if "vision_argv" in doc else {})}}
     return BuiltArtifact(root=out_dir, files=files, info=info, known_digests=known, format=BUNDLE_FORMAT)
 
 
@@ -62,7 +71,8 @@ def check_bundle(root: Path, files: dict[str, str], opts: CompileOptions) -> lis
     custom_io.yaml at the KV precision, and the ONNX's dynamic axes are the specialization symbols."""
     import onnx
 
-    onnx_rel = f"{ONNX_DIR}/model.onnx"
+    vision = json.loads((root / EXPORT_REPORT).read_text()).get("vision") if (root / EXPORT_REPORT).is_file() else None
+    onnx_rel = language_onnx(vision, opts)
     if onnx_rel not in files:
         return [f"the bundle has no {onnx_rel}"]
     graph = onnx.load(str(root / onnx_rel), load_external_data=False).graph
@@ -84,7 +94,7 @@ def check_bundle(root: Path, files: dict[str, str], opts: CompileOptions) -> lis
     if extra:
         problems.append(f"custom_io.yaml names tensors the ONNX does not have (first: {extra[0]})")
     problems += _check_symbols(root, graph)
-    problems += _check_vision(root, files, graph)
+    problems += _check_vision(root, files, graph, vision) if opts.kv_offload else _check_single(graph, vision)
     inputs = [i.name for i in graph.input]
     if opts.full_batch_size and "batch_index" not in inputs:
         problems.append("full_batch_size is set but the ONNX has no batch_index input (export with batch_index: true)")
@@ -95,12 +105,23 @@ def check_bundle(root: Path, files: dict[str, str], opts: CompileOptions) -> lis
     return problems
 
 
-def _check_vision(root: Path, files: dict[str, str], graph) -> list[str]:
+def _check_single(graph, vision: dict[str, Any] | None) -> list[str]:
+    """The single QPC's graph takes the image itself and keeps it as device state, not the image rows."""
+    from .vision.single import image_state
+
+    names = {v.name for v in list(graph.input) + list(graph.output)}
+    wanted = {n for name in image_state(vision or {"float_inputs": []}) for n in (name, f"{name}{RETAINED}")}
+    if vision is None or not wanted or not wanted <= names or "vision_embeds" in names:
+        return ["kv_offload: false, but the compiled graph is not a single VLM graph (image inputs and their "
+                "retained twins, no vision_embeds)"]
+    return []
+
+
+def _check_vision(root: Path, files: dict[str, str], graph, vision: dict[str, Any] | None) -> list[str]:
     """A VLM's language graph comes with its vision graph and that graph's compile inputs, and not otherwise."""
     from .vision.compile import VISION_COMPILE_DIR
 
     takes_image = any(i.name == "vision_embeds" for i in graph.input)
-    vision = json.loads((root / EXPORT_REPORT).read_text()).get("vision") if (root / EXPORT_REPORT).is_file() else None
     if not takes_image:
         return ["export.json records a vision graph, but the language ONNX takes no vision_embeds"] if vision else []
     if vision is None or vision["path"] not in files:

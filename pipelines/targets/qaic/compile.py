@@ -43,7 +43,7 @@ QPC_DIR = "qpc"  # the compiler's output directory (VLLM_QAIC_QPC_PATH)
 MAX_SPECULATIVE_TOKENS = 16  # n-gram speculation proposes a few tokens; more is a typo, and a costlier decode graph
 # Options added after bundles were first published: left out of `recorded()` while at their default, so the
 # bundles (and QPC manifests) of recipes that do not use them keep their bytes.
-ADDED_LATER = ("num_speculative_tokens", "hw_version", "allow_mxint8_mdp_io")
+ADDED_LATER = ("num_speculative_tokens", "hw_version", "allow_mxint8_mdp_io", "kv_offload")
 NO_MDP_IO = ("allow_mxint8_mdp_io compresses the traffic between the devices tensor slicing splits the model over: "
              "it needs num_devices > 1")
 NOT_A_TARGET_LM = ("speculative decoding (num_speculative_tokens) compiles a causal LM decoder as its target "
@@ -88,6 +88,10 @@ class CompileOptions(BaseModel):
         None, ge=1, le=MAX_SPECULATIVE_TOKENS, strict=True,
         description="speculative decoding's target LM: decode steps of K+1 tokens returning every logit (needs an "
                     "input export with target_lm: true); served with vLLM's n-gram speculation of K tokens")
+    kv_offload: bool = Field(
+        True, strict=True,
+        description="a vision-language model as two QPCs (vision, language; QEfficient's default) or, false, as one "
+                    "QPC holding both (one sequence at a time: needs batch_size 1 and full_batch_size null)")
     sdk_version: str = Field("1.22", pattern=r"^\d+\.\d+(\.\d+)*$",
                              description="the Apps SDK the bundle's files are written for; a compile host re-derives them for its own")
 
@@ -102,6 +106,9 @@ class CompileOptions(BaseModel):
         if self.task == "transcribe" and (self.full_batch_size is not None or self.prefill_seq_len != 1):
             raise ValueError("task transcribe (Whisper) runs one token a step without continuous batching: "
                              "prefill_seq_len must be 1 and full_batch_size null (QEfficient, vllm-qaic)")
+        if not self.kv_offload and (self.full_batch_size is not None or self.batch_size != 1):
+            raise ValueError("kv_offload: false compiles a single QPC, which runs one sequence at a time "
+                             "(continuous batching is dual-QPC only): batch_size must be 1 and full_batch_size null")
         k = self.num_speculative_tokens
         if k is not None and self.task != "generate":
             raise ValueError(NOT_A_TARGET_LM)
@@ -177,8 +184,8 @@ def specializations(opts: CompileOptions, sdk_version: str | None = None,
     if vision is not None:
         from .vision.compile import language_symbols
 
-        prefill.update(language_symbols(vision))
-        decode.update(language_symbols(vision))
+        prefill.update(language_symbols(vision, opts))
+        decode.update(language_symbols(vision, opts))
     if named:
         return {"specializations": [{"name": "Prefill", "symbols": prefill}, {"name": "Decode", "symbols": decode}]}
     return {"specializations": [prefill, decode]}
@@ -190,7 +197,7 @@ def custom_io(layers: int, opts: CompileOptions, vision: dict[str, Any] | None =
     if vision is not None:
         from .vision.compile import language_custom_io
 
-        for name, precision in language_custom_io():
+        for name, precision in language_custom_io(vision, opts):
             lines += [f"- IOName: {name}", f"  Precision: {precision}", ""]
     if opts.task == "transcribe":  # Whisper: the log-mel in the compute dtype, self and cross K/V per decoder layer
         from .whisper import FEATURES, custom_io_names
@@ -225,7 +232,7 @@ def compile_files(layers: int, opts: CompileOptions, sdk_version: str | None = N
     files = {f"{COMPILE_DIR}/specializations.json": (json.dumps(spec, indent=1) + "\n").encode()}
     if opts.retained_state:  # an encoder has no KV tensors whose precision to set
         files[f"{COMPILE_DIR}/custom_io.yaml"] = custom_io(layers, opts, vision).encode()
-    if vision is not None:
+    if vision is not None and opts.kv_offload:  # the dual form's second program
         from .vision.compile import vision_files
 
         files.update(vision_files(vision, named_specializations(sdk_version or opts.sdk_version)))

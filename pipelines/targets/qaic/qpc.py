@@ -26,7 +26,7 @@ from .layout import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
 from .bundle import COMMAND_FILE
 from .compile import (COMPILE_DIR, QPC_DIR, CompileOptions, Sdk, command, compile_files, fill, find_sdk, no_sdk_reason, run,
                       vision_command)
-from .vision.compile import VISION_QPC_DIR
+from .vision.compile import VISION_QPC_DIR, language_onnx
 from .families import window_served_full
 from .serving import describe
 from ... import settings
@@ -110,9 +110,9 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
             (src / rel).unlink(missing_ok=True)
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
             (src / rel).write_bytes(body)
-        argv = command(opts, f"{ONNX_DIR}/model.onnx", sdk.version, compiler=str(sdk.compiler))
+        argv = command(opts, language_onnx(vision, opts), sdk.version, compiler=str(sdk.compiler))
         programs = [(argv, QPC_DIR)]
-        if vision is not None:  # a VLM's dual QPC: the vision program beside the language one
+        if vision is not None and opts.kv_offload:  # a VLM's dual QPC: the vision program beside the language one
             programs.append((vision_command(opts, vision, sdk.version, compiler=str(sdk.compiler)), VISION_QPC_DIR))
         seconds, stand_in = 0.0, False
         for args, out_dir in programs:
@@ -125,7 +125,7 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
                 stand_in = stand_in or f.read(len(STAND_IN_MARK)) == STAND_IN_MARK
         recorded = [str(sdk.compiler.name)] + argv[1:]
         doc = {"argv": recorded, "sdk_version": sdk.version}
-        if vision is not None:
+        if len(programs) > 1:
             doc["vision_argv"] = [str(sdk.compiler.name)] + programs[1][0][1:]
         (art / COMMAND_FILE).write_text(json.dumps(doc, indent=1) + "\n")
         (art / SDK_FILE).write_text(json.dumps(qpc_toolchain(sdk), indent=1, sort_keys=True) + "\n")
@@ -146,7 +146,7 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
     trust = config is not None and model_id in config.registry.trust_remote_code_allowlist
     full = window_served_full(model_config) is not None  # Gemma 2: the server must not window what the graph does not
     serving = {p["id"]: describe(opts, p, model_id, trust, sdk.toolchain(), disable_sliding_window=full,
-                                 vision=vision is not None)
+                                 vision=vision is not None, dual=vision is not None and opts.kv_offload)
                for p in _profiles(config, recipe_id)}
     validation = dict(bundle.validation or {})
     # No timings in the manifest: its bytes are the same for a build id whichever host compiled it.
@@ -156,7 +156,7 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
         files=entries, toolchain={**bundle.toolchain, **qpc_toolchain(sdk)},
         build={"input": {"recipe": recipe_id, "build_id": bundle.build_id, "format": BUNDLE_FORMAT},
                "export": bundle.build.get("input"), "compile": {"command": recorded, "sdk": qpc_toolchain(sdk),
-                                                                    **({"vision_command": doc["vision_argv"]} if vision else {})},
+                                                                    **({"vision_command": doc["vision_argv"]} if "vision_argv" in doc else {})},
                "state": "compiled",
                **({"stand_in": f"compiled by a stand-in for {sdk.compiler.name}: not a QPC a device can load"}
                   if stand_in else {})},

@@ -50,11 +50,11 @@ def speculative_config(k: int) -> str:
     return json.dumps({"method": "ngram", "num_speculative_tokens": k}, separators=(",", ":"))
 
 
-def qpc_path(vision: bool) -> str:
+def qpc_path(dual: bool) -> str:
     """The prebuilt QPC(s) in the pulled model directory: a VLM's dual QPC as `<vision_qpc>:<language_qpc>`,
-    the form vllm-qaic's loader splits (reference/ai100-qpc.md; unconfirmed on a device)."""
+    the form vllm-qaic's loader splits (reference/ai100-qpc.md; unconfirmed on a device); one QPC otherwise."""
     language = f"{MODEL_DIR}/{QPC_DIR}"
-    return f"{MODEL_DIR}/{VISION_QPC_DIR}:{language}" if vision else language
+    return f"{MODEL_DIR}/{VISION_QPC_DIR}:{language}" if dual else language
 
 
 def qpc_env(opts: CompileOptions) -> str:
@@ -63,8 +63,10 @@ def qpc_env(opts: CompileOptions) -> str:
 
 
 def describe(opts: CompileOptions, profile: dict[str, Any], model_id: str, trust_remote_code: bool,
-             sdk: dict[str, str], disable_sliding_window: bool = False, vision: bool = False) -> dict[str, Any]:
-    """The vllm-qaic description recorded in a QPC's manifest (pull prints image, env and command)."""
+             sdk: dict[str, str], disable_sliding_window: bool = False, vision: bool = False,
+             dual: bool = False) -> dict[str, Any]:
+    """The vllm-qaic description recorded in a QPC's manifest (pull prints image, env and command); `dual`: a
+    VLM's two QPCs (its single-QPC form has one, and runs one sequence: max_num_seqs is the batch of 1)."""
     args = engine_args(opts, model_id, trust_remote_code, disable_sliding_window, vision)
     argv = ["vllm", "serve", MODEL_DIR]
     for key, value in args.items():
@@ -74,7 +76,7 @@ def describe(opts: CompileOptions, profile: dict[str, Any], model_id: str, trust
         "engine": "vllm-qaic", "image": profile.get("image"),
         "engine_args": args,
         "env": {"HF_HUB_OFFLINE": "1", **((profile.get("serving") or {}).get("env") or {}),
-                qpc_env(opts): qpc_path(vision)},
+                qpc_env(opts): qpc_path(dual)},
         "command": argv,
         "compiled_for": {"task": opts.task, "ctx_len": opts.ctx_len, "prefill_seq_len": opts.prefill_seq_len,
                          "batch_size": opts.batch_size, "full_batch_size": opts.full_batch_size,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..layout import RETAINED
+from ..layout import ONNX_DIR, RETAINED
 
 VISION_COMPILE_DIR = "compile/vision"
 VISION_QPC_DIR = "qpc-vision"  # beside the language QPC's qpc/
@@ -24,14 +24,43 @@ QPC_VISION = "{qpc_vision}"  # the placeholder of the vision QPC's output direct
 IMAGE_ROWS = ("vision_embeds", f"vision_embeds{RETAINED}")  # the language graph's image state
 
 
-def language_symbols(vision: dict[str, Any]) -> dict[str, str]:
-    """What the language graph's Prefill and Decode specializations add: one image of `vision_size` rows."""
+def language_symbols(vision: dict[str, Any], opts) -> dict[str, str]:
+    """What the language graph's Prefill and Decode specializations add: one image of `vision_size` rows (dual);
+    the single graph's image axes instead, the Vision specialization's symbols (its batch is the sequence's)."""
+    if not opts.kv_offload:
+        return {k: str(v) for k, v in vision["symbols"].items() if k != "batch_size"}
     return {"vision_batch_size": "1", "vision_size": str(int(vision["vision_size"]))}
 
 
-def language_custom_io() -> list[tuple[str, str]]:
-    """The image rows stay in the model's dtype (QEfficient never compresses them to MXINT8)."""
+def language_custom_io(vision: dict[str, Any], opts) -> list[tuple[str, str]]:
+    """The image rows (dual), or the image and its retained twin (single), stay in the model's dtype: QEfficient
+    never compresses them to MXINT8."""
+    if not opts.kv_offload:
+        from .single import image_state
+
+        return [(n, "float16") for name in image_state(vision) for n in (name, f"{name}{RETAINED}")]
     return [(name, "float16") for name in IMAGE_ROWS]
+
+
+def language_onnx(vision: dict[str, Any] | None, opts) -> str:
+    """The graph the main program compiles: the language graph, or the single graph of a VLM without kv_offload."""
+    if vision is not None and not opts.kv_offload:
+        from .single import SINGLE_ONNX
+
+        return SINGLE_ONNX
+    return f"{ONNX_DIR}/model.onnx"
+
+
+def form_problem(vision: dict[str, Any] | None, opts) -> str | None:
+    """Why these options cannot compile this export (None: they can)."""
+    if opts.kv_offload:
+        return None
+    if vision is None:
+        return "kv_offload: false (a single QPC) is for vision-language models; this export has no vision graph"
+    if not vision.get("single_qpc", False):
+        return (f"{vision['architecture']} compiles as a dual QPC only (QEfficient has no single-QPC form of it): "
+                "drop kv_offload: false")
+    return None
 
 
 def vision_specializations(vision: dict[str, Any], named: bool) -> dict[str, Any]:

@@ -38,6 +38,7 @@ class VisionReport:
     hidden: int
     image_token_id: int
     symbols: dict[str, str] = field(default_factory=dict)  # the Vision specialization
+    single_qpc: bool = True  # the family also compiles as one QPC (kv_offload: false)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,7 +134,7 @@ def export_vision(family: VisionFamily, model, root: Path) -> VisionReport:
                         files=[f"{VISION_DIR}/model.onnx", f"{VISION_DIR}/{data}"], inputs=names,
                         float_inputs=[n for n, a in sample.items() if a.dtype.kind == "f"], vision_size=size,
                         hidden=int(embeds.shape[-1]), image_token_id=family.image_token_id(model.config),
-                        symbols=family.vision_symbols(model.config))
+                        symbols=family.vision_symbols(model.config), single_qpc=family.single_qpc)
 
 
 def export_vlm(family: VisionFamily, model, root: Path, *, batch_index: bool = True, weight_dtype: str = "float16",

@@ -120,4 +120,5 @@ FAMILY = VisionFamily(
     reference_kwargs=_reference_kwargs,
     vision_symbols=_vision_symbols,
     vision_axes={"pixel_values": {0: "batch_size", 1: "num_patches", 3: "img_size", 4: "img_size"}},
+    single_qpc=False,  # QEfficient: Granite Vision is dual QPC only
 )

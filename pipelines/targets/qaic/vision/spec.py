@@ -39,7 +39,8 @@ class VisionFamily:
       `nested_language_model`, transformers 5's usual layout);
     - `reference_kwargs(config, inputs)`: what transformers' forward takes beside input_ids for that image
       (default: pixel_values);
-    - `vision_symbols(config)`: the Vision specialization's symbols (every value a string).
+    - `vision_symbols(config)`: the Vision specialization's symbols (every value a string);
+    - `single_qpc`: whether the family also compiles as one QPC (vision/single.py), as QEfficient allows.
     """
 
     architectures: tuple[str, ...]
@@ -53,6 +54,7 @@ class VisionFamily:
     language_model: LanguageModel = field(default=lambda model: nested_language_model(model))
     reference_kwargs: Callable[[Any, dict[str, np.ndarray]], dict[str, Any]] = field(
         default=lambda config, inputs: {"pixel_values": inputs["pixel_values"]})
+    single_qpc: bool = True  # QEfficient also compiles it as one QPC (kv_offload=False); False: dual only
 
 
 def config_value(config: Any, *names: str) -> Any:
