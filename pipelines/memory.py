@@ -24,6 +24,7 @@ recalibrate them. They err on the large side.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -80,6 +81,8 @@ _LAYER = LAYER_TENSOR
 _EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "tok_embeddings.weight",
                        "embed_in.weight", "embedding.weight")
 _LM_HEAD_SUFFIXES = ("lm_head.weight", "embed_out.weight", "output.weight")
+# a vision-language checkpoint's vision side, in the layouts of transformers 4 and 5
+_VISION = re.compile(r"(?:^|\.)(?:vision_tower|vision_model|visual|multi_modal_projector|image_newline)(?:\.|$)")
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class ModelFacts:
     tensor_sizes: tuple[int, ...] = ()  # elements of each tensor, in header order (how shards pack)
     largest_layer_tensor: int = 0  # the largest tensor inside a decoder layer (what layer-wise conversions hold)
     widest_row: int = 0  # the longest last dimension of a matrix (a row of the widest weight)
+    vision_parameters: int = 0  # a vision-language model's vision side (tower, projector): held whole when streamed
 
     @property
     def fp32_bytes(self) -> int:
@@ -152,7 +156,7 @@ def facts_from_tensors(tensors: Iterable[TensorInfo], config: dict[str, Any] | N
                        model: str = "the model") -> ModelFacts:
     """The facts of a model from its tensors' headers (names, dtypes, shapes) and its config.json."""
     cfg = _text_config(config or {})
-    parameters = source = vectors = kquant = q8 = 0
+    parameters = source = vectors = kquant = q8 = vision = 0
     by_dtype: dict[str, int] = {}
     largest, largest_name = 0, ""
     largest_in_layer = widest = 0
@@ -179,6 +183,8 @@ def facts_from_tensors(tensors: Iterable[TensorInfo], config: dict[str, Any] | N
             kquant += n
         elif t.shape[-1] % Q8_0_BLOCK == 0:
             q8 += n
+        if _VISION.search(t.name):
+            vision += n
         layer = _LAYER.match(t.name)
         if layer:
             per_layer[layer.group(1)] = per_layer.get(layer.group(1), 0) + n
@@ -201,7 +207,7 @@ def facts_from_tensors(tensors: Iterable[TensorInfo], config: dict[str, Any] | N
         embedding=embedding, lm_head=lm_head, vocab_size=vocab, hidden_size=hidden, kv_heads=kv_heads,
         head_dim=head_dim, vector_parameters=vectors, kquant_rows_parameters=kquant, q8_rows_parameters=q8,
         float_dtypes=tuple(sorted(floats)), tensor_sizes=tuple(sizes), largest_layer_tensor=largest_in_layer,
-        widest_row=widest,
+        widest_row=widest, vision_parameters=vision,
     )
 
 

@@ -149,7 +149,6 @@ def meta_model(model_dir: Path, checkpoint: set[str], layers: int | None = None)
     makes each of its parameters from the `checkpoint`'s tensors). A remote-code architecture with a native
     equivalent is built as that (never its own code); `layers` keeps the first N decoder layers."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from .native import native_config, read_config
     from .quiet import quiet_transformers
@@ -160,8 +159,9 @@ def meta_model(model_dir: Path, checkpoint: set[str], layers: int | None = None)
         config, native = native_config(model_dir)
         if layers is not None:
             slice_transformers_config(config, layers)
+        auto, extra = _auto_class(config)
         with _parameters_on_meta():
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+            model = auto.from_config(config, dtype=torch.float32, trust_remote_code=False, **extra)
     except Exception as e:  # noqa: BLE001 - a config transformers cannot build is malformed input for us
         raise ModelFormatError(f"transformers cannot build the reference model: {type(e).__name__}: {e}") from None
     model = model.eval()
@@ -169,6 +169,19 @@ def meta_model(model_dir: Path, checkpoint: set[str], layers: int | None = None)
     rules = weight_rules(names, checkpoint, _tied_names(model, config),
                          (native, read_config(model_dir)) if native is not None else None)
     return model, rules
+
+
+def _auto_class(config) -> tuple[Any, dict[str, Any]]:
+    """(the transformers auto class, its extra from_config arguments) of the architecture the config names: a
+    causal LM, or a vision-language model (image-text-to-text) built whole with eager attention, the form its
+    vision tower is traced in (the language model inside is the same causal LM)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    archs = getattr(config, "architectures", None) or []
+    if archs and MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(config.model_type) == archs[0]:
+        return AutoModelForImageTextToText, {"attn_implementation": "eager"}
+    return AutoModelForCausalLM, {}
 
 
 def _tied_names(model, config) -> dict[str, str]:

@@ -32,6 +32,16 @@ MODULE_RENAMES = ((".mlp.", ".block_sparse_moe."), ("lm_head.", "embed_out."),
                   (".block_sparse_moe.experts.down_proj", ".block_sparse_moe.output_linear.weight"))
 
 
+# Vision-language checkpoints saved before transformers 5 keep the language model, the vision tower and the
+# projector at the top level (llava-1.5-7b-hf: `language_model.model.layers.0...`); transformers 5 nests them
+# under `model.` (its conversion mapping for llava, llava_next, internvl, mllama): (model prefix, checkpoint
+# prefix), first match wins.
+VLM_PREFIXES = (("model.language_model.", "language_model.model."), ("model.language_model.", "language_model."),
+                ("lm_head.", "language_model.lm_head."), ("model.vision_tower.", "vision_tower."),
+                ("model.vision_model.", "vision_model."), ("model.multi_modal_projector.", "multi_modal_projector."),
+                ("model.image_newline", "image_newline"))
+
+
 @dataclass(frozen=True)
 class WeightRule:
     """How one model parameter is made from checkpoint tensors: `sources` read, then `combine`d."""
@@ -84,6 +94,7 @@ def _rule_for(name: str, checkpoint: set[str], tied: dict[str, str]) -> WeightRu
             candidates.append(name.replace(model_part, ckpt_part))
     if "." in name:  # checkpoints saved from the base model lack its prefix (`transformer.`, `model.`)
         candidates.append(name.split(".", 1)[1])
+    candidates += [ckpt + name[len(model_prefix):] for model_prefix, ckpt in VLM_PREFIXES if name.startswith(model_prefix)]
     for c in candidates:
         if c in checkpoint:
             return WeightRule((c,))

@@ -82,7 +82,7 @@ def _export(tmp_path_factory, arch: str):
         model = load_vlm(model_dir)
         round_language(family, model, "float16")
         root = tmp_path_factory.mktemp(f"{arch}-onnx")
-        report, vision = export_vlm(family, model, root, batch_index=True)
+        report, vision = export_vlm(family, model_dir, root, batch_index=True)  # streamed from the checkpoint
         _EXPORTS[arch] = (family, model, root, report, vision)
     return _EXPORTS[arch]
 

@@ -63,7 +63,7 @@ def _max_positions(config: dict[str, Any]) -> int | None:
 
 def _whole(config: dict[str, Any]) -> str:
     """What plan says is loaded whole (the models not streamed layer by layer)."""
-    return "vision-language model" if is_vision(config) else "Whisper model" if is_speech(config) else "encoder"
+    return "Whisper model" if is_speech(config) else "encoder"
 
 
 class ExportThresholds(Thresholds):
@@ -111,7 +111,7 @@ def _refuse_bad_source(snap, config: dict[str, Any]) -> None:
     with TensorSource(snap.safetensors_files()) as src:
         refuse_quantized_without_config(src, config)
         refuse_index_mismatch(snap.dir, src)
-        if is_encoder(config) or is_speech(config) or is_vision(config):  # exported from loaded weights: nothing else would look
+        if is_encoder(config) or is_speech(config):  # exported from loaded weights: nothing else would look
             refuse_non_finite(src)
 
 
@@ -127,9 +127,10 @@ class QaicExportTarget(Target):
     def plan_steps(env) -> list:
         from .plan import export_steps
 
-        # Whisper and vision-language models are loaded whole, as encoders are
-        return export_steps(env, encoder=is_encoder(env.config) or is_speech(env.config) or is_vision(env.config),
-                            whole=_whole(env.config))
+        # Whisper is loaded whole, as encoders are; a vision-language model streams its language model as a
+        # decoder does, its vision side held
+        return export_steps(env, encoder=is_encoder(env.config) or is_speech(env.config), whole=_whole(env.config),
+                            vision=is_vision(env.config))
 
     @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]:
@@ -228,7 +229,7 @@ class QaicExportTarget(Target):
         elif is_vision(ctx.config):
             from .vision.target import parity as vision_parity
 
-            metrics, details = vision_parity(ctx.snapshot.dir, artifact_dir, onnx_path, tok, PARITY_DECODE_STEPS,
+            metrics, details = vision_parity(ctx.snapshot, artifact_dir, onnx_path, tok, PARITY_DECODE_STEPS,
                                              ctx.recipe.options.get("weight_dtype", "float16"))
         else:
             metrics, details = decoder_parity(ctx, tok, onnx_path)
@@ -270,8 +271,9 @@ class QaicTarget(Target):
         from .plan import bundle_steps
 
         weight_dtype = (env.input_options or {}).get("weight_dtype", "float16")
-        streamed = env.options.get("task", "generate") == "generate" and not is_vision(env.config)  # a VLM: whole
-        return bundle_steps(env, decoder=streamed, weight_dtype=weight_dtype, whole=_whole(env.config))
+        streamed = env.options.get("task", "generate") == "generate"
+        return bundle_steps(env, decoder=streamed, weight_dtype=weight_dtype, whole=_whole(env.config),
+                            vision=is_vision(env.config))
 
     @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]:
@@ -367,7 +369,7 @@ class QaicTarget(Target):
         if is_vision(ctx.config):  # both QPCs emulated on a synthetic image
             from .vision.target import quality
 
-            q = quality(ctx.snapshot.dir, tok, mxfp6=opts.mxfp6, mxint8=opts.mxint8)
+            q = quality(ctx.snapshot, tok, mxfp6=opts.mxfp6, mxint8=opts.mxint8)
             metrics = {"predicted_top1": q["top1"], "predicted_kl": q["kl"],
                        "predicted_max_abs_logit_delta": q["max_abs_logit_delta"]}
             failures = check_thresholds(metrics, ctx.recipe.validation)

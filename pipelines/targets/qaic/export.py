@@ -212,9 +212,17 @@ def export_decoder(decoder, out_path: Path, *, ctx_len: int = 128, weight_dtype:
     return _write(graph, decoder, Weights(decoder), out_path, ctx_len, weight_dtype)
 
 
-def slice_graph(model_dir: Path, onnx_path: Path, layers: int, out_path: Path) -> Path:
+def export_placeholder_decoder(decoder, model, rules, source, out_path: Path, *, ctx_len: int = 128,
+                               weight_dtype: str = "float16") -> ExportReport:
+    """Export a `build_decoder` module over a `placeholder_model` (its weights streamed from the checkpoint)."""
+    graph, _names = trace_graph(decoder, ctx_len)
+    return _write(graph, decoder, Weights(decoder, model, rules, source), out_path, ctx_len, weight_dtype)
+
+
+def slice_graph(model_dir: Path, onnx_path: Path, layers: int, out_path: Path, decoder_of=None) -> Path:
     """A graph of the first `layers` layers over the external data of the export at `onnx_path` (no byte is
-    copied): written to `out_path`, which must be in the same directory."""
+    copied): written to `out_path`, which must be in the same directory. `decoder_of(model, batch_index,
+    logits_to_keep)`: the decoder of the placeholder model (default: build_decoder's; a VLM's language decoder)."""
     import onnx
 
     full = onnx.load(str(onnx_path), load_external_data=False)
@@ -223,7 +231,10 @@ def slice_graph(model_dir: Path, onnx_path: Path, layers: int, out_path: Path) -
     keep = any(i.name == KEEP_INPUT for i in full.graph.input)
     model, rules, source = placeholder_model(model_dir, layers=layers)
     try:
-        decoder = build_decoder(model, batch_index=batch_index, ctx_len=16, logits_to_keep=keep)
+        if decoder_of is None:
+            decoder = build_decoder(model, batch_index=batch_index, ctx_len=16, logits_to_keep=keep)
+        else:
+            decoder = decoder_of(model, batch_index, keep)
         graph, _names = trace_graph(decoder, 16)
         stored_initializers(graph, decoder, Weights(decoder, model, rules, source), lookup=lookup)
     finally:

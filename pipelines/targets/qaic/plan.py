@@ -6,7 +6,9 @@ precision, a chunk of rows at a time (transposed where the graph multiplies by t
 the graph and a few chunks whatever the model's size; disk is the model at `weight_dtype` (fp16: half the
 fp32 copy QEfficient writes). Its validation runs onnxruntime on the whole export when it fits the budget,
 else on a layer slice of the same external-data file, next to the streamed reference of the same layers.
-Encoders (BERT-class, at most a few hundred MB) are exported and checked whole.
+Encoders (BERT-class, at most a few hundred MB) are exported and checked whole. A vision-language model is a
+decoder here (its language model streams the same way) plus its vision side (a few hundred MB to 2 GB in fp32),
+held whole in every step.
 
 qaic (a compile recipe): the bundle links the export's files; its validation predicts the device's quality
 with the decoder streamed unit by unit, MXFP6 / fp16 applied to each weight as it loads.
@@ -102,9 +104,17 @@ def ort_check(facts: "ModelFacts", budget: int, weight_dtype: str) -> OrtCheck:
                                       f"external data ({human_bytes(part)})")
 
 
-def export_steps(env: "PlanEnv", encoder: bool, whole: str = "encoder") -> list[StepNeed]:
-    """`encoder`: the model is loaded whole (an encoder, Whisper, a vision-language model: `whole` names it),
-    else a decoder streamed from its safetensors."""
+def vision_side(facts: "ModelFacts", copies: float) -> tuple[int, str]:
+    """A vision-language model's vision side held in fp32 `copies` times (0 for other models), and its words."""
+    held = int(facts.vision_parameters * FP32 * copies)
+    return held, (f" + the vision side held {human_bytes(held)} ({facts.vision_parameters / 1e9:.2f} B parameters "
+                  f"x {copies:g} in fp32)" if held else "")
+
+
+def export_steps(env: "PlanEnv", encoder: bool, whole: str = "encoder", vision: bool = False) -> list[StepNeed]:
+    """`encoder`: the model is loaded whole (an encoder, Whisper: `whole` names it), else a decoder streamed from
+    its safetensors; `vision`: a vision-language model, its language model streamed as a decoder, its vision side
+    held (its graph exported with its weights, checked whole in onnxruntime)."""
     facts = env.facts
     if encoder:
         out = facts.fp32_bytes + SMALL_FILES
@@ -115,20 +125,24 @@ def export_steps(env: "PlanEnv", encoder: bool, whole: str = "encoder") -> list[
     weight_dtype = env.options.get("weight_dtype", "float16")
     out = export_bytes(facts, weight_dtype)
     graph = facts.layers * GRAPH_BYTES_PER_LAYER
-    mem = BASE_TORCH + graph + EXPORT_CHUNK_COPIES * EXPORT_CHUNK_BYTES
+    held, held_text = vision_side(facts, ENCODER_EXPORT_FACTOR if vision else 0)  # weights + protobuf copy
+    mem = BASE_TORCH + graph + EXPORT_CHUNK_COPIES * EXPORT_CHUNK_BYTES + held
     check = ort_check(facts, env.budget, weight_dtype)
     reference = reference_slice_memory(facts, check.layers, reference_resident(facts, check.layers, env.budget))
-    validate = max(check.memory, reference)
+    checked, checked_text = vision_side(facts, 2 if vision else 0)  # the reference's and onnxruntime's
+    validate = max(check.memory, reference) + checked
     return [StepNeed("export", mem, disk=out, where=env.work, detail=(
                 f"torch {human_bytes(BASE_TORCH)} + the graph of {facts.layers} layers {human_bytes(graph)} + "
-                f"{EXPORT_CHUNK_COPIES} x a chunk {human_bytes(EXPORT_CHUNK_BYTES)}; weights in {weight_dtype}")),
+                f"{EXPORT_CHUNK_COPIES} x a chunk {human_bytes(EXPORT_CHUNK_BYTES)}{held_text}; weights in "
+                f"{weight_dtype}")),
             env.publish(out),
             StepNeed("validate", validate, disk=env.placed(out) + SMALL_FILES, where=env.work, detail=(
                 f"the larger of onnxruntime {human_bytes(check.memory)} and the streamed reference of the same "
-                f"layers {human_bytes(reference)}; {check.reason}"))]
+                f"layers {human_bytes(reference)}{checked_text}; {check.reason}"))]
 
 
-def bundle_steps(env: "PlanEnv", decoder: bool, weight_dtype: str = "float16", whole: str = "encoder") -> list[StepNeed]:
+def bundle_steps(env: "PlanEnv", decoder: bool, weight_dtype: str = "float16", whole: str = "encoder",
+                 vision: bool = False) -> list[StepNeed]:
     facts = env.facts
     onnx = export_bytes(facts, weight_dtype)  # the input export, placed in the work dir
     steps = [StepNeed("bundle", BASE_STEP, disk=env.placed(onnx) + SMALL_FILES, where=env.work,
@@ -138,12 +152,13 @@ def bundle_steps(env: "PlanEnv", decoder: bool, weight_dtype: str = "float16", w
         steps.append(env.reference())
         unit = max(facts.embedding, facts.largest_layer, facts.lm_head or facts.embedding)
         chunk = min(QUALITY_CHUNK_ROWS * max(facts.widest_row, facts.hidden_size) * FP32, facts.largest_tensor * FP32)
-        mem = (BASE_TORCH + 2 * unit * FP32 + QUALITY_CHUNK_COPIES * chunk
+        held, held_text = vision_side(facts, 2 if vision else 0)  # read, and its fp16 emulation
+        mem = (BASE_TORCH + 2 * unit * FP32 + QUALITY_CHUNK_COPIES * chunk + held
                + BATCH_TOKENS * facts.hidden_size * FP32 * ACTIVATION_COPIES
                + BATCH_TOKENS * facts.vocab_size * FP32)  # the logits of every position, kept for the comparison
         detail = (f"the retained-state decoder streamed: torch {human_bytes(BASE_TORCH)} + 2 x "
                   f"unit {human_bytes(unit * FP32)} (a weight and its emulated copy) + {QUALITY_CHUNK_COPIES} x a chunk "
-                  f"{human_bytes(chunk)} for the MX emulation + activations and logits of the parity texts")
+                  f"{human_bytes(chunk)} for the MX emulation{held_text} + activations and logits of the parity texts")
     else:
         mem, detail = whole_model(facts, 2.2, f"the {whole} and its emulated copy")
     steps.append(StepNeed("validate", mem, disk=env.placed(onnx), where=env.work, detail=detail,

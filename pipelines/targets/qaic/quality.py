@@ -116,17 +116,18 @@ def predict(model_dir: Path, sequences: list[list[int]], *, mxfp6: bool = True, 
                                            "mxint8 kv cache" if mxint8 else "float16 kv cache" if fp16 else None) if name]}
 
 
-def run_decoder(lm, decoder, sequences: list[list[int]]) -> list[Any]:
+def run_decoder(lm, decoder, sequences: list[list[int]], images: list[Any] | None = None) -> list[Any]:
     """Every sequence's logits (all positions) through the retained-state decoder over a streamed model, unit
-    by unit: each unit is loaded once and every sequence goes through it (prefill from an empty cache)."""
+    by unit: each unit is loaded once and every sequence goes through it (prefill from an empty cache).
+    `images`: per sequence, a VLM's merge of its image rows over the embeddings (decoder.begin's `image`)."""
     import torch
 
     with torch.inference_mode():
         states = []
         with lm.loaded(decoder.embed, decoder.pos_embed):
-            for s in sequences:
+            for n, s in enumerate(sequences):
                 ids, pos = torch.tensor([s]), torch.arange(len(s)).unsqueeze(0)
-                h, rope, masks = decoder.begin(ids, pos, len(s))
+                h, rope, masks = decoder.begin(ids, pos, len(s), images[n] if images else None)
                 states.append([h, rope, masks, pos])
         for i, layer in enumerate(decoder.layers):
             with lm.loaded(layer):

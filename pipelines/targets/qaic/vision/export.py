@@ -137,13 +137,56 @@ def export_vision(family: VisionFamily, model, root: Path) -> VisionReport:
                         symbols=family.vision_symbols(model.config), single_qpc=family.single_qpc)
 
 
-def export_vlm(family: VisionFamily, model, root: Path, *, batch_index: bool = True, weight_dtype: str = "float16",
-               ctx_len: int = 128):
-    """Both graphs of a VLM in memory (already `round_language`d when weight_dtype is float16): (the language
-    graph's ExportReport, the VisionReport)."""
-    from ..export import export_decoder
+def language_module_ids(family: VisionFamily, model) -> set[int]:
+    """The ids of every module of the VLM's language model (decoder stack and lm_head): what is not among them
+    (the vision tower, the projector, learned image rows) is the vision side."""
+    _config, stack, head = family.language_model(model)
+    return {id(m) for part in (stack, head) for m in part.modules()}
 
-    vision = export_vision(family, model, root)
-    decoder = language_decoder(family, model, batch_index=batch_index, ctx_len=ctx_len)
-    report = export_decoder(decoder, Path(root) / ONNX_DIR / "model.onnx", ctx_len=ctx_len, weight_dtype=weight_dtype)
+
+def load_vision_weights(family: VisionFamily, model, rules, source) -> int:
+    """Read the vision side's parameters of a placeholder VLM from the checkpoint (fp32; the language model's
+    stay placeholders, streamed later): returns how many."""
+    import torch
+
+    from ....streamed_model import read_float32
+
+    language = language_module_ids(family, model)
+    names: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), n)
+    loaded = 0
+    for module in model.modules():
+        if id(module) in language:
+            continue
+        for attr, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            name = names[id(param)]
+            value = rules[name].load(lambda tensor: read_float32(source, tensor))
+            if not torch.isfinite(value).all():  # the language side is checked as it streams into the data file
+                raise ModelFormatError(f"tensor for {name} holds NaN/Inf values: refusing to convert a broken model")
+            module._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+            loaded += 1
+    return loaded
+
+
+def export_vlm(family: VisionFamily, model_dir: Path, root: Path, *, batch_index: bool = True,
+               weight_dtype: str = "float16", ctx_len: int = 128):
+    """Both graphs of the VLM checkpoint in `model_dir`, without the model in memory: the VLM is built over
+    placeholders (export.placeholder_model), only its vision side read for real (the vision graph is traced with
+    its weights); the language graph is traced over placeholders and its weights stream from the safetensors into
+    its data file, as a decoder's do. Memory: the vision side in fp32, the graph and a few chunks.
+    (the language graph's ExportReport, the VisionReport)."""
+    from ..export import export_placeholder_decoder, placeholder_model
+
+    model, rules, source = placeholder_model(Path(model_dir))
+    try:
+        load_vision_weights(family, model, rules, source)
+        vision = export_vision(family, model, root)
+        decoder = language_decoder(family, model, batch_index=batch_index, ctx_len=ctx_len)
+        report = export_placeholder_decoder(decoder, model, rules, source, Path(root) / ONNX_DIR / "model.onnx",
+                                            ctx_len=ctx_len, weight_dtype=weight_dtype)
+    finally:
+        source.close()
     return report, vision

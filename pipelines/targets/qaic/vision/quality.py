@@ -4,7 +4,8 @@ torch against transformers fp32 on the same synthetic image and ids.
 - language QPC: MXFP6 E2M3 on every constant MatMul weight of the language model (or fp16), MXINT8 (or fp16)
   on the K/V written to the cache, the image rows as the vision emulation gives them.
 Every text position after the image is scored (top-1, KL, max |delta logit|). Compute stays fp32, as in
-quality.py. Memory: two copies of the model in fp32 (plan's whole-model estimate).
+quality.py. Memory: the model streamed from the checkpoint twice in turn (reference, then emulation), each
+resident when it fits, else unit by unit with the vision side held (vision/streamed.py).
 """
 
 from __future__ import annotations
@@ -15,41 +16,47 @@ from typing import Any
 from .spec import VisionFamily
 
 
-def predict_vlm(family: VisionFamily, model_dir: Path, text_ids: list[int], *, mxfp6: bool = True,
-                mxint8: bool = True, seed: int = 0) -> dict[str, Any]:
+def predict_vlm(family: VisionFamily, model_dir: Path, files: list[Path], text_ids: list[int], *,
+                mxfp6: bool = True, mxint8: bool = True, seed: int = 0, resident: bool = True) -> dict[str, Any]:
+    """`resident`: keep every unit after its first load (the model fits with margin); else the language model
+    runs unit by unit (quality.run_decoder), the vision side held throughout."""
     import numpy as np
     import torch
 
     from .... import parity
-    from ..mx import fake_mxint8
-    from ..quality import fake_fp16, fake_mxfp6_weights
-    from .export import language_decoder, language_shim, load_vlm
+    from ....streamed_model import StreamedCausalLM, trim_heap
+    from ..mx import fake_mxfp6, fake_mxint8
+    from ..quality import fake_fp16, mx_transform, run_decoder
+    from .export import language_decoder, language_shim
     from .parity import _reference, image_prompt
+    from .streamed import split_transform, vision_side
 
-    reference = load_vlm(model_dir)
-    inputs = family.vision_inputs(reference.config, seed)
-    prompt = image_prompt(family, reference.config, text_ids)
-    ref = _reference(family, reference, prompt, inputs)
-    del reference
-    model = load_vlm(model_dir)
-    vision = family.vision_module(model)
-    with torch.no_grad():
-        for p in vision.parameters():  # the vision QPC: fp16, never MXFP6
-            p.copy_(fake_fp16(p))
-        fake_mxfp6_weights(language_shim(family, model), None if mxfp6 else fake_fp16)
-        embeds = vision(*(torch.from_numpy(a) for a in inputs.values()))
-        decoder = language_decoder(family, model, batch_index=False, ctx_len=len(prompt),
+    with StreamedCausalLM(Path(model_dir), files, resident=resident) as plain:
+        inputs = family.vision_inputs(plain.model.config, seed)
+        prompt = image_prompt(family, plain.model.config, text_ids)
+        with vision_side(plain, family):
+            ref = _reference(family, plain.model, prompt, inputs)
+    trim_heap()
+    with StreamedCausalLM(Path(model_dir), files, resident=resident) as lm:
+        # the vision QPC: fp16, never MXFP6; the language QPC: MXFP6 (or fp16) on its constant MatMul weights
+        language = mx_transform(language_shim(family, lm.model), fake_mxfp6 if mxfp6 else fake_fp16)
+        lm.transform = split_transform(lm, family, fake_fp16, language)
+        with torch.no_grad(), vision_side(lm, family):
+            embeds = family.vision_module(lm.model)(*(torch.from_numpy(a) for a in inputs.values()))
+        decoder = language_decoder(family, lm.model, batch_index=False, ctx_len=len(prompt),
                                    kv_transform=fake_mxint8 if mxint8 else fake_fp16)
         decoder.all_positions = True
         ids = torch.tensor([prompt])
-        empty = torch.zeros(1, decoder.n_kv, len(prompt), decoder.head_dim)
-        past = [empty] * (2 * len(decoder.layers))
-        got = decoder(ids, embeds, torch.arange(len(prompt)).unsqueeze(0), torch.zeros(1, 1, dtype=torch.long),
-                      *past)[0][0].float().numpy()
-    first_text = 1 + family.vision_size(model.config)  # BOS, the image rows, then the text the image conditions
+
+        def image(text):
+            return decoder.merge_image(text, ids, embeds, torch.zeros(1, 1, dtype=torch.long))[0]
+
+        got = run_decoder(lm, decoder, [prompt], images=[image])[0]
+        first_text = 1 + family.vision_size(lm.model.config)  # BOS, the image rows, then the text they condition
+    trim_heap()
     total = parity.compare(ref[first_text:], got[first_text:])
     return {"positions": total.positions, "top1": round(total.top1_agreement, 6), "kl": float(f"{total.mean_kl:.6g}"),
             "max_abs_logit_delta": float(f"{total.max_abs_logit_delta:.6g}"),
-            "finite": bool(np.isfinite(got).all()),
+            "finite": bool(np.isfinite(got).all()), "resident": resident,
             "emulated": ["fp16 vision weights", "mxfp6 language weights" if mxfp6 else "fp16 language weights",
                          "mxint8 kv cache" if mxint8 else "float16 kv cache"]}

@@ -25,14 +25,11 @@ def parity_text(tok) -> list[int]:
 
 def build(model_dir: Path, out_dir: Path, options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """Both graphs into out_dir: (the language graph's ExportReport, the vision graph's report as JSON)."""
-    from .export import export_vlm, load_vlm, round_language
+    from .export import export_vlm
 
     family = _family({"architectures": _architectures(model_dir)})
-    weight_dtype = options.get("weight_dtype", "float16")
-    model = load_vlm(model_dir)
-    round_language(family, model, weight_dtype)
-    report, vision = export_vlm(family, model, out_dir, batch_index=bool(options.get("batch_index", True)),
-                                weight_dtype=weight_dtype)
+    report, vision = export_vlm(family, model_dir, out_dir, batch_index=bool(options.get("batch_index", True)),
+                                weight_dtype=options.get("weight_dtype", "float16"))
     return report, vision.to_json()
 
 
@@ -42,19 +39,37 @@ def _architectures(model_dir: Path) -> list[str]:
     return json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
 
 
-def parity(model_dir: Path, root: Path, language_onnx: Path, tok, decode_steps: int, weight_dtype: str
+def parity(snapshot, root: Path, language_onnx: Path, tok, decode_steps: int, weight_dtype: str
            ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(metrics, details) of onnxruntime on both graphs against transformers fp32 (language matrices rounded
-    as stored), end to end on a synthetic image."""
+    as stored), end to end on a synthetic image. The reference streams from the checkpoint (resident when it
+    fits); when the whole language graph does not fit onnxruntime's budget, a graph of its first layers over the
+    same data file runs against the reference of the same layers (the vision graph always whole)."""
     from .... import parity as metrics_util
-    from .export import VISION_DIR, load_vlm, round_language
+    from ....host import memory_budget
+    from ....memory import model_facts
+    from ....streamed_model import StreamedCausalLM
+    from ..export import slice_graph
+    from ..plan import ort_check, reference_resident
+    from .export import VISION_DIR, language_decoder
     from .parity import vlm_parity
+    from .streamed import split_transform, stored_rounding, vision_side
 
-    family = _family({"architectures": _architectures(model_dir)})
-    model = load_vlm(model_dir)
-    round_language(family, model, weight_dtype)
-    r = vlm_parity(family, model, language_onnx, Path(root) / VISION_DIR / "model.onnx", parity_text(tok),
-                   decode_steps=decode_steps)
+    family = _family({"architectures": _architectures(snapshot.dir)})
+    facts, budget = model_facts(snapshot), memory_budget()[0]
+    check = ort_check(facts, budget, weight_dtype)
+    graph = language_onnx
+    if check.layers is not None:
+        graph = slice_graph(snapshot.dir, language_onnx, check.layers,
+                            language_onnx.with_name(f"slice-{check.layers}.onnx"),
+                            decoder_of=lambda model, batch_index, _keep: language_decoder(
+                                family, model, batch_index=batch_index, ctx_len=16))
+    resident = reference_resident(facts, check.layers, budget)
+    with StreamedCausalLM(snapshot.dir, snapshot.safetensors_files(), resident=resident, layers=check.layers) as lm:
+        lm.transform = split_transform(lm, family, None, stored_rounding(weight_dtype))
+        with vision_side(lm, family):
+            r = vlm_parity(family, lm.model, graph, Path(root) / VISION_DIR / "model.onnx", parity_text(tok),
+                           decode_steps=decode_steps)
     metrics = {"ort_top1_agreement": r["top1_agreement"] if r["tokens_equal"] else 0.0, "ort_steps": r["steps"],
                "finite": r["finite"]}
     deltas = [r["max_abs_logit_delta"], r["vision_max_abs_delta"]]
@@ -62,13 +77,19 @@ def parity(model_dir: Path, root: Path, language_onnx: Path, tok, decode_steps: 
         metrics["ort_max_abs_delta"] = metrics_util.round6(max(deltas))
         metrics["ort_vision_max_abs_delta"] = metrics_util.round6(r["vision_max_abs_delta"])
     details = {"ort": {k: v for k, v in r.items() if k not in ("tokens", "reference_tokens")},
+               "ort_check": check.to_json(),
                "reference": f"transformers fp32 ({family.architectures[0]}), a synthetic image, language matrices "
                             f"rounded to {weight_dtype} as stored"}
     return metrics, details
 
 
-def quality(model_dir: Path, tok, *, mxfp6: bool, mxint8: bool) -> dict[str, Any]:
+def quality(snapshot, tok, *, mxfp6: bool, mxint8: bool) -> dict[str, Any]:
+    from ....host import memory_budget
+    from ....memory import model_facts
+    from ..plan import reference_resident
     from .quality import predict_vlm
 
-    family = _family({"architectures": _architectures(model_dir)})
-    return predict_vlm(family, model_dir, parity_text(tok), mxfp6=mxfp6, mxint8=mxint8)
+    family = _family({"architectures": _architectures(snapshot.dir)})
+    resident = reference_resident(model_facts(snapshot), None, memory_budget()[0])
+    return predict_vlm(family, snapshot.dir, snapshot.safetensors_files(), parity_text(tok), mxfp6=mxfp6,
+                       mxint8=mxint8, resident=resident)

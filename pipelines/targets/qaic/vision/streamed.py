@@ -1,0 +1,54 @@
+"""A vision-language model streamed from its checkpoint (streamed_model.StreamedCausalLM builds a VLM as it builds a
+causal LM): what the VLM checks need beside the decoder's machinery.
+
+- the vision side (tower, projector, learned image rows: everything outside the language model) is small (0.3 B
+  parameters for LLaVA's CLIP, under 1 B for Llama 3.2 Vision's) and read by code that does not always call the
+  modules owning it (LLaVA-NeXT's `image_newline`): it is held resident for the whole check (`vision_side`);
+- the language model streams unit by unit (or stays resident when it fits), as a decoder's reference does;
+- `transform`: what a parameter becomes as it loads: the language matrices rounded as the export stores them
+  (parity), or the device's emulation (quality: fp16 vision weights, MXFP6 / fp16 language weights).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+from .export import language_module_ids
+from .spec import VisionFamily
+
+
+def vision_units(lm, family: VisionFamily) -> list[Any]:
+    """The streamed model's units outside its language model."""
+    language = language_module_ids(family, lm.model)
+    return [module for _prefix, module, _recurse in lm.units if id(module) not in language]
+
+
+@contextmanager
+def vision_side(lm, family: VisionFamily) -> Iterator[None]:
+    """The vision side loaded (and kept) while the block runs."""
+    with lm.loaded(*vision_units(lm, family)):
+        yield
+
+
+def split_transform(lm, family: VisionFamily, vision: Callable | None, language: Callable | None):
+    """A load-time transform applying `vision` to the vision side's parameters and `language` (a streamed model's
+    transform, e.g. quality.mx_transform) to the language model's; None leaves that side as read."""
+    language_ids = language_module_ids(family, lm.model)
+
+    def transform(name, owner, attr, value):
+        if id(owner) in language_ids:
+            return value if language is None else language(name, owner, attr, value)
+        return value if vision is None else vision(value)
+    return transform
+
+
+def stored_rounding(weight_dtype: str):
+    """The language matrices as the export stores them (float16, clipped to its range; vectors stay fp32)."""
+    from ..external_data import FP16_MAX, stored_dtype
+
+    def transform(_name, _owner, _attr, value):
+        if stored_dtype(value.dim(), weight_dtype) == "float16":
+            return value.clamp(-FP16_MAX, FP16_MAX).half().float()
+        return value
+    return transform
