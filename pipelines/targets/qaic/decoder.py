@@ -7,7 +7,9 @@ The same module is traced into the ONNX graph (export.py) and run in torch to pr
 (quality.py). Its forward is three stages, so a driver can run it unit by unit on a streamed model (one layer
 resident, every sequence through it): `begin` (embeddings, RoPE rows, masks), `layer_step(i)` (decoder layer i
 with its cache update), `end` (final norm, head). Composed, they are `forward`:
-- inputs `input_ids`, `position_ids` [batch, seq_len] int64, then `past_key.{i}` / `past_value.{i}`
+- inputs `input_ids`, `position_ids` [batch, seq_len] int64 ([4, batch, seq_len] for a multimodal-RoPE family:
+  row 0 the text positions, which place, mask and pick as below, rows 1-3 the t/h/w RoPE positions), then
+  `past_key.{i}` / `past_value.{i}`
   [batch, n_kv_heads, ctx_len, head_dim] fp32 per layer; no attention mask;
 - with continuous batching (`batch_index=True`) the past inputs are [full_batch_size, ...] and a last input
   `batch_index` [batch, 1] int64 names the cache row of each batch row: its new K/V are scattered into that
@@ -113,6 +115,10 @@ def _decoder_class():
                 self.register_buffer("cos_table", cos, persistent=False)
                 self.register_buffer("sin_table", sin, persistent=False)
                 self.rot_dim = int(cos.shape[-1])  # < head_dim: partial rotary, the rest passes through
+                if fam.mrope is not None:  # which of the t/h/w position rows each rotary dim reads
+                    self.register_buffer("mrope_select", fam.mrope.select(cfg, self.rot_dim), persistent=False)
+            # the position input's leading rows (M-RoPE: [rows, batch, seq]); None: [batch, seq]
+            self.position_rows = fam.mrope.rows if fam.mrope is not None else None
 
         # -- building blocks ---------------------------------------------------------------------
 
@@ -189,9 +195,11 @@ def _decoder_class():
 
         # -- the whole decoder ---------------------------------------------------------------------
 
-        def begin(self, input_ids, position_ids, ctx: int, image=None):
+        def begin(self, input_ids, position_ids, ctx: int, image=None, rope_positions=None):
             """Embeddings (and learned positions), the RoPE rows of the positions, and the masks: slot j is
-            visible to the token at position p iff j <= p (and p - j < window): [B, 1, S, ctx] per window."""
+            visible to the token at position p iff j <= p (and p - j < window): [B, 1, S, ctx] per window.
+            `rope_positions` [3, B, S]: the t/h/w rows of a multimodal RoPE family (fam.mrope), which then
+            rotates by them while the text positions still place, mask and pick."""
             bsz, seq = input_ids.shape
             h = self.embed(input_ids)
             if image is not None:  # before the multipliers: transformers scales the merged embeddings as a whole
@@ -201,7 +209,9 @@ def _decoder_class():
             if self.pos_embed is not None:
                 h = h + self.pos_embed(position_ids)
             rope = None
-            if self.fam.rotary is not None:
+            if self.fam.rotary is not None and rope_positions is not None:
+                rope = self.fam.mrope(self.cos_table, self.sin_table, rope_positions, self.mrope_select)
+            elif self.fam.rotary is not None:
                 rope = (self.cos_table[position_ids].unsqueeze(1), self.sin_table[position_ids].unsqueeze(1))
             slots = torch.arange(ctx, dtype=position_ids.dtype).view(1, 1, 1, ctx)
             pos = position_ids.view(bsz, 1, seq, 1)
@@ -262,6 +272,9 @@ def _decoder_class():
                 vision_embeds, position_ids, image_idx, *rest = rest
             else:
                 position_ids, *rest = rest
+            rope_positions = None
+            if self.position_rows is not None:  # M-RoPE: row 0 the text positions, rows 1-3 t/h/w
+                position_ids, rope_positions = position_ids[0], position_ids[1:]
             keep = None
             if self.logits_to_keep:
                 rest, keep = rest[:-1], rest[-1]
@@ -272,7 +285,7 @@ def _decoder_class():
                     merged, next_idx = self.merge_image(text, input_ids, vision_embeds, image_idx)
                     image_out[:] = [vision_embeds, next_idx]  # vision_embeds_RetainedState: device state after prefill
                     return merged
-            h, rope, masks = self.begin(input_ids, position_ids, past[0].shape[2], image)
+            h, rope, masks = self.begin(input_ids, position_ids, past[0].shape[2], image, rope_positions)
             retained = []
             for i in range(len(self.layers)):
                 h, k_full, v_full = self.layer_step(i, h, rope, masks, past[2 * i], past[2 * i + 1], position_ids, rows)

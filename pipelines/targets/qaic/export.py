@@ -135,6 +135,9 @@ def trace_graph(decoder, ctx_len: int):
                                        "position_ids": {0: "batch_size", 1: "seq_len"}, "logits": {0: "batch_size"}}
     for name in names_in[2:] + names_out[1:]:
         axes[name] = dict(cache_axes)
+    if decoder.position_rows is not None:  # multimodal RoPE: position_ids [rows, batch, seq] (row 0 text)
+        sample[1] = sample[1].expand(decoder.position_rows, -1, -1).contiguous()
+        axes["position_ids"] = {1: "batch_size", 2: "seq_len"}
     if batch_index:
         names_in.append("batch_index")
         sample.append(torch.tensor([[2], [0]]))

@@ -29,9 +29,21 @@ def run_vision(onnx_path: Path, inputs: dict[str, np.ndarray]) -> np.ndarray:
     return session(onnx_path).run(["vision_embeds"], inputs)[0]
 
 
+def next_positions(pos: np.ndarray) -> np.ndarray:
+    """The position_ids of the token after `pos` (one per batch row): [batch, 1] the last text position + 1; under
+    M-RoPE ([rows, batch, seq]) row 0 likewise, and every RoPE row the largest RoPE position + 1, as transformers
+    continues them after a prompt (rope_deltas = max + 1 - prompt length, added to the cache position)."""
+    if pos.ndim == 2:
+        return pos.max(axis=-1, keepdims=True) + 1
+    text = pos[:1].max(axis=-1, keepdims=True) + 1
+    rope = pos[1:].max(axis=(0, 2), keepdims=True) + 1
+    return np.concatenate([text, np.repeat(rope, pos.shape[0] - 1, axis=0)], axis=0)
+
+
 def run_language(onnx_path: Path, vision_embeds: np.ndarray, prompt: list[int], decode_steps: int,
-                 ctx_len: int) -> dict[str, Any]:
-    """Prefill then greedy decode on the language graph, every retained output fed back (one cache row)."""
+                 ctx_len: int, positions: np.ndarray | None = None) -> dict[str, Any]:
+    """Prefill then greedy decode on the language graph, every retained output fed back (one cache row).
+    `positions`: the prompt's position_ids (default [1, seq] arange); decode steps continue them (next_positions)."""
     from ..ort import _empty_state, _extra, session
 
     sess = session(onnx_path)
@@ -39,7 +51,7 @@ def run_language(onnx_path: Path, vision_embeds: np.ndarray, prompt: list[int], 
     extra = _extra(sess)
     outputs = [o.name for o in sess.get_outputs()]
     ids = np.asarray([prompt], dtype=np.int64)
-    pos = np.arange(len(prompt), dtype=np.int64)[None]
+    pos = np.arange(len(prompt), dtype=np.int64)[None] if positions is None else positions.astype(np.int64)
     image = {"vision_embeds": vision_embeds.astype(np.float32), "image_idx": np.zeros((1, 1), dtype=np.int64)}
     logits_steps, tokens, image_rows = [], [], []
     for _ in range(decode_steps + 1):
@@ -51,15 +63,17 @@ def run_language(onnx_path: Path, vision_embeds: np.ndarray, prompt: list[int], 
         image = {"vision_embeds": res[f"vision_embeds{RETAINED}"], "image_idx": res["image_idx_output"]}
         image_rows.append(int(res["image_idx_output"].reshape(-1)[0]))
         ids = np.asarray([[tokens[-1]]], dtype=np.int64)
-        pos = np.asarray([[int(pos[0, -1]) + 1]], dtype=np.int64)
+        pos = next_positions(pos)
     return {"logits": logits_steps, "tokens": tokens, "image_rows": image_rows}
 
 
 def _reference(family: VisionFamily, model, ids: list[int], inputs: dict[str, np.ndarray]) -> np.ndarray:
     import torch
 
-    kwargs = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
-              for k, v in family.reference_kwargs(model.config, inputs).items()}
+    kwargs = dict(family.reference_kwargs(model.config, inputs))
+    if family.reference_token_kwargs is not None:
+        kwargs.update(family.reference_token_kwargs(model.config, np.asarray([ids], dtype=np.int64)))
+    kwargs = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
     with torch.no_grad():
         return model(input_ids=torch.tensor([ids]), **kwargs).logits[0].float().numpy()
 
@@ -77,7 +91,8 @@ def vlm_parity(family: VisionFamily, model, language_onnx: Path, vision_onnx: Pa
         ref_embeds = family.vision_module(model)(*(torch.from_numpy(a) for a in inputs.values())).numpy()
     prompt = image_prompt(family, model.config, text_ids)
     ctx_len = len(prompt) + decode_steps + 8
-    got = run_language(language_onnx, embeds, prompt, decode_steps, ctx_len)
+    positions = None if family.positions is None else family.positions(model.config, prompt, inputs)
+    got = run_language(language_onnx, embeds, prompt, decode_steps, ctx_len, positions)
     ref = _reference(family, model, prompt + got["tokens"][:-1], inputs)[len(prompt) - 1:]
     greedy, ids = [], list(prompt)
     for _ in range(decode_steps + 1):  # transformers greedy by whole forwards, from the same image

@@ -44,7 +44,10 @@ def predict_vlm(family: VisionFamily, model_dir: Path, text_ids: list[int], *, m
         ids = torch.tensor([prompt])
         empty = torch.zeros(1, decoder.n_kv, len(prompt), decoder.head_dim)
         past = [empty] * (2 * len(decoder.layers))
-        got = decoder(ids, embeds, torch.arange(len(prompt)).unsqueeze(0), torch.zeros(1, 1, dtype=torch.long),
+        # the family's prompt positions (M-RoPE: its t/h/w rows), as the language graph takes them
+        positions = (np.arange(len(prompt), dtype=np.int64)[None] if family.positions is None
+                     else family.positions(model.config, prompt, inputs))
+        got = decoder(ids, embeds, torch.from_numpy(positions), torch.zeros(1, 1, dtype=torch.long),
                       *past)[0][0].float().numpy()
     first_text = 1 + family.vision_size(model.config)  # BOS, the image rows, then the text the image conditions
     total = parity.compare(ref[first_text:], got[first_text:])

@@ -37,7 +37,12 @@ class VisionFamily:
     - `language_model(model)`: (text config, decoder stack, lm_head) of the VLM in memory;
     - `reference_kwargs(config, inputs)`: what transformers' forward takes beside input_ids for that image;
     - `vision_symbols(config)`: the Vision specialization's symbols (every value a string);
-    - `max_image_tokens`: placeholder tokens a prompt may carry before the processor expands them (1: one image).
+    - `max_image_tokens`: placeholder tokens a prompt may carry before the processor expands them (1: one image);
+    - `positions(config, prompt_ids, inputs)`: the language graph's position_ids for the prompt (numpy int64),
+      [1, seq] `arange` when None; a family with more rows (M-RoPE: [4, 1, seq], row 0 the text positions)
+      says so here, and decode continues every row from its own max + 1;
+    - `reference_token_kwargs(config, ids)`: what transformers' forward takes beside input_ids that depends on
+      the ids (Qwen's `mm_token_type_ids`); None: nothing.
     """
 
     architectures: tuple[str, ...]
@@ -49,6 +54,8 @@ class VisionFamily:
     reference_kwargs: Callable[[Any, dict[str, np.ndarray]], dict[str, Any]]
     vision_symbols: Callable[[Any], dict[str, str]]
     vision_axes: dict[str, dict[int, str]] = field(default_factory=lambda: {"pixel_values": {0: "batch_size"}})
+    positions: Callable[[Any, list[int], dict[str, np.ndarray]], np.ndarray] | None = None
+    reference_token_kwargs: Callable[[Any, np.ndarray], dict[str, Any]] | None = None
 
 
 def config_value(config: Any, *names: str) -> Any:
