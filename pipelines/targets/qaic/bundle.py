@@ -97,7 +97,7 @@ def check_bundle(root: Path, files: dict[str, str], opts: CompileOptions) -> lis
 
 def _check_vision(root: Path, files: dict[str, str], graph) -> list[str]:
     """A VLM's language graph comes with its vision graph and that graph's compile inputs, and not otherwise."""
-    from .vision.compile import VISION_COMPILE_DIR
+    from .vision.compile import VISION_COMPILE_DIR, image_state
 
     takes_image = any(i.name == "vision_embeds" for i in graph.input)
     vision = json.loads((root / EXPORT_REPORT).read_text()).get("vision") if (root / EXPORT_REPORT).is_file() else None
@@ -108,8 +108,12 @@ def _check_vision(root: Path, files: dict[str, str], graph) -> list[str]:
     import onnx
 
     vision_graph = onnx.load(str(root / vision["path"]), load_external_data=False).graph
-    if [o.name for o in vision_graph.output] != ["vision_embeds"]:
-        return [f"{vision['path']} does not output vision_embeds"]
+    state = image_state(vision)  # vision_embeds (and e.g. deepstack_features), each a language graph input
+    if [o.name for o in vision_graph.output] != state:
+        return [f"{vision['path']} does not output {', '.join(state)}"]
+    missing = sorted(set(state) - {i.name for i in graph.input})
+    if missing:
+        return [f"the language ONNX does not take {', '.join(missing)}, which the vision graph outputs"]
     return _check_symbols(root, vision_graph, VISION_COMPILE_DIR)
 
 

@@ -190,7 +190,7 @@ def custom_io(layers: int, opts: CompileOptions, vision: dict[str, Any] | None =
     if vision is not None:
         from .vision.compile import language_custom_io
 
-        for name, precision in language_custom_io():
+        for name, precision in language_custom_io(vision):
             lines += [f"- IOName: {name}", f"  Precision: {precision}", ""]
     if opts.task == "transcribe":  # Whisper: the log-mel in the compute dtype, self and cross K/V per decoder layer
         from .whisper import FEATURES, custom_io_names

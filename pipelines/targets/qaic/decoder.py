@@ -36,7 +36,7 @@ from .families.blocks import Heads, RopeSource
 
 
 def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_len: int | None = None,
-                  logits_to_keep: bool = False, image_token: int | None = None):
+                  logits_to_keep: bool = False, image_token: int | None = None, deepstack: int = 0):
     """The retained-state decoder (a torch module) of a transformers causal LM of a supported family.
 
     forward(input_ids, position_ids, *past[, batch_index][, num_logits_to_keep]) -> (logits, *retained);
@@ -45,7 +45,10 @@ def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_le
     is applied to the new K/V before they are written to the cache (MXINT8 emulation; never exported).
     `image_token`: the language graph of a vision-language model (vision/): forward(input_ids, vision_embeds,
     position_ids, image_idx, *past[, batch_index]) -> (logits, vision_embeds, image_idx_output, *retained), the
-    rows of `vision_embeds` written over the embeddings of the `image_token` placeholders (`merge_image`).
+    rows of `vision_embeds` written over the embeddings of the `image_token` placeholders (`merge_image`);
+    `deepstack` (a level count) adds `deepstack_features` [levels, images, vision_size, hidden] after
+    vision_embeds (and its retained twin after vision_embeds'), level i added to the image rows after decoder
+    layer i (Qwen3-VL's DeepStack).
     `ctx_len` picks the RoPE mode of length-dependent scalings (longrope, dynamic) for the positions below
     it: the mode transformers uses for a sequence of that length. transformers switches the mode per
     sequence (Phi-3 longrope: long factors once a sequence passes original_max_position_embeddings); a
@@ -54,6 +57,7 @@ def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_le
     decoder = _decoder_class()(model, kv_transform=kv_transform, batch_index=batch_index, ctx_len=ctx_len)
     decoder.logits_to_keep = logits_to_keep
     decoder.image_token = image_token
+    decoder.deepstack = deepstack
     return decoder.eval()
 
 
@@ -68,6 +72,7 @@ def _decoder_class():
         all_positions = False  # quality prediction scores every position; the exported graph only the last
         logits_to_keep = False  # the target LM of speculative decoding: a last input num_logits_to_keep [N, 1]
         image_token = None  # a VLM's language graph: the placeholder token id vision_embeds rows replace
+        deepstack = 0  # DeepStack levels of a VLM whose vision tower also gives them (layout.DEEPSTACK)
 
         def __init__(self, model, *, kv_transform, batch_index, ctx_len):
             super().__init__()
@@ -267,9 +272,19 @@ def _decoder_class():
             merged = torch.where(mask.unsqueeze(-1), flat[rows], h)
             return merged, image_idx + count[:, -1:].sum(dim=0, keepdim=True)
 
+        def deepstack_rows(self, input_ids, features, image_idx):
+            """[levels, B, S, hidden]: each placeholder's row of every DeepStack level (the rows merge_image
+            picks), zero elsewhere; level i is added to the hidden states after decoder layer i."""
+            mask = input_ids == self.image_token
+            rows = torch.cumsum(mask.to(torch.int64), dim=1) - 1 + image_idx
+            flat = features.reshape(features.shape[0], -1, features.shape[-1])  # [levels, images * rows, hidden]
+            return torch.where(mask.unsqueeze(-1), flat[:, rows], torch.zeros((), dtype=flat.dtype))
+
         def forward(self, input_ids, *rest):
             if self.image_token is not None:
-                vision_embeds, position_ids, image_idx, *rest = rest
+                vision_embeds, *rest = rest
+                features, rest = (rest[0], rest[1:]) if self.deepstack else (None, rest)
+                position_ids, image_idx, *rest = rest
             else:
                 position_ids, *rest = rest
             rope_positions = None
@@ -279,16 +294,21 @@ def _decoder_class():
             if self.logits_to_keep:
                 rest, keep = rest[:-1], rest[-1]
             past, rows = (rest[:-1], rest[-1].view(-1)) if self.batch_index else (rest, None)
-            image, image_out = None, []
+            image, image_out, added = None, [], []
             if self.image_token is not None:
                 def image(text):
                     merged, next_idx = self.merge_image(text, input_ids, vision_embeds, image_idx)
-                    image_out[:] = [vision_embeds, next_idx]  # vision_embeds_RetainedState: device state after prefill
+                    # vision_embeds_RetainedState (and its DeepStack twin): the device's state after prefill
+                    image_out[:] = [vision_embeds] + ([features] if features is not None else []) + [next_idx]
+                    if features is not None:
+                        added[:] = self.deepstack_rows(input_ids, features, image_idx).unbind(0)
                     return merged
             h, rope, masks = self.begin(input_ids, position_ids, past[0].shape[2], image, rope_positions)
             retained = []
             for i in range(len(self.layers)):
                 h, k_full, v_full = self.layer_step(i, h, rope, masks, past[2 * i], past[2 * i + 1], position_ids, rows)
+                if i < len(added):
+                    h = h + added[i]
                 retained += [k_full, v_full]
             return (self.end(h, position_ids, keep), *image_out, *retained)
 

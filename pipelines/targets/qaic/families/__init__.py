@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from ....errors import NotApplicableError
 from . import (falcon, gemma, gemma2, gpt2, gpt_bigcode, gpt_oss, gptj, granite, llama, mixtral, olmo2, phi3,
-               qwen2_5_vl, qwen3, qwen3_moe, starcoder2)
+               qwen2_5_vl, qwen3, qwen3_moe, qwen3_vl, qwen3_vl_moe, starcoder2)
 from .llama import LLAMA
 from .spec import Family, Moe, Norms
 
@@ -21,7 +21,7 @@ _MODULES = (llama, qwen3, gemma, gemma2, phi3, granite, olmo2, starcoder2, gpt2,
             qwen3_moe, gpt_oss)
 # language models of vision-language models only (vision/): their names are this export's own, set by the vision
 # family on the text config, so they are found by family_for but are not checkpoints the decoder export supports
-_LANGUAGE_MODULES = (qwen2_5_vl,)
+_LANGUAGE_MODULES = (qwen2_5_vl, qwen3_vl, qwen3_vl_moe)
 
 
 def _collect(modules=_MODULES) -> dict[str, Family | Callable[[Any], Family]]:

@@ -6,8 +6,9 @@ compile host without torch): QEfficient's dual QPC (reference/ai100-qpc.md, VLMs
   compute dtype (float16 after `-convert-to-fp16`) through `compile/vision/custom_io.yaml`; one device (the
   language QPC is the one tensor slicing splits), written to `qpc-vision/`;
 - the language QPC: the usual decoder compile, its Prefill and Decode specializations also fixing
-  `vision_batch_size` (1) and `vision_size` (the image rows), and `vision_embeds` with its retained twin kept in
-  float16 whatever the KV precision.
+  `vision_batch_size` (1) and `vision_size` (the image rows), and `vision_embeds` (and any other image state the
+  vision graph outputs, Qwen3-VL's `deepstack_features`) with its retained twin kept in float16 whatever the KV
+  precision.
 vllm-qaic loads a prebuilt dual QPC from one path naming both, `<vision_qpc>:<language_qpc>` (serving.py).
 """
 
@@ -21,7 +22,11 @@ from ..layout import RETAINED
 VISION_COMPILE_DIR = "compile/vision"
 VISION_QPC_DIR = "qpc-vision"  # beside the language QPC's qpc/
 QPC_VISION = "{qpc_vision}"  # the placeholder of the vision QPC's output directory in a recorded command
-IMAGE_ROWS = ("vision_embeds", f"vision_embeds{RETAINED}")  # the language graph's image state
+
+
+def image_state(vision: dict[str, Any]) -> list[str]:
+    """The vision graph's outputs (export.json; `vision_embeds` in a record that predates the field)."""
+    return list(vision.get("outputs") or ["vision_embeds"])
 
 
 def language_symbols(vision: dict[str, Any]) -> dict[str, str]:
@@ -29,9 +34,9 @@ def language_symbols(vision: dict[str, Any]) -> dict[str, str]:
     return {"vision_batch_size": "1", "vision_size": str(int(vision["vision_size"]))}
 
 
-def language_custom_io() -> list[tuple[str, str]]:
+def language_custom_io(vision: dict[str, Any]) -> list[tuple[str, str]]:
     """The image rows stay in the model's dtype (QEfficient never compresses them to MXINT8)."""
-    return [(name, "float16") for name in IMAGE_ROWS]
+    return [(name + suffix, "float16") for name in image_state(vision) for suffix in ("", RETAINED)]
 
 
 def vision_specializations(vision: dict[str, Any], named: bool) -> dict[str, Any]:
@@ -41,7 +46,7 @@ def vision_specializations(vision: dict[str, Any], named: bool) -> dict[str, Any
 
 def vision_custom_io(vision: dict[str, Any]) -> str:
     lines = []
-    for name in list(vision["float_inputs"]) + ["vision_embeds"]:  # integer inputs (grids, ids) keep their type
+    for name in list(vision["float_inputs"]) + image_state(vision):  # integer inputs (grids, ids) keep their type
         lines += [f"- IOName: {name}", "  Precision: float16", ""]
     return "\n".join(lines)
 

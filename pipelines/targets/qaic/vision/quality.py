@@ -37,7 +37,8 @@ def predict_vlm(family: VisionFamily, model_dir: Path, text_ids: list[int], *, m
         for p in vision.parameters():  # the vision QPC: fp16, never MXFP6
             p.copy_(fake_fp16(p))
         fake_mxfp6_weights(language_shim(family, model), None if mxfp6 else fake_fp16)
-        embeds = vision(*(torch.from_numpy(a) for a in inputs.values()))
+        state = vision(*(torch.from_numpy(a) for a in inputs.values()))  # vision_embeds (and DeepStack features)
+        state = state if isinstance(state, tuple) else (state,)
         decoder = language_decoder(family, model, batch_index=False, ctx_len=len(prompt),
                                    kv_transform=fake_mxint8 if mxint8 else fake_fp16)
         decoder.all_positions = True
@@ -47,7 +48,7 @@ def predict_vlm(family: VisionFamily, model_dir: Path, text_ids: list[int], *, m
         # the family's prompt positions (M-RoPE: its t/h/w rows), as the language graph takes them
         positions = (np.arange(len(prompt), dtype=np.int64)[None] if family.positions is None
                      else family.positions(model.config, prompt, inputs))
-        got = decoder(ids, embeds, torch.from_numpy(positions), torch.zeros(1, 1, dtype=torch.long),
+        got = decoder(ids, *state, torch.from_numpy(positions), torch.zeros(1, 1, dtype=torch.long),
                       *past)[0][0].float().numpy()
     first_text = 1 + family.vision_size(model.config)  # BOS, the image rows, then the text the image conditions
     total = parity.compare(ref[first_text:], got[first_text:])
