@@ -32,13 +32,14 @@ MODULE_RENAMES = ((".mlp.", ".block_sparse_moe."), ("lm_head.", "embed_out."),
                   (".block_sparse_moe.experts.down_proj", ".block_sparse_moe.output_linear.weight"))
 
 
-# Vision-language checkpoints saved before transformers 5 keep the language model, the vision tower and the
-# projector at the top level (llava-1.5-7b-hf: `language_model.model.layers.0...`); transformers 5 nests them
-# under `model.` (its conversion mapping for llava, llava_next, internvl, mllama): (model prefix, checkpoint
-# prefix), first match wins.
+# Vision-language checkpoints in the layout before transformers 5 (which its save_pretrained still writes) keep
+# the language model, the vision tower and the projector at the top level (llava-1.5-7b-hf:
+# `language_model.model.layers.0...`; Qwen2.5-VL: `model.layers.0...`, `visual.`); transformers 5 nests them
+# under `model.` (its conversion mappings): (model prefix, checkpoint prefix), the first that exists wins.
 VLM_PREFIXES = (("model.language_model.", "language_model.model."), ("model.language_model.", "language_model."),
-                ("lm_head.", "language_model.lm_head."), ("model.vision_tower.", "vision_tower."),
-                ("model.vision_model.", "vision_model."), ("model.multi_modal_projector.", "multi_modal_projector."),
+                ("model.language_model.", "model."), ("lm_head.", "language_model.lm_head."),
+                ("model.vision_tower.", "vision_tower."), ("model.vision_model.", "vision_model."),
+                ("model.visual.", "visual."), ("model.multi_modal_projector.", "multi_modal_projector."),
                 ("model.image_newline", "image_newline"))
 
 

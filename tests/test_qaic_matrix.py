@@ -24,6 +24,8 @@ _EXPORT = "test_qaic_export.py::test_export_runs_in_onnxruntime_with_transformer
 _ENCODER = "test_qaic_encoders.py::test_ort_parity_with_transformers_padded_batches_included"
 _WHISPER = "test_qaic_whisper.py::test_ort_parity_encoder_then_decode_steps_and_greedy_end_to_end"
 _VISION = "test_qaic_vision.py::test_both_graphs_match_transformers_end_to_end_on_a_synthetic_image"
+_QWEN25 = "test_qaic_vision_qwen2_5_vl.py::test_both_graphs_match_transformers_end_to_end_on_a_synthetic_image"
+_QWEN3 = "test_qaic_vision_qwen3_vl.py::test_both_graphs_match_transformers_end_to_end_on_a_synthetic_image"
 # The seed's rows hive-aot builds -> the test exporting a tiny random model of each in onnxruntime parity.
 COVERED = {
     "LlamaForCausalLM": f"{_EXPORT}[llama]", "MistralForCausalLM": f"{_EXPORT}[mistral]",
@@ -39,12 +41,13 @@ COVERED = {
     "WhisperForConditionalGeneration": f"{_WHISPER}[WhisperForConditionalGeneration]",
     **{a: f"{_VISION}[{a}]" for a in ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                                       "InternVLForConditionalGeneration")},
+    "Qwen2_5_VLForConditionalGeneration": f"{_QWEN25}[Qwen2_5_VLForConditionalGeneration]",
+    **{a: f"{_QWEN3}[{a}]" for a in ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")},
 }
 # The seed's rows without an exporter yet -> their task.
 NO_EXPORTER = {
-    **dict.fromkeys(("InternVLChatModel", "MllamaForConditionalGeneration", "Llama4ForConditionalGeneration",
-                     "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-                     "Qwen3VLMoeForConditionalGeneration"), "vision-language"),
+    **dict.fromkeys(("InternVLChatModel", "MllamaForConditionalGeneration", "Llama4ForConditionalGeneration"),
+                    "vision-language"),
 }
 SANE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 512}

@@ -227,32 +227,40 @@ def test_each_family_goes_through_check_export_bundle_and_standin_compile(arch, 
     assert pulled["serve_refused"] is None, pulled["serve_refused"]  # the serve policy runs what the kind wrote
 
 
+def single_qpc_parity(family, model, root: Path, vision, out: Path, steps: int = 6) -> dict:
+    """The single-QPC graph composed from an export in `root` (into `out`, beside hard links of the export's data
+    files, as a bundle places them) run in onnxruntime against transformers' whole model: prefill with the image,
+    then decode steps feeding pixel_values_RetainedState back. Shared by every family's tests."""
+    from pipelines.targets.qaic.vision.parity import _reference
+    from pipelines.targets.qaic.vision.single import SINGLE_ONNX, run_single, write_single
+
+    for rel in ("onnx/model.onnx.data", f"{VISION_DIR}/model.onnx.data"):
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.link(root / rel, out / rel)  # (onnxruntime refuses data behind a symlink out of the model's directory)
+    assert write_single(root, vision.to_json(), out) == SINGLE_ONNX
+    graph = onnx.load(str(out / SINGLE_ONNX), load_external_data=False).graph
+    inputs = family.vision_inputs(model.config, 0)
+    prompt = image_prompt(family, model.config, TEXT)
+    positions = None if family.positions is None else family.positions(model.config, prompt, inputs)
+    got = run_single(out / SINGLE_ONNX, inputs, prompt, steps, len(prompt) + 16, positions)
+    ref = _reference(family, model, prompt + got["tokens"][:-1], inputs)[len(prompt) - 1:]
+    return {"inputs": [i.name for i in graph.input], "outputs": [o.name for o in graph.output],
+            "bytes": (out / SINGLE_ONNX).stat().st_size, "tokens": got["tokens"], "steps": len(got["logits"]),
+            "reference_tokens": [int(r.argmax()) for r in ref],
+            "max_abs_logit_delta": max(float(np.abs(r - g).max()) for r, g in zip(ref, got["logits"]))}
+
+
 @pytest.mark.parametrize("case", ["LlavaForConditionalGeneration", "InternVLForConditionalGeneration"])
 def test_the_single_qpc_graph_composed_from_both_matches_transformers(case, tmp_path_factory):
     """kv_offload: false: one graph (vision/single.py) takes the image beside the text and keeps it as device
     state; composed from the export's two graphs by reference (no weight copied), run in onnxruntime against
     transformers' whole model, the image fed back from pixel_values_RetainedState on every decode step."""
-    from pipelines.targets.qaic.vision.parity import _reference
-    from pipelines.targets.qaic.vision.single import SINGLE_ONNX, run_single, write_single
-
     family, model, root, _report, vision = _export(tmp_path_factory, case)
-    out = tmp_path_factory.mktemp("single")
-    for rel in ("onnx/model.onnx.data", f"{VISION_DIR}/model.onnx.data"):  # the bundle links the export's data
-        (out / rel).parent.mkdir(parents=True, exist_ok=True)
-        os.link(root / rel, out / rel)  # (onnxruntime refuses data behind a symlink out of the model's directory)
-    assert write_single(root, vision.to_json(), out) == SINGLE_ONNX
-    assert (out / SINGLE_ONNX).stat().st_size < 2 << 20  # the graph only: weights stay in the export's files
-    graph = onnx.load(str(out / SINGLE_ONNX), load_external_data=False).graph
-    names_in, names_out = [i.name for i in graph.input], [o.name for o in graph.output]
-    assert names_in[:2] == ["input_ids", "pixel_values"] and "vision_embeds" not in names_in + names_out
-    assert names_out[:3] == ["logits", "pixel_values_RetainedState", "image_idx_output"]
-    inputs = family.vision_inputs(model.config, 0)
-    prompt = image_prompt(family, model.config, TEXT)
-    got = run_single(out / SINGLE_ONNX, inputs, prompt, 6, len(prompt) + 16)
-    ref = _reference(family, model, prompt + got["tokens"][:-1], inputs)[len(prompt) - 1:]
-    assert len(ref) == len(got["logits"]) == 7
-    assert [int(r.argmax()) for r in ref] == got["tokens"]
-    assert max(float(np.abs(r - g).max()) for r, g in zip(ref, got["logits"])) < 1e-3
+    r = single_qpc_parity(family, model, root, vision, tmp_path_factory.mktemp("single"))
+    assert r["bytes"] < 2 << 20  # the graph only: weights stay in the export's files
+    assert r["inputs"][:2] == ["input_ids", "pixel_values"] and "vision_embeds" not in r["inputs"] + r["outputs"]
+    assert r["outputs"][:3] == ["logits", "pixel_values_RetainedState", "image_idx_output"]
+    assert r["steps"] == 7 and r["tokens"] == r["reference_tokens"] and r["max_abs_logit_delta"] < 1e-3, r
 
 
 def test_the_single_qpc_compile_inputs_and_its_refusals(exported):

@@ -107,10 +107,10 @@ def check_bundle(root: Path, files: dict[str, str], opts: CompileOptions) -> lis
 
 def _check_single(graph, vision: dict[str, Any] | None) -> list[str]:
     """The single QPC's graph takes the image itself and keeps it as device state, not the image rows."""
-    from .vision.single import image_state
+    from .vision.compile import image_inputs
 
     names = {v.name for v in list(graph.input) + list(graph.output)}
-    wanted = {n for name in image_state(vision or {"float_inputs": []}) for n in (name, f"{name}{RETAINED}")}
+    wanted = {n for name in image_inputs(vision or {"float_inputs": []}) for n in (name, f"{name}{RETAINED}")}
     if vision is None or not wanted or not wanted <= names or "vision_embeds" in names:
         return ["kv_offload: false, but the compiled graph is not a single VLM graph (image inputs and their "
                 "retained twins, no vision_embeds)"]
@@ -119,7 +119,7 @@ def _check_single(graph, vision: dict[str, Any] | None) -> list[str]:
 
 def _check_vision(root: Path, files: dict[str, str], graph, vision: dict[str, Any] | None) -> list[str]:
     """A VLM's language graph comes with its vision graph and that graph's compile inputs, and not otherwise."""
-    from .vision.compile import VISION_COMPILE_DIR
+    from .vision.compile import VISION_COMPILE_DIR, vision_outputs
 
     takes_image = any(i.name == "vision_embeds" for i in graph.input)
     if not takes_image:
@@ -129,8 +129,12 @@ def _check_vision(root: Path, files: dict[str, str], graph, vision: dict[str, An
     import onnx
 
     vision_graph = onnx.load(str(root / vision["path"]), load_external_data=False).graph
-    if [o.name for o in vision_graph.output] != ["vision_embeds"]:
-        return [f"{vision['path']} does not output vision_embeds"]
+    state = vision_outputs(vision)  # vision_embeds (and e.g. deepstack_features), each a language graph input
+    if [o.name for o in vision_graph.output] != state:
+        return [f"{vision['path']} does not output {', '.join(state)}"]
+    missing = sorted(set(state) - {i.name for i in graph.input})
+    if missing:
+        return [f"the language ONNX does not take {', '.join(missing)}, which the vision graph outputs"]
     return _check_symbols(root, vision_graph, VISION_COMPILE_DIR)
 
 

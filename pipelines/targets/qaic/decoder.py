@@ -7,7 +7,9 @@ The same module is traced into the ONNX graph (export.py) and run in torch to pr
 (quality.py). Its forward is three stages, so a driver can run it unit by unit on a streamed model (one layer
 resident, every sequence through it): `begin` (embeddings, RoPE rows, masks), `layer_step(i)` (decoder layer i
 with its cache update), `end` (final norm, head). Composed, they are `forward`:
-- inputs `input_ids`, `position_ids` [batch, seq_len] int64, then `past_key.{i}` / `past_value.{i}`
+- inputs `input_ids`, `position_ids` [batch, seq_len] int64 ([4, batch, seq_len] for a multimodal-RoPE family:
+  row 0 the text positions, which place, mask and pick as below, rows 1-3 the t/h/w RoPE positions), then
+  `past_key.{i}` / `past_value.{i}`
   [batch, n_kv_heads, ctx_len, head_dim] fp32 per layer; no attention mask;
 - with continuous batching (`batch_index=True`) the past inputs are [full_batch_size, ...] and a last input
   `batch_index` [batch, 1] int64 names the cache row of each batch row: its new K/V are scattered into that
@@ -34,7 +36,7 @@ from .families.blocks import Heads, RopeSource
 
 
 def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_len: int | None = None,
-                  logits_to_keep: bool = False, image_token: int | None = None):
+                  logits_to_keep: bool = False, image_token: int | None = None, deepstack: int = 0):
     """The retained-state decoder (a torch module) of a transformers causal LM of a supported family.
 
     forward(input_ids, position_ids, *past[, batch_index][, num_logits_to_keep]) -> (logits, *retained);
@@ -43,7 +45,10 @@ def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_le
     is applied to the new K/V before they are written to the cache (MXINT8 emulation; never exported).
     `image_token`: the language graph of a vision-language model (vision/): forward(input_ids, vision_embeds,
     position_ids, image_idx, *past[, batch_index]) -> (logits, vision_embeds, image_idx_output, *retained), the
-    rows of `vision_embeds` written over the embeddings of the `image_token` placeholders (`merge_image`).
+    rows of `vision_embeds` written over the embeddings of the `image_token` placeholders (`merge_image`);
+    `deepstack` (a level count) adds `deepstack_features` [levels, images, vision_size, hidden] after
+    vision_embeds (and its retained twin after vision_embeds'), level i added to the image rows after decoder
+    layer i (Qwen3-VL's DeepStack).
     `ctx_len` picks the RoPE mode of length-dependent scalings (longrope, dynamic) for the positions below
     it: the mode transformers uses for a sequence of that length. transformers switches the mode per
     sequence (Phi-3 longrope: long factors once a sequence passes original_max_position_embeddings); a
@@ -52,6 +57,7 @@ def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_le
     decoder = _decoder_class()(model, kv_transform=kv_transform, batch_index=batch_index, ctx_len=ctx_len)
     decoder.logits_to_keep = logits_to_keep
     decoder.image_token = image_token
+    decoder.deepstack = deepstack
     return decoder.eval()
 
 
@@ -66,6 +72,7 @@ def _decoder_class():
         all_positions = False  # quality prediction scores every position; the exported graph only the last
         logits_to_keep = False  # the target LM of speculative decoding: a last input num_logits_to_keep [N, 1]
         image_token = None  # a VLM's language graph: the placeholder token id vision_embeds rows replace
+        deepstack = 0  # DeepStack levels of a VLM whose vision tower also gives them (layout.DEEPSTACK)
 
         def __init__(self, model, *, kv_transform, batch_index, ctx_len):
             super().__init__()
@@ -113,6 +120,10 @@ def _decoder_class():
                 self.register_buffer("cos_table", cos, persistent=False)
                 self.register_buffer("sin_table", sin, persistent=False)
                 self.rot_dim = int(cos.shape[-1])  # < head_dim: partial rotary, the rest passes through
+                if fam.mrope is not None:  # which of the t/h/w position rows each rotary dim reads
+                    self.register_buffer("mrope_select", fam.mrope.select(cfg, self.rot_dim), persistent=False)
+            # the position input's leading rows (M-RoPE: [rows, batch, seq]); None: [batch, seq]
+            self.position_rows = fam.mrope.rows if fam.mrope is not None else None
 
         # -- building blocks ---------------------------------------------------------------------
 
@@ -189,9 +200,11 @@ def _decoder_class():
 
         # -- the whole decoder ---------------------------------------------------------------------
 
-        def begin(self, input_ids, position_ids, ctx: int, image=None):
+        def begin(self, input_ids, position_ids, ctx: int, image=None, rope_positions=None):
             """Embeddings (and learned positions), the RoPE rows of the positions, and the masks: slot j is
-            visible to the token at position p iff j <= p (and p - j < window): [B, 1, S, ctx] per window."""
+            visible to the token at position p iff j <= p (and p - j < window): [B, 1, S, ctx] per window.
+            `rope_positions` [3, B, S]: the t/h/w rows of a multimodal RoPE family (fam.mrope), which then
+            rotates by them while the text positions still place, mask and pick."""
             bsz, seq = input_ids.shape
             h = self.embed(input_ids)
             if image is not None:  # before the multipliers: transformers scales the merged embeddings as a whole
@@ -201,7 +214,9 @@ def _decoder_class():
             if self.pos_embed is not None:
                 h = h + self.pos_embed(position_ids)
             rope = None
-            if self.fam.rotary is not None:
+            if self.fam.rotary is not None and rope_positions is not None:
+                rope = self.fam.mrope(self.cos_table, self.sin_table, rope_positions, self.mrope_select)
+            elif self.fam.rotary is not None:
                 rope = (self.cos_table[position_ids].unsqueeze(1), self.sin_table[position_ids].unsqueeze(1))
             slots = torch.arange(ctx, dtype=position_ids.dtype).view(1, 1, 1, ctx)
             pos = position_ids.view(bsz, 1, seq, 1)
@@ -257,25 +272,55 @@ def _decoder_class():
             merged = torch.where(mask.unsqueeze(-1), flat[rows], h)
             return merged, image_idx + count[:, -1:].sum(dim=0, keepdim=True)
 
+        def deepstack_rows(self, input_ids, features, image_idx):
+            """[levels, B, S, hidden]: each placeholder's row of every DeepStack level (the rows merge_image
+            picks), zero elsewhere; level i is added to the hidden states after decoder layer i."""
+            mask = input_ids == self.image_token
+            rows = torch.cumsum(mask.to(torch.int64), dim=1) - 1 + image_idx
+            flat = features.reshape(features.shape[0], -1, features.shape[-1])  # [levels, images * rows, hidden]
+            return torch.where(mask.unsqueeze(-1), flat[:, rows], torch.zeros((), dtype=flat.dtype))
+
+        def image_hook(self, input_ids, vision_embeds, features, image_idx):
+            """(the embeddings hook `begin` takes, the retained image outputs it fills, the per-layer additions it
+            fills): the image rows merged over the placeholders; `features`, DeepStack's levels or None."""
+            image_out, added = [], []
+
+            def image(text):
+                merged, next_idx = self.merge_image(text, input_ids, vision_embeds, image_idx)
+                # vision_embeds_RetainedState (and its DeepStack twin): the device's state after prefill
+                image_out[:] = [vision_embeds] + ([features] if features is not None else []) + [next_idx]
+                if features is not None:
+                    added[:] = self.deepstack_rows(input_ids, features, image_idx).unbind(0)
+                return merged
+            return image, image_out, added
+
+        def split_positions(self, position_ids):
+            """(text positions [B, S], M-RoPE's t/h/w rows [3, B, S] or None): row 0 of a multimodal RoPE input."""
+            if self.position_rows is not None:
+                return position_ids[0], position_ids[1:]
+            return position_ids, None
+
         def forward(self, input_ids, *rest):
             if self.image_token is not None:
-                vision_embeds, position_ids, image_idx, *rest = rest
+                vision_embeds, *rest = rest
+                features, rest = (rest[0], rest[1:]) if self.deepstack else (None, rest)
+                position_ids, image_idx, *rest = rest
             else:
                 position_ids, *rest = rest
+            position_ids, rope_positions = self.split_positions(position_ids)
             keep = None
             if self.logits_to_keep:
                 rest, keep = rest[:-1], rest[-1]
             past, rows = (rest[:-1], rest[-1].view(-1)) if self.batch_index else (rest, None)
-            image, image_out = None, []
+            image, image_out, added = None, [], []
             if self.image_token is not None:
-                def image(text):
-                    merged, next_idx = self.merge_image(text, input_ids, vision_embeds, image_idx)
-                    image_out[:] = [vision_embeds, next_idx]  # vision_embeds_RetainedState: device state after prefill
-                    return merged
-            h, rope, masks = self.begin(input_ids, position_ids, past[0].shape[2], image)
+                image, image_out, added = self.image_hook(input_ids, vision_embeds, features, image_idx)
+            h, rope, masks = self.begin(input_ids, position_ids, past[0].shape[2], image, rope_positions)
             retained = []
             for i in range(len(self.layers)):
                 h, k_full, v_full = self.layer_step(i, h, rope, masks, past[2 * i], past[2 * i + 1], position_ids, rows)
+                if i < len(added):
+                    h = h + added[i]
                 retained += [k_full, v_full]
             return (self.end(h, position_ids, keep), *image_out, *retained)
 

@@ -35,7 +35,7 @@ from ...errors import ModelFormatError
 from .decoder import build_decoder
 from .external_data import DataWriter, Weights, stored_dtype, stored_initializers
 from .families import FAMILY_SPECS, architecture, unsupported
-from .layout import KEEP_INPUT, RETAINED
+from .layout import DEEPSTACK, KEEP_INPUT, RETAINED
 from .plan import WEIGHT_DTYPES
 
 OPSET = 17
@@ -135,6 +135,9 @@ def trace_graph(decoder, ctx_len: int):
                                        "position_ids": {0: "batch_size", 1: "seq_len"}, "logits": {0: "batch_size"}}
     for name in names_in[2:] + names_out[1:]:
         axes[name] = dict(cache_axes)
+    if decoder.position_rows is not None:  # multimodal RoPE: position_ids [rows, batch, seq] (row 0 text)
+        sample[1] = sample[1].expand(decoder.position_rows, -1, -1).contiguous()
+        axes["position_ids"] = {1: "batch_size", 2: "seq_len"}
     if batch_index:
         names_in.append("batch_index")
         sample.append(torch.tensor([[2], [0]]))
@@ -151,6 +154,10 @@ def trace_graph(decoder, ctx_len: int):
         sample[1:1] = [torch.zeros(1, 8, decoder.embed.weight.shape[1])]
         sample[3:3] = [torch.zeros(1, 1, dtype=torch.long)]
         axes["vision_embeds"] = axes[f"vision_embeds{RETAINED}"] = {0: "vision_batch_size", 1: "vision_size"}
+        if decoder.deepstack:  # QEfficient's Qwen3-VL: the DeepStack features right after vision_embeds
+            names_in[2:2], names_out[2:2] = [DEEPSTACK], [f"{DEEPSTACK}{RETAINED}"]
+            sample[2:2] = [torch.zeros(decoder.deepstack, 1, 8, decoder.embed.weight.shape[1])]
+            axes[DEEPSTACK] = axes[f"{DEEPSTACK}{RETAINED}"] = {1: "vision_batch_size", 2: "vision_size"}
     buf = io.BytesIO()
     with torch.no_grad(), _shape_inference_without_values():
         torch.onnx.export(decoder, tuple(sample), buf, input_names=names_in, output_names=names_out,

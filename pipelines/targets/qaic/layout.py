@@ -11,3 +11,6 @@ BUNDLE_FORMAT = "qaic-export-bundle"  # what a qaic build publishes until a host
 # the dynamic axis and specialization symbol of that length), as QEfficient's TLM export names it
 KEEP_INPUT = "num_logits_to_keep"
 RETAINED = "_RetainedState"  # the suffix of a retained-state output (the device keeps it for the next call)
+# a VLM's image state beside `vision_embeds` in both graphs (QEfficient's Qwen3-VL): the vision tower's DeepStack
+# features [levels, images, vision_size, hidden], added to the first decoder layers' image rows
+DEEPSTACK = "deepstack_features"

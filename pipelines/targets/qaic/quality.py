@@ -116,24 +116,31 @@ def predict(model_dir: Path, sequences: list[list[int]], *, mxfp6: bool = True, 
                                            "mxint8 kv cache" if mxint8 else "float16 kv cache" if fp16 else None) if name]}
 
 
-def run_decoder(lm, decoder, sequences: list[list[int]], images: list[Any] | None = None) -> list[Any]:
+def run_decoder(lm, decoder, sequences: list[list[int]], images: list[tuple[Any, list]] | None = None,
+                positions: list[Any] | None = None) -> list[Any]:
     """Every sequence's logits (all positions) through the retained-state decoder over a streamed model, unit
     by unit: each unit is loaded once and every sequence goes through it (prefill from an empty cache).
-    `images`: per sequence, a VLM's merge of its image rows over the embeddings (decoder.begin's `image`)."""
+    A VLM's sequences come with `images` (per sequence, decoder.image_hook's embeddings hook and the per-layer
+    additions it fills) and `positions` (per sequence, its position_ids tensor, M-RoPE rows included)."""
     import torch
 
     with torch.inference_mode():
         states = []
         with lm.loaded(decoder.embed, decoder.pos_embed):
             for n, s in enumerate(sequences):
-                ids, pos = torch.tensor([s]), torch.arange(len(s)).unsqueeze(0)
-                h, rope, masks = decoder.begin(ids, pos, len(s), images[n] if images else None)
-                states.append([h, rope, masks, pos])
+                ids = torch.tensor([s])
+                pos = positions[n] if positions else torch.arange(len(s)).unsqueeze(0)
+                text_pos, rope_pos = decoder.split_positions(pos)
+                hook, added = images[n] if images else (None, [])
+                h, rope, masks = decoder.begin(ids, text_pos, len(s), hook, rope_pos)
+                states.append([h, rope, masks, text_pos, added])
         for i, layer in enumerate(decoder.layers):
             with lm.loaded(layer):
                 for st in states:
                     empty = torch.zeros(1, decoder.n_kv, st[3].shape[1], decoder.head_dim)
                     st[0], _k, _v = decoder.layer_step(i, st[0], st[1], st[2], empty, empty, st[3], None)
+                    if i < len(st[4]):  # DeepStack: the image rows' level i
+                        st[0] = st[0] + st[4][i]
         with lm.loaded(decoder.final_norm, decoder.lm_head):
             return [decoder.end(st[0], st[3])[0].float().numpy() for st in states]
 

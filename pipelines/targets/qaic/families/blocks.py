@@ -212,7 +212,8 @@ def _rotary_emb_table(src: RopeSource, widen: bool):
     def table(length):
         probe = torch.zeros(1, length, src.head_dim)
         cos, sin = src.base.rotary_emb(probe, torch.arange(length).unsqueeze(0))
-        cos, sin = cos[0].float(), sin[0].float()
+        # [batch, length, dims], or [3, batch, length, dims] under M-RoPE (every row equal here): the first row
+        cos, sin = (t.reshape(-1, length, t.shape[-1])[0].float() for t in (cos, sin))
         if widen:
             cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
         return cos, sin
@@ -243,6 +244,52 @@ def gptj_positions_table(src: RopeSource):
 
 
 RopeTable = Callable[[RopeSource], tuple[Any, Any]]
+
+
+# -- multimodal RoPE (Qwen2.5-VL, Qwen3-VL): each rotary dim rotates by one of three position rows ------------
+
+
+@dataclass(frozen=True)
+class MultimodalRope:
+    """M-RoPE: the position input is [4, batch, seq] - row 0 the text positions (mask, cache slot, logit pick),
+    rows 1-3 the temporal / height / width positions of transformers' `get_rope_index` - and each rotary
+    frequency takes its angle from one of rows 1-3. `mrope_section` (config.rope_parameters) splits the
+    rot_dim / 2 frequencies into t/h/w counts: as consecutive sections (Qwen2.5-VL), or interleaved t,h,w,t,h,w..
+    over the first 3 * section frequencies with the rest on t (Qwen3-VL). Both halves of a rotate_half table
+    repeat the same pattern. The static table is the model's own (every row equal there), so only the row
+    choice is this block's."""
+
+    interleaved: bool = False
+    default_section: tuple[int, int, int] = (16, 24, 24)  # transformers' default when the config has none
+    rows: int = 4  # the position input's first dim
+
+    def row_of_frequency(self, config, n_freq: int) -> list[int]:
+        """0 (t), 1 (h) or 2 (w) for each of the n_freq = rot_dim / 2 frequencies."""
+        params = getattr(config, "rope_parameters", None) or {}
+        section = list(params.get("mrope_section") or self.default_section)
+        if self.interleaved:
+            out = [0] * n_freq
+            for row in (1, 2):
+                for j in range(row, min(3 * section[row], n_freq), 3):
+                    out[j] = row
+            return out
+        if sum(section) != n_freq:
+            raise ValueError(f"mrope_section {section} does not cover the {n_freq} rotary frequencies")
+        return [i % 3 for i, n in enumerate(section) for _ in range(n)]
+
+    def select(self, config, rot_dim: int):
+        """A one-hot [3, 1, 1, rot_dim] float mask: which position row each rotary dim reads."""
+        import torch
+
+        rows = torch.tensor(self.row_of_frequency(config, rot_dim // 2) * 2)
+        return (torch.arange(3).view(3, 1) == rows.view(1, -1)).float().view(3, 1, 1, rot_dim)
+
+    def __call__(self, cos_table, sin_table, positions, select):
+        """cos / sin [batch, 1, seq, rot_dim] of the t/h/w positions [3, batch, seq]: each table read at the three
+        rows and summed under the one-hot mask (exact: the other rows are multiplied by 0)."""
+        cos = (cos_table[positions] * select).sum(0).unsqueeze(1)
+        sin = (sin_table[positions] * select).sum(0).unsqueeze(1)
+        return cos, sin
 
 # -- dense MLPs: (the layer's MLP module, x) -> its output --------------------------------------------------
 

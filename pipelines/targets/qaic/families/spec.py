@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .blocks import (NO_QK_NORM, STACKED_EXPERTS, AttentionProbs, ExpertLayout, GatedMlp, MlpBlock, MoeScoring, Norm,
-                     QkNorm, QkvSplit, ResidualWiring, RopeTable, Rotary, SeparateQkv, model_rotary_table, rms_norm,
-                     rotate_half, sequential_residual, softmax_probs, softmax_topk)
+from .blocks import (NO_QK_NORM, STACKED_EXPERTS, AttentionProbs, ExpertLayout, GatedMlp, MlpBlock, MoeScoring,
+                     MultimodalRope, Norm, QkNorm, QkvSplit, ResidualWiring, RopeTable, Rotary, SeparateQkv,
+                     model_rotary_table, rms_norm, rotate_half, sequential_residual, softmax_probs, softmax_topk)
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,7 @@ class Family:
     qk_norm: QkNorm = NO_QK_NORM
     rotary: Rotary | None = rotate_half  # None: no RoPE (learned positions)
     rope_table: RopeTable = model_rotary_table
+    mrope: MultimodalRope | None = None  # multimodal RoPE: position_ids [rows, batch, seq] (blocks.py)
     scaling: str | None = "scaling"  # attention module attribute holding the score scale; None: head_dim ** -0.5
     attn_softcap: str | None = None  # config attribute: scores = cap * tanh(scores / cap)
     final_softcap: str | None = None  # config attribute: logits = cap * tanh(logits / cap)

@@ -6,8 +6,9 @@ compile host without torch): QEfficient's dual QPC (reference/ai100-qpc.md, VLMs
   compute dtype (float16 after `-convert-to-fp16`) through `compile/vision/custom_io.yaml`; one device (the
   language QPC is the one tensor slicing splits), written to `qpc-vision/`;
 - the language QPC: the usual decoder compile, its Prefill and Decode specializations also fixing
-  `vision_batch_size` (1) and `vision_size` (the image rows), and `vision_embeds` with its retained twin kept in
-  float16 whatever the KV precision.
+  `vision_batch_size` (1) and `vision_size` (the image rows), and `vision_embeds` (and any other image state the
+  vision graph outputs, Qwen3-VL's `deepstack_features`) with its retained twin kept in float16 whatever the KV
+  precision.
 vllm-qaic loads a prebuilt dual QPC from one path naming both, `<vision_qpc>:<language_qpc>` (serving.py).
 """
 
@@ -21,7 +22,17 @@ from ..layout import ONNX_DIR, RETAINED
 VISION_COMPILE_DIR = "compile/vision"
 VISION_QPC_DIR = "qpc-vision"  # beside the language QPC's qpc/
 QPC_VISION = "{qpc_vision}"  # the placeholder of the vision QPC's output directory in a recorded command
-IMAGE_ROWS = ("vision_embeds", f"vision_embeds{RETAINED}")  # the language graph's image state
+SINGLE_ONNX = f"{ONNX_DIR}/model-single.onnx"  # the single QPC's graph (single.py), beside the language graph
+
+
+def vision_outputs(vision: dict[str, Any]) -> list[str]:
+    """The vision graph's outputs (export.json; `vision_embeds` in a record that predates the field)."""
+    return list(vision.get("outputs") or ["vision_embeds"])
+
+
+def image_inputs(vision: dict[str, Any]) -> list[str]:
+    """The single graph's image inputs kept as device state (the float ones: grids and ids are shapes)."""
+    return list(vision["float_inputs"])
 
 
 def language_symbols(vision: dict[str, Any], opts) -> dict[str, str]:
@@ -33,20 +44,18 @@ def language_symbols(vision: dict[str, Any], opts) -> dict[str, str]:
 
 
 def language_custom_io(vision: dict[str, Any], opts) -> list[tuple[str, str]]:
-    """The image rows (dual), or the image and its retained twin (single), stay in the model's dtype: QEfficient
-    never compresses them to MXINT8."""
+    """The image state (dual: the vision graph's outputs; single: the image inputs) and its retained twin stay
+    in the model's dtype: QEfficient never compresses them to MXINT8."""
     if not opts.kv_offload:
-        from .single import image_state
-
-        return [(n, "float16") for name in image_state(vision) for n in (name, f"{name}{RETAINED}")]
-    return [(name, "float16") for name in IMAGE_ROWS]
+        names = image_inputs(vision)
+    else:
+        names = vision_outputs(vision)
+    return [(name + suffix, "float16") for name in names for suffix in ("", RETAINED)]
 
 
 def language_onnx(vision: dict[str, Any] | None, opts) -> str:
     """The graph the main program compiles: the language graph, or the single graph of a VLM without kv_offload."""
     if vision is not None and not opts.kv_offload:
-        from .single import SINGLE_ONNX
-
         return SINGLE_ONNX
     return f"{ONNX_DIR}/model.onnx"
 
@@ -70,7 +79,7 @@ def vision_specializations(vision: dict[str, Any], named: bool) -> dict[str, Any
 
 def vision_custom_io(vision: dict[str, Any]) -> str:
     lines = []
-    for name in list(vision["float_inputs"]) + ["vision_embeds"]:  # integer inputs (grids, ids) keep their type
+    for name in list(vision["float_inputs"]) + vision_outputs(vision):  # integer inputs (grids, ids) keep their type
         lines += [f"- IOName: {name}", "  Precision: float16", ""]
     return "\n".join(lines)
 

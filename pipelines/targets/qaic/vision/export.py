@@ -39,6 +39,8 @@ class VisionReport:
     image_token_id: int
     symbols: dict[str, str] = field(default_factory=dict)  # the Vision specialization
     single_qpc: bool = True  # the family also compiles as one QPC (kv_offload: false)
+    # the graph's outputs (vision_embeds, then any other image state the language graph takes, layout.DEEPSTACK)
+    outputs: list[str] = field(default_factory=lambda: ["vision_embeds"])
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,7 +83,8 @@ def language_decoder(family: VisionFamily, model, *, batch_index: bool, ctx_len:
     from ..decoder import build_decoder
 
     return build_decoder(language_shim(family, model), batch_index=batch_index, ctx_len=ctx_len,
-                         kv_transform=kv_transform, image_token=family.image_token_id(model.config))
+                         kv_transform=kv_transform, image_token=family.image_token_id(model.config),
+                         deepstack=0 if family.deepstack is None else family.deepstack(model.config))
 
 
 def round_language(family: VisionFamily, model, weight_dtype: str) -> None:
@@ -108,7 +111,10 @@ def export_vision(family: VisionFamily, model, root: Path) -> VisionReport:
     sample = family.vision_inputs(model.config, 0)
     names = list(sample)
     axes = {name: family.vision_axes.get(name, {}) for name in names}
+    outputs = family.vision_outputs
     axes["vision_embeds"] = {0: "batch_size"}
+    for extra in outputs[1:]:  # [levels, images, rows, hidden]
+        axes[extra] = {1: "batch_size"}
     out = Path(root) / VISION_DIR / "model.onnx"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".trace")
@@ -116,8 +122,9 @@ def export_vision(family: VisionFamily, model, root: Path) -> VisionReport:
         # the vision towers' shape checks become constants of the trace: right for the one compiled image size
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         embeds = module(*(torch.from_numpy(a) for a in sample.values()))
+        embeds = embeds[0] if isinstance(embeds, tuple) else embeds
         torch.onnx.export(module, tuple(torch.from_numpy(a) for a in sample.values()), str(tmp), input_names=names,
-                          output_names=["vision_embeds"], dynamic_axes={k: v for k, v in axes.items() if v},
+                          output_names=outputs, dynamic_axes={k: v for k, v in axes.items() if v},
                           opset_version=OPSET, do_constant_folding=True, dynamo=False)
     graph = onnx.load(str(tmp))
     tmp.unlink()
@@ -134,7 +141,8 @@ def export_vision(family: VisionFamily, model, root: Path) -> VisionReport:
                         files=[f"{VISION_DIR}/model.onnx", f"{VISION_DIR}/{data}"], inputs=names,
                         float_inputs=[n for n, a in sample.items() if a.dtype.kind == "f"], vision_size=size,
                         hidden=int(embeds.shape[-1]), image_token_id=family.image_token_id(model.config),
-                        symbols=family.vision_symbols(model.config), single_qpc=family.single_qpc)
+                        symbols=family.vision_symbols(model.config), single_qpc=family.single_qpc,
+                        outputs=outputs)
 
 
 def language_module_ids(family: VisionFamily, model) -> set[int]:

@@ -24,14 +24,35 @@ def image_prompt(family: VisionFamily, config: Any, text_ids: list[int]) -> list
 
 
 def run_vision(onnx_path: Path, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    return image_state(onnx_path, inputs)["vision_embeds"]
+
+
+def image_state(onnx_path: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every output of the vision graph by name (vision_embeds, and e.g. deepstack_features): the language
+    graph's image state."""
     from ..ort import session
 
-    return session(onnx_path).run(["vision_embeds"], inputs)[0]
+    sess = session(onnx_path)
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, inputs)))
 
 
-def run_language(onnx_path: Path, vision_embeds: np.ndarray, prompt: list[int], decode_steps: int,
-                 ctx_len: int) -> dict[str, Any]:
-    """Prefill then greedy decode on the language graph, every retained output fed back (one cache row)."""
+def next_positions(pos: np.ndarray) -> np.ndarray:
+    """The position_ids of the token after `pos` (one per batch row): [batch, 1] the last text position + 1; under
+    M-RoPE ([rows, batch, seq]) row 0 likewise, and every RoPE row the largest RoPE position + 1, as transformers
+    continues them after a prompt (rope_deltas = max + 1 - prompt length, added to the cache position)."""
+    if pos.ndim == 2:
+        return pos.max(axis=-1, keepdims=True) + 1
+    text = pos[:1].max(axis=-1, keepdims=True) + 1
+    rope = pos[1:].max(axis=(0, 2), keepdims=True) + 1
+    return np.concatenate([text, np.repeat(rope, pos.shape[0] - 1, axis=0)], axis=0)
+
+
+def run_language(onnx_path: Path, vision_embeds: np.ndarray | dict[str, np.ndarray], prompt: list[int],
+                 decode_steps: int, ctx_len: int, positions: np.ndarray | None = None) -> dict[str, Any]:
+    """Prefill then greedy decode on the language graph, every retained output fed back (one cache row).
+    `vision_embeds`: the vision graph's vision_embeds, or all its outputs (image_state) by name.
+    `positions`: the prompt's position_ids (default [1, seq] arange); decode steps continue them (next_positions)."""
     from ..ort import _empty_state, _extra, session
 
     sess = session(onnx_path)
@@ -39,8 +60,9 @@ def run_language(onnx_path: Path, vision_embeds: np.ndarray, prompt: list[int], 
     extra = _extra(sess)
     outputs = [o.name for o in sess.get_outputs()]
     ids = np.asarray([prompt], dtype=np.int64)
-    pos = np.arange(len(prompt), dtype=np.int64)[None]
-    image = {"vision_embeds": vision_embeds.astype(np.float32), "image_idx": np.zeros((1, 1), dtype=np.int64)}
+    pos = np.arange(len(prompt), dtype=np.int64)[None] if positions is None else positions.astype(np.int64)
+    state_in = vision_embeds if isinstance(vision_embeds, dict) else {"vision_embeds": vision_embeds}
+    image = {**{k: v.astype(np.float32) for k, v in state_in.items()}, "image_idx": np.zeros((1, 1), dtype=np.int64)}
     logits_steps, tokens, image_rows = [], [], []
     for _ in range(decode_steps + 1):
         res = dict(zip(outputs, sess.run(outputs, {"input_ids": ids, "position_ids": pos, **image, **state, **extra})))
@@ -48,18 +70,20 @@ def run_language(onnx_path: Path, vision_embeds: np.ndarray, prompt: list[int], 
         logits_steps.append(logits)
         tokens.append(int(logits.argmax()))
         state = {name: res[f"{name}{RETAINED}"] for name in state}
-        image = {"vision_embeds": res[f"vision_embeds{RETAINED}"], "image_idx": res["image_idx_output"]}
+        image = {**{k: res[f"{k}{RETAINED}"] for k in state_in}, "image_idx": res["image_idx_output"]}
         image_rows.append(int(res["image_idx_output"].reshape(-1)[0]))
         ids = np.asarray([[tokens[-1]]], dtype=np.int64)
-        pos = np.asarray([[int(pos[0, -1]) + 1]], dtype=np.int64)
+        pos = next_positions(pos)
     return {"logits": logits_steps, "tokens": tokens, "image_rows": image_rows}
 
 
 def _reference(family: VisionFamily, model, ids: list[int], inputs: dict[str, np.ndarray]) -> np.ndarray:
     import torch
 
-    kwargs = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
-              for k, v in family.reference_kwargs(model.config, inputs).items()}
+    kwargs = dict(family.reference_kwargs(model.config, inputs))
+    if family.reference_token_kwargs is not None:
+        kwargs.update(family.reference_token_kwargs(model.config, np.asarray([ids], dtype=np.int64)))
+    kwargs = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
     with torch.no_grad():
         return model(input_ids=torch.tensor([ids]), **kwargs).logits[0].float().numpy()
 
@@ -72,18 +96,22 @@ def vlm_parity(family: VisionFamily, model, language_onnx: Path, vision_onnx: Pa
     from ..ort import compare
 
     inputs = family.vision_inputs(model.config, seed)
-    embeds = run_vision(vision_onnx, inputs)
+    state = image_state(vision_onnx, inputs)
+    embeds = state["vision_embeds"]
     with torch.no_grad():
-        ref_embeds = family.vision_module(model)(*(torch.from_numpy(a) for a in inputs.values())).numpy()
+        out = family.vision_module(model)(*(torch.from_numpy(a) for a in inputs.values()))
+    ref_state = dict(zip(family.vision_outputs, [t.numpy() for t in (out if isinstance(out, tuple) else (out,))]))
     prompt = image_prompt(family, model.config, text_ids)
     ctx_len = len(prompt) + decode_steps + 8
-    got = run_language(language_onnx, embeds, prompt, decode_steps, ctx_len)
+    positions = None if family.positions is None else family.positions(model.config, prompt, inputs)
+    got = run_language(language_onnx, state, prompt, decode_steps, ctx_len, positions)
     ref = _reference(family, model, prompt + got["tokens"][:-1], inputs)[len(prompt) - 1:]
     greedy, ids = [], list(prompt)
     for _ in range(decode_steps + 1):  # transformers greedy by whole forwards, from the same image
         greedy.append(int(_reference(family, model, ids, inputs)[-1].argmax()))
         ids.append(greedy[-1])
-    vision_delta = float(np.abs(embeds - ref_embeds).max()) if embeds.shape == ref_embeds.shape else None
+    same = all(name in state and state[name].shape == ref_state[name].shape for name in ref_state)
+    vision_delta = max(float(np.abs(state[k] - ref_state[k]).max()) for k in ref_state) if same else None
     return {**compare(ref, got["logits"]), "vision_max_abs_delta": vision_delta, "vision_rows": int(embeds.shape[1]),
             "prompt_tokens": len(prompt), "image_rows_consumed": got["image_rows"][0], "tokens": got["tokens"],
             "reference_tokens": greedy, "tokens_equal": got["tokens"] == greedy}

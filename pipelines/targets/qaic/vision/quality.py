@@ -42,16 +42,17 @@ def predict_vlm(family: VisionFamily, model_dir: Path, files: list[Path], text_i
         language = mx_transform(language_shim(family, lm.model), fake_mxfp6 if mxfp6 else fake_fp16)
         lm.transform = split_transform(lm, family, fake_fp16, language)
         with torch.no_grad(), vision_side(lm, family):
-            embeds = family.vision_module(lm.model)(*(torch.from_numpy(a) for a in inputs.values()))
+            state = family.vision_module(lm.model)(*(torch.from_numpy(a) for a in inputs.values()))
+        state = state if isinstance(state, tuple) else (state,)  # vision_embeds (and DeepStack features)
         decoder = language_decoder(family, lm.model, batch_index=False, ctx_len=len(prompt),
                                    kv_transform=fake_mxint8 if mxint8 else fake_fp16)
         decoder.all_positions = True
-        ids = torch.tensor([prompt])
-
-        def image(text):
-            return decoder.merge_image(text, ids, embeds, torch.zeros(1, 1, dtype=torch.long))[0]
-
-        got = run_decoder(lm, decoder, [prompt], images=[image])[0]
+        hook, _out, added = decoder.image_hook(torch.tensor([prompt]), state[0], state[1] if len(state) > 1 else None,
+                                               torch.zeros(1, 1, dtype=torch.long))
+        # the family's prompt positions (M-RoPE: its t/h/w rows), as the language graph takes them
+        positions = (np.arange(len(prompt), dtype=np.int64)[None] if family.positions is None
+                     else family.positions(lm.model.config, prompt, inputs))
+        got = run_decoder(lm, decoder, [prompt], images=[(hook, added)], positions=[torch.from_numpy(positions)])[0]
         first_text = 1 + family.vision_size(lm.model.config)  # BOS, the image rows, then the text they condition
     trim_heap()
     total = parity.compare(ref[first_text:], got[first_text:])

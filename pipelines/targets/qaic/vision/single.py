@@ -6,7 +6,8 @@ with max_num_seqs 1; continuous batching is dual-only).
 
 The graph is composed from the export's two graphs at bundle time, not exported again: the vision graph's nodes
 and initializers under a `vision/` prefix, its `vision_embeds` fed straight into the language graph's input of that
-name, the language graph's `vision_embeds_RetainedState` replaced by the image inputs' retained twins. Weights are
+name (and any other image state, DeepStack's), the language graph's retained twins of them replaced by the
+image inputs' retained twins. Weights are
 not loaded: the composed graph's initializers point into the export's two data files (`onnx/model.onnx.data`,
 `onnx/vision/model.onnx.data`), so it costs a few hundred KB whatever the model's size.
 """
@@ -19,15 +20,9 @@ from typing import Any
 import numpy as np
 
 from ..layout import ONNX_DIR, RETAINED
+from .compile import SINGLE_ONNX, image_inputs, vision_outputs
 
-SINGLE_ONNX = f"{ONNX_DIR}/model-single.onnx"  # beside the language graph, so both data files are below it
 PREFIX = "vision/"
-IMAGE_ROWS_STATE = f"vision_embeds{RETAINED}"
-
-
-def image_state(vision: dict[str, Any]) -> list[str]:
-    """The single graph's image inputs kept as device state (the float ones: grids and ids are shapes)."""
-    return list(vision["float_inputs"])
 
 
 def compose(root: Path, vision: dict[str, Any]):
@@ -46,24 +41,23 @@ def compose(root: Path, vision: dict[str, Any]):
             if entry.key == "location":
                 entry.value = f"{data_dir}/{entry.value}"
     lang = language.graph
-    lang_inputs = [i for i in lang.input if i.name != "vision_embeds"]
-    outputs = []
-    for out in lang.output:  # the image rows are computed each call now: the image itself is the device state
-        if out.name == IMAGE_ROWS_STATE:
-            outputs += [helper.make_tensor_value_info(f"{name}{RETAINED}", i.type.tensor_type.elem_type,
-                                                      [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim])
-                        for name in image_state(vision) for i in tower.graph.input if i.name == name]
-        else:
-            outputs.append(out)
-    keep = [n for n in lang.node if list(n.output) != [IMAGE_ROWS_STATE]]
-    if len(keep) != len(lang.node) - 1:
+    bridged = vision_outputs(vision)  # vision_embeds (and DeepStack features): computed each call now
+    lang_inputs = [i for i in lang.input if i.name not in bridged]
+    retained = {f"{name}{RETAINED}" for name in bridged}
+    outputs = [o for o in lang.output if o.name not in retained]
+    # the image itself is the device state instead, after logits (QEfficient's single-QPC output order)
+    outputs[1:1] = [helper.make_tensor_value_info(f"{i.name}{RETAINED}", i.type.tensor_type.elem_type,
+                                                  [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim])
+                    for name in image_inputs(vision) for i in tower.graph.input if i.name == name]
+    keep = [n for n in lang.node if not set(n.output) & retained]
+    if len(keep) != len(lang.node) - len(retained):
         from ....errors import ModelFormatError
 
-        raise ModelFormatError(f"the language graph's {IMAGE_ROWS_STATE} is not the Identity of its input: "
+        raise ModelFormatError("the language graph's image state outputs are not Identities of its inputs: "
                                "cannot compose the single QPC graph")
-    bridge = [helper.make_node("Identity", [f"{PREFIX}vision_embeds"], ["vision_embeds"], name="vision_embeds_in")]
+    bridge = [helper.make_node("Identity", [f"{PREFIX}{name}"], [name], name=f"{name}_in") for name in bridged]
     bridge += [helper.make_node("Identity", [name], [f"{name}{RETAINED}"], name=f"{name}_retain")
-               for name in image_state(vision)]
+               for name in image_inputs(vision)]
     graph = helper.make_graph(
         list(tower.graph.node) + bridge + keep, "hive-aot-vlm-single",
         [lang_inputs[0], *tower.graph.input, *lang_inputs[1:]], outputs,
@@ -88,9 +82,11 @@ def write_single(root: Path, vision: dict[str, Any], out_root: Path) -> str:
 
 
 def run_single(onnx_path: Path, inputs: dict[str, np.ndarray], prompt: list[int], decode_steps: int,
-               ctx_len: int) -> dict[str, Any]:
-    """Prefill with the image, then greedy decode steps feeding every retained output back (the image too)."""
+               ctx_len: int, positions: np.ndarray | None = None) -> dict[str, Any]:
+    """Prefill with the image, then greedy decode steps feeding every retained output back (the image too).
+    `positions`: the prompt's position_ids (default [1, seq] arange), continued as parity.run_language does."""
     from ..ort import _empty_state, _extra, session
+    from .parity import next_positions
 
     sess = session(onnx_path)
     state = _empty_state(sess, 1, ctx_len)
@@ -98,7 +94,7 @@ def run_single(onnx_path: Path, inputs: dict[str, np.ndarray], prompt: list[int]
     outputs = [o.name for o in sess.get_outputs()]
     image = {**inputs, "image_idx": np.zeros((1, 1), dtype=np.int64)}
     ids = np.asarray([prompt], dtype=np.int64)
-    pos = np.arange(len(prompt), dtype=np.int64)[None]
+    pos = np.arange(len(prompt), dtype=np.int64)[None] if positions is None else positions.astype(np.int64)
     logits_steps, tokens = [], []
     for _ in range(decode_steps + 1):
         res = dict(zip(outputs, sess.run(outputs, {"input_ids": ids, "position_ids": pos, **image, **state, **extra})))
@@ -107,5 +103,5 @@ def run_single(onnx_path: Path, inputs: dict[str, np.ndarray], prompt: list[int]
         state = {name: res[f"{name}{RETAINED}"] for name in state}
         image = {**{k: res.get(f"{k}{RETAINED}", v) for k, v in inputs.items()}, "image_idx": res["image_idx_output"]}
         ids = np.asarray([[tokens[-1]]], dtype=np.int64)
-        pos = np.asarray([[int(pos[0, -1]) + 1]], dtype=np.int64)
+        pos = next_positions(pos)
     return {"logits": logits_steps, "tokens": tokens}

@@ -40,7 +40,15 @@ class VisionFamily:
     - `reference_kwargs(config, inputs)`: what transformers' forward takes beside input_ids for that image
       (default: pixel_values);
     - `vision_symbols(config)`: the Vision specialization's symbols (every value a string);
-    - `single_qpc`: whether the family also compiles as one QPC (vision/single.py), as QEfficient allows.
+    - `single_qpc`: whether the family also compiles as one QPC (vision/single.py), as QEfficient allows;
+    - `positions(config, prompt_ids, inputs)`: the language graph's position_ids for the prompt (numpy int64),
+      [1, seq] `arange` when None; a family with more rows (M-RoPE: [4, 1, seq], row 0 the text positions)
+      says so here, and decode continues every row from its own max + 1;
+    - `reference_token_kwargs(config, ids)`: what transformers' forward takes beside input_ids that depends on
+      the ids (Qwen's `mm_token_type_ids`); None: nothing;
+    - `deepstack(config)`: the DeepStack levels; when set, the vision module returns (vision_embeds,
+      deepstack_features [levels, images, vision_size, hidden]) and the language graph takes both
+      (layout.DEEPSTACK: level i is added to the image rows after decoder layer i, Qwen3-VL's DeepStack).
     """
 
     architectures: tuple[str, ...]
@@ -55,6 +63,16 @@ class VisionFamily:
     reference_kwargs: Callable[[Any, dict[str, np.ndarray]], dict[str, Any]] = field(
         default=lambda config, inputs: {"pixel_values": inputs["pixel_values"]})
     single_qpc: bool = True  # QEfficient also compiles it as one QPC (kv_offload=False); False: dual only
+    positions: Callable[[Any, list[int], dict[str, np.ndarray]], np.ndarray] | None = None
+    reference_token_kwargs: Callable[[Any, np.ndarray], dict[str, Any]] | None = None
+    deepstack: Callable[[Any], int] | None = None
+
+    @property
+    def vision_outputs(self) -> list[str]:
+        """The vision graph's outputs, in order: each is a language graph input with a retained twin."""
+        from ..layout import DEEPSTACK
+
+        return ["vision_embeds"] + ([DEEPSTACK] if self.deepstack is not None else [])
 
 
 def config_value(config: Any, *names: str) -> Any:
