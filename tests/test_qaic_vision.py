@@ -87,6 +87,23 @@ def _export(tmp_path_factory, arch: str):
     return _EXPORTS[arch]
 
 
+def assert_end_to_end(r: dict, rows: int) -> None:
+    """vlm_parity's result: both halves and the whole agree with transformers, every image row consumed."""
+    assert r["finite"] and r["steps"] == 9 and r["vision_rows"] == rows, r
+    assert r["vision_max_abs_delta"] < 1e-4, r
+    assert r["top1_agreement"] == 1.0 and r["max_abs_logit_delta"] < 1e-3, r
+    assert r["tokens_equal"], r
+    assert r["image_rows_consumed"] == rows  # image_idx_output: every row was read by the prefill
+
+
+def language_io(root: Path) -> tuple[list[str], list[str], dict[str, list]]:
+    """The language graph's inputs (initializers aside), outputs, and each input's dims."""
+    lang = onnx.load(str(root / "onnx" / "model.onnx"), load_external_data=False).graph
+    inits = {t.name for t in lang.initializer}
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in lang.input}
+    return [i.name for i in lang.input if i.name not in inits], [o.name for o in lang.output], dims
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     return _export(tmp_path_factory, "LlavaForConditionalGeneration")
@@ -100,11 +117,7 @@ def test_both_graphs_match_transformers_end_to_end_on_a_synthetic_image(case, tm
     family, model, root, _report, vision = _export(tmp_path_factory, case)
     assert vision.architecture == case
     r = vlm_parity(family, model, root / "onnx" / "model.onnx", root / vision.path, TEXT, decode_steps=8)
-    assert r["finite"] and r["steps"] == 9 and r["vision_rows"] == vision.vision_size, r
-    assert r["vision_max_abs_delta"] < 1e-4, r
-    assert r["top1_agreement"] == 1.0 and r["max_abs_logit_delta"] < 1e-3, r
-    assert r["tokens_equal"], r
-    assert r["image_rows_consumed"] == vision.vision_size  # image_idx_output: every row was read by the prefill
+    assert_end_to_end(r, vision.vision_size)
     other = family.vision_inputs(model.config, 1)  # a second image changes what the model says
     prompt = image_prompt(family, model.config, TEXT)
     first = run_language(root / "onnx" / "model.onnx", run_vision(root / vision.path, family.vision_inputs(model.config, 0)),
@@ -138,12 +151,9 @@ def test_an_image_split_over_two_prefill_chunks_gives_the_same_logits(exported):
 
 def test_the_graph_contract(exported):
     _family, _model, root, report, vision = exported
-    lang = onnx.load(str(root / "onnx" / "model.onnx"), load_external_data=False).graph
-    inits = {t.name for t in lang.initializer}
-    names = [i.name for i in lang.input if i.name not in inits]
+    names, outputs, dims = language_io(root)
     assert names[:4] == ["input_ids", "vision_embeds", "position_ids", "image_idx"] and names[-1] == "batch_index"
-    assert [o.name for o in lang.output][:3] == ["logits", "vision_embeds_RetainedState", "image_idx_output"]
-    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in lang.input}
+    assert outputs[:3] == ["logits", "vision_embeds_RetainedState", "image_idx_output"]
     assert dims["vision_embeds"] == ["vision_batch_size", "vision_size", 64]
     vis = onnx.load(str(root / vision.path), load_external_data=False).graph
     assert [i.name for i in vis.input if i.name not in {t.name for t in vis.initializer}] == ["pixel_values"]
