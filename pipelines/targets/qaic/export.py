@@ -151,6 +151,15 @@ def trace_graph(decoder, ctx_len: int):
         sample[1:1] = [torch.zeros(1, 8, decoder.embed.weight.shape[1])]
         sample[3:3] = [torch.zeros(1, 1, dtype=torch.long)]
         axes["vision_embeds"] = axes[f"vision_embeds{RETAINED}"] = {0: "vision_batch_size", 1: "vision_size"}
+    if decoder.cross_grid is not None:  # a cross-attention VLM: the tile mask, and each cross layer's image K/V
+        tiles, rows = decoder.cross_grid
+        names_in[1:1] = ["cross_attention_mask"]
+        sample[1:1] = [torch.ones(bsz, seq, 1, tiles, dtype=torch.long)]
+        axes["cross_attention_mask"] = {0: "batch_size", 1: "seq_len", 2: "max_num_images"}
+        for i in decoder.cross_layers:
+            for kv in ("key", "value"):
+                sample[names_in.index(f"past_{kv}.{i}")] = torch.zeros(full, n_kv, tiles * rows, head_dim)
+                axes[f"past_{kv}.{i}"] = axes[f"past_{kv}.{i}{RETAINED}"] = {0: cache_axes[0]}
     buf = io.BytesIO()
     with torch.no_grad(), _shape_inference_without_values():
         torch.onnx.export(decoder, tuple(sample), buf, input_names=names_in, output_names=names_out,

@@ -12,18 +12,20 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ....errors import NotApplicableError
-from . import (falcon, gemma, gemma2, gpt2, gpt_bigcode, gpt_oss, gptj, granite, llama, mixtral, olmo2, phi3, qwen3,
-               qwen3_moe, starcoder2)
+from . import (falcon, gemma, gemma2, gpt2, gpt_bigcode, gpt_oss, gptj, granite, llama, mixtral, mllama, olmo2, phi3,
+               qwen3, qwen3_moe, starcoder2)
 from .llama import LLAMA
 from .spec import Family, Moe, Norms
 
 _MODULES = (llama, qwen3, gemma, gemma2, phi3, granite, olmo2, starcoder2, gpt2, gptj, gpt_bigcode, falcon, mixtral,
             qwen3_moe, gpt_oss)
+# the language models of vision-language families (vision/): found by family_for, never exported on their own
+_LANGUAGE_ONLY_MODULES = (mllama,)
 
 
-def _collect() -> dict[str, Family | Callable[[Any], Family]]:
+def _collect(modules=_MODULES) -> dict[str, Family | Callable[[Any], Family]]:
     specs: dict[str, Family | Callable[[Any], Family]] = {}
-    for module in _MODULES:
+    for module in modules:
         for arch in module.ARCHITECTURES:
             if arch in specs:
                 raise RuntimeError(f"{arch} is declared twice among the AI 100 families (again in {module.__name__})")
@@ -32,6 +34,7 @@ def _collect() -> dict[str, Family | Callable[[Any], Family]]:
 
 
 FAMILY_SPECS: dict[str, Family | Callable[[Any], Family]] = _collect()
+LANGUAGE_ONLY_SPECS: dict[str, Family | Callable[[Any], Family]] = _collect(_LANGUAGE_ONLY_MODULES)
 
 
 def unsupported(arch: str) -> Exception:
@@ -48,7 +51,7 @@ def architecture(config: Any) -> str:
 def family_for(config: Any) -> tuple[str, Family]:
     """(architecture, its Family) for a transformers config; NotApplicableError (one line) when unsupported."""
     arch = architecture(config)
-    spec = FAMILY_SPECS.get(arch)
+    spec = FAMILY_SPECS.get(arch) or LANGUAGE_ONLY_SPECS.get(arch)
     if spec is None:
         raise unsupported(arch)
     return arch, spec if isinstance(spec, Family) else spec(config)

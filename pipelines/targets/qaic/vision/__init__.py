@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from ....errors import NotApplicableError
-from . import llava
+from . import llava, mllama
 from .spec import VisionFamily
 
-_MODULES = (llava,)
+_MODULES = (llava, mllama)
 
 
 def _collect() -> dict[str, VisionFamily]:

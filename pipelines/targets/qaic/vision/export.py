@@ -38,6 +38,9 @@ class VisionReport:
     hidden: int
     image_token_id: int
     symbols: dict[str, str] = field(default_factory=dict)  # the Vision specialization
+    outputs: list[str] = field(default_factory=lambda: ["vision_embeds"])  # what the vision graph gives the language graph
+    language_symbols: dict[str, str] = field(default_factory=dict)  # what the language graph's specializations add
+    language_float16_io: list[str] = field(default_factory=list)  # the language graph's image IO kept float16
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,7 +83,7 @@ def language_decoder(family: VisionFamily, model, *, batch_index: bool, ctx_len:
     from ..decoder import build_decoder
 
     return build_decoder(language_shim(family, model), batch_index=batch_index, ctx_len=ctx_len,
-                         kv_transform=kv_transform, image_token=family.image_token_id(model.config))
+                         kv_transform=kv_transform, **family.form.decoder_options(family, model.config))
 
 
 def round_language(family: VisionFamily, model, weight_dtype: str) -> None:
@@ -99,7 +102,8 @@ def round_language(family: VisionFamily, model, weight_dtype: str) -> None:
 
 
 def export_vision(family: VisionFamily, model, root: Path) -> VisionReport:
-    """Trace the family's vision module to `root/onnx/vision/model.onnx` (+ .data)."""
+    """Trace the family's vision module to `root/onnx/vision/model.onnx` (+ .data): its outputs are the
+    form's (vision_embeds, or the cross layers' K/V)."""
     import onnx
     import torch
 
@@ -107,16 +111,19 @@ def export_vision(family: VisionFamily, model, root: Path) -> VisionReport:
     sample = family.vision_inputs(model.config, 0)
     names = list(sample)
     axes = {name: family.vision_axes.get(name, {}) for name in names}
-    axes["vision_embeds"] = {0: "batch_size"}
+    shapes = family.form.vision_outputs(family, model.config)  # name -> shape per image
+    for name in shapes:
+        axes[name] = {0: "batch_size"}
     out = Path(root) / VISION_DIR / "model.onnx"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".trace")
     with torch.no_grad(), warnings.catch_warnings():
         # the vision towers' shape checks become constants of the trace: right for the one compiled image size
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        embeds = module(*(torch.from_numpy(a) for a in sample.values()))
+        got = module(*(torch.from_numpy(a) for a in sample.values()))
+        got = got if isinstance(got, tuple) else (got,)
         torch.onnx.export(module, tuple(torch.from_numpy(a) for a in sample.values()), str(tmp), input_names=names,
-                          output_names=["vision_embeds"], dynamic_axes={k: v for k, v in axes.items() if v},
+                          output_names=list(shapes), dynamic_axes={k: v for k, v in axes.items() if v},
                           opset_version=OPSET, do_constant_folding=True, dynamo=False)
     graph = onnx.load(str(tmp))
     tmp.unlink()
@@ -126,14 +133,16 @@ def export_vision(family: VisionFamily, model, root: Path) -> VisionReport:
     onnx.save_model(graph, str(out), save_as_external_data=True, all_tensors_to_one_file=True, location=data,
                     size_threshold=0)
     size = family.vision_size(model.config)
-    if tuple(embeds.shape[1:]) != (size, model.config.get_text_config().hidden_size):
-        raise ModelFormatError(f"the vision module gives {tuple(embeds.shape)}, not [images, {size}, hidden]: the "
+    given = [tuple(t.shape[1:]) for t in got]
+    if given != list(shapes.values()):
+        raise ModelFormatError(f"the vision module gives {given}, not {list(shapes.values())} after the batch: the "
                                "family's declaration does not match this checkpoint")
     return VisionReport(architecture=model.config.architectures[0], path=f"{VISION_DIR}/model.onnx",
                         files=[f"{VISION_DIR}/model.onnx", f"{VISION_DIR}/{data}"], inputs=names,
                         float_inputs=[n for n, a in sample.items() if a.dtype.kind == "f"], vision_size=size,
-                        hidden=int(embeds.shape[-1]), image_token_id=family.image_token_id(model.config),
-                        symbols=family.vision_symbols(model.config))
+                        hidden=int(model.config.get_text_config().hidden_size),
+                        image_token_id=family.image_token_id(model.config), symbols=family.vision_symbols(model.config),
+                        outputs=list(shapes), **family.form.compile_record(family, model.config))
 
 
 def export_vlm(family: VisionFamily, model, root: Path, *, batch_index: bool = True, weight_dtype: str = "float16",

@@ -13,14 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from ..layout import RETAINED
+from .forms import run_merged_rows as run_language  # noqa: F401  (LLaVA's language run, by its historical name)
 from .spec import VisionFamily
 
 
 def image_prompt(family: VisionFamily, config: Any, text_ids: list[int]) -> list[int]:
-    """The prompt as the processor expands it: the first text token (BOS), one placeholder per image row, the rest."""
-    image = [family.image_token_id(config)] * family.vision_size(config)
-    return text_ids[:1] + image + text_ids[1:]
+    """The prompt as the processor expands it: the first text token (BOS), the image's placeholders (one per
+    image row, or one per image for a cross-attention family), the rest."""
+    return family.form.prompt(family, config, text_ids)
 
 
 def run_vision(onnx_path: Path, inputs: dict[str, np.ndarray]) -> np.ndarray:
@@ -29,61 +29,48 @@ def run_vision(onnx_path: Path, inputs: dict[str, np.ndarray]) -> np.ndarray:
     return session(onnx_path).run(["vision_embeds"], inputs)[0]
 
 
-def run_language(onnx_path: Path, vision_embeds: np.ndarray, prompt: list[int], decode_steps: int,
-                 ctx_len: int) -> dict[str, Any]:
-    """Prefill then greedy decode on the language graph, every retained output fed back (one cache row)."""
-    from ..ort import _empty_state, _extra, session
+def run_vision_outputs(onnx_path: Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every output of the vision graph, by name."""
+    from ..ort import session
 
     sess = session(onnx_path)
-    state = _empty_state(sess, 1, ctx_len)
-    extra = _extra(sess)
-    outputs = [o.name for o in sess.get_outputs()]
-    ids = np.asarray([prompt], dtype=np.int64)
-    pos = np.arange(len(prompt), dtype=np.int64)[None]
-    image = {"vision_embeds": vision_embeds.astype(np.float32), "image_idx": np.zeros((1, 1), dtype=np.int64)}
-    logits_steps, tokens, image_rows = [], [], []
-    for _ in range(decode_steps + 1):
-        res = dict(zip(outputs, sess.run(outputs, {"input_ids": ids, "position_ids": pos, **image, **state, **extra})))
-        logits = res["logits"][0, 0]
-        logits_steps.append(logits)
-        tokens.append(int(logits.argmax()))
-        state = {name: res[f"{name}{RETAINED}"] for name in state}
-        image = {"vision_embeds": res[f"vision_embeds{RETAINED}"], "image_idx": res["image_idx_output"]}
-        image_rows.append(int(res["image_idx_output"].reshape(-1)[0]))
-        ids = np.asarray([[tokens[-1]]], dtype=np.int64)
-        pos = np.asarray([[int(pos[0, -1]) + 1]], dtype=np.int64)
-    return {"logits": logits_steps, "tokens": tokens, "image_rows": image_rows}
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, inputs)))
 
 
 def _reference(family: VisionFamily, model, ids: list[int], inputs: dict[str, np.ndarray]) -> np.ndarray:
     import torch
 
     kwargs = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
-              for k, v in family.reference_kwargs(model.config, inputs).items()}
+              for k, v in family.form.reference_kwargs(family, model.config, inputs, ids).items()}
     with torch.no_grad():
         return model(input_ids=torch.tensor([ids]), **kwargs).logits[0].float().numpy()
 
 
 def vlm_parity(family: VisionFamily, model, language_onnx: Path, vision_onnx: Path, text_ids: list[int],
-               decode_steps: int = 8, seed: int = 0) -> dict[str, Any]:
-    """Both halves and the whole against transformers (the model already rounded as the export stores it)."""
+               decode_steps: int = 8, seed: int = 0, inputs: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+    """Both halves and the whole against transformers (the model already rounded as the export stores it), on
+    the family's synthetic image of `seed` (or on `inputs`, the vision graph's inputs)."""
     import torch
 
     from ..ort import compare
 
-    inputs = family.vision_inputs(model.config, seed)
-    embeds = run_vision(vision_onnx, inputs)
+    inputs = family.vision_inputs(model.config, seed) if inputs is None else inputs
+    image = run_vision_outputs(vision_onnx, inputs)
     with torch.no_grad():
-        ref_embeds = family.vision_module(model)(*(torch.from_numpy(a) for a in inputs.values())).numpy()
+        ref_image = family.vision_module(model)(*(torch.from_numpy(a) for a in inputs.values()))
+    ref_image = dict(zip(image, ref_image if isinstance(ref_image, tuple) else (ref_image,)))
     prompt = image_prompt(family, model.config, text_ids)
     ctx_len = len(prompt) + decode_steps + 8
-    got = run_language(language_onnx, embeds, prompt, decode_steps, ctx_len)
+    got = family.form.run_language(family, model.config, language_onnx, image, inputs, prompt, decode_steps, ctx_len)
     ref = _reference(family, model, prompt + got["tokens"][:-1], inputs)[len(prompt) - 1:]
     greedy, ids = [], list(prompt)
     for _ in range(decode_steps + 1):  # transformers greedy by whole forwards, from the same image
         greedy.append(int(_reference(family, model, ids, inputs)[-1].argmax()))
         ids.append(greedy[-1])
-    vision_delta = float(np.abs(embeds - ref_embeds).max()) if embeds.shape == ref_embeds.shape else None
-    return {**compare(ref, got["logits"]), "vision_max_abs_delta": vision_delta, "vision_rows": int(embeds.shape[1]),
+    same = all(image[k].shape == tuple(ref_image[k].shape) for k in image)
+    vision_delta = max(float(np.abs(image[k] - ref_image[k].numpy()).max()) for k in image) if same else None
+    rows = int(next(iter(image.values())).shape[-2])  # [images, rows, hidden] or [batch, heads, rows, head_dim]
+    return {**compare(ref, got["logits"]), "vision_max_abs_delta": vision_delta, "vision_rows": rows,
             "prompt_tokens": len(prompt), "image_rows_consumed": got["image_rows"][0], "tokens": got["tokens"],
             "reference_tokens": greedy, "tokens_equal": got["tokens"] == greedy}

@@ -9,7 +9,9 @@ A vision-language model is exported as two graphs:
 - the language graph: the retained-state decoder (decoder.py) of the family's `language_model`, which takes
   `vision_embeds` and `image_idx` beside the text inputs and writes the image rows over the embeddings of the
   image placeholder tokens (`image_token_id`), as QEfficient's language decoder does.
-The family also says how transformers runs the whole model on the same inputs (`reference_kwargs`), so parity
+A family whose language model reads the image through cross-attention layers (Mllama) declares another
+`form` (forms.py): its vision graph outputs those layers' K/V, and its language graph takes them as retained
+state with a per-token `cross_attention_mask`. The family also says how transformers runs the whole model on the same inputs (`reference_kwargs`), so parity
 compares the two graphs end to end with the model as its authors wrote it.
 """
 
@@ -19,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
+
+from .forms import MERGED_ROWS
 
 # (the VLM in memory) -> (its text config, its decoder stack, its lm_head): what build_decoder reads
 LanguageModel = Callable[[Any], tuple[Any, Any, Any]]
@@ -37,7 +41,8 @@ class VisionFamily:
     - `language_model(model)`: (text config, decoder stack, lm_head) of the VLM in memory;
     - `reference_kwargs(config, inputs)`: what transformers' forward takes beside input_ids for that image;
     - `vision_symbols(config)`: the Vision specialization's symbols (every value a string);
-    - `max_image_tokens`: placeholder tokens a prompt may carry before the processor expands them (1: one image).
+    - `max_image_tokens`: placeholder tokens a prompt may carry before the processor expands them (1: one image);
+    - `form`: how the image reaches the language model (forms.py): merged rows (default) or cross-attention K/V.
     """
 
     architectures: tuple[str, ...]
@@ -49,6 +54,7 @@ class VisionFamily:
     reference_kwargs: Callable[[Any, dict[str, np.ndarray]], dict[str, Any]]
     vision_symbols: Callable[[Any], dict[str, str]]
     vision_axes: dict[str, dict[int, str]] = field(default_factory=lambda: {"pixel_values": {0: "batch_size"}})
+    form: Any = MERGED_ROWS
 
 
 def config_value(config: Any, *names: str) -> Any:
