@@ -150,3 +150,26 @@ def test_the_graph_contract(exported):
     assert [o.name for o in vis.output] == ["past_key.1", "past_value.1"] == vision.outputs
     assert vision.path == f"{VISION_DIR}/model.onnx" and vision.float_inputs == ["pixel_values"]
     assert vision.symbols == {"batch_size": "1", "max_num_images": "1", "img_size": "28"} and report.layers == 3
+
+
+def test_the_compile_inputs_of_the_dual_qpc(exported):
+    _family, _model, _root, report, vision = exported
+    info = vision.to_json()
+    opts = CompileOptions.parse({"num_cores": 4, "ctx_len": 256, "prefill_seq_len": 32})
+    files = compile_files(report.layers, opts, "1.22", vision=info)
+    specs = json.loads(files["compile/specializations.json"])["specializations"]
+    assert [s["name"] for s in specs] == ["Prefill", "Decode"]
+    assert all(s["symbols"]["max_num_images"] == "1" and "vision_size" not in s["symbols"] for s in specs)
+    io = files["compile/custom_io.yaml"].decode()
+    listed = [line.split(":", 1)[1].strip() for line in io.splitlines() if line.startswith("- IOName:")]
+    assert len(listed) == len(set(listed)) == 12  # 3 layers x key/value x input/retained, each once
+    for name in ("past_key.1", "past_value.1", "past_key.1_RetainedState", "past_value.1_RetainedState"):
+        assert f"- IOName: {name}\n  Precision: float16" in io  # the vision QPC writes the image's K/V in float16
+    assert f"- IOName: past_key.0\n  Precision: {opts.kv_precision}" in io and "vision_embeds" not in io
+    assert json.loads(files["compile/vision/specializations.json"]) == {"specializations": [
+        {"name": "Vision", "symbols": {"batch_size": "1", "max_num_images": "1", "img_size": "28"}}]}
+    assert files["compile/vision/custom_io.yaml"].decode().split() == [
+        "-", "IOName:", "pixel_values", "Precision:", "float16", "-", "IOName:", "past_key.1", "Precision:", "float16",
+        "-", "IOName:", "past_value.1", "Precision:", "float16"]
+    vis = vision_command(opts, info)
+    assert "-mxfp6-matmul" not in vis and "-retained-state" not in vis

@@ -97,19 +97,20 @@ def check_bundle(root: Path, files: dict[str, str], opts: CompileOptions) -> lis
 
 def _check_vision(root: Path, files: dict[str, str], graph) -> list[str]:
     """A VLM's language graph comes with its vision graph and that graph's compile inputs, and not otherwise."""
-    from .vision.compile import VISION_COMPILE_DIR
+    from .vision.compile import IMAGE_INPUTS, VISION_COMPILE_DIR, vision_outputs
 
-    takes_image = any(i.name == "vision_embeds" for i in graph.input)
+    takes_image = any(i.name in IMAGE_INPUTS for i in graph.input)
     vision = json.loads((root / EXPORT_REPORT).read_text()).get("vision") if (root / EXPORT_REPORT).is_file() else None
     if not takes_image:
-        return ["export.json records a vision graph, but the language ONNX takes no vision_embeds"] if vision else []
+        return [f"export.json records a vision graph, but the language ONNX takes none of {', '.join(IMAGE_INPUTS)}"
+                ] if vision else []
     if vision is None or vision["path"] not in files:
-        return ["the language ONNX takes vision_embeds, but the bundle has no vision graph (export.json: vision)"]
+        return ["the language ONNX takes an image, but the bundle has no vision graph (export.json: vision)"]
     import onnx
 
     vision_graph = onnx.load(str(root / vision["path"]), load_external_data=False).graph
-    if [o.name for o in vision_graph.output] != ["vision_embeds"]:
-        return [f"{vision['path']} does not output vision_embeds"]
+    if [o.name for o in vision_graph.output] != vision_outputs(vision):
+        return [f"{vision['path']} does not output {', '.join(vision_outputs(vision))} (export.json: vision)"]
     return _check_symbols(root, vision_graph, VISION_COMPILE_DIR)
 
 

@@ -5,9 +5,12 @@ compile host without torch): QEfficient's dual QPC (reference/ai100-qpc.md, VLMs
   export.json), no `-retained-state`, never `-mxfp6-matmul`, its image inputs and `vision_embeds` in the model's
   compute dtype (float16 after `-convert-to-fp16`) through `compile/vision/custom_io.yaml`; one device (the
   language QPC is the one tensor slicing splits), written to `qpc-vision/`;
-- the language QPC: the usual decoder compile, its Prefill and Decode specializations also fixing
-  `vision_batch_size` (1) and `vision_size` (the image rows), and `vision_embeds` with its retained twin kept in
-  float16 whatever the KV precision.
+- the language QPC: the usual decoder compile, its Prefill and Decode specializations also fixing what the
+  family's form records in export.json (`language_symbols`: merged rows fix `vision_batch_size` (1) and
+  `vision_size` (the image rows); cross-attention K/V fix `max_num_images`), and the image's IO kept in float16
+  whatever the KV precision (`language_float16_io`: `vision_embeds` and its retained twin, or the cross layers'
+  K/V, which the vision QPC writes in float16).
+Records written before the form existed (LLaVA) carry neither field: the merged-rows values are their default.
 vllm-qaic loads a prebuilt dual QPC from one path naming both, `<vision_qpc>:<language_qpc>` (serving.py).
 """
 
@@ -21,17 +24,28 @@ from ..layout import RETAINED
 VISION_COMPILE_DIR = "compile/vision"
 VISION_QPC_DIR = "qpc-vision"  # beside the language QPC's qpc/
 QPC_VISION = "{qpc_vision}"  # the placeholder of the vision QPC's output directory in a recorded command
-IMAGE_ROWS = ("vision_embeds", f"vision_embeds{RETAINED}")  # the language graph's image state
+IMAGE_ROWS = ("vision_embeds", f"vision_embeds{RETAINED}")  # the merged-rows language graph's image state
+IMAGE_INPUTS = ("vision_embeds", "cross_attention_mask")  # inputs only a VLM's language graph has (either form)
 
 
 def language_symbols(vision: dict[str, Any]) -> dict[str, str]:
-    """What the language graph's Prefill and Decode specializations add: one image of `vision_size` rows."""
+    """What the language graph's Prefill and Decode specializations add (merged rows: one image of
+    `vision_size` rows)."""
+    recorded = vision.get("language_symbols")
+    if recorded:
+        return {k: str(v) for k, v in recorded.items()}
     return {"vision_batch_size": "1", "vision_size": str(int(vision["vision_size"]))}
 
 
-def language_custom_io() -> list[tuple[str, str]]:
-    """The image rows stay in the model's dtype (QEfficient never compresses them to MXINT8)."""
-    return [(name, "float16") for name in IMAGE_ROWS]
+def language_custom_io(vision: dict[str, Any] | None = None) -> list[tuple[str, str]]:
+    """The image's IO stays in the model's dtype (QEfficient never compresses image rows to MXINT8)."""
+    names = (vision or {}).get("language_float16_io") or IMAGE_ROWS
+    return [(name, "float16") for name in names]
+
+
+def vision_outputs(vision: dict[str, Any]) -> list[str]:
+    """The vision graph's outputs: vision_embeds, or a cross-attention family's K/V per cross layer."""
+    return list(vision.get("outputs") or ["vision_embeds"])
 
 
 def vision_specializations(vision: dict[str, Any], named: bool) -> dict[str, Any]:
@@ -41,7 +55,7 @@ def vision_specializations(vision: dict[str, Any], named: bool) -> dict[str, Any
 
 def vision_custom_io(vision: dict[str, Any]) -> str:
     lines = []
-    for name in list(vision["float_inputs"]) + ["vision_embeds"]:  # integer inputs (grids, ids) keep their type
+    for name in list(vision["float_inputs"]) + vision_outputs(vision):  # integer inputs (grids, ids) keep their type
         lines += [f"- IOName: {name}", "  Precision: float16", ""]
     return "\n".join(lines)
 
