@@ -72,8 +72,10 @@ def test_the_vision_graph_gives_the_cross_layers_kv_as_transformers_computes_the
     assert np.abs(other["past_value.1"] - got["past_value.1"]).max() > 1e-3  # the image matters
 
 
-def test_both_graphs_match_transformers_end_to_end(exported):
+@pytest.mark.parametrize("case", ["MllamaForConditionalGeneration"])  # the matrix's covered row (test_qaic_matrix)
+def test_both_graphs_match_transformers_end_to_end(case, exported):
     family, model, root, _report, vision = exported
+    assert vision.architecture == case
     r = vlm_parity(family, model, root / "onnx" / "model.onnx", root / vision.path, TEXT, decode_steps=8)
     assert r["finite"] and r["steps"] == 9 and r["vision_rows"] == ROWS == vision.vision_size
     assert r["prompt_tokens"] == len(TEXT) + 1  # ONE image token, not one per row
@@ -173,3 +175,30 @@ def test_the_compile_inputs_of_the_dual_qpc(exported):
         "-", "IOName:", "past_value.1", "Precision:", "float16"]
     vis = vision_command(opts, info)
     assert "-mxfp6-matmul" not in vis and "-retained-state" not in vis
+
+
+def test_mllama_goes_through_check_export_bundle_and_standin_compile(smollm2_dir, tmp_path):
+    """check routes a tiny Mllama to the qaic recipes; the build exports both graphs (ORT parity gated), writes the
+    dual bundle (quality predicted on both QPCs), and the STAND-IN compile builds both programs."""
+    from qaic_flow import run_flow
+    from qaic_standin import LABEL
+
+    vocab = json.loads((smollm2_dir / "config.json").read_text())["vocab_size"]
+    model_dir = tiny_mllama(tmp_path / "mllama", vocab=vocab, image_token=vocab)  # as Llama 3.2: past the head
+    flow = run_flow(tmp_path, model_dir, smollm2_dir, "test-org/tiny-mllama", "qaic-mxfp6", "qaic-vlm-tiny",
+                    {"num_cores": 2, "ctx_len": 256, "prefill_seq_len": 32}, validation={"min_predicted_top1": 0.3})
+    assert {"qaic-export", "qaic-mxfp6", "qaic-fp16", "qaic-vlm-tiny"} <= set(flow.check["recipes"]), flow.check
+    export, m = flow.export, flow.export["validation"]["metrics"]
+    assert export["build"]["export"]["vision"]["outputs"] == ["past_key.1", "past_value.1"]
+    assert m["ort_top1_agreement"] == 1.0 and m["ort_max_abs_delta"] < 1e-3 and m["ort_vision_max_abs_delta"] < 1e-4, m
+    assert {"onnx/vision/model.onnx", "onnx/vision/model.onnx.data", "onnx/model.onnx"} <= {f["path"] for f in export["files"]}
+    q = flow.bundle["validation"]["mxfp6"]
+    assert q["emulated"] == ["fp16 vision weights", "mxfp6 language weights", "mxint8 kv cache"] and q["positions"] > 20
+    pulled, served = flow.pulled, flow.served
+    language = json.loads((served / "qpc" / "programqpc.bin").read_bytes()[len(LABEL):])
+    vision = json.loads((served / "qpc-vision" / "programqpc.bin").read_bytes()[len(LABEL):])
+    assert [s["name"] for s in vision["specializations"]] == ["Vision"] and "-mxfp6-matmul" not in vision["flags"]
+    assert language["custom_io"]["past_key.1"] == "float16" and language["custom_io"]["past_key.0"] == "mxint8"
+    assert language["specializations"][0]["symbols"]["max_num_images"] == "1"
+    assert pulled["env"]["VLLM_QAIC_QPC_PATH"] == f"{served}/qpc-vision:{served}/qpc"
+    assert pulled["serve_refused"] is None, pulled["serve_refused"]

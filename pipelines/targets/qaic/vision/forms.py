@@ -81,6 +81,15 @@ class MergedRows:
                      decode_steps: int, ctx_len: int) -> dict[str, Any]:
         return run_merged_rows(onnx_path, image["vision_embeds"], prompt, decode_steps, ctx_len)
 
+    def decoder_args(self, family, config, image, inputs, prompt: list[int], decoder, image_transform) -> tuple:
+        """The torch decoder's inputs for a whole prompt (quality prediction): the vision module's output
+        `image`, an empty cache of len(prompt) slots."""
+        import torch
+
+        empty = torch.zeros(1, decoder.n_kv, len(prompt), decoder.head_dim)
+        return (torch.tensor([prompt]), image, torch.arange(len(prompt)).unsqueeze(0),
+                torch.zeros(1, 1, dtype=torch.long), *[empty] * (2 * len(decoder.layers)))
+
     def compile_record(self, family, config: Any) -> dict[str, Any]:
         return {"language_symbols": {"vision_batch_size": "1", "vision_size": str(family.vision_size(config))},
                 "language_float16_io": ["vision_embeds", f"vision_embeds{RETAINED}"]}
@@ -158,6 +167,20 @@ class CrossAttentionKV:
             pos = np.asarray([[int(pos[0, -1]) + 1]], dtype=np.int64)
             mask = mask[:, -1:]
         return {"logits": logits_steps, "tokens": tokens, "image_rows": [None] * len(tokens)}
+
+    def decoder_args(self, family, config, image, inputs, prompt: list[int], decoder, image_transform) -> tuple:
+        """The torch decoder's inputs for a whole prompt (quality prediction): the vision module's K/V (through
+        `image_transform`: the float16 they are kept in) at the cross layers, an empty cache elsewhere."""
+        import torch
+
+        kv = dict(zip(self.vision_outputs(family, config), image))
+        past = []
+        for i in range(len(decoder.layers)):
+            for name in (f"past_key.{i}", f"past_value.{i}"):
+                past.append(image_transform(kv[name]) if name in kv else
+                            torch.zeros(1, decoder.n_kv, len(prompt), decoder.head_dim))
+        mask = torch.from_numpy(self.token_masks(family, config, inputs, prompt))
+        return (torch.tensor([prompt]), mask, torch.arange(len(prompt)).unsqueeze(0), *past)
 
     def compile_record(self, family, config: Any) -> dict[str, Any]:
         """The image's K/V stay float16 on both sides (the vision QPC writes them so; never MXINT8)."""

@@ -37,16 +37,14 @@ def predict_vlm(family: VisionFamily, model_dir: Path, text_ids: list[int], *, m
         for p in vision.parameters():  # the vision QPC: fp16, never MXFP6
             p.copy_(fake_fp16(p))
         fake_mxfp6_weights(language_shim(family, model), None if mxfp6 else fake_fp16)
-        embeds = vision(*(torch.from_numpy(a) for a in inputs.values()))
+        image = vision(*(torch.from_numpy(a) for a in inputs.values()))
         decoder = language_decoder(family, model, batch_index=False, ctx_len=len(prompt),
                                    kv_transform=fake_mxint8 if mxint8 else fake_fp16)
         decoder.all_positions = True
-        ids = torch.tensor([prompt])
-        empty = torch.zeros(1, decoder.n_kv, len(prompt), decoder.head_dim)
-        past = [empty] * (2 * len(decoder.layers))
-        got = decoder(ids, embeds, torch.arange(len(prompt)).unsqueeze(0), torch.zeros(1, 1, dtype=torch.long),
-                      *past)[0][0].float().numpy()
-    first_text = 1 + family.vision_size(model.config)  # BOS, the image rows, then the text the image conditions
+        args = family.form.decoder_args(family, model.config, image, inputs, prompt, decoder, fake_fp16)
+        got = decoder(*args)[0][0].float().numpy()
+    token = family.image_token_id(model.config)
+    first_text = max(i for i, t in enumerate(prompt) if t == token) + 1  # the text the image conditions
     total = parity.compare(ref[first_text:], got[first_text:])
     return {"positions": total.positions, "top1": round(total.top1_agreement, 6), "kl": float(f"{total.mean_kl:.6g}"),
             "max_abs_logit_delta": float(f"{total.max_abs_logit_delta:.6g}"),
