@@ -202,3 +202,15 @@ def test_mllama_goes_through_check_export_bundle_and_standin_compile(smollm2_dir
     assert language["specializations"][0]["symbols"]["max_num_images"] == "1"
     assert pulled["env"]["VLLM_QAIC_QPC_PATH"] == f"{served}/qpc-vision:{served}/qpc"
     assert pulled["serve_refused"] is None, pulled["serve_refused"]
+
+
+def test_the_text_model_alone_is_refused_and_stays_off_the_causal_lm_list(exported):
+    from pipelines.errors import NotApplicableError
+    from pipelines.targets.qaic.decoder import build_decoder
+    from pipelines.targets.qaic.families import FAMILY_SPECS
+    from pipelines.targets.qaic.vision.export import language_shim
+
+    family, model, _root, _report, _vision = exported
+    assert "MllamaForCausalLM" not in FAMILY_SPECS  # a text-only checkpoint is not a supported causal LM
+    with pytest.raises(NotApplicableError, match="cross-attention layers"):
+        build_decoder(language_shim(family, model))

@@ -56,6 +56,11 @@ def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_le
     past of a cross layer is the image's K/V [batch, n_kv, images * tiles * rows per tile, head_dim].
     """
     decoder = _decoder_class()(model, kv_transform=kv_transform, batch_index=batch_index, ctx_len=ctx_len)
+    if decoder.cross_layers and cross_grid is None:
+        from ...errors import NotApplicableError
+
+        raise NotApplicableError(f"{decoder.arch} has cross-attention layers: it is exported through its "
+                                 "vision-language model (the image's K/V come from the vision graph)")
     decoder.logits_to_keep = logits_to_keep
     decoder.image_token = image_token
     decoder.cross_grid = cross_grid
