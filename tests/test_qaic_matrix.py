@@ -26,6 +26,7 @@ _WHISPER = "test_qaic_whisper.py::test_ort_parity_encoder_then_decode_steps_and_
 _VISION = "test_qaic_vision.py::test_both_graphs_match_transformers_end_to_end_on_a_synthetic_image"
 _QWEN25 = "test_qaic_vision_qwen2_5_vl.py::test_both_graphs_match_transformers_end_to_end_on_a_synthetic_image"
 _QWEN3 = "test_qaic_vision_qwen3_vl.py::test_both_graphs_match_transformers_end_to_end_on_a_synthetic_image"
+_MLLAMA = "test_qaic_vision_mllama.py::test_both_graphs_match_transformers_end_to_end"
 # The seed's rows hive-aot builds -> the test exporting a tiny random model of each in onnxruntime parity.
 COVERED = {
     "LlamaForCausalLM": f"{_EXPORT}[llama]", "MistralForCausalLM": f"{_EXPORT}[mistral]",
@@ -43,11 +44,11 @@ COVERED = {
                                       "InternVLForConditionalGeneration")},
     "Qwen2_5_VLForConditionalGeneration": f"{_QWEN25}[Qwen2_5_VLForConditionalGeneration]",
     **{a: f"{_QWEN3}[{a}]" for a in ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")},
+    "MllamaForConditionalGeneration": f"{_MLLAMA}[MllamaForConditionalGeneration]",
 }
 # The seed's rows without an exporter yet -> their task.
 NO_EXPORTER = {
-    **dict.fromkeys(("InternVLChatModel", "MllamaForConditionalGeneration", "Llama4ForConditionalGeneration"),
-                    "vision-language"),
+    **dict.fromkeys(("InternVLChatModel", "Llama4ForConditionalGeneration"), "vision-language"),
 }
 SANE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 512}

@@ -17,7 +17,8 @@ import torch
 from pipelines.targets.qaic.compile import CompileOptions, command, compile_files, fill, vision_command
 from pipelines.targets.qaic.vision import VISION_FAMILIES, vision_family
 from pipelines.targets.qaic.vision.export import VISION_DIR, export_vlm, load_vlm, round_language
-from pipelines.targets.qaic.vision.parity import image_prompt, run_language, run_vision, vlm_parity
+from pipelines.targets.qaic.vision.parity import image_prompt, vlm_parity
+from pipelines.targets.qaic.vision.runs import run_language, run_vision
 
 TEXT = [1, 17, 33, 90, 5, 6, 7, 40]
 
@@ -163,13 +164,19 @@ def test_the_graph_contract(exported):
     assert vision.vision_size == (56 // 14) ** 2  # one image of 56 pixels in patches of 14, CLS dropped
 
 
+def dual_compile_inputs(report, vision, opts) -> tuple[dict[str, bytes], list[dict]]:
+    """The dual QPC's compile inputs (SDK 1.22) of an export and its language specializations (Prefill, Decode)."""
+    files = compile_files(report.layers, opts, "1.22", vision=vision.to_json())
+    specs = json.loads(files["compile/specializations.json"])["specializations"]
+    assert [s["name"] for s in specs] == ["Prefill", "Decode"]
+    return files, specs
+
+
 def test_the_compile_inputs_and_commands_of_the_dual_qpc(exported):
     _family, _model, _root, report, vision = exported
     info = vision.to_json()
     opts = CompileOptions.parse({"num_cores": 4, "ctx_len": 256, "prefill_seq_len": 32})
-    files = compile_files(report.layers, opts, "1.22", vision=info)
-    specs = json.loads(files["compile/specializations.json"])["specializations"]
-    assert [s["name"] for s in specs] == ["Prefill", "Decode"]
+    files, specs = dual_compile_inputs(report, vision, opts)
     assert all(s["symbols"]["vision_size"] == "16" and s["symbols"]["vision_batch_size"] == "1" for s in specs)
     io = files["compile/custom_io.yaml"].decode()
     assert "- IOName: vision_embeds\n  Precision: float16" in io

@@ -20,7 +20,8 @@ from test_qaic_vision import TEXT, assert_end_to_end
 from pipelines.targets.qaic.compile import CompileOptions, compile_files
 from pipelines.targets.qaic.vision import vision_family
 from pipelines.targets.qaic.vision.export import export_vlm, load_vlm, round_language
-from pipelines.targets.qaic.vision.parity import image_prompt, image_state, run_language, vlm_parity
+from pipelines.targets.qaic.vision.parity import image_prompt, vlm_parity
+from pipelines.targets.qaic.vision.runs import image_state, run_language
 from pipelines.targets.qaic.vision.qwen3_vl import IMAGE_GRID_THW
 
 MERGED_ROWS = IMAGE_GRID_THW[0] * (IMAGE_GRID_THW[1] // 2) * (IMAGE_GRID_THW[2] // 2)  # spatial_merge_size 2

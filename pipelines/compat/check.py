@@ -102,9 +102,12 @@ def _vocab_consistency(cfg: dict[str, Any], weights: WeightsSummary) -> str | No
     vocab = text_cfg(cfg).get("vocab_size")
     if not isinstance(vocab, int):
         return None
+    heads = [shape[0] for name, shape in weights.shapes.items() if name.endswith("lm_head.weight") and shape]
     for name, shape in weights.shapes.items():
         if name.endswith(_EMBED_SUFFIXES) and shape:
-            if shape[0] != vocab:
+            # extra rows past an output head of vocab_size rows are input-only tokens the head never predicts
+            # (Llama 3.2 Vision's <|image|> and 7 reserved rows); fewer rows would index out of the table
+            if shape[0] != vocab and not (shape[0] > vocab and heads == [vocab]):
                 return f"config vocab_size={vocab} but {name} has {shape[0]} rows"
             return None
     return None

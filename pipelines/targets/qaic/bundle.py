@@ -119,19 +119,20 @@ def _check_single(graph, vision: dict[str, Any] | None) -> list[str]:
 
 def _check_vision(root: Path, files: dict[str, str], graph, vision: dict[str, Any] | None) -> list[str]:
     """A VLM's language graph comes with its vision graph and that graph's compile inputs, and not otherwise."""
-    from .vision.compile import VISION_COMPILE_DIR, vision_outputs
+    from .vision.compile import IMAGE_INPUTS, VISION_COMPILE_DIR, vision_outputs
 
-    takes_image = any(i.name == "vision_embeds" for i in graph.input)
+    takes_image = any(i.name in IMAGE_INPUTS for i in graph.input)
     if not takes_image:
-        return ["export.json records a vision graph, but the language ONNX takes no vision_embeds"] if vision else []
+        return [f"export.json records a vision graph, but the language ONNX takes none of {', '.join(IMAGE_INPUTS)}"
+                ] if vision else []
     if vision is None or vision["path"] not in files:
-        return ["the language ONNX takes vision_embeds, but the bundle has no vision graph (export.json: vision)"]
+        return ["the language ONNX takes an image, but the bundle has no vision graph (export.json: vision)"]
     import onnx
 
     vision_graph = onnx.load(str(root / vision["path"]), load_external_data=False).graph
-    state = vision_outputs(vision)  # vision_embeds (and e.g. deepstack_features), each a language graph input
+    state = vision_outputs(vision)  # vision_embeds (and e.g. deepstack_features), or a cross layer's image K/V
     if [o.name for o in vision_graph.output] != state:
-        return [f"{vision['path']} does not output {', '.join(state)}"]
+        return [f"{vision['path']} does not output {', '.join(state)} (export.json: vision)"]
     missing = sorted(set(state) - {i.name for i in graph.input})
     if missing:
         return [f"the language ONNX does not take {', '.join(missing)}, which the vision graph outputs"]

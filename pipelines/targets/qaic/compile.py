@@ -193,12 +193,13 @@ def specializations(opts: CompileOptions, sdk_version: str | None = None,
 
 def custom_io(layers: int, opts: CompileOptions, vision: dict[str, Any] | None = None) -> str:
     """custom_io.yaml: every past input and its retained output at the KV precision (and a VLM's image rows)."""
-    lines = []
+    lines, named = [], set()
     if vision is not None:
         from .vision.compile import language_custom_io
 
         for name, precision in language_custom_io(vision, opts):
             lines += [f"- IOName: {name}", f"  Precision: {precision}", ""]
+            named.add(name)  # a cross-attention VLM's image K/V: float16, not the KV precision below
     if opts.task == "transcribe":  # Whisper: the log-mel in the compute dtype, self and cross K/V per decoder layer
         from .whisper import FEATURES, custom_io_names
 
@@ -209,7 +210,8 @@ def custom_io(layers: int, opts: CompileOptions, vision: dict[str, Any] | None =
     for i in range(layers):
         for kv in ("key", "value"):
             for suffix in ("", "_RetainedState"):
-                lines += [f"- IOName: past_{kv}.{i}{suffix}", f"  Precision: {opts.kv_precision}", ""]
+                if f"past_{kv}.{i}{suffix}" not in named:
+                    lines += [f"- IOName: past_{kv}.{i}{suffix}", f"  Precision: {opts.kv_precision}", ""]
     return "\n".join(lines)
 
 

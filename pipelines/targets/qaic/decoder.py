@@ -22,6 +22,9 @@ with its cache update), `end` (final norm, head). Composed, they are `forward`:
 - outputs `logits` [batch, 1, vocab] for the last valid position (the largest position id), then
   `past_key.{i}_RetainedState` / `past_value.{i}_RetainedState`: the cache with the new K/V scattered in at
   `position_ids` (ScatterElements);
+- a VLM's language graph (vision/) either merges image rows over placeholder tokens (`image_token`) or, with
+  cross-attention layers (`cross_grid`, Mllama), takes `cross_attention_mask` [batch, seq_len, images,
+  tiles] after input_ids and reads each cross layer's image K/V from its past inputs (passed through);
 - the causal mask is built in the graph from `position_ids` (a cache slot j is visible to a token at
   position p when j <= p, and p - j < window in a sliding-window layer); RoPE reads static cos/sin tables by
   position; MoE routing is a static TopK + dense expert sum.
@@ -36,7 +39,8 @@ from .families.blocks import Heads, RopeSource
 
 
 def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_len: int | None = None,
-                  logits_to_keep: bool = False, image_token: int | None = None, deepstack: int = 0):
+                  logits_to_keep: bool = False, image_token: int | None = None, deepstack: int = 0,
+                  cross_grid: tuple[int, int] | None = None):
     """The retained-state decoder (a torch module) of a transformers causal LM of a supported family.
 
     forward(input_ids, position_ids, *past[, batch_index][, num_logits_to_keep]) -> (logits, *retained);
@@ -53,11 +57,20 @@ def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_le
     it: the mode transformers uses for a sequence of that length. transformers switches the mode per
     sequence (Phi-3 longrope: long factors once a sequence passes original_max_position_embeddings); a
     static table cannot, so with ctx_len above that length, sequences shorter than it differ from transformers.
+    `cross_grid`: (tiles per image, image rows per tile) of a cross-attention VLM's language graph (a family
+    declaring `cross_layers`): forward(input_ids, cross_attention_mask, position_ids, *past[, batch_index]); the
+    past of a cross layer is the image's K/V [batch, n_kv, images * tiles * rows per tile, head_dim].
     """
     decoder = _decoder_class()(model, kv_transform=kv_transform, batch_index=batch_index, ctx_len=ctx_len)
+    if decoder.cross_layers and cross_grid is None:
+        from ...errors import NotApplicableError
+
+        raise NotApplicableError(f"{decoder.arch} has cross-attention layers: it is exported through its "
+                                 "vision-language model (the image's K/V come from the vision graph)")
     decoder.logits_to_keep = logits_to_keep
     decoder.image_token = image_token
     decoder.deepstack = deepstack
+    decoder.cross_grid = cross_grid
     return decoder.eval()
 
 
@@ -73,6 +86,7 @@ def _decoder_class():
         logits_to_keep = False  # the target LM of speculative decoding: a last input num_logits_to_keep [N, 1]
         image_token = None  # a VLM's language graph: the placeholder token id vision_embeds rows replace
         deepstack = 0  # DeepStack levels of a VLM whose vision tower also gives them (layout.DEEPSTACK)
+        cross_grid = None  # a cross-attention VLM's language graph: (tiles per image, image rows per tile)
 
         def __init__(self, model, *, kv_transform, batch_index, ctx_len):
             super().__init__()
@@ -94,8 +108,12 @@ def _decoder_class():
             self.max_positions = int(cfg.max_position_embeddings)
             self.vocab = int(cfg.vocab_size)
             n = len(self.layers)
-            self.scales = [float(getattr(getattr(layer, fam.attn), fam.scaling)) if fam.scaling else self.head_dim**-0.5
-                           for layer in self.layers]
+            # layers the family computes with its cross-attention block (reading the image's K/V), not self-attention
+            self.cross_layers = frozenset(getattr(cfg, fam.cross_layers, None) or ()) if fam.cross_layers else frozenset()
+            self.self_layers = [i for i in range(n) if i not in self.cross_layers]
+            self.scales = [None if i in self.cross_layers else
+                           float(getattr(getattr(layer, fam.attn), fam.scaling)) if fam.scaling else self.head_dim**-0.5
+                           for i, layer in enumerate(self.layers)]
             window = getattr(cfg, "sliding_window", None) if fam.sliding else None
             types = getattr(cfg, "layer_types", None)
             self.windows = [window if window and (types is None or types[i] == "sliding_attention") else None
@@ -114,7 +132,8 @@ def _decoder_class():
                 self.moe_normalize = bool(getattr(cfg, norm) if isinstance(norm, str) else norm)
                 self.moe_top_k = int(cfg.num_experts_per_tok)
             if fam.rotary is not None:
-                source = RopeSource(base, getattr(self.layers[0], fam.attn), self.head_dim, self.max_positions, ctx_len)
+                source = RopeSource(base, getattr(self.layers[self.self_layers[0]], fam.attn), self.head_dim,
+                                    self.max_positions, ctx_len)
                 with torch.no_grad():
                     cos, sin = fam.rope_table(source)
                 self.register_buffer("cos_table", cos, persistent=False)
@@ -227,6 +246,8 @@ def _decoder_class():
         def layer_step(self, i, h, rope, masks, past_k, past_v, position_ids, rows):
             """Decoder layer i: (the new hidden states, its key and value caches with the new K/V written)."""
             fam, layer = self.fam, self.layers[i]
+            if i in self.cross_layers:
+                return fam.cross_layer(self, layer, h, masks["cross"], past_k, past_v, rows)
 
             def slot(name, x):
                 return x if name is None else self.norm(getattr(layer, name), x)
@@ -301,10 +322,13 @@ def _decoder_class():
             return position_ids, None
 
         def forward(self, input_ids, *rest):
+            cross_mask = None
             if self.image_token is not None:
                 vision_embeds, *rest = rest
                 features, rest = (rest[0], rest[1:]) if self.deepstack else (None, rest)
                 position_ids, image_idx, *rest = rest
+            elif self.cross_grid is not None:
+                cross_mask, position_ids, *rest = rest
             else:
                 position_ids, *rest = rest
             position_ids, rope_positions = self.split_positions(position_ids)
@@ -315,7 +339,10 @@ def _decoder_class():
             image, image_out, added = None, [], []
             if self.image_token is not None:
                 image, image_out, added = self.image_hook(input_ids, vision_embeds, features, image_idx)
-            h, rope, masks = self.begin(input_ids, position_ids, past[0].shape[2], image, rope_positions)
+            h, rope, masks = self.begin(input_ids, position_ids, past[2 * self.self_layers[0]].shape[2], image,
+                                        rope_positions)
+            if self.cross_layers:
+                masks["cross"] = self.fam.cross_layer.masks(cross_mask, self.cross_grid[1])
             retained = []
             for i in range(len(self.layers)):
                 h, k_full, v_full = self.layer_step(i, h, rope, masks, past[2 * i], past[2 * i + 1], position_ids, rows)

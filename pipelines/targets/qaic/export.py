@@ -158,6 +158,15 @@ def trace_graph(decoder, ctx_len: int):
             names_in[2:2], names_out[2:2] = [DEEPSTACK], [f"{DEEPSTACK}{RETAINED}"]
             sample[2:2] = [torch.zeros(decoder.deepstack, 1, 8, decoder.embed.weight.shape[1])]
             axes[DEEPSTACK] = axes[f"{DEEPSTACK}{RETAINED}"] = {1: "vision_batch_size", 2: "vision_size"}
+    if decoder.cross_grid is not None:  # a cross-attention VLM: the tile mask, and each cross layer's image K/V
+        tiles, rows = decoder.cross_grid
+        names_in[1:1] = ["cross_attention_mask"]
+        sample[1:1] = [torch.ones(bsz, seq, 1, tiles, dtype=torch.long)]
+        axes["cross_attention_mask"] = {0: "batch_size", 1: "seq_len", 2: "max_num_images"}
+        for i in decoder.cross_layers:
+            for kv in ("key", "value"):
+                sample[names_in.index(f"past_{kv}.{i}")] = torch.zeros(full, n_kv, tiles * rows, head_dim)
+                axes[f"past_{kv}.{i}"] = axes[f"past_{kv}.{i}{RETAINED}"] = {0: cache_axes[0]}
     buf = io.BytesIO()
     with torch.no_grad(), _shape_inference_without_values():
         torch.onnx.export(decoder, tuple(sample), buf, input_names=names_in, output_names=names_out,

@@ -117,11 +117,12 @@ def predict(model_dir: Path, sequences: list[list[int]], *, mxfp6: bool = True, 
 
 
 def run_decoder(lm, decoder, sequences: list[list[int]], images: list[tuple[Any, list]] | None = None,
-                positions: list[Any] | None = None) -> list[Any]:
+                positions: list[Any] | None = None, cross: list[tuple[Any, dict]] | None = None) -> list[Any]:
     """Every sequence's logits (all positions) through the retained-state decoder over a streamed model, unit
     by unit: each unit is loaded once and every sequence goes through it (prefill from an empty cache).
     A VLM's sequences come with `images` (per sequence, decoder.image_hook's embeddings hook and the per-layer
-    additions it fills) and `positions` (per sequence, its position_ids tensor, M-RoPE rows included)."""
+    additions it fills), `positions` (per sequence, its position_ids tensor, M-RoPE rows included), or `cross`
+    (per sequence, a cross-attention VLM's tile mask and its cross layers' image K/V by layer)."""
     import torch
 
     with torch.inference_mode():
@@ -133,12 +134,17 @@ def run_decoder(lm, decoder, sequences: list[list[int]], images: list[tuple[Any,
                 text_pos, rope_pos = decoder.split_positions(pos)
                 hook, added = images[n] if images else (None, [])
                 h, rope, masks = decoder.begin(ids, text_pos, len(s), hook, rope_pos)
-                states.append([h, rope, masks, text_pos, added])
+                kv = {}
+                if cross:
+                    mask, kv = cross[n]
+                    masks["cross"] = decoder.fam.cross_layer.masks(mask, decoder.cross_grid[1])
+                states.append([h, rope, masks, text_pos, added, kv])
         for i, layer in enumerate(decoder.layers):
             with lm.loaded(layer):
                 for st in states:
                     empty = torch.zeros(1, decoder.n_kv, st[3].shape[1], decoder.head_dim)
-                    st[0], _k, _v = decoder.layer_step(i, st[0], st[1], st[2], empty, empty, st[3], None)
+                    past_k, past_v = st[5].get(i, (empty, empty))
+                    st[0], _k, _v = decoder.layer_step(i, st[0], st[1], st[2], past_k, past_v, st[3], None)
                     if i < len(st[4]):  # DeepStack: the image rows' level i
                         st[0] = st[0] + st[4][i]
         with lm.loaded(decoder.final_norm, decoder.lm_head):

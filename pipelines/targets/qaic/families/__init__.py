@@ -12,16 +12,16 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ....errors import NotApplicableError
-from . import (falcon, gemma, gemma2, gpt2, gpt_bigcode, gpt_oss, gptj, granite, llama, mixtral, olmo2, phi3,
+from . import (falcon, gemma, gemma2, gpt2, gpt_bigcode, gpt_oss, gptj, granite, llama, mixtral, mllama, olmo2, phi3,
                qwen2_5_vl, qwen3, qwen3_moe, qwen3_vl, qwen3_vl_moe, starcoder2)
 from .llama import LLAMA
 from .spec import Family, Moe, Norms
 
 _MODULES = (llama, qwen3, gemma, gemma2, phi3, granite, olmo2, starcoder2, gpt2, gptj, gpt_bigcode, falcon, mixtral,
             qwen3_moe, gpt_oss)
-# language models of vision-language models only (vision/): their names are this export's own, set by the vision
-# family on the text config, so they are found by family_for but are not checkpoints the decoder export supports
-_LANGUAGE_MODULES = (qwen2_5_vl, qwen3_vl, qwen3_vl_moe)
+# language models of vision-language models only (vision/): found by family_for, never exported on their own (the
+# Qwen VLMs' names are this export's own, set by the vision family on the text config)
+_LANGUAGE_MODULES = (qwen2_5_vl, qwen3_vl, qwen3_vl_moe, mllama)
 
 
 def _collect(modules=_MODULES) -> dict[str, Family | Callable[[Any], Family]]:

@@ -15,6 +15,7 @@ Conventions the engine relies on:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .blocks import (NO_QK_NORM, STACKED_EXPERTS, AttentionProbs, ExpertLayout, GatedMlp, MlpBlock, MoeScoring,
                      MultimodalRope, Norm, QkNorm, QkvSplit, ResidualWiring, RopeTable, Rotary, SeparateQkv,
@@ -80,3 +81,6 @@ class Family:
     # feed-forward
     mlp: MlpBlock = GatedMlp()  # a dense MLP block (blocks.py): (the layer's MLP module, x) -> output
     moe: Moe | None = None  # layers whose MLP has `moe.experts` use it; the others use `mlp`
+    # cross-attention layers (a VLM's language model reading the image's K/V: Mllama)
+    cross_layers: str | None = None  # config attribute listing the layers computed by `cross_layer`
+    cross_layer: Any = None  # (engine, layer, h, masks, past_k, past_v, rows) -> (h, past_k, past_v), with .masks

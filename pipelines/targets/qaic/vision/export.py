@@ -39,8 +39,10 @@ class VisionReport:
     image_token_id: int
     symbols: dict[str, str] = field(default_factory=dict)  # the Vision specialization
     single_qpc: bool = True  # the family also compiles as one QPC (kv_offload: false)
-    # the graph's outputs (vision_embeds, then any other image state the language graph takes, layout.DEEPSTACK)
+    # the graph's outputs (vision_embeds and DeepStack's features, or a cross layer's image K/V): language inputs
     outputs: list[str] = field(default_factory=lambda: ["vision_embeds"])
+    language_symbols: dict[str, str] = field(default_factory=dict)  # what the language graph's specializations add
+    language_float16_io: list[str] = field(default_factory=list)  # the language graph's image IO kept float16
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,27 +85,30 @@ def language_decoder(family: VisionFamily, model, *, batch_index: bool, ctx_len:
     from ..decoder import build_decoder
 
     return build_decoder(language_shim(family, model), batch_index=batch_index, ctx_len=ctx_len,
-                         kv_transform=kv_transform, image_token=family.image_token_id(model.config),
-                         deepstack=0 if family.deepstack is None else family.deepstack(model.config))
+                         kv_transform=kv_transform, **family.form.decoder_options(family, model.config))
 
 
 def round_language(family: VisionFamily, model, weight_dtype: str) -> None:
-    """Round the language model's matrices to what the export stores (fp16, clipped to its range), in place: the
-    export and the reference then read the same values (the vision graph keeps fp32)."""
+    """Round the language graph's matrices to what the export stores (fp16, clipped to its range), in place: the
+    export and the reference then read the same values (the vision graph keeps fp32, the language modules it
+    reads itself included)."""
     import torch
 
     from ..external_data import FP16_MAX, stored_dtype
 
-    _config, stack, head = family.language_model(model)
+    stored_in_language = language_module_ids(family, model) - vision_side_ids(family, model)
     with torch.no_grad():
-        for module in (stack, head):
-            for p in module.parameters():
+        for module in model.modules():
+            if id(module) not in stored_in_language:
+                continue
+            for p in module.parameters(recurse=False):
                 if stored_dtype(p.dim(), weight_dtype) == "float16":
                     p.copy_(p.clamp(-FP16_MAX, FP16_MAX).half().float())
 
 
 def export_vision(family: VisionFamily, model, root: Path) -> VisionReport:
-    """Trace the family's vision module to `root/onnx/vision/model.onnx` (+ .data)."""
+    """Trace the family's vision module to `root/onnx/vision/model.onnx` (+ .data): its outputs are the
+    form's (vision_embeds, or the cross layers' K/V)."""
     import onnx
     import torch
 
@@ -111,20 +116,19 @@ def export_vision(family: VisionFamily, model, root: Path) -> VisionReport:
     sample = family.vision_inputs(model.config, 0)
     names = list(sample)
     axes = {name: family.vision_axes.get(name, {}) for name in names}
-    outputs = family.vision_outputs
-    axes["vision_embeds"] = {0: "batch_size"}
-    for extra in outputs[1:]:  # [levels, images, rows, hidden]
-        axes[extra] = {1: "batch_size"}
+    shapes = family.form.vision_outputs(family, model.config)  # name -> (its image axis, the other dims)
+    for name, (image_axis, _dims) in shapes.items():
+        axes[name] = {image_axis: "batch_size"}
     out = Path(root) / VISION_DIR / "model.onnx"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".trace")
     with torch.no_grad(), warnings.catch_warnings():
         # the vision towers' shape checks become constants of the trace: right for the one compiled image size
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        embeds = module(*(torch.from_numpy(a) for a in sample.values()))
-        embeds = embeds[0] if isinstance(embeds, tuple) else embeds
+        got = module(*(torch.from_numpy(a) for a in sample.values()))
+        got = got if isinstance(got, tuple) else (got,)
         torch.onnx.export(module, tuple(torch.from_numpy(a) for a in sample.values()), str(tmp), input_names=names,
-                          output_names=outputs, dynamic_axes={k: v for k, v in axes.items() if v},
+                          output_names=list(shapes), dynamic_axes={k: v for k, v in axes.items() if v},
                           opset_version=OPSET, do_constant_folding=True, dynamo=False)
     graph = onnx.load(str(tmp))
     tmp.unlink()
@@ -134,15 +138,18 @@ def export_vision(family: VisionFamily, model, root: Path) -> VisionReport:
     onnx.save_model(graph, str(out), save_as_external_data=True, all_tensors_to_one_file=True, location=data,
                     size_threshold=0)
     size = family.vision_size(model.config)
-    if tuple(embeds.shape[1:]) != (size, model.config.get_text_config().hidden_size):
-        raise ModelFormatError(f"the vision module gives {tuple(embeds.shape)}, not [images, {size}, hidden]: the "
+    given = [tuple(d for i, d in enumerate(t.shape) if i != axis) for t, (axis, _dims) in zip(got, shapes.values())]
+    wanted = [dims for _axis, dims in shapes.values()]
+    if len(got) != len(shapes) or given != wanted:
+        raise ModelFormatError(f"the vision module gives {given}, not {wanted} besides the image axis: the "
                                "family's declaration does not match this checkpoint")
     return VisionReport(architecture=model.config.architectures[0], path=f"{VISION_DIR}/model.onnx",
                         files=[f"{VISION_DIR}/model.onnx", f"{VISION_DIR}/{data}"], inputs=names,
                         float_inputs=[n for n, a in sample.items() if a.dtype.kind == "f"], vision_size=size,
-                        hidden=int(embeds.shape[-1]), image_token_id=family.image_token_id(model.config),
-                        symbols=family.vision_symbols(model.config), single_qpc=family.single_qpc,
-                        outputs=outputs)
+                        hidden=int(model.config.get_text_config().hidden_size),
+                        image_token_id=family.image_token_id(model.config), symbols=family.vision_symbols(model.config),
+                        single_qpc=family.single_qpc, outputs=list(shapes),
+                        **family.form.compile_record(family, model.config))
 
 
 def language_module_ids(family: VisionFamily, model) -> set[int]:
@@ -152,20 +159,28 @@ def language_module_ids(family: VisionFamily, model) -> set[int]:
     return {id(m) for part in (stack, head) for m in part.modules()}
 
 
+def vision_side_ids(family: VisionFamily, model) -> set[int]:
+    """The ids of the modules the vision graph reads: everything outside the language model, and the language
+    modules the family's form runs in the vision graph (Mllama's cross layers' K/V projections)."""
+    language = language_module_ids(family, model)
+    outside = {id(m) for m in model.modules() if id(m) not in language}
+    return outside | {id(m) for part in family.form.language_modules_in_vision(model) for m in part.modules()}
+
+
 def load_vision_weights(family: VisionFamily, model, rules, source) -> int:
-    """Read the vision side's parameters of a placeholder VLM from the checkpoint (fp32; the language model's
-    stay placeholders, streamed later): returns how many."""
+    """Read the vision side's parameters of a placeholder VLM from the checkpoint (fp32; the rest of the language
+    model stays placeholders, streamed later): returns how many."""
     import torch
 
     from ....streamed_model import read_float32
 
-    language = language_module_ids(family, model)
+    vision = vision_side_ids(family, model)
     names: dict[int, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), n)
     loaded = 0
     for module in model.modules():
-        if id(module) in language:
+        if id(module) not in vision:
             continue
         for attr, param in list(module._parameters.items()):
             if param is None:

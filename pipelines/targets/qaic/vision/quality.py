@@ -26,7 +26,7 @@ def predict_vlm(family: VisionFamily, model_dir: Path, files: list[Path], text_i
     from .... import parity
     from ....streamed_model import StreamedCausalLM, trim_heap
     from ..mx import fake_mxfp6, fake_mxint8
-    from ..quality import fake_fp16, mx_transform, run_decoder
+    from ..quality import fake_fp16, mx_transform
     from .export import language_decoder, language_shim
     from .parity import _reference, image_prompt
     from .streamed import split_transform, vision_side
@@ -42,19 +42,15 @@ def predict_vlm(family: VisionFamily, model_dir: Path, files: list[Path], text_i
         language = mx_transform(language_shim(family, lm.model), fake_mxfp6 if mxfp6 else fake_fp16)
         lm.transform = split_transform(lm, family, fake_fp16, language)
         with torch.no_grad(), vision_side(lm, family):
-            state = family.vision_module(lm.model)(*(torch.from_numpy(a) for a in inputs.values()))
-        state = state if isinstance(state, tuple) else (state,)  # vision_embeds (and DeepStack features)
+            image = family.vision_module(lm.model)(*(torch.from_numpy(a) for a in inputs.values()))
+        image = image if isinstance(image, tuple) else (image,)  # vision_embeds (and DeepStack features), or K/V
         decoder = language_decoder(family, lm.model, batch_index=False, ctx_len=len(prompt),
                                    kv_transform=fake_mxint8 if mxint8 else fake_fp16)
         decoder.all_positions = True
-        hook, _out, added = decoder.image_hook(torch.tensor([prompt]), state[0], state[1] if len(state) > 1 else None,
-                                               torch.zeros(1, 1, dtype=torch.long))
-        # the family's prompt positions (M-RoPE: its t/h/w rows), as the language graph takes them
-        positions = (np.arange(len(prompt), dtype=np.int64)[None] if family.positions is None
-                     else family.positions(lm.model.config, prompt, inputs))
-        got = run_decoder(lm, decoder, [prompt], images=[(hook, added)], positions=[torch.from_numpy(positions)])[0]
-        first_text = 1 + family.vision_size(lm.model.config)  # BOS, the image rows, then the text they condition
+        got = family.form.streamed_logits(family, lm.model.config, lm, decoder, image, inputs, prompt, fake_fp16)
+        token = family.image_token_id(lm.model.config)
     trim_heap()
+    first_text = max(i for i, t in enumerate(prompt) if t == token) + 1  # the text the image conditions
     total = parity.compare(ref[first_text:], got[first_text:])
     return {"positions": total.positions, "top1": round(total.top1_agreement, 6), "kl": float(f"{total.mean_kl:.6g}"),
             "max_abs_logit_delta": float(f"{total.max_abs_logit_delta:.6g}"),

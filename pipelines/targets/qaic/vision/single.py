@@ -86,7 +86,7 @@ def run_single(onnx_path: Path, inputs: dict[str, np.ndarray], prompt: list[int]
     """Prefill with the image, then greedy decode steps feeding every retained output back (the image too).
     `positions`: the prompt's position_ids (default [1, seq] arange), continued as parity.run_language does."""
     from ..ort import _empty_state, _extra, session
-    from .parity import next_positions
+    from .runs import next_positions
 
     sess = session(onnx_path)
     state = _empty_state(sess, 1, ctx_len)

@@ -9,7 +9,9 @@ A vision-language model is exported as two graphs:
 - the language graph: the retained-state decoder (decoder.py) of the family's `language_model`, which takes
   `vision_embeds` and `image_idx` beside the text inputs and writes the image rows over the embeddings of the
   image placeholder tokens (`image_token_id`), as QEfficient's language decoder does.
-The family also says how transformers runs the whole model on the same inputs (`reference_kwargs`), so parity
+A family whose language model reads the image through cross-attention layers (Mllama) declares another
+`form` (forms.py): its vision graph outputs those layers' K/V, and its language graph takes them as retained
+state with a per-token `cross_attention_mask`. The family also says how transformers runs the whole model on the same inputs (`reference_kwargs`), so parity
 compares the two graphs end to end with the model as its authors wrote it.
 """
 
@@ -19,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
+
+from .forms import MERGED_ROWS
 
 # (the VLM in memory) -> (its text config, its decoder stack, its lm_head): what build_decoder reads
 LanguageModel = Callable[[Any], tuple[Any, Any, Any]]
@@ -48,7 +52,8 @@ class VisionFamily:
       the ids (Qwen's `mm_token_type_ids`); None: nothing;
     - `deepstack(config)`: the DeepStack levels; when set, the vision module returns (vision_embeds,
       deepstack_features [levels, images, vision_size, hidden]) and the language graph takes both
-      (layout.DEEPSTACK: level i is added to the image rows after decoder layer i, Qwen3-VL's DeepStack).
+      (layout.DEEPSTACK: level i is added to the image rows after decoder layer i, Qwen3-VL's DeepStack);
+    - `form`: how the image reaches the language model (forms.py): merged rows (default) or cross-attention K/V.
     """
 
     architectures: tuple[str, ...]
@@ -66,13 +71,7 @@ class VisionFamily:
     positions: Callable[[Any, list[int], dict[str, np.ndarray]], np.ndarray] | None = None
     reference_token_kwargs: Callable[[Any, np.ndarray], dict[str, Any]] | None = None
     deepstack: Callable[[Any], int] | None = None
-
-    @property
-    def vision_outputs(self) -> list[str]:
-        """The vision graph's outputs, in order: each is a language graph input with a retained twin."""
-        from ..layout import DEEPSTACK
-
-        return ["vision_embeds"] + ([DEEPSTACK] if self.deepstack is not None else [])
+    form: Any = MERGED_ROWS
 
 
 def config_value(config: Any, *names: str) -> Any:

@@ -14,14 +14,16 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from .export import language_module_ids
+from .export import language_module_ids, vision_side_ids
 from .spec import VisionFamily
 
 
 def vision_units(lm, family: VisionFamily) -> list[Any]:
-    """The streamed model's units outside its language model."""
-    language = language_module_ids(family, lm.model)
-    return [module for _prefix, module, _recurse in lm.units if id(module) not in language]
+    """The streamed model's units the vision side reads (export.vision_side_ids): those outside its language model,
+    and the language units holding a module the vision module runs (Mllama's cross layers)."""
+    vision = vision_side_ids(family, lm.model)
+    return [module for _prefix, module, recurse in lm.units
+            if any(id(m) in vision for m in (module.modules() if recurse else (module,)))]
 
 
 @contextmanager
@@ -32,9 +34,10 @@ def vision_side(lm, family: VisionFamily) -> Iterator[None]:
 
 
 def split_transform(lm, family: VisionFamily, vision: Callable | None, language: Callable | None):
-    """A load-time transform applying `vision` to the vision side's parameters and `language` (a streamed model's
-    transform, e.g. quality.mx_transform) to the language model's; None leaves that side as read."""
-    language_ids = language_module_ids(family, lm.model)
+    """A load-time transform applying `vision` to the vision graph's parameters (export.vision_side_ids: the language
+    modules it runs itself included, as the vision QPC computes them) and `language` (a streamed model's transform,
+    e.g. quality.mx_transform) to the language graph's; None leaves that side as read."""
+    language_ids = language_module_ids(family, lm.model) - vision_side_ids(family, lm.model)  # the language graph's
 
     def transform(name, owner, attr, value):
         if id(owner) in language_ids:
