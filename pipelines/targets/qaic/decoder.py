@@ -23,8 +23,8 @@ with its cache update), `end` (final norm, head). Composed, they are `forward`:
   `past_key.{i}_RetainedState` / `past_value.{i}_RetainedState`: the cache with the new K/V scattered in at
   `position_ids` (ScatterElements);
 - the causal mask is built in the graph from `position_ids` (a cache slot j is visible to a token at
-  position p when j <= p, and p - j < window in a sliding-window layer); RoPE reads static cos/sin tables by
-  position; MoE routing is a static TopK + dense expert sum.
+  position p when j <= p, and p - j < window in a sliding-window layer, j // chunk == p // chunk in a chunked
+  one); RoPE reads static cos/sin tables by position; MoE routing is a static TopK + dense expert sum.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 
 from .families import family_for
-from .families.blocks import Heads, RopeSource
+from .families.blocks import AttentionChunk, Heads, RopeSource, SlidingWindow
 
 
 def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_len: int | None = None,
@@ -59,6 +59,25 @@ def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_le
     decoder.image_token = image_token
     decoder.deepstack = deepstack
     return decoder.eval()
+
+
+def _attention_spans(cfg, fam, n: int) -> list:
+    """Each layer's attention span beyond causality (None: the whole past), from config.layer_types: the
+    config's sliding window on "sliding_attention" layers (every layer without layer_types), the family's chunk
+    on "chunked_attention" layers."""
+    window = getattr(cfg, "sliding_window", None) if fam.sliding else None
+    chunk = getattr(cfg, fam.chunk, None) if fam.chunk else None
+    types = getattr(cfg, "layer_types", None)
+
+    def span(i):
+        kind = types[i] if types is not None else None
+        if chunk and kind == "chunked_attention":
+            return AttentionChunk(int(chunk))
+        if window and kind in (None, "sliding_attention"):
+            return SlidingWindow(int(window))
+        return None
+
+    return [span(i) for i in range(n)]
 
 
 @functools.cache
@@ -96,10 +115,10 @@ def _decoder_class():
             n = len(self.layers)
             self.scales = [float(getattr(getattr(layer, fam.attn), fam.scaling)) if fam.scaling else self.head_dim**-0.5
                            for layer in self.layers]
-            window = getattr(cfg, "sliding_window", None) if fam.sliding else None
-            types = getattr(cfg, "layer_types", None)
-            self.windows = [window if window and (types is None or types[i] == "sliding_attention") else None
-                            for i in range(n)]
+            self.spans = _attention_spans(cfg, fam, n)
+            attns = [getattr(layer, fam.attn) for layer in self.layers]
+            self.uses_rope = [fam.rotary is not None and (not fam.rope_switch or bool(getattr(a, fam.rope_switch)))
+                              for a in attns]
 
             def conf(name):
                 return None if name is None else getattr(cfg, name, None)
@@ -159,8 +178,12 @@ def _decoder_class():
             bsz, seq = x.shape[0], x.shape[1]
             q, k, v = self.qkv(attn, x)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            if rope is not None:
+            if self.uses_rope[i]:
                 q, k = self.rotate(q, *rope), self.rotate(k, *rope)
+            q, k = self.fam.qk_norm.rotated(self.norm, attn, q, k)
+            scale = self.fam.query_scale(attn, position_ids) if self.fam.query_scale else None
+            if scale is not None:  # [B, S]: one multiplier per query position
+                q = q * scale.unsqueeze(1).unsqueeze(-1)
             if self.kv_transform is not None:  # e.g. MXINT8 emulation of the device's KV cache (never exported)
                 k, v = self.kv_transform(k), self.kv_transform(v)
             k_full, k_cache = self.write_cache(past_k, k, position_ids, rows)
@@ -184,7 +207,9 @@ def _decoder_class():
 
         def moe(self, mlp, x):
             """Static MoE: TopK routing as transformers computes it, the top-k weights scattered into a dense
-            [tokens, experts] matrix, every expert on every token, summed with those weights."""
+            [tokens, experts] matrix, every expert on every token, summed with those weights (scaling each
+            expert's input instead where the family says so: zero for an expert a token did not pick, which a
+            bias-free expert maps to zero), plus the shared expert where there is one."""
             spec = self.fam.moe
             tokens = x.reshape(-1, x.shape[-1])
             router = getattr(mlp, spec.router)
@@ -192,9 +217,10 @@ def _decoder_class():
             top, index = spec.scoring(logits, self.moe_top_k, self.moe_normalize)
             weights = torch.zeros_like(logits).scatter(1, index, top)  # [tokens, experts]
             experts = getattr(mlp, spec.experts)
-            out = None
+            out = self.fam.mlp(getattr(mlp, spec.shared), tokens) if spec.shared else None
             for e in range(experts.num_experts):
-                y = spec.layout(experts, e, tokens) * weights[:, e:e + 1]
+                w = weights[:, e:e + 1]
+                y = spec.layout(experts, e, tokens * w) if spec.scale_input else spec.layout(experts, e, tokens) * w
                 out = y if out is None else out + y
             return out.view(x.shape)
 
@@ -202,7 +228,7 @@ def _decoder_class():
 
         def begin(self, input_ids, position_ids, ctx: int, image=None, rope_positions=None):
             """Embeddings (and learned positions), the RoPE rows of the positions, and the masks: slot j is
-            visible to the token at position p iff j <= p (and p - j < window): [B, 1, S, ctx] per window.
+            visible to the token at position p iff j <= p (and within the layer's span): [B, 1, S, ctx] per span.
             `rope_positions` [3, B, S]: the t/h/w rows of a multimodal RoPE family (fam.mrope), which then
             rotates by them while the text positions still place, mask and pick."""
             bsz, seq = input_ids.shape
@@ -221,7 +247,7 @@ def _decoder_class():
             slots = torch.arange(ctx, dtype=position_ids.dtype).view(1, 1, 1, ctx)
             pos = position_ids.view(bsz, 1, seq, 1)
             causal = slots <= pos
-            masks = {w: causal if w is None else causal & (slots > pos - w) for w in set(self.windows)}
+            masks = {span: causal if span is None else causal & span.visible(slots, pos) for span in set(self.spans)}
             return h, rope, masks
 
         def layer_step(self, i, h, rope, masks, past_k, past_v, position_ids, rows):
@@ -232,10 +258,11 @@ def _decoder_class():
                 return x if name is None else self.norm(getattr(layer, name), x)
 
             def attend(x):
-                return self.attention(i, getattr(layer, fam.attn), x, rope, masks[self.windows[i]], past_k, past_v,
+                return self.attention(i, getattr(layer, fam.attn), x, rope, masks[self.spans[i]], past_k, past_v,
                                       position_ids, rows)
 
-            return fam.residual(h, slot, attend, lambda x: self.mlp(layer.mlp, x), fam.norms, self.residual_multiplier)
+            ffn = getattr(layer, fam.ffn)
+            return fam.residual(h, slot, attend, lambda x: self.mlp(ffn, x), fam.norms, self.residual_multiplier)
 
         def end(self, h, position_ids, keep=None):
             """Final norm and head: logits of the last valid position (every position with all_positions; the

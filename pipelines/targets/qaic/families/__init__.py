@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ....errors import NotApplicableError
-from . import (falcon, gemma, gemma2, gpt2, gpt_bigcode, gpt_oss, gptj, granite, llama, mixtral, olmo2, phi3,
+from . import (falcon, gemma, gemma2, gpt2, gpt_bigcode, gpt_oss, gptj, granite, llama, llama4, mixtral, olmo2, phi3,
                qwen2_5_vl, qwen3, qwen3_moe, qwen3_vl, qwen3_vl_moe, starcoder2)
 from .llama import LLAMA
 from .spec import Family, Moe, Norms
 
 _MODULES = (llama, qwen3, gemma, gemma2, phi3, granite, olmo2, starcoder2, gpt2, gptj, gpt_bigcode, falcon, mixtral,
-            qwen3_moe, gpt_oss)
+            qwen3_moe, gpt_oss, llama4)
 # language models of vision-language models only (vision/): their names are this export's own, set by the vision
 # family on the text config, so they are found by family_for but are not checkpoints the decoder export supports
 _LANGUAGE_MODULES = (qwen2_5_vl, qwen3_vl, qwen3_vl_moe)
@@ -87,10 +87,11 @@ def matmul_weights(model: Any) -> list[tuple[Any, str, int]]:
             found.append((module, "weight", 0))
     if fam.moe is not None:
         for layer in getattr(getattr(model, fam.base), fam.layers):
-            experts = getattr(layer.mlp, fam.moe.experts, None)
+            ffn = getattr(layer, fam.ffn)
+            experts = getattr(ffn, fam.moe.experts, None)
             if experts is None:
                 continue
-            router = getattr(layer.mlp, fam.moe.router)
+            router = getattr(ffn, fam.moe.router)
             if not isinstance(router, torch.nn.Linear):
                 found.append((router, "weight", -1))
             axis = fam.moe.layout.reduction_axis
