@@ -106,3 +106,39 @@ def test_the_mxfp6_weights_include_the_stacked_experts_along_their_input_axis(ti
     assert experts == [("gate_up_proj", -2), ("down_proj", -2)] * 2
     shared = model.model.layers[0].feed_forward.shared_expert
     assert any(module is shared.gate_proj for module, _name, _axis in found)
+
+
+def test_the_rope_table_and_the_served_context_stop_at_qefficients_65536_positions():
+    """Scout and Maverick declare 10M positions: a RoPE table of them would be 10 GB of initializers."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    from pipelines.targets.qaic.families import positions_served
+
+    cfg = Llama4TextConfig(**{**TINY_LLAMA4, "num_hidden_layers": 2, "moe_layers": [0],
+                              "max_position_embeddings": 10485760})
+    cfg.architectures = [ARCH]
+    decoder = build_decoder(Llama4ForCausalLM(cfg).eval())
+    assert decoder.max_positions == 65536 and tuple(decoder.cos_table.shape) == (65536, 16)
+    text = {"model_type": "llama4_text", "max_position_embeddings": 10485760}
+    assert positions_served({"architectures": [ARCH], **text}) == 65536
+    assert positions_served({"architectures": ["Llama4ForConditionalGeneration"], "text_config": text}) == 65536
+    assert positions_served({"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 10485760}) is None
+
+
+@pytest.mark.parametrize("config", [
+    {"architectures": [ARCH], "model_type": "llama4_text", "max_position_embeddings": 10485760},
+    {"architectures": ["Llama4ForConditionalGeneration"], "vision_config": {},
+     "text_config": {"model_type": "llama4_text", "max_position_embeddings": 10485760}},
+])
+def test_plan_refuses_a_context_beyond_the_served_positions(config):
+    from types import SimpleNamespace
+
+    from pipelines.targets.qaic import QaicTarget
+
+    def problems(ctx_len):
+        options = {"num_cores": 16, "batch_size": 1, "prefill_seq_len": 32, "ctx_len": ctx_len}
+        return QaicTarget().plan_problems(SimpleNamespace(recipe=SimpleNamespace(options=options), config=config))
+
+    assert problems(65536) == []
+    [problem] = problems(131072)
+    assert "ctx_len 131072 is beyond the model's 65536 positions" in problem

@@ -110,7 +110,7 @@ def _decoder_class():
             self.n_kv = int(fam.kv_heads or getattr(cfg, "num_key_value_heads", None) or self.n_heads)
             self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
             self.heads = Heads(self.n_heads, self.n_kv, self.head_dim)
-            self.max_positions = int(cfg.max_position_embeddings)
+            self.max_positions = min(int(cfg.max_position_embeddings), fam.max_positions or cfg.max_position_embeddings)
             self.vocab = int(cfg.vocab_size)
             n = len(self.layers)
             self.scales = [float(getattr(getattr(layer, fam.attn), fam.scaling)) if fam.scaling else self.head_dim**-0.5

@@ -26,6 +26,10 @@ from .llama import LLAMA
 from .spec import Moe
 
 ARCHITECTURES = ("Llama4ForCausalLM",)
+TEXT_MODEL_TYPES = ("llama4_text",)  # the language model of Llama4ForConditionalGeneration
+# Scout and Maverick declare 10M positions (a 10 GB RoPE table); QEfficient serves 65536 (its
+# LLAMA4_MAX_POSITION_EMBEDDINGS), so the table and the compiled ctx_len stop there
+MAX_POSITIONS = 65536
 
 
 def complex_rotary_table(src: RopeSource):
@@ -90,6 +94,6 @@ class Llama4Experts:
 
 FAMILY = replace(LLAMA, rotary=rotate_interleaved, rope_table=complex_rotary_table, qk_norm=L2QkNorm(),
                  rope_switch="use_rope", query_scale=temperature_tuning, chunk="attention_chunk_size",
-                 ffn="feed_forward", mlp=GatedMlp(act="activation_fn"),
+                 max_positions=MAX_POSITIONS, ffn="feed_forward", mlp=GatedMlp(act="activation_fn"),
                  moe=Moe(router="router", scoring=sigmoid_topk, normalize=False, layout=Llama4Experts(),
                          scale_input=True, shared="shared_expert"))

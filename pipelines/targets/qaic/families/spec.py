@@ -70,6 +70,7 @@ class Family:
     rotary: Rotary | None = rotate_half  # None: no RoPE (learned positions)
     rope_table: RopeTable = model_rotary_table
     mrope: MultimodalRope | None = None  # multimodal RoPE: position_ids [rows, batch, seq] (blocks.py)
+    max_positions: int | None = None  # the positions the export serves at most, where the config declares more
     scaling: str | None = "scaling"  # attention module attribute holding the score scale; None: head_dim ** -0.5
     attn_softcap: str | None = None  # config attribute: scores = cap * tanh(scores / cap)
     final_softcap: str | None = None  # config attribute: logits = cap * tanh(logits / cap)
