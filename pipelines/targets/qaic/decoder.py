@@ -32,7 +32,8 @@ from __future__ import annotations
 import functools
 
 from .families import family_for
-from .families.blocks import AttentionChunk, Heads, RopeSource, SlidingWindow
+from .families.blocks import Heads, RopeSource
+from .families.spans import attention_spans
 
 
 def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_len: int | None = None,
@@ -59,25 +60,6 @@ def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_le
     decoder.image_token = image_token
     decoder.deepstack = deepstack
     return decoder.eval()
-
-
-def _attention_spans(cfg, fam, n: int) -> list:
-    """Each layer's attention span beyond causality (None: the whole past), from config.layer_types: the
-    config's sliding window on "sliding_attention" layers (every layer without layer_types), the family's chunk
-    on "chunked_attention" layers."""
-    window = getattr(cfg, "sliding_window", None) if fam.sliding else None
-    chunk = getattr(cfg, fam.chunk, None) if fam.chunk else None
-    types = getattr(cfg, "layer_types", None)
-
-    def span(i):
-        kind = types[i] if types is not None else None
-        if chunk and kind == "chunked_attention":
-            return AttentionChunk(int(chunk))
-        if window and kind in (None, "sliding_attention"):
-            return SlidingWindow(int(window))
-        return None
-
-    return [span(i) for i in range(n)]
 
 
 @functools.cache
@@ -115,7 +97,7 @@ def _decoder_class():
             n = len(self.layers)
             self.scales = [float(getattr(getattr(layer, fam.attn), fam.scaling)) if fam.scaling else self.head_dim**-0.5
                            for layer in self.layers]
-            self.spans = _attention_spans(cfg, fam, n)
+            self.spans = attention_spans(cfg, fam, n)
             attns = [getattr(layer, fam.attn) for layer in self.layers]
             self.uses_rope = [fam.rotary is not None and (not fam.rope_switch or bool(getattr(a, fam.rope_switch)))
                               for a in attns]

@@ -174,28 +174,6 @@ def softmax_with_sinks(attn, scores):
 AttentionProbs = Callable[[Any, Any], Any]
 QueryScale = Callable[[Any, Any], Any]  # (the attention module, position_ids [B, S]) -> [B, S] multiplier, or None
 
-# -- attention spans: which cache slots j <= p a token at position p also sees, beyond causality --------------
-
-
-@dataclass(frozen=True)
-class SlidingWindow:
-    """The last `size` positions: p - j < size (Mistral-style sliding windows)."""
-
-    size: int
-
-    def visible(self, slots, pos):
-        return slots > pos - self.size
-
-
-@dataclass(frozen=True)
-class AttentionChunk:
-    """Only the token's own chunk of `size` positions: j // size == p // size (Llama 4's chunked layers)."""
-
-    size: int
-
-    def visible(self, slots, pos):
-        return slots // self.size == pos // self.size
-
 # -- rotary styles: (x's rotary dims, their count) -> the partner in x * cos + partner * sin ------------------
 # (the count is the engine's int, not read from x's shape, which tracing would put into the graph)
 
