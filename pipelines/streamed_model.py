@@ -221,6 +221,11 @@ class StreamedCausalLM:
             module.register_forward_pre_hook(load)
             if not resident:
                 module.register_forward_hook(drop)
+        # some decoder stacks read the input embedding's device before calling it (Llama 4 moves the ids there):
+        # it is loaded as the model's forward starts, so the ids never go to the meta device
+        embed_hooks = self._by_module.get(id(self.model.get_input_embeddings()))
+        if embed_hooks is not None:
+            self.model.register_forward_pre_hook(lambda _module, _args: embed_hooks[0]())
 
     def _params(self, prefix: str, module, recurse: bool):
         for pname, _ in list(module.named_parameters(recurse=recurse, remove_duplicate=False)):

@@ -27,6 +27,7 @@ _VISION = "test_qaic_vision.py::test_both_graphs_match_transformers_end_to_end_o
 _QWEN25 = "test_qaic_vision_qwen2_5_vl.py::test_both_graphs_match_transformers_end_to_end_on_a_synthetic_image"
 _QWEN3 = "test_qaic_vision_qwen3_vl.py::test_both_graphs_match_transformers_end_to_end_on_a_synthetic_image"
 _MLLAMA = "test_qaic_vision_mllama.py::test_both_graphs_match_transformers_end_to_end"
+_LLAMA4 = "test_qaic_vision_llama4.py::test_both_graphs_match_transformers_end_to_end_on_a_synthetic_image"
 # The seed's rows hive-aot builds -> the test exporting a tiny random model of each in onnxruntime parity.
 COVERED = {
     "LlamaForCausalLM": f"{_EXPORT}[llama]", "MistralForCausalLM": f"{_EXPORT}[mistral]",
@@ -45,10 +46,11 @@ COVERED = {
     "Qwen2_5_VLForConditionalGeneration": f"{_QWEN25}[Qwen2_5_VLForConditionalGeneration]",
     **{a: f"{_QWEN3}[{a}]" for a in ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")},
     "MllamaForConditionalGeneration": f"{_MLLAMA}[MllamaForConditionalGeneration]",
+    "Llama4ForConditionalGeneration": f"{_LLAMA4}[Llama4ForConditionalGeneration]",
 }
 # The seed's rows without an exporter yet -> their task.
 NO_EXPORTER = {
-    **dict.fromkeys(("InternVLChatModel", "Llama4ForConditionalGeneration"), "vision-language"),
+    "InternVLChatModel": "vision-language",
 }
 SANE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 512}

@@ -27,7 +27,7 @@ from ...tokenizer_cache import CachedTokenizer
 from ...thresholds import Thresholds, check_thresholds, gate, metric_text
 from .. import BuildContext, BuiltArtifact, Target, ValidationReport
 from .compile import COMPILE_DIR, NOT_A_TARGET_LM, CompileOptions
-from .families import architecture as config_architecture, window_served_full
+from .families import architecture as config_architecture, positions_served, window_served_full
 from .layout import BUNDLE_FORMAT, BUNDLE_FORMAT_VERSION, EXPORT_FORMAT_VERSION, EXPORT_REPORT, ONNX_DIR
 from .qpc import QpcCompile
 from .server import QAIC_SERVER
@@ -317,7 +317,7 @@ class QaicTarget(Target):
             from .whisper import compile_problems
 
             return compile_problems(opts, ctx.config)
-        positions = _max_positions(ctx.config)
+        positions = min((n for n in (_max_positions(ctx.config), positions_served(ctx.config)) if n), default=None)
         if positions is not None and opts.ctx_len > positions:
             return [f"ctx_len {opts.ctx_len} is beyond the model's {positions} positions (max_position_embeddings)"]
         window = window_served_full(ctx.config)

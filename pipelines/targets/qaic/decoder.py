@@ -26,8 +26,8 @@ with its cache update), `end` (final norm, head). Composed, they are `forward`:
   cross-attention layers (`cross_grid`, Mllama), takes `cross_attention_mask` [batch, seq_len, images,
   tiles] after input_ids and reads each cross layer's image K/V from its past inputs (passed through);
 - the causal mask is built in the graph from `position_ids` (a cache slot j is visible to a token at
-  position p when j <= p, and p - j < window in a sliding-window layer); RoPE reads static cos/sin tables by
-  position; MoE routing is a static TopK + dense expert sum.
+  position p when j <= p, and p - j < window in a sliding-window layer, j // chunk == p // chunk in a chunked
+  one); RoPE reads static cos/sin tables by position; MoE routing is a static TopK + dense expert sum.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import functools
 
 from .families import family_for
 from .families.blocks import Heads, RopeSource
+from .families.spans import attention_spans
 
 
 def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_len: int | None = None,
@@ -105,7 +106,7 @@ def _decoder_class():
             self.n_kv = int(fam.kv_heads or getattr(cfg, "num_key_value_heads", None) or self.n_heads)
             self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
             self.heads = Heads(self.n_heads, self.n_kv, self.head_dim)
-            self.max_positions = int(cfg.max_position_embeddings)
+            self.max_positions = min(int(cfg.max_position_embeddings), fam.max_positions or cfg.max_position_embeddings)
             self.vocab = int(cfg.vocab_size)
             n = len(self.layers)
             # layers the family computes with its cross-attention block (reading the image's K/V), not self-attention
@@ -114,10 +115,10 @@ def _decoder_class():
             self.scales = [None if i in self.cross_layers else
                            float(getattr(getattr(layer, fam.attn), fam.scaling)) if fam.scaling else self.head_dim**-0.5
                            for i, layer in enumerate(self.layers)]
-            window = getattr(cfg, "sliding_window", None) if fam.sliding else None
-            types = getattr(cfg, "layer_types", None)
-            self.windows = [window if window and (types is None or types[i] == "sliding_attention") else None
-                            for i in range(n)]
+            self.spans = attention_spans(cfg, fam, n)
+            self.uses_rope = [fam.rotary is not None and i not in self.cross_layers
+                              and (not fam.rope_switch or bool(getattr(getattr(layer, fam.attn), fam.rope_switch)))
+                              for i, layer in enumerate(self.layers)]
 
             def conf(name):
                 return None if name is None else getattr(cfg, name, None)
@@ -178,8 +179,12 @@ def _decoder_class():
             bsz, seq = x.shape[0], x.shape[1]
             q, k, v = self.qkv(attn, x)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            if rope is not None:
+            if self.uses_rope[i]:
                 q, k = self.rotate(q, *rope), self.rotate(k, *rope)
+            q, k = self.fam.qk_norm.rotated(self.norm, attn, q, k)
+            scale = self.fam.query_scale(attn, position_ids) if self.fam.query_scale else None
+            if scale is not None:  # [B, S]: one multiplier per query position
+                q = q * scale.unsqueeze(1).unsqueeze(-1)
             if self.kv_transform is not None:  # e.g. MXINT8 emulation of the device's KV cache (never exported)
                 k, v = self.kv_transform(k), self.kv_transform(v)
             k_full, k_cache = self.write_cache(past_k, k, position_ids, rows)
@@ -203,7 +208,9 @@ def _decoder_class():
 
         def moe(self, mlp, x):
             """Static MoE: TopK routing as transformers computes it, the top-k weights scattered into a dense
-            [tokens, experts] matrix, every expert on every token, summed with those weights."""
+            [tokens, experts] matrix, every expert on every token, summed with those weights (scaling each
+            expert's input instead where the family says so: zero for an expert a token did not pick, which a
+            bias-free expert maps to zero), plus the shared expert where there is one."""
             spec = self.fam.moe
             tokens = x.reshape(-1, x.shape[-1])
             router = getattr(mlp, spec.router)
@@ -211,9 +218,10 @@ def _decoder_class():
             top, index = spec.scoring(logits, self.moe_top_k, self.moe_normalize)
             weights = torch.zeros_like(logits).scatter(1, index, top)  # [tokens, experts]
             experts = getattr(mlp, spec.experts)
-            out = None
+            out = self.fam.mlp(getattr(mlp, spec.shared), tokens) if spec.shared else None
             for e in range(experts.num_experts):
-                y = spec.layout(experts, e, tokens) * weights[:, e:e + 1]
+                w = weights[:, e:e + 1]
+                y = spec.layout(experts, e, tokens * w) if spec.scale_input else spec.layout(experts, e, tokens) * w
                 out = y if out is None else out + y
             return out.view(x.shape)
 
@@ -221,7 +229,7 @@ def _decoder_class():
 
         def begin(self, input_ids, position_ids, ctx: int, image=None, rope_positions=None):
             """Embeddings (and learned positions), the RoPE rows of the positions, and the masks: slot j is
-            visible to the token at position p iff j <= p (and p - j < window): [B, 1, S, ctx] per window.
+            visible to the token at position p iff j <= p (and within the layer's span): [B, 1, S, ctx] per span.
             `rope_positions` [3, B, S]: the t/h/w rows of a multimodal RoPE family (fam.mrope), which then
             rotates by them while the text positions still place, mask and pick."""
             bsz, seq = input_ids.shape
@@ -240,7 +248,7 @@ def _decoder_class():
             slots = torch.arange(ctx, dtype=position_ids.dtype).view(1, 1, 1, ctx)
             pos = position_ids.view(bsz, 1, seq, 1)
             causal = slots <= pos
-            masks = {w: causal if w is None else causal & (slots > pos - w) for w in set(self.windows)}
+            masks = {span: causal if span is None else causal & span.visible(slots, pos) for span in set(self.spans)}
             return h, rope, masks
 
         def layer_step(self, i, h, rope, masks, past_k, past_v, position_ids, rows):
@@ -253,10 +261,11 @@ def _decoder_class():
                 return x if name is None else self.norm(getattr(layer, name), x)
 
             def attend(x):
-                return self.attention(i, getattr(layer, fam.attn), x, rope, masks[self.windows[i]], past_k, past_v,
+                return self.attention(i, getattr(layer, fam.attn), x, rope, masks[self.spans[i]], past_k, past_v,
                                       position_ids, rows)
 
-            return fam.residual(h, slot, attend, lambda x: self.mlp(layer.mlp, x), fam.norms, self.residual_multiplier)
+            ffn = getattr(layer, fam.ffn)
+            return fam.residual(h, slot, attend, lambda x: self.mlp(ffn, x), fam.norms, self.residual_multiplier)
 
         def end(self, h, position_ids, keep=None):
             """Final norm and head: logits of the last valid position (every position with all_positions; the

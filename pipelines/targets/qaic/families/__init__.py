@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ....errors import NotApplicableError
-from . import (falcon, gemma, gemma2, gpt2, gpt_bigcode, gpt_oss, gptj, granite, llama, mixtral, mllama, olmo2, phi3,
-               qwen2_5_vl, qwen3, qwen3_moe, qwen3_vl, qwen3_vl_moe, starcoder2)
+from . import (falcon, gemma, gemma2, gpt2, gpt_bigcode, gpt_oss, gptj, granite, llama, llama4, mixtral, mllama, olmo2,
+               phi3, qwen2_5_vl, qwen3, qwen3_moe, qwen3_vl, qwen3_vl_moe, starcoder2)
 from .llama import LLAMA
 from .spec import Family, Moe, Norms
 
 _MODULES = (llama, qwen3, gemma, gemma2, phi3, granite, olmo2, starcoder2, gpt2, gptj, gpt_bigcode, falcon, mixtral,
-            qwen3_moe, gpt_oss)
+            qwen3_moe, gpt_oss, llama4)
 # language models of vision-language models only (vision/): found by family_for, never exported on their own (the
 # Qwen VLMs' names are this export's own, set by the vision family on the text config)
 _LANGUAGE_MODULES = (qwen2_5_vl, qwen3_vl, qwen3_vl_moe, mllama)
@@ -36,6 +36,9 @@ def _collect(modules=_MODULES) -> dict[str, Family | Callable[[Any], Family]]:
 
 FAMILY_SPECS: dict[str, Family | Callable[[Any], Family]] = _collect()
 LANGUAGE_SPECS: dict[str, Family | Callable[[Any], Family]] = _collect(_LANGUAGE_MODULES)
+# a family that is also a VLM's language model names its text model_type (a VLM's text config names no architecture)
+TEXT_MODEL_TYPES: dict[str, Family | Callable[[Any], Family]] = {
+    model_type: module.FAMILY for module in _MODULES for model_type in getattr(module, "TEXT_MODEL_TYPES", ())}
 
 
 def unsupported(arch: str) -> Exception:
@@ -71,6 +74,17 @@ def window_served_full(config: dict[str, Any]) -> int | None:
     return window
 
 
+def positions_served(config: dict[str, Any]) -> int | None:
+    """The positions a family's export serves at most where it declares fewer than config.json (Llama 4 declares
+    10M positions; its RoPE table stops at QEfficient's 65536), for the causal LM or a VLM's text config; None
+    where the config's max_position_embeddings holds."""
+    text = config.get("text_config")
+    spec = FAMILY_SPECS.get(architecture(config))
+    if spec is None and isinstance(text, dict):
+        spec = TEXT_MODEL_TYPES.get(text.get("model_type"))
+    return spec.max_positions if isinstance(spec, Family) else None
+
+
 def matmul_weights(model: Any) -> list[tuple[Any, str, int]]:
     """Every weight the exported graph multiplies as a constant MatMul operand (what `-mxfp6-matmul`
     compresses), as (module, parameter name, reduction axis): nn.Linear weights (axis -1), GPT-2 Conv1D
@@ -87,10 +101,11 @@ def matmul_weights(model: Any) -> list[tuple[Any, str, int]]:
             found.append((module, "weight", 0))
     if fam.moe is not None:
         for layer in getattr(getattr(model, fam.base), fam.layers):
-            experts = getattr(layer.mlp, fam.moe.experts, None)
+            ffn = getattr(layer, fam.ffn)
+            experts = getattr(ffn, fam.moe.experts, None)
             if experts is None:
                 continue
-            router = getattr(layer.mlp, fam.moe.router)
+            router = getattr(ffn, fam.moe.router)
             if not isinstance(router, torch.nn.Linear):
                 found.append((router, "weight", -1))
             axis = fam.moe.layout.reduction_axis
@@ -99,4 +114,4 @@ def matmul_weights(model: Any) -> list[tuple[Any, str, int]]:
 
 
 __all__ = ["FAMILY_SPECS", "LANGUAGE_SPECS", "LLAMA", "Family", "Moe", "Norms", "architecture", "family_for",
-           "matmul_weights", "unsupported", "window_served_full"]
+           "matmul_weights", "positions_served", "unsupported", "window_served_full"]

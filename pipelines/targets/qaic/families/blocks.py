@@ -49,14 +49,17 @@ Rotary = Callable[[Any, int], Any]
 
 @dataclass(frozen=True)
 class QkNorm:
-    """No q/k norm. The engine calls `heads` on q and k per head; a q/k split calls `projections` on the whole
-    q and k projections before cutting them into heads. `norm` is the family's norm block; the modules are the
+    """No q/k norm. The engine calls `heads` on q and k per head and `rotated` on them after RoPE; a q/k split
+    calls `projections` on the whole q and k projections before cutting them into heads. `norm` is the family's norm block; the modules are the
     attention's `q_norm` and `k_norm`."""
 
     def projections(self, norm: Norm, attn, q, k):
         return q, k
 
     def heads(self, norm: Norm, attn, q, k):
+        return q, k
+
+    def rotated(self, norm: Norm, attn, q, k):  # after RoPE, q and k [B, heads, S, D]
         return q, k
 
 
@@ -169,6 +172,7 @@ def softmax_with_sinks(attn, scores):
 
 
 AttentionProbs = Callable[[Any, Any], Any]
+QueryScale = Callable[[Any, Any], Any]  # (the attention module, position_ids [B, S]) -> [B, S] multiplier, or None
 
 # -- rotary styles: (x's rotary dims, their count) -> the partner in x * cos + partner * sin ------------------
 # (the count is the engine's int, not read from x's shape, which tracing would put into the graph)
@@ -204,19 +208,14 @@ class RopeSource:
     ctx_len: int | None
 
 
-def _rotary_emb_table(src: RopeSource, widen: bool):
+def rotary_emb_table(src: RopeSource, cos_sin: Callable[[Any], tuple[Any, Any]]):
     """The model's own `<base>.rotary_emb` evaluated at every position (so every RoPE scaling transformers
-    implements comes along); `widen` repeats a table that holds one frequency per pair of halves."""
+    implements comes along); `cos_sin` lays its output for one sequence out as [positions, rotary dims] cos, sin."""
     import torch
 
     def table(length):
         probe = torch.zeros(1, length, src.head_dim)
-        cos, sin = src.base.rotary_emb(probe, torch.arange(length).unsqueeze(0))
-        # [batch, length, dims], or [3, batch, length, dims] under M-RoPE (every row equal here): the first row
-        cos, sin = (t.reshape(-1, length, t.shape[-1])[0].float() for t in (cos, sin))
-        if widen:
-            cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
-        return cos, sin
+        return cos_sin(src.base.rotary_emb(probe, torch.arange(length).unsqueeze(0)))
 
     cos, sin = table(src.max_positions)
     ctx_len = src.ctx_len
@@ -226,14 +225,26 @@ def _rotary_emb_table(src: RopeSource, widen: bool):
     return cos, sin
 
 
+def _first_rows(cos_sin):
+    """cos, sin of one sequence: [batch, length, dims], or [3, batch, length, dims] under M-RoPE (every row equal
+    here): the first row."""
+    return tuple(t.reshape(-1, t.shape[-2], t.shape[-1])[0].float() for t in cos_sin)
+
+
 def model_rotary_table(src: RopeSource):
     """`<base>.rotary_emb` as transformers returns it: [cos | cos] over the rotary dims (Llama and most)."""
-    return _rotary_emb_table(src, widen=False)
+    return rotary_emb_table(src, _first_rows)
 
 
 def half_width_rotary_table(src: RopeSource):
     """`<base>.rotary_emb` returning one frequency per pair of halves (GPT-OSS), widened to the rotary dims."""
-    return _rotary_emb_table(src, widen=True)
+    import torch
+
+    def widen(out):
+        cos, sin = _first_rows(out)
+        return torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+
+    return rotary_emb_table(src, widen)
 
 
 def gptj_positions_table(src: RopeSource):

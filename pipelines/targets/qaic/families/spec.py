@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .blocks import (NO_QK_NORM, STACKED_EXPERTS, AttentionProbs, ExpertLayout, GatedMlp, MlpBlock, MoeScoring,
-                     MultimodalRope, Norm, QkNorm, QkvSplit, ResidualWiring, RopeTable, Rotary, SeparateQkv,
+                     MultimodalRope, Norm, QkNorm, QkvSplit, QueryScale, ResidualWiring, RopeTable, Rotary, SeparateQkv,
                      model_rotary_table, rms_norm, rotate_half, sequential_residual, softmax_probs, softmax_topk)
 
 
@@ -44,6 +44,8 @@ class Moe:
     scoring: MoeScoring = softmax_topk
     normalize: bool | str = True
     layout: ExpertLayout = STACKED_EXPERTS
+    scale_input: bool = False  # the weights scale each expert's input, not its output (Llama 4)
+    shared: str | None = None  # a shared expert every token goes through (the family's `mlp` block), added
 
 
 @dataclass(frozen=True)
@@ -69,16 +71,21 @@ class Family:
     rotary: Rotary | None = rotate_half  # None: no RoPE (learned positions)
     rope_table: RopeTable = model_rotary_table
     mrope: MultimodalRope | None = None  # multimodal RoPE: position_ids [rows, batch, seq] (blocks.py)
+    max_positions: int | None = None  # the positions the export serves at most, where the config declares more
     scaling: str | None = "scaling"  # attention module attribute holding the score scale; None: head_dim ** -0.5
     attn_softcap: str | None = None  # config attribute: scores = cap * tanh(scores / cap)
     final_softcap: str | None = None  # config attribute: logits = cap * tanh(logits / cap)
     probs: AttentionProbs = softmax_probs  # masked scores -> probabilities (softmax_with_sinks: GPT-OSS)
     sliding: bool = True  # honor the layers' sliding windows in the mask; False: full attention everywhere
+    chunk: str | None = None  # config attribute: layers typed "chunked_attention" see only their own chunk
+    rope_switch: str | None = None  # attention attribute, false in a layer without RoPE (Llama 4's NoPE layers)
+    query_scale: QueryScale | None = None  # a per-position multiplier of a layer's queries (Llama 4's NoPE layers)
     # multipliers (config attribute names)
     embed_multiplier: str | None = None
     residual_multiplier: str | None = None
     logits_divisor: str | None = None
     # feed-forward
+    ffn: str = "mlp"  # the layer's feed-forward module (dense MLP or MoE)
     mlp: MlpBlock = GatedMlp()  # a dense MLP block (blocks.py): (the layer's MLP module, x) -> output
     moe: Moe | None = None  # layers whose MLP has `moe.experts` use it; the others use `mlp`
     # cross-attention layers (a VLM's language model reading the image's K/V: Mllama)

@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from ....errors import NotApplicableError
-from . import internvl, llava, llava_next, mllama, qwen2_5_vl, qwen3_vl, qwen3_vl_moe
+from . import internvl, llama4, llava, llava_next, mllama, qwen2_5_vl, qwen3_vl, qwen3_vl_moe
 from .spec import VisionFamily
 
-_MODULES = (llava, llava_next, internvl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, mllama)
+_MODULES = (llava, llava_next, internvl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, mllama, llama4)
 
 
 def _collect() -> dict[str, VisionFamily]:
