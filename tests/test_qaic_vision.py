@@ -332,3 +332,41 @@ def test_a_single_qpc_goes_through_bundle_standin_compile_and_pull(smollm2_dir, 
     assert pulled["env"]["VLLM_QAIC_QPC_PATH"] == f"{served}/qpc"
     argv = pulled["serve_argv"]
     assert argv[argv.index("--max-num-seqs") + 1] == "1" and pulled["serve_refused"] is None
+
+
+def test_beyond_the_budget_the_checks_stream_the_vlm_and_onnxruntime_runs_a_layer_slice(smollm2_dir, tmp_path,
+                                                                                        monkeypatch):
+    """What a 70B VLM does on a small host, on a tiny 4-layer LLaVA under a budget its whole language graph does not
+    fit: the parity runs onnxruntime on a graph of its first 2 layers (over the same data file) against the VLM
+    streamed unit by unit with the same 2 layers, and the quality prediction streams too; both agree with the
+    resident runs of the same layers and model."""
+    from pipelines.memory import model_facts
+    from pipelines.sources import fetch_local
+    from pipelines.snapshot import parse_source
+    from pipelines.targets.qaic.plan import ort_check, ort_memory
+    from pipelines.targets.qaic.vision import target
+    from pipelines.tokenizer_cache import CachedTokenizer
+
+    vocab = json.loads((smollm2_dir / "config.json").read_text())["vocab_size"]
+    model_dir = tiny_llava(tmp_path / "llava", vocab=vocab + 1, image_token=vocab, text_layers=4)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model_dir / name).write_bytes((smollm2_dir / name).read_bytes())
+    snap = fetch_local(parse_source(str(model_dir)), "test-org/tiny-llava")
+    family = VISION_FAMILIES["LlavaForConditionalGeneration"]
+    root = tmp_path / "export"
+    export_vlm(family, model_dir, root, batch_index=True)
+    facts = model_facts(snap)
+    tight = ort_memory(facts, None, "float16") - 1  # the whole language graph no longer fits
+    assert ort_check(facts, tight, "float16").layers == 2
+    tok = CachedTokenizer(model_dir)
+    monkeypatch.setenv("HIVE_AOT_MEMORY_BUDGET", str(tight))
+    metrics, details = target.parity(snap, root, root / "onnx" / "model.onnx", tok, 4, "float16")
+    assert details["ort_check"]["mode"] == "slice" and details["ort_check"]["layers"] == 2
+    assert (root / "onnx" / "slice-2.onnx").is_file()
+    assert metrics["ort_top1_agreement"] == 1.0 and metrics["ort_max_abs_delta"] < 1e-3, (metrics, details)
+    streamed = target.quality(snap, tok, mxfp6=True, mxint8=True)
+    monkeypatch.setenv("HIVE_AOT_MEMORY_BUDGET", "64G")
+    resident = target.quality(snap, tok, mxfp6=True, mxint8=True)
+    assert (streamed["resident"], resident["resident"]) == (False, True)
+    assert streamed["positions"] == resident["positions"] > 20
+    assert abs(streamed["kl"] - resident["kl"]) < 1e-4 and streamed["top1"] == resident["top1"], (streamed, resident)

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pipelines.synthetic import generate, preset
@@ -60,3 +61,89 @@ def test_every_step_of_a_70b_model_fits_20_gib_planned_from_headers_in_seconds(r
             assert "a graph of its first 2 layers over the same external data" in validate
             assert steps["export"]["memory"] < 2 * GIB  # the export streams: the graph and a few chunks
             assert steps["export"]["disk"] < 0.55 * 4 * 70_553_706_496  # fp16 external data, not fp32
+
+
+def _header_only(path: Path, tensors: dict[str, tuple[str, list[int], int]]) -> None:
+    """A safetensors file of these tensors (name -> dtype, shape, bytes) with its data section left a hole."""
+    header, offset = {}, 0
+    for name, (dtype, shape, nbytes) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + offset)
+
+
+def _clip_l_336() -> dict[str, tuple[str, list[int], int]]:
+    """CLIP ViT-L/14 at 336 pixels (LLaVA's vision tower) and LLaVA's two-layer projector, as llava-1.5's
+    checkpoints name them (transformers 4's layout), in bf16."""
+    h, inter, out = 1024, 4096, []
+    out += [("embeddings.class_embedding", [h]), ("embeddings.patch_embedding.weight", [h, 3, 14, 14]),
+            ("embeddings.position_embedding.weight", [577, h]), ("pre_layrnorm.weight", [h]), ("pre_layrnorm.bias", [h]),
+            ("post_layernorm.weight", [h]), ("post_layernorm.bias", [h])]
+    for i in range(24):
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            out += [(f"encoder.layers.{i}.self_attn.{proj}.weight", [h, h]), (f"encoder.layers.{i}.self_attn.{proj}.bias", [h])]
+        for norm in ("layer_norm1", "layer_norm2"):
+            out += [(f"encoder.layers.{i}.{norm}.weight", [h]), (f"encoder.layers.{i}.{norm}.bias", [h])]
+        out += [(f"encoder.layers.{i}.mlp.fc1.weight", [inter, h]), (f"encoder.layers.{i}.mlp.fc1.bias", [inter]),
+                (f"encoder.layers.{i}.mlp.fc2.weight", [h, inter]), (f"encoder.layers.{i}.mlp.fc2.bias", [h])]
+    return {f"vision_tower.vision_model.{n}": ("BF16", shape, 2 * int(np.prod(shape))) for n, shape in out}
+
+
+@pytest.fixture(scope="module")
+def llava_70b(llama3_70b, tmp_path_factory) -> Path:
+    """A LLaVA of Llama-3-70B's language model and CLIP-L/336 (llava-next-72b's scale), headers only, in the layout
+    transformers 4 saved (`language_model.model.*`, `vision_tower.*`): 70.9 B parameters."""
+    from pipelines.safetensors_io import read_header
+
+    out = tmp_path_factory.mktemp("sparse") / "llava-70b"
+    out.mkdir()
+    text = json.loads((llama3_70b / "config.json").read_text())
+    hidden = text["hidden_size"]
+    config = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava", "image_token_index": 128255,
+              "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "projector_hidden_act": "gelu",
+              "text_config": {k: v for k, v in text.items() if k != "architectures"},
+              "vision_config": {"model_type": "clip_vision_model", "hidden_size": 1024, "intermediate_size": 4096,
+                                "num_hidden_layers": 24, "num_attention_heads": 16, "image_size": 336,
+                                "patch_size": 14, "projection_dim": 768}}
+    (out / "config.json").write_text(json.dumps(config))
+    weight_map = {}
+    for shard in sorted(llama3_70b.glob("*.safetensors")):
+        tensors = {}
+        for name, info in read_header(shard).tensors.items():
+            renamed = "language_model." + name  # model.layers.* -> language_model.model.layers.*, lm_head too
+            tensors[renamed] = (info.dtype, list(info.shape), info.nbytes)
+            weight_map[renamed] = shard.name
+        _header_only(out / shard.name, tensors)
+    vision = {**_clip_l_336(), **{f"multi_modal_projector.{n}": ("BF16", shape, 2 * int(np.prod(shape))) for n, shape in (
+        ("linear_1.weight", [hidden, 1024]), ("linear_1.bias", [hidden]), ("linear_2.weight", [hidden, hidden]),
+        ("linear_2.bias", [hidden]))}}
+    _header_only(out / "vision.safetensors", vision)
+    weight_map.update(dict.fromkeys(vision, "vision.safetensors"))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (llama3_70b / name).is_file():
+            (out / name).write_bytes((llama3_70b / name).read_bytes())
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["qaic-export", "qaic-mxfp6"])
+def test_a_70b_vision_language_model_streams_every_ai100_step_within_20_gib(recipe, llava_70b, tmp_path):
+    """The VLM export and its checks stream the language model as a decoder's: only the vision side (CLIP-L and
+    the projector, 0.33 B parameters) is held, and onnxruntime checks a 2-layer slice."""
+    out = hive("plan", str(llava_70b), "--recipe", recipe, "--model-id", "synthetic/llava-70b",
+               "--store", str(tmp_path / "store"), "--json", env={"HIVE_AOT_MEMORY_BUDGET": "24G"})
+    assert out.returncode in (0, 7), out.stderr
+    for plan in json.loads(out.stdout)["plans"]:
+        steps = {s["step"]: s for s in plan["steps"]}
+        print(recipe, plan["recipe"], {k: round(s["memory"] / GIB, 1) for k, s in steps.items()})
+        assert max(s["memory"] for s in steps.values()) <= 20 * GIB, plan["steps"]
+        assert all("of disk" in p for p in plan["problems"]), plan["problems"]
+        assert "the vision side held" in steps["validate"]["detail"], steps["validate"]
+        if plan["recipe"] == "qaic-export":
+            assert "the vision side held" in steps["export"]["detail"]
+            assert "a graph of its first 2 layers over the same external data" in steps["validate"]["detail"]
+            assert steps["export"]["memory"] < 6 * GIB  # the graph, a few chunks and the vision side (x 2.2)
