@@ -635,3 +635,25 @@ def test_engine_versions_validated_with_are_compared(env, tmp_path, monkeypatch,
                  "--strict"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "(--strict): nothing was pulled" in err and not (tmp_path / "strict").exists()
+
+
+def test_every_built_in_kind_loads_in_the_light_client():
+    """pull asks each published kind for its artifact format (kinds.target_class): importing a target must not
+    load the build extra's modules, which a serving container does not have (a VLM family module importing
+    numpy at the top broke `hive-aot pull` in the base install). Checked in a child that refuses them."""
+    from pipelines.kinds import BUILTIN
+
+    probe = (
+        "import sys\n"
+        "class Refuse:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('numpy', 'torch', 'transformers', 'safetensors', 'onnx', 'dagster'):\n"
+        "            raise ImportError(f'the light client has no {name}')\n"
+        "sys.meta_path.insert(0, Refuse())\n"
+        "from pipelines.kinds import BUILTIN, target_class\n"
+        "for kind in BUILTIN:\n"
+        "    target_class(kind)\n"
+        "print(sorted(BUILTIN))\n")
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == repr(sorted(BUILTIN))

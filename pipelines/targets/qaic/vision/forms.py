@@ -20,11 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..layout import DEEPSTACK, RETAINED
+
+if TYPE_CHECKING:  # numpy loads where an image is made or run, not when the families are read
+    import numpy as np
 
 
 # name -> (the image axis, the other dims in order): what each vision graph output holds for one image
@@ -68,6 +69,7 @@ class MergedRows:
                 "deepstack": 0 if family.deepstack is None else family.deepstack(config)}
 
     def reference_kwargs(self, family, config: Any, inputs: dict[str, np.ndarray], ids: list[int]) -> dict[str, Any]:
+        import numpy as np
         kwargs = dict(family.reference_kwargs(config, inputs))
         if family.reference_token_kwargs is not None:  # e.g. Qwen's mm_token_type_ids
             kwargs.update(family.reference_token_kwargs(config, np.asarray([ids], dtype=np.int64)))
@@ -138,6 +140,7 @@ class CrossAttentionKV:
     def token_masks(self, family, config: Any, inputs: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
         """cross_attention_mask [1, len(ids), images, tiles] (int64): no tile before the first image token, the
         image's valid tiles from it on (transformers' processor, for one image)."""
+        import numpy as np
         tiles = self.tile_mask(inputs).astype(np.int64)
         token = family.image_token_id(config)
         first = ids.index(token) if token in ids else len(ids)
@@ -153,6 +156,7 @@ class CrossAttentionKV:
                      decode_steps: int, ctx_len: int) -> dict[str, Any]:
         """Prefill then greedy decode, the cross K/V given once (from the vision graph) and fed back as retained
         state like the self-attention cache; each step's mask row repeats the prompt's last (generate's rule)."""
+        import numpy as np
         from ..ort import _extra, session
 
         sess = session(onnx_path)

@@ -13,11 +13,12 @@ vision_embeds [1, tiles x rows, hidden], so an image spans prefill chunks throug
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from .spec import VisionFamily, config_value, image_features_module, pixels
+
+if TYPE_CHECKING:  # numpy loads where an image is made or run, not when the families are read
+    import numpy as np
 
 ARCHITECTURES = ("InternVLForConditionalGeneration",)
 NUM_PATCHES = 13  # tiles per image the vision graph is compiled for (QEfficient's INTERN_NUM_PATCHES)

@@ -19,11 +19,12 @@ transformers' module, called as is.
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from .spec import VisionFamily, config_value, pixels, text_causal_lm_config
+
+if TYPE_CHECKING:  # numpy loads where an image is made or run, not when the families are read
+    import numpy as np
 
 ARCHITECTURES = ("Llama4ForConditionalGeneration",)
 MAX_NUM_TILES = 17  # tiles per image the vision graph is compiled for (QEfficient's default max_num_tiles)

@@ -6,11 +6,12 @@ One image of `image_size` pixels square gives (image_size / patch_size)^2 rows (
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from .spec import VisionFamily, config_value, image_features_module, pixels
+
+if TYPE_CHECKING:  # numpy loads where an image is made or run, not when the families are read
+    import numpy as np
 
 ARCHITECTURES = ("LlavaForConditionalGeneration",)
 

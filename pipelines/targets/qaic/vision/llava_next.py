@@ -14,11 +14,12 @@ fixed index arithmetic, traced once, batch-generic (transformers' own pack loops
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from .spec import VisionFamily, config_value, pixels
+
+if TYPE_CHECKING:  # numpy loads where an image is made or run, not when the families are read
+    import numpy as np
 
 ARCHITECTURES = ("LlavaNextForConditionalGeneration",)
 IMAGE_SIZE = (1109, 1610)  # (height, width) every image is resized to before tiling: the compiled resolution
@@ -102,6 +103,7 @@ def _vision_size(config: Any) -> int:
 
 
 def _reference_kwargs(config: Any, inputs: dict[str, np.ndarray]) -> dict[str, Any]:
+    import numpy as np
     images = inputs["pixel_values"].shape[0]
     return {"pixel_values": inputs["pixel_values"], "image_sizes": np.asarray([IMAGE_SIZE] * images, dtype=np.int64)}
 

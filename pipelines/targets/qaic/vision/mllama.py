@@ -18,12 +18,13 @@ tiles]); the synthetic parity image uses the aspect ratio that fills every tile 
 from __future__ import annotations
 
 import copy
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from .forms import CrossAttentionKV
 from .spec import VisionFamily, config_value, pixels
+
+if TYPE_CHECKING:  # numpy loads where an image is made or run, not when the families are read
+    import numpy as np
 
 ARCHITECTURES = ("MllamaForConditionalGeneration",)
 LANGUAGE_ARCHITECTURE = "MllamaForCausalLM"  # families/mllama.py
@@ -96,6 +97,7 @@ def full_row_aspect_ratio_id(config: Any) -> int:
 
 
 def _vision_inputs(config: Any, seed: int) -> dict[str, np.ndarray]:
+    import numpy as np
     side, tiles = _side(config), _tiles(config)
     return {"pixel_values": pixels((1, 1, tiles, 3, side, side), seed),
             "aspect_ratio_ids": np.full((1, 1), full_row_aspect_ratio_id(config), dtype=np.int64),

@@ -13,11 +13,13 @@ side's job, as for LLaVA's fixed image_size).
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
-import numpy as np
+import math
+from typing import TYPE_CHECKING, Any, Callable
 
 from .spec import VisionFamily, config_value, pixels
+
+if TYPE_CHECKING:  # numpy loads where an image is made or run, not when the families are read
+    import numpy as np
 
 
 def qwen_vl_family(architectures: tuple[str, ...], grid: tuple[int, int, int], language_architecture: str,
@@ -27,7 +29,11 @@ def qwen_vl_family(architectures: tuple[str, ...], grid: tuple[int, int, int], l
     `model_class()` transformers' `*VLModel` class, whose get_rope_index gives the positions; `deepstack`: the
     tower also returns DeepStack features (Qwen3-VL), added to the first decoder layers' image rows; `single_qpc`:
     QEfficient also compiles it as one QPC (vision/single.py keeps DeepStack there, where QEfficient drops it)."""
-    thw = np.asarray([grid], dtype=np.int64)
+
+    def thw():
+        import numpy as np
+
+        return np.asarray([grid], dtype=np.int64)
 
     def patch_width(config: Any) -> int:
         vc = config.vision_config
@@ -41,10 +47,10 @@ def qwen_vl_family(architectures: tuple[str, ...], grid: tuple[int, int, int], l
         return t * (h // merge) * (w // merge)
 
     def vision_module(model):
-        return _QwenVision(model, thw, deepstack)
+        return _QwenVision(model, thw(), deepstack)
 
     def vision_inputs(config: Any, seed: int) -> dict[str, np.ndarray]:
-        return {"pixel_values": pixels((int(np.prod(grid)), patch_width(config)), seed)}
+        return {"pixel_values": pixels((math.prod(grid), patch_width(config)), seed)}
 
     def language_model(model) -> tuple[Any, Any, Any]:
         """The text config under this export's name for its decoder family (transformers has no causal LM for a
@@ -60,17 +66,21 @@ def qwen_vl_family(architectures: tuple[str, ...], grid: tuple[int, int, int], l
 
     def token_types(config: Any, ids: np.ndarray) -> dict[str, np.ndarray]:
         """transformers computes M-RoPE positions only when told which tokens are image rows (1) or text (0)."""
+        import numpy as np
+
         return {"mm_token_type_ids": (np.asarray(ids) == image_token(config)).astype(np.int64)}
 
     def positions(config: Any, prompt: list[int], inputs: dict[str, np.ndarray]) -> np.ndarray:
         """[4, 1, seq]: the text positions (cache slot, mask), then transformers' own t/h/w rows for the prompt."""
+        import numpy as np
+
         ids = np.asarray([prompt], dtype=np.int64)
-        rope = rope_index(model_class(), config, ids, token_types(config, ids)["mm_token_type_ids"], thw)
+        rope = rope_index(model_class(), config, ids, token_types(config, ids)["mm_token_type_ids"], thw())
         text = np.arange(len(prompt), dtype=np.int64).reshape(1, 1, -1)
         return np.concatenate([text, rope], axis=0)
 
     def vision_symbols(config: Any) -> dict[str, str]:
-        return {"batch_size": "1", "grid_height": str(int(np.prod(grid))), "grid_width": str(patch_width(config))}
+        return {"batch_size": "1", "grid_height": str(math.prod(grid)), "grid_width": str(patch_width(config))}
 
     return VisionFamily(
         architectures=architectures,
@@ -79,7 +89,7 @@ def qwen_vl_family(architectures: tuple[str, ...], grid: tuple[int, int, int], l
         vision_size=vision_size,
         image_token_id=image_token,
         language_model=language_model,
-        reference_kwargs=lambda config, inputs: {"pixel_values": inputs["pixel_values"], "image_grid_thw": thw},
+        reference_kwargs=lambda config, inputs: {"pixel_values": inputs["pixel_values"], "image_grid_thw": thw()},
         vision_symbols=vision_symbols,
         vision_axes={"pixel_values": {0: "grid_height", 1: "grid_width"}},  # QEfficient's symbol names
         positions=positions,
@@ -92,6 +102,7 @@ def qwen_vl_family(architectures: tuple[str, ...], grid: tuple[int, int, int], l
 def rope_index(model_class, config: Any, ids: np.ndarray, token_types: np.ndarray, thw: np.ndarray) -> np.ndarray:
     """transformers' `get_rope_index` of `model_class` for one prompt: [3, 1, seq] t/h/w positions. It reads only
     `self.config` and `self.get_vision_position_ids` (which reads nothing of self), so no model is built."""
+    import numpy as np
     import types
 
     import torch

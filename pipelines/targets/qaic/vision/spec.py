@@ -18,11 +18,12 @@ compares the two graphs end to end with the model as its authors wrote it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Callable
 
 from .forms import MERGED_ROWS
+
+if TYPE_CHECKING:  # numpy loads where an image is made or run, not when the families are read
+    import numpy as np
 
 # (the VLM in memory) -> (its text config, its decoder stack, its lm_head): what build_decoder reads
 LanguageModel = Callable[[Any], tuple[Any, Any, Any]]
@@ -132,6 +133,7 @@ def nested_language_model(model) -> tuple[Any, Any, Any]:
 def pixels(shape: tuple[int, ...], seed: int) -> np.ndarray:
     """A synthetic normalized image (CLIP-style mean/std already applied): smooth gradients plus noise, so
     patches differ from each other (a constant image would hide a wrong patch order)."""
+    import numpy as np
     rng = np.random.default_rng(seed)
     cols = np.linspace(-1.0, 1.0, shape[-1], dtype=np.float32)
     rows = np.linspace(-1.0, 1.0, shape[-2], dtype=np.float32) if len(shape) >= 2 else np.ones(1, np.float32)
