@@ -87,8 +87,6 @@ class ArchitectureOverride(_Strict):
     aliases: list[str] = Field(default_factory=list, description="names in the seeds that are not real classes")
     qaic: bool = False
     trust_remote_code: bool = False
-    native_form: str | None = Field(default=None, description="transformers' own class for the same models, when "
-                                    "this one is remote code (its converted checkpoints, e.g. the -hf repos)")
 
 
 class Registry(_Strict):

@@ -81,8 +81,9 @@ _LAYER = LAYER_TENSOR
 _EMBEDDING_SUFFIXES = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "tok_embeddings.weight",
                        "embed_in.weight", "embedding.weight")
 _LM_HEAD_SUFFIXES = ("lm_head.weight", "embed_out.weight", "output.weight")
-# a vision-language checkpoint's vision side, in the layouts of transformers 4 and 5
-_VISION = re.compile(r"(?:^|\.)(?:vision_tower|vision_model|visual|multi_modal_projector|image_newline)(?:\.|$)")
+# a vision-language checkpoint's vision side, in the layouts of transformers 4 and 5 (and InternVL's remote one,
+# whose projector is the top-level `mlp1`)
+_VISION = re.compile(r"(?:^|\.)(?:vision_tower|vision_model|visual|multi_modal_projector|image_newline)(?:\.|$)|^mlp1\.")
 
 
 @dataclass(frozen=True)
@@ -216,8 +217,11 @@ def model_facts(snapshot: Snapshot) -> ModelFacts:
     # Imported here: it needs numpy, and the pull client imports this module for the disk-full helpers.
     from .safetensors_io import read_header
 
+    from .native import native_dict
+
     tensors = [t for path in snapshot.safetensors_files() for t in read_header(path).tensors.values()]
-    return facts_from_tensors(tensors, snapshot.config(), snapshot.model_id)
+    # a remote-code layout with a native equivalent (InternVL's llm_config) is read as transformers' own
+    return facts_from_tensors(tensors, native_dict(snapshot.config()), snapshot.model_id)
 
 
 # --- Memory of the shared steps ------------------------------------------------------------------------------

@@ -12,6 +12,13 @@ Its checkpoint names the modules differently and fuses Q, K and V into one `wqkv
 KV head: for each of the `n_kv` heads, its `n_head / n_kv` query heads, then its key head, then its value
 head (`head_dim` rows each). Its tokenizer is SentencePiece (`tokenizer.model`) with a BOS token in front,
 which `sentencepiece` itself computes (`SentencePieceTokenizer`).
+
+InternVL (InternVLChatModel) is transformers' InternVLForConditionalGeneration under other names, with a fused
+vision q/k/v: declared in native_internvl.py. Its tokenizer is transformers' own class (Qwen2's), and the image
+placeholder's id, which its config.json does not hold, is read from the tokenizer files (`files`).
+
+Code that reads config.json's fields (sizes, the text config, the architecture) reads `native_dict`: the native
+config as a dict, so a remote-code layout (InternVL's `llm_config`) is seen where transformers' own would be.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import ModelFormatError
+from . import native_internvl
+from .errors import HiveError, ModelFormatError
 
 
 @dataclass(frozen=True)
@@ -33,7 +41,13 @@ class NativeEquivalent:
     config: Callable[[dict[str, Any]], dict[str, Any]]  # the repository's config.json -> the native config's
     rename: tuple[tuple[str, str], ...]  # (native parameter regex, checkpoint name template) one to one
     fused: Callable[[str, dict[str, Any]], tuple[str, Callable[[Any], Any]] | None]  # native name -> (source, take)
-    tokenizer: str = "sentencepiece"  # how the reference tokenizes: sentencepiece over tokenizer.model
+    # how the reference tokenizes: "sentencepiece" over tokenizer.model (the repository's tokenizer class is remote
+    # code), or "auto": transformers' own tokenizer class that the repository names
+    tokenizer: str = "sentencepiece"
+    # native config values that files other than config.json hold (the directory -> values)
+    files: Callable[[Path], dict[str, Any]] | None = None
+    # why a repository's config.json has no native form, in one line (None: it has)
+    refusal: Callable[[dict[str, Any]], str | None] = lambda cfg: None
 
 
 def split_internlm2_wqkv(w, n_head: int, n_kv: int):
@@ -103,6 +117,12 @@ EQUIVALENTS: dict[str, NativeEquivalent] = {
                     (r"lm_head\.(.*)", "output.{0}")),
             fused=_internlm2_fused,
         ),
+        NativeEquivalent(
+            architecture=native_internvl.ARCHITECTURE, model_type=native_internvl.MODEL_TYPE,
+            native_architecture=native_internvl.NATIVE_ARCHITECTURE, config=native_internvl.config,
+            rename=native_internvl.RENAME, fused=native_internvl.fused, tokenizer="auto",
+            files=native_internvl.files, refusal=native_internvl.refusal,
+        ),
     )
 }
 
@@ -123,6 +143,34 @@ def equivalent_for(cfg: dict[str, Any]) -> NativeEquivalent | None:
     return EQUIVALENTS.get(arch or "")
 
 
+# config.json fields that mean the same for the native form, which its readers ask of it (a pre-quantized repository
+# stays one: the recipes that convert float weights only refuse it)
+_CARRIED = ("quantization_config",)
+
+
+def _native_kwargs(eq: NativeEquivalent, cfg: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return eq.config(cfg)
+    except KeyError as e:
+        raise ModelFormatError(f"config.json has no {e.args[0]} (needed for {eq.architecture})") from None
+
+
+def native_dict(cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json as its native equivalent's config.json reads (model_type, architectures, the text config nested
+    as transformers nests it; values from other files aside): config.json itself for an architecture without one,
+    or whose translation fails (building it then refuses in one line). For the code that reads config.json's
+    fields: memory plans, sanity checks, the AI 100 families."""
+    eq = equivalent_for(cfg) if isinstance(cfg, dict) else None
+    if eq is None:
+        return cfg
+    try:
+        kwargs = _native_kwargs(eq, cfg)
+    except (HiveError, TypeError, ValueError, AttributeError, IndexError):  # a malformed config is refused elsewhere
+        return cfg
+    carried = {k: cfg[k] for k in _CARRIED if k in cfg}
+    return {**kwargs, **carried, "model_type": eq.model_type, "architectures": [eq.native_architecture]}
+
+
 def native_config(model_dir: Path):
     """The transformers config of `model_dir`: its own, or its native equivalent's (never remote code)."""
     from transformers import AutoConfig
@@ -131,13 +179,19 @@ def native_config(model_dir: Path):
     eq = equivalent_for(cfg)
     if eq is None:
         return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False, local_files_only=True), None
-    try:
-        kwargs = eq.config(cfg)
-    except KeyError as e:
-        raise ModelFormatError(f"config.json has no {e.args[0]} (needed for {eq.architecture})") from None
+    kwargs = _native_kwargs(eq, cfg)
+    if eq.files is not None:
+        kwargs.update(eq.files(model_dir))
     config = AutoConfig.for_model(eq.model_type, **kwargs)
     config.architectures = [eq.native_architecture]
     return config, eq
+
+
+def write_native_config(model_dir: Path, path: Path) -> None:
+    """The native equivalent's config.json, as transformers' save_pretrained writes it, at `path`: the config of
+    an artifact converted to the native form (what serves it never meets the repository's remote code)."""
+    config, _eq = native_config(model_dir)
+    config.to_json_file(str(path), use_diff=True)
 
 
 def checkpoint_source(eq: NativeEquivalent, name: str, cfg: dict[str, Any]) -> tuple[str, Callable[[Any], Any] | None] | None:
@@ -197,4 +251,4 @@ class SentencePieceTokenizer:
 
 
 __all__ = ["EQUIVALENTS", "NativeEquivalent", "SentencePieceTokenizer", "checkpoint_source", "equivalent_for",
-           "native_config", "split_internlm2_wqkv"]
+           "native_config", "native_dict", "split_internlm2_wqkv", "write_native_config"]

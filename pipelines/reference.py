@@ -38,7 +38,8 @@ def load_tokenizer(model_dir: Path):
     from .native import SentencePieceTokenizer, equivalent_for, read_config
 
     quiet_transformers()
-    if (model_dir / "config.json").is_file() and equivalent_for(read_config(model_dir)) is not None:
+    eq = equivalent_for(read_config(model_dir)) if (model_dir / "config.json").is_file() else None
+    if eq is not None and eq.tokenizer == "sentencepiece":
         # the repository's own tokenizer class is remote code: its SentencePiece model, run by sentencepiece
         return SentencePieceTokenizer(model_dir)
     try:

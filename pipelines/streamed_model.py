@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
-from .errors import ModelFormatError
+from .errors import HiveError, ModelFormatError
 from .safetensors_io import TensorSource
 from .weight_rules import weight_rules
 
@@ -162,6 +162,8 @@ def meta_model(model_dir: Path, checkpoint: set[str], layers: int | None = None)
         auto, extra = _auto_class(config)
         with _parameters_on_meta():
             model = auto.from_config(config, dtype=torch.float32, trust_remote_code=False, **extra)
+    except HiveError:  # already one line (a native equivalent's refusal of this config)
+        raise
     except Exception as e:  # noqa: BLE001 - a config transformers cannot build is malformed input for us
         raise ModelFormatError(f"transformers cannot build the reference model: {type(e).__name__}: {e}") from None
     model = model.eval()

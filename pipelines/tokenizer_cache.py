@@ -24,7 +24,8 @@ from .errors import HiveError
 from .paths import cache_root
 
 # Part of the key: bump when `reference.load_tokenizer`'s choice of tokenizer for the same files changes.
-LOADER_VERSION = 1
+# 2: a native equivalent's repository is tokenized by transformers' own class where it names one (InternVL).
+LOADER_VERSION = 2
 _LIBRARIES = ("transformers", "tokenizers", "sentencepiece")
 # Weights and exported graphs never change what a tokenizer answers: left out of the key (and not read).
 _NOT_TOKENIZER = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".onnx", ".onnx_data", ".data",

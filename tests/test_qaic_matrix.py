@@ -28,6 +28,8 @@ _QWEN25 = "test_qaic_vision_qwen2_5_vl.py::test_both_graphs_match_transformers_e
 _QWEN3 = "test_qaic_vision_qwen3_vl.py::test_both_graphs_match_transformers_end_to_end_on_a_synthetic_image"
 _MLLAMA = "test_qaic_vision_mllama.py::test_both_graphs_match_transformers_end_to_end"
 _LLAMA4 = "test_qaic_vision_llama4.py::test_both_graphs_match_transformers_end_to_end_on_a_synthetic_image"
+_INTERNVL_CHAT = ("test_qaic_vision_internvl_chat.py::"
+                  "test_the_remote_checkpoint_exports_and_matches_the_native_model_end_to_end")
 # The seed's rows hive-aot builds -> the test exporting a tiny random model of each in onnxruntime parity.
 COVERED = {
     "LlamaForCausalLM": f"{_EXPORT}[llama]", "MistralForCausalLM": f"{_EXPORT}[mistral]",
@@ -47,13 +49,23 @@ COVERED = {
     **{a: f"{_QWEN3}[{a}]" for a in ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")},
     "MllamaForConditionalGeneration": f"{_MLLAMA}[MllamaForConditionalGeneration]",
     "Llama4ForConditionalGeneration": f"{_LLAMA4}[Llama4ForConditionalGeneration]",
+    # remote code, built as its native form InternVLForConditionalGeneration (pipelines/native_internvl.py)
+    "InternVLChatModel": f"{_INTERNVL_CHAT}[InternVLChatModel]",
 }
-# The seed's rows without an exporter yet -> their task.
-NO_EXPORTER = {
-    "InternVLChatModel": "vision-language",
-}
+# The seed's rows without an exporter yet -> their task (none left; the tests below still run on the others).
+NO_EXPORTER: dict[str, str] = {}
 SANE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 512}
+# What a row's config.json holds beyond SANE where its layout is not transformers' (InternVLChatModel's repositories:
+# the language model in llm_config, the InternViT tower in vision_config, the remote code in auto_map)
+ROW_CONFIG = {
+    "InternVLChatModel": {"llm_config": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **SANE},
+                          "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                            "num_attention_heads": 4, "image_size": 448, "patch_size": 14,
+                                            "norm_type": "layer_norm", "qk_normalization": False, "qkv_bias": True},
+                          "ps_version": "v2", "downsample_ratio": 0.5,
+                          "auto_map": {"AutoModel": "modeling_internvl_chat.InternVLChatModel"}},
+}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +74,7 @@ def db(config):
 
 
 def qaic(config, arch: str, **kw):
-    cfg = {"architectures": [arch], **SANE, **kw.pop("extra", {})}
+    cfg = {"architectures": [arch], **SANE, **ROW_CONFIG.get(arch, {}), **kw.pop("extra", {})}
     return classify(cfg, recipes=config.recipes.values(), registry=config.registry, files=["tokenizer.json"],
                     hardware="qaic-ai100", **kw)
 

@@ -29,6 +29,7 @@ import re
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 
+from ..native import equivalent_for, native_dict
 from ..safetensors_io import TensorSource
 from .database import Architecture, cached as architecture_database
 from .hardware import Hardware, parse_hardware
@@ -256,6 +257,9 @@ def classify(
                                 detail=f"config.json lists conflicting architectures: {', '.join(names)}"))
     auto_map = "auto_map" in cfg or "auto_map" in text_cfg(cfg)
     quant_method, quant_problem = _quantization(cfg)
+    # the sizes and text settings as transformers reads them: a remote-code layout with a native equivalent
+    # (InternVL's llm_config) is read as that form's config
+    view = native_dict(cfg) if not pipeline else cfg
 
     def recipe_applies(r: "Recipe") -> bool:
         """The recipe's target converts this model (whatever hardware it is served on)."""
@@ -298,7 +302,16 @@ def classify(
     if any(c.status == "fail" for c in checks):
         status = "incompatible"
 
-    if auto_map and reviewed:
+    # On AI 100 a remote-code architecture whose recipes build its native equivalent (native.py) is compiled from
+    # transformers' own model of it and served as that form: its remote code is needed nowhere, so not reviewed.
+    native = (equivalent_for(cfg) if hw.vendor == "qaic" and status != "incompatible" and arch is not None
+              and not pipeline else None)
+    if auto_map and native is not None:
+        checks.append(Check(name="remote_code", status="pass", detail=(
+            f"config.json has auto_map (custom modeling code), never run and not trusted: the AI 100 recipes build "
+            f"transformers' {native.native_architecture} from hive-aot's declaration of {native.architecture}, and "
+            "the QPCs are served as that form")))
+    elif auto_map and reviewed:
         checks.append(Check(name="remote_code", status="pass", detail="config.json has auto_map (custom modeling code), "
                             "reviewed (registry allow-list): the server may run it; hive-aot never executes it"))
     elif auto_map:
@@ -308,17 +321,17 @@ def classify(
             status = "requires_review"
     else:
         checks.append(Check(name="remote_code", status="pass", detail="no custom code"))
-    if rec is not None and rec.trust_remote_code:
+    if rec is not None and rec.trust_remote_code and native is None:
         checks.append(Check(name="trust_remote_code", status="warn", detail="the serving engine needs trust_remote_code=True for this family"))
 
-    problems = config_problems(text_cfg(cfg)) if not pipeline else []
+    problems = config_problems(text_cfg(view)) if not pipeline else []
     if problems:
         checks.append(Check(name="config_sane", status="fail", detail="; ".join(problems)))
         status = "incompatible"
     elif not pipeline:
         checks.append(Check(name="config_sane", status="pass", detail="sizes plausible"))
 
-    tc = text_cfg(cfg)
+    tc = text_cfg(view)
     if tc.get("sliding_window") and tc.get("use_sliding_window", True) is not False:
         note = " (pass disable_sliding_window under vLLM)" if rec is not None and rec.family == "gemma" else ""
         checks.append(Check(name="sliding_window", status="warn" if note else "pass",
@@ -336,14 +349,14 @@ def classify(
     if weights is not None:
         checks.append(Check(name="weights_safetensors", status="pass",
                             detail=f"{weights.files} safetensors file(s), {weights.tensors} tensors"))
-        mismatch = _vocab_consistency(cfg, weights)
+        mismatch = _vocab_consistency(view, weights)
         if mismatch:
             checks.append(Check(name="vocab_consistent", status="fail", detail=mismatch))
             status = "incompatible"
         elif not pipeline:
             checks.append(Check(name="vocab_consistent", status="pass", detail="embedding rows match vocab_size"))
         if not problems and not pipeline:
-            reqs, fit = serving_requirements(cfg, weights, task, hw)
+            reqs, fit = serving_requirements(view, weights, task, hw)
             if fit is not None:
                 checks.append(fit)
                 if fit.status == "fail" and status == "compatible":

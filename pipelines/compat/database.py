@@ -31,7 +31,6 @@ class Architecture:
     aliases: tuple[str, ...] = ()
     qaic: bool = False  # in the Cloud AI 100 AOT validated matrix
     trust_remote_code: bool = False
-    native_form: str | None = None  # transformers' own class for the same models (checkpoints converted to it)
 
     @property
     def transformers_known(self) -> bool:
@@ -43,7 +42,7 @@ class Architecture:
             "vllm_support": self.vllm_support, "vllm_last_version": self.vllm_last_version,
             "transformers_model_type": self.transformers_model_type, "tested": self.tested,
             "benchmark_model": self.benchmark_model, "notes": list(self.notes), "aliases": list(self.aliases),
-            "qaic": self.qaic, "trust_remote_code": self.trust_remote_code, "native_form": self.native_form,
+            "qaic": self.qaic, "trust_remote_code": self.trust_remote_code,
         }
 
 

@@ -45,6 +45,15 @@ def _version(dist: str) -> str:
         return "absent"
 
 
+def _config(holder: Any) -> dict[str, Any]:
+    """config.json of a build (or plan) as the export reads it: a declared remote-code architecture's as its native
+    form (native.py: InternVLChatModel as InternVLForConditionalGeneration, the model transformers builds), every
+    other model's as it is."""
+    from ...native import native_dict
+
+    return native_dict(holder.config)
+
+
 def _multimodal(config: dict[str, Any]) -> bool:
     """A vision-language (or speech) model: its config nests a vision or audio tower."""
     return any(isinstance(config.get(k), dict) for k in ("vision_config", "audio_config"))
@@ -129,8 +138,9 @@ class QaicExportTarget(Target):
 
         # Whisper is loaded whole, as encoders are; a vision-language model streams its language model as a
         # decoder does, its vision side held
-        return export_steps(env, encoder=is_encoder(env.config) or is_speech(env.config), whole=_whole(env.config),
-                            vision=is_vision(env.config))
+        config = _config(env)
+        return export_steps(env, encoder=is_encoder(config) or is_speech(config), whole=_whole(config),
+                            vision=is_vision(config))
 
     @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]:
@@ -149,14 +159,14 @@ class QaicExportTarget(Target):
         return "onnx"
 
     def supports(self, arch, architecture: str, config: dict[str, Any], options: dict[str, Any]) -> bool:
-        return exported(arch, architecture, export_archs())
+        return exported(arch, architecture, export_archs(), config)
 
     def refusal(self, arch, architecture: str, config: dict[str, Any], options: dict[str, Any]) -> str | None:
-        return refusal(arch, architecture, export_archs())
+        return refusal(arch, architecture, export_archs(), config)
 
     def plan_problems(self, ctx: BuildContext) -> list[str]:
-        if ctx.recipe.options.get("target_lm") and (is_encoder(ctx.config) or is_speech(ctx.config)
-                                                    or _multimodal(ctx.config)):
+        config = _config(ctx)
+        if ctx.recipe.options.get("target_lm") and (is_encoder(config) or is_speech(config) or _multimodal(config)):
             return [f"target_lm: {NOT_A_TARGET_LM}"]
         return []
 
@@ -170,17 +180,17 @@ class QaicExportTarget(Target):
         from ...snapshot import CARRIED_FILES
         from .export import export
 
-        snap = ctx.snapshot
-        _refuse_bad_source(snap, ctx.config)
-        if is_encoder(ctx.config):
+        snap, config = ctx.snapshot, _config(ctx)
+        _refuse_bad_source(snap, config)
+        if is_encoder(config):
             from .encoders import export_encoder
 
             report = export_encoder(snap.dir, out_dir / ONNX_DIR / "model.onnx")
-        elif is_speech(ctx.config):  # one Encoder/Decode graph, fp32 weights (batch_index, weight_dtype: n/a)
+        elif is_speech(config):  # one Encoder/Decode graph, fp32 weights (batch_index, weight_dtype: n/a)
             from .whisper import export_whisper, load_model
 
             report = export_whisper(load_model(snap.dir), out_dir / ONNX_DIR / "model.onnx", ctx_len=WHISPER_PARITY_CTX)
-        elif is_vision(ctx.config):  # two graphs: onnx/model.onnx (language) and onnx/vision/model.onnx
+        elif is_vision(config):  # two graphs: onnx/model.onnx (language) and onnx/vision/model.onnx
             from .vision.target import build as build_vision
 
             report, vision = build_vision(snap.dir, out_dir, ctx.recipe.options)
@@ -190,18 +200,28 @@ class QaicExportTarget(Target):
                             weight_dtype=ctx.recipe.options.get("weight_dtype", "float16"),
                             logits_to_keep=bool(ctx.recipe.options.get("target_lm", False)))
         files = [f"{ONNX_DIR}/{name}" for name in report.files]
-        if is_vision(ctx.config):
+        if is_vision(config):
             files += vision["files"]
         known = {}
         digests = {f.path: f.sha256 for f in snap.files}
+        converted = config is not ctx.config  # native_dict hands config.json back unless it is a native form's
         for name in CARRIED_FILES:
-            if name in digests:
+            if name == "config.json" and converted:
+                # the artifact is the native model: its config is that model's, and what serves it never meets the
+                # repository's remote code (auto_map)
+                from ...native import write_native_config
+
+                write_native_config(snap.dir, out_dir / name)
+                files.append(name)
+            elif name in digests:
                 link_or_copy(snap.dir / name, out_dir / name)
                 files.append(name)
                 known[name] = digests[name]
-        # logits_to_keep is recorded only when set: the report of every other export keeps its bytes
-        info = {"encoder": is_encoder(ctx.config), **({"speech": True} if is_speech(ctx.config) else {}),
-                **({"vision": vision} if is_vision(ctx.config) else {}),
+        # logits_to_keep is recorded only when set: the report of every other export keeps its bytes; so is
+        # the architecture a converted checkpoint was exported from
+        info = {"encoder": is_encoder(config), **({"speech": True} if is_speech(config) else {}),
+                **({"vision": vision} if is_vision(config) else {}),
+                **({"converted_from": config_architecture(ctx.config)} if converted else {}),
                 **{k: v for k, v in vars(report).items() if k != "path" and (k != "logits_to_keep" or v)}}
         (out_dir / EXPORT_REPORT).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
         files.append(EXPORT_REPORT)
@@ -212,11 +232,11 @@ class QaicExportTarget(Target):
 
         tok = CachedTokenizer(ctx.snapshot.dir)
         onnx_path = artifact_dir / ONNX_DIR / "model.onnx"
-        thresholds = ctx.recipe.validation
-        if is_encoder(ctx.config):
+        thresholds, config = ctx.recipe.validation, _config(ctx)
+        if is_encoder(config):
             from .encoders import encoder_parity
 
-            r = encoder_parity(ctx.snapshot.dir, onnx_path, encoder_batches(tok, ctx.config))
+            r = encoder_parity(ctx.snapshot.dir, onnx_path, encoder_batches(tok, config))
             metrics = {"ort_max_abs_delta": parity.round6(max(r["max_abs_delta"].values())),
                        "ort_sequences": r["sequences"]}
             if r["min_cosine"] is not None:
@@ -224,9 +244,9 @@ class QaicExportTarget(Target):
             if r["top1_agreement"] is not None:
                 metrics["ort_top1_agreement"] = r["top1_agreement"]
             details = {"ort": r}
-        elif is_speech(ctx.config):
+        elif is_speech(config):
             metrics, details = speech_parity(ctx, onnx_path)
-        elif is_vision(ctx.config):
+        elif is_vision(config):
             from .vision.target import parity as vision_parity
 
             metrics, details = vision_parity(ctx.snapshot, artifact_dir, onnx_path, tok, PARITY_DECODE_STEPS,
@@ -272,8 +292,9 @@ class QaicTarget(Target):
 
         weight_dtype = (env.input_options or {}).get("weight_dtype", "float16")
         streamed = env.options.get("task", "generate") == "generate"
-        return bundle_steps(env, decoder=streamed, weight_dtype=weight_dtype, whole=_whole(env.config),
-                            vision=is_vision(env.config))
+        config = _config(env)
+        return bundle_steps(env, decoder=streamed, weight_dtype=weight_dtype, whole=_whole(config),
+                            vision=is_vision(config))
 
     @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]:
@@ -303,30 +324,30 @@ class QaicTarget(Target):
         return encoder_archs() if task == "embedding" else speech_archs() if task == "transcribe" else generate_archs()
 
     def supports(self, arch, architecture: str, config: dict[str, Any], options: dict[str, Any]) -> bool:
-        return exported(arch, architecture, self._compiled(options))
+        return exported(arch, architecture, self._compiled(options), config)
 
     def refusal(self, arch, architecture: str, config: dict[str, Any], options: dict[str, Any]) -> str | None:
-        return refusal(arch, architecture, self._compiled(options))
+        return refusal(arch, architecture, self._compiled(options), config)
 
     def plan_problems(self, ctx: BuildContext) -> list[str]:
         """What makes this serving shape impossible for the model, before any work."""
-        opts = CompileOptions.parse(ctx.recipe.options)
-        if opts.num_speculative_tokens and (is_encoder(ctx.config) or _multimodal(ctx.config)):
+        opts, config = CompileOptions.parse(ctx.recipe.options), _config(ctx)
+        if opts.num_speculative_tokens and (is_encoder(config) or _multimodal(config)):
             return [NOT_A_TARGET_LM]
         if opts.task == "transcribe":
             from .whisper import compile_problems
 
-            return compile_problems(opts, ctx.config)
-        positions = min((n for n in (_max_positions(ctx.config), positions_served(ctx.config)) if n), default=None)
+            return compile_problems(opts, config)
+        positions = min((n for n in (_max_positions(config), positions_served(config)) if n), default=None)
         if positions is not None and opts.ctx_len > positions:
             return [f"ctx_len {opts.ctx_len} is beyond the model's {positions} positions (max_position_embeddings)"]
-        window = window_served_full(ctx.config)
+        window = window_served_full(config)
         if window is not None and opts.ctx_len > window:
             return [f"ctx_len {opts.ctx_len} is beyond the {window}-token sliding window that the export of "
-                    f"{config_architecture(ctx.config)} serves as full attention (disable_sliding_window): beyond it the "
+                    f"{config_architecture(config)} serves as full attention (disable_sliding_window): beyond it the "
                     "graph would differ from the model (use ctx_len <= sliding_window)"]
-        rope = ctx.config.get("rope_scaling") or {}
-        original = ctx.config.get("original_max_position_embeddings")
+        rope = config.get("rope_scaling") or {}
+        original = config.get("original_max_position_embeddings")
         if (isinstance(rope, dict) and (rope.get("rope_type") or rope.get("type")) == "longrope"
                 and isinstance(original, int) and opts.ctx_len > original):
             # transformers switches longrope's factors by sequence length; the exported RoPE table is static
@@ -365,8 +386,8 @@ class QaicTarget(Target):
             metrics = {"predicted_top1": q["top1"], "predicted_max_abs_logit_delta": q["max_abs_logit_delta"]}
             failures = check_thresholds(metrics, ctx.recipe.validation)
             return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details={opts.precision: q})
-        tok = CachedTokenizer(ctx.snapshot.dir)
-        if is_vision(ctx.config):  # both QPCs emulated on a synthetic image
+        tok, config = CachedTokenizer(ctx.snapshot.dir), _config(ctx)
+        if is_vision(config):  # both QPCs emulated on a synthetic image
             from .vision.target import quality
 
             q = quality(ctx.snapshot, tok, mxfp6=opts.mxfp6, mxint8=opts.mxint8)
@@ -377,7 +398,7 @@ class QaicTarget(Target):
         if not opts.retained_state:
             from .quality import predict_encoder
 
-            q = predict_encoder(ctx.snapshot.dir, encoder_batches(tok, ctx.config), mxfp6=opts.mxfp6)
+            q = predict_encoder(ctx.snapshot.dir, encoder_batches(tok, config), mxfp6=opts.mxfp6)
             metrics = {k: q[src] for k, src in (("predicted_cosine", "cosine_min"), ("predicted_top1", "top1"),
                                                 ("predicted_max_abs_delta", "max_abs_delta")) if q.get(src) is not None}
             failures = check_thresholds(metrics, ctx.recipe.validation)

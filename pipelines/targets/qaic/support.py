@@ -56,26 +56,51 @@ def export_archs() -> frozenset[str]:
     return decoder_archs() | encoder_archs() | speech_archs() | vision_archs()
 
 
-def exported(arch: "Architecture | None", architecture: str, names: frozenset[str]) -> bool:
-    """An architecture transformers builds (the export reads its modules) among `names`."""
-    return (arch is not None and arch.active and arch.transformers_known
-            and (architecture in names or arch.name in names))
+# Remote-code architectures the export builds as the transformers model their declaration in native.py names (never
+# their own code), each checked end to end against that model (tests/test_qaic_vision_internvl_chat.py). InternLM2's
+# declaration serves the GGUF conversion and the reference; its AI 100 export is not checked, so not offered.
+NATIVE_FORMS = frozenset({"InternVLChatModel"})
 
 
-def refusal(arch: "Architecture | None", architecture: str, names: frozenset[str]) -> str | None:
+def native_form(architecture: str, config: dict[str, Any] | None) -> tuple[str | None, str | None]:
+    """(the transformers architecture the export builds for a remote-code `architecture`, why this config.json has
+    no such form); (None, None) for every other architecture."""
+    if architecture not in NATIVE_FORMS:
+        return None, None
+    from ...native import EQUIVALENTS
+
+    eq = EQUIVALENTS[architecture]
+    return eq.native_architecture, eq.refusal(config if isinstance(config, dict) else {})
+
+
+def exported(arch: "Architecture | None", architecture: str, names: frozenset[str],
+             config: dict[str, Any] | None = None) -> bool:
+    """An architecture transformers builds (the export reads its modules) among `names`, itself or, for a declared
+    remote-code architecture, its native form (`config`: the config.json that must translate to it)."""
+    if arch is None or not arch.active:
+        return False
+    if arch.transformers_known and (architecture in names or arch.name in names):
+        return True
+    native, problem = native_form(arch.name, config)
+    return native is not None and problem is None and native in names
+
+
+def refusal(arch: "Architecture | None", architecture: str, names: frozenset[str],
+            config: dict[str, Any] | None = None) -> str | None:
     """Why the export of `names` does not convert the model, in one clause (None: it does)."""
-    if exported(arch, architecture, names):
+    if exported(arch, architecture, names, config):
         return None
     if arch is None:
         return f"no hive-aot exporter for {architecture} (an architecture hive-aot does not know)"
     if arch.task not in EXPORTS:
         return f"no hive-aot exporter for {arch.task} models yet"
-    if not (arch.active and arch.transformers_known):
-        native = (f"; its transformers-native form {arch.native_form} is exported (the converted checkpoints)"
-                  if arch.native_form in names else "")
+    native, problem = native_form(arch.name, config)
+    if problem:
+        return problem
+    if not (arch.active and (arch.transformers_known or native is not None)):
         return (f"no hive-aot exporter for {arch.name}: the export reads transformers' modules, and transformers has "
-                f"none{native}")
-    if exported(arch, architecture, export_archs()):  # another compile task builds it
+                "none")
+    if exported(arch, architecture, export_archs(), config):  # another compile task builds it
         kind = EXPORTS[arch.task]
         return f"{arch.name} is exported as {TASK_OF[kind][0]}: a compile with task: {TASK_OF[kind][1]} builds it"
     covered = {"decoder": decoder_archs, "encoder": encoder_archs, "speech": speech_archs,

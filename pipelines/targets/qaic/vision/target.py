@@ -34,9 +34,10 @@ def build(model_dir: Path, out_dir: Path, options: dict[str, Any]) -> tuple[Any,
 
 
 def _architectures(model_dir: Path) -> list[str]:
-    import json
+    """config.json's architectures, a declared remote-code architecture's as its native form (what the export builds)."""
+    from ....native import native_dict, read_config
 
-    return json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
+    return native_dict(read_config(Path(model_dir))).get("architectures") or []
 
 
 def parity(snapshot, root: Path, language_onnx: Path, tok, decode_steps: int, weight_dtype: str
