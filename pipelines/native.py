@@ -46,8 +46,6 @@ class NativeEquivalent:
     tokenizer: str = "sentencepiece"
     # native config values that files other than config.json hold (the directory -> values)
     files: Callable[[Path], dict[str, Any]] | None = None
-    # why a repository's config.json has no native form, in one line (None: it has)
-    refusal: Callable[[dict[str, Any]], str | None] = lambda cfg: None
 
 
 def split_internlm2_wqkv(w, n_head: int, n_kv: int):
@@ -121,7 +119,7 @@ EQUIVALENTS: dict[str, NativeEquivalent] = {
             architecture=native_internvl.ARCHITECTURE, model_type=native_internvl.MODEL_TYPE,
             native_architecture=native_internvl.NATIVE_ARCHITECTURE, config=native_internvl.config,
             rename=native_internvl.RENAME, fused=native_internvl.fused, tokenizer="auto",
-            files=native_internvl.files, refusal=native_internvl.refusal,
+            files=native_internvl.files,
         ),
     )
 }
@@ -149,10 +147,24 @@ _CARRIED = ("quantization_config",)
 
 
 def _native_kwargs(eq: NativeEquivalent, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The native config's arguments; one line (HiveError) for a config.json without a native form (the
+    declaration's refusal: NotApplicableError) or that does not translate (ModelFormatError)."""
     try:
         return eq.config(cfg)
     except KeyError as e:
         raise ModelFormatError(f"config.json has no {e.args[0]} (needed for {eq.architecture})") from None
+    except (TypeError, ValueError, ArithmeticError, IndexError, AttributeError) as e:  # a field of the wrong kind
+        raise ModelFormatError(f"config.json of {eq.architecture} does not translate to {eq.native_architecture}: "
+                               f"{type(e).__name__}: {e}") from None
+
+
+def native_problem(eq: NativeEquivalent, cfg: dict[str, Any]) -> str | None:
+    """Why `cfg` has no native form under `eq`, in one line (None: it translates)."""
+    try:
+        _native_kwargs(eq, cfg)
+    except HiveError as e:
+        return str(e)
+    return None
 
 
 def native_dict(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -165,7 +177,7 @@ def native_dict(cfg: dict[str, Any]) -> dict[str, Any]:
         return cfg
     try:
         kwargs = _native_kwargs(eq, cfg)
-    except (HiveError, TypeError, ValueError, AttributeError, IndexError):  # a malformed config is refused elsewhere
+    except HiveError:  # refused where it is built (and by the check of a target that builds it)
         return cfg
     carried = {k: cfg[k] for k in _CARRIED if k in cfg}
     return {**kwargs, **carried, "model_type": eq.model_type, "architectures": [eq.native_architecture]}
@@ -251,4 +263,4 @@ class SentencePieceTokenizer:
 
 
 __all__ = ["EQUIVALENTS", "NativeEquivalent", "SentencePieceTokenizer", "checkpoint_source", "equivalent_for",
-           "native_config", "native_dict", "split_internlm2_wqkv", "write_native_config"]
+           "native_config", "native_dict", "native_problem", "split_internlm2_wqkv", "write_native_config"]

@@ -53,15 +53,16 @@ def _language(cfg: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
     return (llm if isinstance(llm, dict) else None), arch
 
 
-def refusal(cfg: dict[str, Any]) -> str | None:
+def _refusal(cfg: dict[str, Any]) -> str | None:
     """Why this config.json has no native form, in one line (None: it has)."""
     llm, arch = _language(cfg)
     if llm is None:
         return f"config.json has no llm_config object ({ARCHITECTURE}'s language model)"
-    supported = ", ".join(LANGUAGE_MODELS)
+    *others, last = LANGUAGE_MODELS
     if arch not in LANGUAGE_MODELS:
-        return (f"{ARCHITECTURE} with a {arch or 'unnamed'} language model: hive-aot builds {ARCHITECTURE} as "
-                f"transformers' {NATIVE_ARCHITECTURE} with a {supported} language model only")
+        return (f"{ARCHITECTURE} with language model {arch or '(unnamed in llm_config)'}: hive-aot builds "
+                f"{ARCHITECTURE} as transformers' {NATIVE_ARCHITECTURE} with a {', '.join(others)} or {last} "
+                "language model only")
     vision = cfg.get("vision_config")
     if not isinstance(vision, dict):
         return f"config.json has no vision_config object ({ARCHITECTURE}'s InternViT tower)"
@@ -98,12 +99,13 @@ def _vision_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """config.json of an InternVLChatModel -> InternVLConfig's arguments (the image token id aside: `files`)."""
-    problem = refusal(cfg)
+    """config.json of an InternVLChatModel -> InternVLConfig's arguments (the image token id aside: `files`);
+    NotApplicableError (one line) for a repository without a native form."""
+    problem = _refusal(cfg)
     if problem:
         raise NotApplicableError(problem)
     llm, arch = _language(cfg)
-    assert llm is not None and arch is not None  # refusal() said so
+    assert llm is not None and arch is not None  # _refusal() said so
     text = {k: v for k, v in llm.items() if k not in _NOT_TEXT_CONFIG}
     text["model_type"] = LANGUAGE_MODELS[arch]
     # InternVLChatModel ties its output embedding as its own config says (the language model's when it is silent)
@@ -111,7 +113,7 @@ def config(cfg: dict[str, Any]) -> dict[str, Any]:
     text["tie_word_embeddings"] = tie
     vision = _vision_config(cfg)
     ratio = float(cfg.get("downsample_ratio", 0.5))
-    side, patch = (vision[k] if not isinstance(vision[k], (list, tuple)) else vision[k][0] for k in ("image_size", "patch_size"))
+    side, patch = (v[0] if isinstance(v, (list, tuple)) else v for v in (vision["image_size"], vision["patch_size"]))
     return {"text_config": text, "vision_config": vision, "downsample_ratio": ratio,
             "vision_feature_layer": int(cfg.get("select_layer", -1)), "vision_feature_select_strategy": "default",
             "projector_hidden_act": "gelu",  # mlp1's nn.GELU(): the exact GELU

@@ -295,14 +295,19 @@ def test_the_whole_path_serves_the_native_form(remote, smollm2_dir, tokenizer_di
     assert "--trust-remote-code" not in argv and flow.pulled["serve_refused"] is None, flow.pulled
 
 
-@pytest.mark.parametrize("changes,message", [
+@pytest.mark.parametrize("changes,error,message", [
     ({"llm_config": {"architectures": ["InternLM2ForCausalLM"], "model_type": "internlm2", "hidden_size": 64,
-                     "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 2051}},
-     "InternVLChatModel with a InternLM2ForCausalLM language model: hive-aot builds InternVLChatModel as transformers' "
-     "InternVLForConditionalGeneration with a Qwen2ForCausalLM, Qwen3ForCausalLM, LlamaForCausalLM language model only"),
-    ({"ps_version": "v1"}, "InternVLChatModel with ps_version 'v1': its pixel shuffle leaves the image rows transposed"),
-], ids=["internlm2-language-model", "ps_version-v1"])
-def test_a_repository_without_a_native_form_is_refused_in_one_line(changes, message, remote, config, tmp_path):
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 2051}}, NotApplicableError,
+     "InternVLChatModel with language model InternLM2ForCausalLM: hive-aot builds InternVLChatModel as transformers' "
+     "InternVLForConditionalGeneration with a Qwen2ForCausalLM, Qwen3ForCausalLM or LlamaForCausalLM language model "
+     "only"),
+    ({"ps_version": "v1"}, NotApplicableError,
+     "InternVLChatModel with ps_version 'v1': its pixel shuffle leaves the image rows transposed"),
+    ({"downsample_ratio": "half"}, ModelFormatError,
+     "config.json of InternVLChatModel does not translate to InternVLForConditionalGeneration: ValueError"),
+], ids=["internlm2-language-model", "ps_version-v1", "malformed-field"])
+def test_a_repository_without_a_native_form_is_refused_in_one_line(changes, error, message, remote, config, tmp_path):
+    """check says why (no recipe, never routed), and so do the native config and the export, before any work."""
     import shutil
 
     from pipelines.native import native_config
@@ -318,7 +323,7 @@ def test_a_repository_without_a_native_form_is_refused_in_one_line(changes, mess
     assert message in known and "\n" not in known
     for call in (lambda: native_config(model_dir),
                  lambda: export_vlm(VISION_FAMILIES["InternVLForConditionalGeneration"], model_dir, tmp_path / "x")):
-        with pytest.raises(NotApplicableError) as refused:
+        with pytest.raises(error) as refused:
             call()
         assert message in str(refused.value) and "\n" not in str(refused.value)
 

@@ -67,10 +67,10 @@ def native_form(architecture: str, config: dict[str, Any] | None) -> tuple[str |
     no such form); (None, None) for every other architecture."""
     if architecture not in NATIVE_FORMS:
         return None, None
-    from ...native import EQUIVALENTS
+    from ...native import EQUIVALENTS, native_problem
 
     eq = EQUIVALENTS[architecture]
-    return eq.native_architecture, eq.refusal(config if isinstance(config, dict) else {})
+    return eq.native_architecture, native_problem(eq, config if isinstance(config, dict) else {})
 
 
 def exported(arch: "Architecture | None", architecture: str, names: frozenset[str],
