@@ -263,7 +263,9 @@ def run_ort(onnx_path: Path, batch: list[list[int]], pad_id: int) -> dict[str, A
     """The exported graph on one batch (right-padded with `pad_id`): output name -> array, plus the mask."""
     import onnxruntime as ort
 
-    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    from .ort import session_options
+
+    sess = ort.InferenceSession(str(onnx_path), sess_options=session_options(), providers=["CPUExecutionProvider"])
     ids, mask = _pad(batch, pad_id)
     names = [o.name for o in sess.get_outputs()]
     res = dict(zip(names, sess.run(names, {"input_ids": ids, "attention_mask": mask})))
@@ -296,6 +298,8 @@ def encoder_parity(model_dir: Path, onnx_path: Path, batches: list[list[list[int
     import onnxruntime as ort
     import torch
 
+    from .ort import session_options
+
     if not batches or any(not b or any(not s for s in b) for b in batches):
         raise ValueError("encoder parity needs non-empty batches of non-empty sequences")
     arch, model = load_encoder(Path(model_dir))
@@ -303,7 +307,7 @@ def encoder_parity(model_dir: Path, onnx_path: Path, batches: list[list[list[int
     classifier = arch in CLASSIFIERS
     pooling = None if classifier else pooling_mode(Path(model_dir))
     pad_id = int(cfg.pad_token_id) if cfg.pad_token_id is not None else 0
-    sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(str(onnx_path), sess_options=session_options(), providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
     deltas: dict[str, float] = {n: 0.0 for n in names}
     cosines: list[float] = []

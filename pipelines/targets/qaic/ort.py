@@ -19,12 +19,22 @@ import numpy as np
 from .layout import KEEP_INPUT
 
 
-def session(onnx_path: Path):
+def session_options():
+    """onnxruntime's options for a check: quiet, and intra-op threads that sleep between operators. A parity run
+    is a host's background work beside builds and engines (vLLM's OpenMP threads, another test worker), and
+    threads that spin after every small operator hold the cores those need."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    return ort.InferenceSession(str(onnx_path), sess_options=options, providers=["CPUExecutionProvider"],
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
+
+
+def session(onnx_path: Path):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(onnx_path), sess_options=session_options(), providers=["CPUExecutionProvider"],
                                 disabled_optimizers=["ConstantFolding"])
 
 
