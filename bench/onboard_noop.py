@@ -1,4 +1,4 @@
-"""No-op onboarding through Dagster: N registered models x 3 recipes, every build id already published.
+"""No-op onboarding (`hive-aot onboard`): N registered models x 3 recipes, every build id already published.
 
     .venv/bin/python bench/onboard_noop.py [--models 5,10,20] [--json-out FILE]
 
@@ -6,10 +6,11 @@ Each model is its own copy of one tiny synthetic Llama (`pipelines.synthetic --p
 SentencePiece tokenizer) under its own id, so every (model, recipe) is a distinct build id. The store is
 filled once by `hive-aot onboard` of all models (not timed); then, for each N, `hive-aot onboard` of a
 registry listing N of them is timed as a child process (wall: Python start-up, definitions, one Dagster run
-per model, each run's fetch + classification + three "already published" checks).
+per model that has work, each run's fetch + classification + builds). An unchanged model is answered before
+any run (`build.unchanged`), so the no-op's cost is the CLI's start-up plus a plan and a few store reads per recipe.
 
 The anchor is the engine alone doing the same no-op (`hive-aot build` of one model x recipe, which plans,
-finds the build id published and skips): the ratio says what Dagster adds per model.
+finds the build id published and skips): the ratio says what onboarding adds per model over it.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def main() -> int:
         print(f"\nmarginal cost per model {per_model:.3f} s (fixed {fixed:.2f} s); {large['models']} vs "
               f"{small['models']} models: {doc['growth']:.2f}x wall")
         print(f"anchor: the engine's no-op of one model x {len(RECIPES)} recipes as 3 `hive-aot build` processes: "
-              f"{anchor_model:.2f} s; Dagster's marginal per model / that: {doc['per_model_vs_engine_noop']:.2f}x")
+              f"{anchor_model:.2f} s; onboarding's marginal per model / that: {doc['per_model_vs_engine_noop']:.2f}x")
         if args.json_out:
             args.json_out.write_text(json.dumps(doc, indent=1) + "\n")
         return 0

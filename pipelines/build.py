@@ -94,6 +94,31 @@ def _label(p: Plan) -> str:
     return f"{p.recipe.id} of {p.model_id}"
 
 
+def _published_intact(p: Plan, store: Store, existing: Manifest | None) -> BuildResult | None:
+    """The skipped result of a build whose `existing` published manifest has every blob intact (its commit
+    finished: signature, missing refs), else None: the build has work to do (build, or repair)."""
+    if existing is None or not all(store.blob_intact(f.sha256, f.size) for f in existing.files):
+        return None
+    repair_commit(store, existing, pending=p.pending(existing))
+    return _result(p, store, "skipped", existing, skipped=True)
+
+
+def unchanged(source: str, recipe_id: str, config: Config, store: Store, model_id: str | None = None) -> BuildResult | None:
+    """The result `build_and_publish` would return without doing anything, or None when it has work to do: the
+    recipe's build id (its inputs as they are now) published, intact and in its finished format. A bundle that
+    waits for a compile is never unchanged (this host may compile it now). What a no-op onboarding asks per model
+    before it starts a run: the plan reads config and headers and the digests cached by file identity, the
+    store a manifest and its blobs' sizes."""
+    try:
+        p = plan(source, recipe_id, config, model_id)
+    except HiveError:
+        return None  # the build itself says why, in its own step
+    res = _published_intact(p, store, published_manifest(p, store))
+    if res is None or res.format != p.target.artifact_format(p.recipe.options):
+        return None
+    return res
+
+
 def stage(p: Plan, store: Store) -> BuildResult:
     """Check the memory plan, build the artifact, upload its blobs and write the staging record.
 
@@ -103,9 +128,8 @@ def stage(p: Plan, store: Store) -> BuildResult:
     state "repaired", nothing else changes.
     """
     existing = published_manifest(p, store)
-    if existing is not None and all(store.blob_intact(f.sha256, f.size) for f in existing.files):
-        repair_commit(store, existing, pending=p.pending(existing))
-        res = _result(p, store, "skipped", existing, skipped=True)
+    res = _published_intact(p, store, existing)
+    if res is not None:
         res.memory_plan = _reported_plan(p, store)
         return res
     resources = resource_plan(p, store)

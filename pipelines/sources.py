@@ -202,6 +202,13 @@ def fetch_hf(spec: SourceSpec, model_id: str | None) -> Snapshot:
         raise SourceError(f"model id {model_id!r} does not match the source repo {repo!r}")
     if hub_offline():
         return fetch_hf_offline(spec)
+    if spec.revision and _COMMIT_RE.match(spec.revision):
+        # A commit never changes: once its snapshot is complete here, the Hub has nothing to add (a no-op
+        # onboarding of a pinned model asks it nothing).
+        snap = _cached_snapshot(_snapshot_dest(repo, spec.revision))
+        if snap is not None:
+            snap.source, snap.revision = spec.uri, spec.revision
+            return snap
     info = fetch_hf_info(HfApi(), spec)
     commit = info.sha
     if not commit:

@@ -135,6 +135,30 @@ def test_same_inputs_are_skipped(published, tiny_llama, tconfig):
     assert {f: (store / f).stat().st_mtime_ns for f in _files(store)} == before  # nothing rewritten
 
 
+def test_unchanged_answers_what_the_skipped_build_would_without_building(published, tiny_llama, tconfig, tmp_path):
+    """build.unchanged (a no-op onboarding's question): the skipped result for inputs as published, None as soon
+    as there is work: another recipe, changed weights, a damaged blob, a recipe the model cannot take."""
+    from pipelines.build import unchanged
+
+    store, first = published
+    opened = open_store(str(store))
+    before = {f: (store / f).stat().st_mtime_ns for f in _files(store)}
+    res = unchanged(str(tiny_llama), "gguf-f16", tconfig, opened, MODEL)
+    assert res is not None and res.state == "skipped" and res.build_id == first.build_id
+    assert res.files == first.files and res.manifest == first.manifest
+    assert {f: (store / f).stat().st_mtime_ns for f in _files(store)} == before
+    assert unchanged(str(tiny_llama), "gguf-q8_0", tconfig, opened, MODEL) is None  # never built
+    assert unchanged(str(tiny_llama), "no-such-recipe", tconfig, opened, MODEL) is None
+    changed = copy_model(tiny_llama, tmp_path / "changed")
+    edit_config(changed, rms_norm_eps=2e-5)
+    assert unchanged(str(changed), "gguf-f16", tconfig, opened, MODEL) is None  # its inputs moved
+    damaged = tmp_path / "damaged"
+    shutil.copytree(store, damaged)
+    blob = next(p for p in (damaged / "blobs").rglob("*") if p.is_file() and p.stat().st_size > 1000)
+    blob.write_bytes(b"\0" * blob.stat().st_size)  # same size, other bytes: only the content check sees it
+    assert unchanged(str(tiny_llama), "gguf-f16", tconfig, open_store(str(damaged)), MODEL) is None
+
+
 def test_build_id_is_content_addressed(tiny_llama, config, tmp_path):
     base = plan(str(tiny_llama), "gguf-f16", config, MODEL).build_id
 

@@ -162,6 +162,28 @@ def test_new_upstream_commit_gives_a_new_snapshot(hf_mirror, tiny_llama, tmp_pat
     assert old.commit == first_commit and old.files == first.files
 
 
+def test_a_pinned_commit_already_here_asks_the_hub_nothing(hf_mirror, tiny_llama, tmp_path, monkeypatch):
+    """A commit never changes: once its snapshot is complete in the cache, fetching it again (a no-op onboarding
+    of a pinned model) makes no Hub call; a branch still asks the Hub where it points now."""
+    import pipelines.sources as sources
+
+    repo = f"{ORG}/pinned"
+    commit = hf_mirror.publish(repo, copy_model(tiny_llama, tmp_path / "m"))
+    first = fetch(f"hf://{repo}@{commit}")
+    asked = []
+
+    def hub_call(*args, **kwargs):
+        asked.append(args[1].revision)
+        raise AssertionError("the Hub was asked")
+
+    monkeypatch.setattr(sources, "fetch_hf_info", hub_call)
+    again = fetch(f"hf://{repo}@{commit}")
+    assert again.commit == commit and again.files == first.files and again.dir == first.dir and asked == []
+    with pytest.raises(AssertionError):
+        fetch(f"hf://{repo}@main")
+    assert asked == ["main"]
+
+
 def test_unknown_repo_is_one_line_source_error(hf_mirror):
     with pytest.raises(SourceError) as ei:
         fetch(f"hf://{ORG}/does-not-exist@main")

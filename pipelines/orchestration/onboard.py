@@ -17,6 +17,7 @@ import dagster as dg
 
 from ..config import Config
 from ..errors import ConfigError
+from ..store import open_store
 from .factories import INTEGRITY_CHECK, PARITY_CHECK, artifact_key, model_asset_keys, published_key, hardware_key
 from .partitions import models_partitions, partition_key
 from .pools import apply_pool_limits, process_tags, release_dead_claims
@@ -28,6 +29,13 @@ INSTANCE_SETTINGS = Path(__file__).with_name("dagster.yaml")
 # Step events, tracebacks included, go to the instance (and the UI), not to the terminal: `hive-aot onboard`
 # prints one line per failed step itself, with the run id to open in the UI.
 QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
+
+
+# the validation metrics a result row carries (the parity check's metadata, or a skipped build's manifest)
+CHECK_METRICS = ("top1_agreement", "mean_kl", "max_abs_logit_delta", "token_parity", "vllm_loaded",
+                 "vllm_top1_agreement", "vllm_greedy_agreement", "vllm_max_logprob_delta", "ort_top1_agreement",
+                 "ort_max_abs_delta", "ort_min_cosine", "predicted_top1", "predicted_kl", "predicted_ppl_delta",
+                 "predicted_cosine")
 
 
 def _instance() -> dg.DagsterInstance:
@@ -103,11 +111,7 @@ def _summarize(result: dg.ExecuteInProcessResult, config: Config, model_id: str,
             err = (own or list(failures.values()) or ["not built"])[0]
             row.update(state="failed", error=err)
         if chk is not None:
-            row["check"] = {k: v.value for k, v in chk.metadata.items()
-                            if k in ("top1_agreement", "mean_kl", "max_abs_logit_delta", "token_parity",
-                                     "vllm_loaded", "vllm_top1_agreement", "vllm_greedy_agreement",
-                                     "vllm_max_logprob_delta", "ort_top1_agreement", "ort_max_abs_delta", "ort_min_cosine",
-                                     "predicted_top1", "predicted_kl", "predicted_ppl_delta", "predicted_cosine")}
+            row["check"] = {k: v.value for k, v in chk.metadata.items() if k in CHECK_METRICS}
         rows.append(row)
     return rows
 
@@ -135,6 +139,25 @@ def _inapplicable(config: Config, entry) -> list[dict[str, Any]]:
     return rows
 
 
+def _unchanged(config: Config, entry, store) -> list[dict[str, Any]]:
+    """Recipes of a model whose build would be a no-op (build.unchanged: the build id of its inputs as they are
+    now published, intact, finished): one skipped row each, and no Dagster run for them. A run spends about a
+    second per model storing its step events; deciding this costs the plan and a few store reads."""
+    from ..build import unchanged
+
+    rows = []
+    for rid in entry.recipes:
+        res = unchanged(config.model_source(entry), rid, config, store, entry.id)
+        if res is None:
+            continue
+        metrics = (res.validation or {}).get("metrics") or {}
+        rows.append({"model_id": entry.id, "recipe": rid, "state": "skipped", "build_id": res.build_id,
+                     "manifest": res.manifest, "size": sum(f["size"] for f in res.files), "skipped": True,
+                     **({"check": {k: v for k, v in metrics.items() if k in CHECK_METRICS}} if metrics else {}),
+                     "run_id": "none: unchanged since its published build"})
+    return rows
+
+
 def onboard(registry: str | None = None, store: str | None = None, models: list[str] | None = None,
             recipes: str | None = None) -> dict[str, Any]:
     config = Config.load(registry, recipes)
@@ -151,12 +174,15 @@ def onboard(registry: str | None = None, store: str | None = None, models: list[
     if new:
         instance.add_dynamic_partitions(models_partitions.name, new)
     results, success = [], True
+    opened = open_store(store)
     for entry, key in zip(entries, keys):
-        refused = _inapplicable(config, entry)
+        done = _unchanged(config, entry, opened)
+        results += done
+        refused = _inapplicable(config, entry) if len(done) < len(entry.recipes) else []
         results += refused
         success &= not refused
-        entry = entry.model_copy(update={"recipes": [r for r in entry.recipes
-                                                     if r not in {x["recipe"] for x in refused}]})
+        settled = {x["recipe"] for x in done + refused}
+        entry = entry.model_copy(update={"recipes": [r for r in entry.recipes if r not in settled]})
         if not entry.recipes:
             continue
         print(f"onboarding {entry.id}: {', '.join(entry.recipes)}", file=sys.stderr, flush=True)
