@@ -103,16 +103,12 @@ def _published_intact(p: Plan, store: Store, existing: Manifest | None) -> Build
     return _result(p, store, "skipped", existing, skipped=True)
 
 
-def unchanged(source: str, recipe_id: str, config: Config, store: Store, model_id: str | None = None) -> BuildResult | None:
-    """The result `build_and_publish` would return without doing anything, or None when it has work to do: the
-    recipe's build id (its inputs as they are now) published, intact and in its finished format. A bundle that
-    waits for a compile is never unchanged (this host may compile it now). What a no-op onboarding asks per model
-    before it starts a run: the plan reads config and headers and the digests cached by file identity, the
-    store a manifest and its blobs' sizes."""
-    try:
-        p = plan(source, recipe_id, config, model_id)
-    except HiveError:
-        return None  # the build itself says why, in its own step
+def unchanged(p: Plan, store: Store) -> BuildResult | None:
+    """The result `build_and_publish` would return for plan `p` without doing anything, or None when it has work
+    to do: the build id (its inputs as they are now) published, intact and in its finished format. A bundle that
+    waits for a compile is never unchanged (this host may compile it now). What a no-op onboarding asks per
+    recipe before it starts a run (planning.plan_each: config and headers read, digests cached by file identity;
+    then a manifest and its blobs' sizes from the store)."""
     res = _published_intact(p, store, published_manifest(p, store))
     if res is None or res.format != p.target.artifact_format(p.recipe.options):
         return None

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from .compat import Compatibility, classify_snapshot
 from .compat.hardware import hardware_for_vendor
 from .config import Config, Recipe
-from .errors import NotApplicableError
+from .errors import HiveError, NotApplicableError
 from .manifest import Manifest, compute_build_id
 from .sources import Snapshot, fetch
 from .kinds import target_for
@@ -64,6 +64,28 @@ def plan(source: str, recipe_id: str, config: Config, model_id: str | None = Non
         parent = _plan_recipe(snap, recipe, config, parent, seen)
     assert parent is not None
     return parent
+
+
+def plan_each(source: str, recipe_ids: list[str], config: Config, model_id: str | None = None) -> dict[str, Plan]:
+    """The plans of several recipes of one model from one fetch (an unpinned Hub source asks the Hub once, not
+    once per recipe) and one classification per hardware; a recipe that cannot be planned is left out (its
+    build says why). Nothing at all when the source cannot be fetched."""
+    try:
+        snap = fetch(source, model_id)
+    except HiveError:
+        return {}
+    seen: dict[str, Compatibility] = {}
+    plans = {}
+    for rid in recipe_ids:
+        try:
+            parent = None
+            for recipe in config.lineage(rid):
+                parent = _plan_recipe(snap, recipe, config, parent, seen)
+        except HiveError:
+            continue
+        if parent is not None:
+            plans[rid] = parent
+    return plans
 
 
 def _plan_recipe(snap: Snapshot, recipe: Recipe, config: Config, parent: Plan | None,

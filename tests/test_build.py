@@ -136,27 +136,31 @@ def test_same_inputs_are_skipped(published, tiny_llama, tconfig):
 
 
 def test_unchanged_answers_what_the_skipped_build_would_without_building(published, tiny_llama, tconfig, tmp_path):
-    """build.unchanged (a no-op onboarding's question): the skipped result for inputs as published, None as soon
-    as there is work: another recipe, changed weights, a damaged blob, a recipe the model cannot take."""
+    """build.unchanged over planning.plan_each (a no-op onboarding's question): the skipped result for inputs as
+    published, None as soon as there is work: another recipe, changed weights, a damaged blob; a recipe that
+    cannot be planned has no plan at all (its build says why)."""
     from pipelines.build import unchanged
+    from pipelines.planning import plan_each
 
     store, first = published
     opened = open_store(str(store))
     before = {f: (store / f).stat().st_mtime_ns for f in _files(store)}
-    res = unchanged(str(tiny_llama), "gguf-f16", tconfig, opened, MODEL)
+    plans = plan_each(str(tiny_llama), ["gguf-f16", "gguf-q8_0", "no-such-recipe"], tconfig, MODEL)
+    assert sorted(plans) == ["gguf-f16", "gguf-q8_0"]
+    res = unchanged(plans["gguf-f16"], opened)
     assert res is not None and res.state == "skipped" and res.build_id == first.build_id
     assert res.files == first.files and res.manifest == first.manifest
     assert {f: (store / f).stat().st_mtime_ns for f in _files(store)} == before
-    assert unchanged(str(tiny_llama), "gguf-q8_0", tconfig, opened, MODEL) is None  # never built
-    assert unchanged(str(tiny_llama), "no-such-recipe", tconfig, opened, MODEL) is None
+    assert unchanged(plans["gguf-q8_0"], opened) is None  # never built
     changed = copy_model(tiny_llama, tmp_path / "changed")
     edit_config(changed, rms_norm_eps=2e-5)
-    assert unchanged(str(changed), "gguf-f16", tconfig, opened, MODEL) is None  # its inputs moved
+    assert unchanged(plan_each(str(changed), ["gguf-f16"], tconfig, MODEL)["gguf-f16"], opened) is None  # inputs moved
     damaged = tmp_path / "damaged"
     shutil.copytree(store, damaged)
     blob = next(p for p in (damaged / "blobs").rglob("*") if p.is_file() and p.stat().st_size > 1000)
     blob.write_bytes(b"\0" * blob.stat().st_size)  # same size, other bytes: only the content check sees it
-    assert unchanged(str(tiny_llama), "gguf-f16", tconfig, open_store(str(damaged)), MODEL) is None
+    assert unchanged(plans["gguf-f16"], open_store(str(damaged))) is None
+    assert plan_each(str(tmp_path / "no-such-model"), ["gguf-f16"], tconfig, MODEL) == {}
 
 
 def test_build_id_is_content_addressed(tiny_llama, config, tmp_path):

@@ -144,10 +144,11 @@ def _unchanged(config: Config, entry, store) -> list[dict[str, Any]]:
     now published, intact, finished): one skipped row each, and no Dagster run for them. A run spends about a
     second per model storing its step events; deciding this costs the plan and a few store reads."""
     from ..build import unchanged
+    from ..planning import plan_each
 
     rows = []
-    for rid in entry.recipes:
-        res = unchanged(config.model_source(entry), rid, config, store, entry.id)
+    for rid, p in plan_each(config.model_source(entry), entry.recipes, config, entry.id).items():
+        res = unchanged(p, store)
         if res is None:
             continue
         metrics = (res.validation or {}).get("metrics") or {}
