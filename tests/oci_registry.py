@@ -9,6 +9,7 @@ and gc delete manifests and blobs) and `http.secret` is set, as a real deploymen
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import time
@@ -119,3 +120,73 @@ def oci_auth_registry(tmp_path_factory, hermetic_env) -> Iterator[str]:
 def oci_uri(oci_registry) -> str:
     """A fresh, empty store: its own repository namespace in the shared registry."""
     return f"oci://{oci_registry}/{REPOSITORY}-{uuid.uuid4().hex[:12]}"
+
+
+@contextmanager
+def token_proxy(upstream: str, user: str, password: str) -> Iterator[str]:
+    """A registry front that demands the Bearer token flow (as Docker Hub, GHCR or Harbor do) before the real
+    registry at `upstream`: a request without a valid token gets 401 with a Bearer challenge, `/token` hands out
+    a token for Basic `user:password` only. Yields its `127.0.0.1:<port>`. Bodies are buffered: small test data."""
+    import base64
+    import http.client
+    import secrets
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import parse_qs, urlsplit
+
+    port = free_port()
+    me = f"127.0.0.1:{port}"
+    issued: set[str] = set()
+    expected = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):  # quiet
+            pass
+
+        def _reply(self, status: int, headers: dict[str, str], body: bytes = b"") -> None:
+            self.send_response(status)
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        def _handle(self) -> None:
+            url = urlsplit(self.path)
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if url.path == "/token":
+                if self.headers.get("Authorization") != expected:
+                    return self._reply(401, {}, b'{"errors":[{"code":"UNAUTHORIZED"}]}')
+                token = secrets.token_hex(16)
+                issued.add(token)
+                scope = parse_qs(url.query).get("scope", [""])[0]
+                return self._reply(200, {"Content-Type": "application/json"},
+                                   json.dumps({"token": token, "expires_in": 300, "scope": scope}).encode())
+            auth = self.headers.get("Authorization", "")
+            if not (auth.startswith("Bearer ") and auth[7:] in issued):
+                challenge = f'Bearer realm="http://{me}/token",service="test-registry"'
+                return self._reply(401, {"WWW-Authenticate": challenge, "Content-Type": "application/json"},
+                                   b'{"errors":[{"code":"UNAUTHORIZED","message":"authentication required"}]}')
+            conn = http.client.HTTPConnection(upstream, timeout=60)
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("authorization", "host")}
+            conn.request(self.command, self.path, body=body or None, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            out = {k: v.replace(upstream, me) for k, v in resp.getheaders()
+                   if k.lower() not in ("content-length", "transfer-encoding", "connection")}
+            conn.close()
+            self._reply(resp.status, out, data)
+
+        do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _handle
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield me
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -291,3 +291,39 @@ def test_retire_then_gc_collects_the_blobs(oci_registry, tiny_llama, tmp_path):
     gc = _cli("gc", "--min-age", "0", "--store", uri, "--json")
     assert gc.returncode == 0, gc.stderr
     assert sorted(json.loads(gc.stdout)["blobs"]) == blobs and store.list("blobs/") == []
+
+
+def test_bearer_token_flow_and_credential_helpers(oci_registry, tmp_path, monkeypatch):
+    """A registry that answers with a Bearer challenge: the token comes from its realm for the configured
+    credentials (here from a docker credential helper), wrong ones are one line without the secret."""
+    from oci_registry import token_proxy
+
+    secret = "helper-secret-4e1b"
+    helper = tmp_path / "bin" / "docker-credential-hivetest"
+    helper.parent.mkdir()
+    helper.write_text(f'#!/bin/sh\nread host\necho "{{\\"Username\\": \\"bob\\", \\"Secret\\": \\"$(cat {tmp_path}/secret)\\"}}"\n')
+    helper.chmod(0o755)
+    (tmp_path / "secret").write_text(secret)
+    monkeypatch.setenv("PATH", f"{helper.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker"))
+    monkeypatch.delenv("HIVE_AOT_OCI_USERNAME", raising=False)
+    monkeypatch.delenv("HIVE_AOT_OCI_PASSWORD", raising=False)
+    with token_proxy(oci_registry, "bob", secret) as front:
+        (tmp_path / "docker").mkdir()
+        (tmp_path / "docker" / "config.json").write_text(json.dumps({"credHelpers": {front: "hivetest"}}))
+        uri = f"oci://{front}/hive-{uuid.uuid4().hex[:8]}"
+        store = open_store(uri)
+        f = tmp_path / "blob.bin"
+        f.write_bytes(os.urandom(5000))
+        digest = store.put_blob(f)
+        store.write_bytes("profiles.json", b'{"runtime_profiles": []}')
+        assert store.read_json("profiles.json") == {"runtime_profiles": []}
+        assert b"".join(store.iter_range(blob_key(digest), 10, 100)) == f.read_bytes()[10:110]
+        (tmp_path / "secret").write_text("wrong-secret-77aa")
+        with pytest.raises(StoreError, match="credentials refused by the token service") as ei:
+            open_store(uri).exists(blob_key(digest))
+        assert "wrong-secret-77aa" not in str(ei.value) and secret not in str(ei.value)
+        (tmp_path / "docker" / "config.json").write_text("{}")
+        with pytest.raises(StoreError, match="credentials refused|answered 401|token") as ei:
+            open_store(uri).read_bytes("profiles.json")  # anonymous: the realm refuses a token
+        assert "\n" not in str(ei.value)

@@ -26,7 +26,12 @@ from .oci_auth import Challenge, Credentials, credentials_for, parse_challenge
 LOOPBACK = {"127.0.0.1", "::1", "[::1]", "localhost"}
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
 READ_CHUNK = 1 << 20
-TOKEN_MARGIN_S = 10.0  # renew a Bearer token this long before the realm said it expires
+TOKEN_MARGIN_S = 10.0
+# Answers worth a second try. Distribution's filesystem driver writes a tag's link in place, not by rename: a
+# read racing a concurrent write of the same tag (six publishers of one build) gets 500, and a PUT racing one
+# of the same manifest can get DIGEST_INVALID for bytes that are right (both seen in tests/test_store_faults.py).
+TRANSIENT = (500, 502, 503, 504)
+PUT_TRIES = 4  # renew a Bearer token this long before the realm said it expires
 
 Body = bytes | Callable[[], BinaryIO] | None  # a callable opens a fresh stream: a retry after a 401 resends it
 
@@ -56,7 +61,8 @@ class Registry:
         self.base = f"{'http' if is_loopback(host) else 'https'}://{host}"
         self.http = urllib3.PoolManager(
             maxsize=workers, block=False, timeout=urllib3.Timeout(connect=15.0, read=300.0),
-            retries=urllib3.Retry(total=3, connect=3, read=2, status=0, redirect=5, backoff_factor=0.3,
+            retries=urllib3.Retry(total=5, connect=3, read=2, status=4, redirect=5, backoff_factor=0.2,
+                                  status_forcelist=TRANSIENT, raise_on_status=False,
                                   allowed_methods={"GET", "HEAD", "DELETE"}))
         self._lock = threading.Lock()
         self._creds: Credentials | None = None
@@ -172,6 +178,11 @@ class Registry:
 
     def error(self, resp: urllib3.BaseHTTPResponse, what: str) -> StoreError:
         code = _error_code(resp)
+        err = self._error(resp, code, what)
+        err.status, err.code = resp.status, code  # for a caller that retries
+        return err
+
+    def _error(self, resp: urllib3.BaseHTTPResponse, code: str, what: str) -> StoreError:
         detail = f"{resp.status}" + (f" {code}" if code else "")
         if resp.status == 401:
             return StoreError(f"{self.host}: cannot {what}: credentials refused ({detail})")
@@ -251,8 +262,15 @@ class Registry:
                             headers={"Content-Length": "0"})
         loc = self._location(resp, what)
         url = loc + ("&" if "?" in loc else "?") + urlencode({"digest": digest})
-        self.request("PUT", url, what, scope=scope, body=body, ok=(201,),
-                     headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
+        try:
+            self.request("PUT", url, what, scope=scope, body=body, ok=(201,),
+                         headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
+        except StoreError as e:
+            # a concurrent upload of the same blob can fail one of them (see TRANSIENT); if the blob is there
+            # now, the registry checked its digest when it took it
+            if getattr(e, "status", 0) in (400, *TRANSIENT) and self.blob_size(repo, digest) == size:
+                return
+            raise
 
     def start_and_cancel_upload(self, repo: str) -> None:
         """Whether we may push to `repo`, without leaving anything there."""
@@ -280,10 +298,20 @@ class Registry:
         return None if resp is None else resp.headers.get("Docker-Content-Digest", "")
 
     def put_manifest(self, repo: str, reference: str, data: bytes) -> None:
+        """PUT the exact bytes (idempotent: the same bytes under the same reference), retried on a transient
+        answer (TRANSIENT, or DIGEST_INVALID for bytes whose digest we computed ourselves)."""
         shown = f"{repo}@{reference[:19]}" if reference.startswith("sha256:") else f"{repo}:{reference}"
-        self.request("PUT", f"/v2/{repo}/manifests/{reference}", f"write {shown}",
-                     scope=self.scope(repo, True), body=data, ok=(201,),
-                     headers={"Content-Type": MANIFEST_TYPE, "Content-Length": str(len(data))})
+        for attempt in range(PUT_TRIES):
+            try:
+                self.request("PUT", f"/v2/{repo}/manifests/{reference}", f"write {shown}",
+                             scope=self.scope(repo, True), body=data, ok=(201,),
+                             headers={"Content-Type": MANIFEST_TYPE, "Content-Length": str(len(data))})
+                return
+            except StoreError as e:
+                status, code = getattr(e, "status", 0), getattr(e, "code", "")
+                if attempt == PUT_TRIES - 1 or not (status in TRANSIENT or code.startswith("DIGEST_INVALID")):
+                    raise
+                time.sleep(0.2 * (attempt + 1))
 
     def delete_manifest(self, repo: str, digest: str) -> None:
         self.request("DELETE", f"/v2/{repo}/manifests/{digest}", f"delete {repo}@{digest[7:19]}",
