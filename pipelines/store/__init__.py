@@ -48,7 +48,8 @@ def open_store(uri: str | None = None) -> Store:
 
         host, _, repository = uri[6:].partition("/")
         if not host or not repository.strip("/") or "@" in host or "?" in uri or "#" in uri:
-            raise StoreError(f"{uri!r} is not oci://host[:port]/repository (credentials go in "
+            shown = "oci://***@" + uri.split("@", 1)[1] if "@" in host else uri  # never echo a password
+            raise StoreError(f"{shown!r} is not oci://host[:port]/repository (credentials go in "
                              "HIVE_AOT_OCI_USERNAME/HIVE_AOT_OCI_PASSWORD or docker's config.json, never the URI)")
         return OciStore(host, repository)
     from .local import LocalStore
