@@ -107,7 +107,7 @@ class Registry:
         scopes = scope.split(" ") if scope else ([challenge.params["scope"]] if challenge.params.get("scope") else [])
         headers = {}
         if creds is not None and creds.identity_token:
-            resp = self._token_request("POST", realm, what, fields={
+            resp = self._token_request("POST", realm, what, encode_multipart=False, fields={  # OAuth2: a form
                 "grant_type": "refresh_token", "refresh_token": creds.password, "client_id": "hive-aot",
                 "scope": " ".join(scopes), **query})
         else:
