@@ -71,7 +71,8 @@ class Setting:
 REGISTRY = Setting("HIVE_AOT_REGISTRY", "deployment registry YAML (models, profiles, policies); else ./registry.yaml "
                    "if present, else the embedded defaults")
 RECIPES = Setting("HIVE_AOT_RECIPES", "directory of the deployment's own recipes; else the registry's recipes_dir")
-STORE = Setting("HIVE_AOT_STORE", "artifact store URI: a directory, file://, or s3://bucket/prefix", "./artifacts")
+STORE = Setting("HIVE_AOT_STORE", "artifact store URI: a directory, file://, s3://bucket/prefix or "
+                "oci://host[:port]/repository", "./artifacts")
 CACHE = Setting("HIVE_AOT_CACHE", "local cache: snapshots, reference logits, pulled blobs, downloads "
                 "(default ~/.cache/hive-aot)")
 PULL_PART_SIZE = Setting("HIVE_AOT_PULL_PART_SIZE", "size of one ranged GET of a pull (e.g. 16M): smaller parts "
@@ -101,6 +102,11 @@ SERVE_PROGRAMS = Setting("HIVE_AOT_SERVE_PROGRAMS", "serving programs pinned to 
                          "vllm=/opt/vllm/bin/vllm,llama-server=/usr/local/bin/llama-server")
 SERVE_ENV = Setting("HIVE_AOT_SERVE_ENV", "extra environment variable names a manifest's serving command may set "
                     "(comma-separated)")
+
+OCI_USERNAME = Setting("HIVE_AOT_OCI_USERNAME", "user name for an oci:// store's registry (with "
+                       "HIVE_AOT_OCI_PASSWORD); else docker's config.json, else anonymous", secret=True)
+OCI_PASSWORD = Setting("HIVE_AOT_OCI_PASSWORD", "password or access token for an oci:// store's registry",
+                       secret=True)
 
 # --- orchestration -----------------------------------------------------------------------------------------------
 CELERY_BROKER = Setting("HIVE_AOT_CELERY_BROKER", "Celery broker URL: every Dagster step becomes a Celery task",

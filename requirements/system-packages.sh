@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Debian packages the tests drive for real: redis-server (the Celery broker of tests/test_celery.py) and
+# Debian packages the tests drive for real: redis-server (the Celery broker of tests/test_celery.py), docker-registry
+# and skopeo (the OCI store tests: a real registry and an independent client, tests/oci_registry.py) and
 # chromium + chromium-driver (tests/test_ui.py's headless browser). Installed when a command is missing;
 # nothing is done when all are present. Without apt (or root) it says so in one line and goes on: the Celery
 # test then fails naming redis-server, the browser test skips with its reason.
 set -u
-declare -A PACKAGE=([redis-server]=redis-server [chromium]=chromium [chromedriver]=chromium-driver)
+declare -A PACKAGE=([redis-server]=redis-server [chromium]=chromium [chromedriver]=chromium-driver [docker-registry]=docker-registry [skopeo]=skopeo)
 missing=()
 for cmd in "${!PACKAGE[@]}"; do
   command -v "$cmd" >/dev/null 2>&1 || missing+=("${PACKAGE[$cmd]}")

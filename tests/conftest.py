@@ -18,7 +18,7 @@ from factories import make_llama  # noqa: E402
 
 from pipelines import warm  # noqa: E402
 
-pytest_plugins = ["hf_mirror", "s3_server"]  # olah HF mirror, SeaweedFS S3 (tests/*.py)
+pytest_plugins = ["hf_mirror", "s3_server", "oci_registry"]  # olah HF mirror, SeaweedFS S3, docker-registry (tests/*.py)
 
 REPO_ROOT = Path.cwd()
 

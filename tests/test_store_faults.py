@@ -1,4 +1,4 @@
-"""Fault loops on a real store (local directory and SeaweedFS S3), on a tiny artifact:
+"""Fault loops on a real store (local directory, SeaweedFS S3, a docker-registry OCI store), on a tiny artifact:
 
 - `hive-aot build` killed (SIGKILL to its whole process group, as a container kill does) at the store's own
   events (`pipelines/store/faults.py`: a blob, the staging record, the manifest, each ref, half-written and
@@ -42,7 +42,9 @@ def model(tmp_path_factory):
 
 
 def _store_uri(kind: str, tmp_path: Path, request) -> str:
-    return str(tmp_path / "store") if kind == "local" else request.getfixturevalue("s3_uri")
+    if kind == "local":
+        return str(tmp_path / "store")
+    return request.getfixturevalue("s3_uri" if kind == "s3" else "oci_uri")
 
 
 def check_store(uri: str) -> dict[str, int]:
@@ -76,7 +78,7 @@ def _events_of_a_build(model: dict, env: dict[str, str], store: str, tmp_path: P
     return record.read_text().split()
 
 
-@pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.parametrize("kind", ["local", "s3", "oci"])
 def test_killed_publishers_never_leave_a_ref_to_nothing(kind, model, tmp_path, request, record_property):
     uri = _store_uri(kind, tmp_path, request)  # first: the S3 server's AWS_* variables go into env below
     cache = tmp_path / "cache"
@@ -149,7 +151,7 @@ def _cache_copy(warm: Path, dest: Path) -> Path:
     return dest
 
 
-@pytest.mark.parametrize("kind", ["local", "s3"])
+@pytest.mark.parametrize("kind", ["local", "s3", "oci"])
 def test_six_publishers_of_one_build_and_six_pullers_of_one_blob(kind, model, warm_cache, tmp_path, request):
     uri = _store_uri(kind, tmp_path, request)
     env = {**os.environ, "HIVE_AOT_CACHE": str(tmp_path / "cache")}

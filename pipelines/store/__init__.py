@@ -1,4 +1,4 @@
-"""The artifact store: one layout for local directories and S3.
+"""The artifact store: one layout for local directories, S3 and OCI registries (oci.py maps it onto one).
 
     blobs/sha256/<2 hex>/<64 hex>                     immutable, verified on write
     manifests/<model-slug>/<recipe>/<build-id>.json   immutable, deterministic bytes
@@ -27,13 +27,13 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 def open_store(uri: str | None = None) -> Store:
-    """A path, `file:///absolute/path` or `s3://bucket[/prefix]`; anything else is refused (an unknown
-    scheme taken as a relative path once wrote `./ftp:/x/...` and reported success)."""
+    """A path, `file:///absolute/path`, `s3://bucket[/prefix]` or `oci://host[:port]/repository`; anything else
+    is refused (an unknown scheme taken as a relative path once wrote `./ftp:/x/...` and reported success)."""
     uri = uri or default_store_uri()
     scheme = _SCHEME.match(uri)
-    if scheme and scheme.group(1) not in ("s3", "file"):
+    if scheme and scheme.group(1) not in ("s3", "file", "oci"):
         raise StoreError(f"{uri!r}: unknown store scheme {scheme.group(1)!r} "
-                         "(use a path, file:///absolute/path or s3://bucket/prefix)")
+                         "(use a path, file:///absolute/path, s3://bucket/prefix or oci://host[:port]/repository)")
     if uri.startswith("file://") and not uri.startswith("file:///"):
         raise StoreError(f"{uri!r}: a file:// store URI must be absolute (file:///absolute/path)")
     if uri.startswith("s3://"):
@@ -43,6 +43,15 @@ def open_store(uri: str | None = None) -> Store:
         if not bucket:
             raise StoreError(f"{uri!r} is not s3://bucket[/prefix]")
         return S3Store(bucket, prefix)
+    if uri.startswith("oci://"):
+        from .oci import OciStore
+
+        host, _, repository = uri[6:].partition("/")
+        if not host or not repository.strip("/") or "@" in host or "?" in uri or "#" in uri:
+            shown = "oci://***@" + uri.split("@", 1)[1] if "@" in host else uri  # never echo a password
+            raise StoreError(f"{shown!r} is not oci://host[:port]/repository (credentials go in "
+                             "HIVE_AOT_OCI_USERNAME/HIVE_AOT_OCI_PASSWORD or docker's config.json, never the URI)")
+        return OciStore(host, repository)
     from .local import LocalStore
 
     path = uri[len("file://"):] if uri.startswith("file://") else uri

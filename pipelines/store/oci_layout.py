@@ -1,0 +1,119 @@
+"""Where each store key lives in an OCI registry under `oci://HOST/REPOSITORY` (the mapping both ways).
+
+    blobs/sha256/<2>/<hex>                     blob sha256:<hex> of REPOSITORY/blobs (the pool), plus a holder tag
+                                               `<hex>` there: an artifact whose one layer is the blob, so the
+                                               registry's own garbage collection keeps it, and `gc` can list it
+    refs/<slug>/<recipe>/<tag>                 REPOSITORY/<slug>:<recipe>.<tag>       a ModelPack artifact
+    manifests/<slug>/<recipe>/<build>.json     REPOSITORY/<slug>:_m.<recipe>.<build>  a ModelPack artifact
+    signatures/<slug>/<recipe>/<build>.json.sig REPOSITORY/<slug>:_s.<recipe>.<build> a document artifact
+    staging/<build>.json                       REPOSITORY/hive-aot:staging.<build>    a document artifact
+    profiles.json                              REPOSITORY/hive-aot:profiles.json      a document artifact
+
+`<slug>` is the model slug lowercased (repository names are lowercase; Hugging Face ids are case-insensitive
+too): the original spelling travels in each artifact's `io.hive-aot.key` annotation and comes back from there
+when the registry is listed. A recipe id holds no '.', so `<recipe>.<tag>` splits at its first '.'; hive-aot's
+own tags start with '_', which no ref tag can. A slug is `org--name`, so it never collides with the two
+one-word repositories `blobs` and `hive-aot`. What does not fit OCI's grammar (a repository component
+`[a-z0-9]+((.|_|__|-+)[a-z0-9]+)*`, a tag `[A-Za-z0-9_][A-Za-z0-9._-]{0,127}`) is refused in one line.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..errors import StoreError
+
+POOL, META = "blobs", "hive-aot"
+_COMPONENT = re.compile(r"[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*")
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class Place:
+    kind: str  # "blob", "ref", "manifest", "signature", "meta"
+    repo: str  # the repository under REPOSITORY (POOL, META or a slug, lowercased)
+    tag: str  # the tag that holds the document (for a blob: its holder)
+    slug: str = ""  # the model slug as the key spells it
+    digest: str = ""  # a blob's sha256:<hex>
+
+
+def check_repository(path: str, uri: str) -> str:
+    for part in path.split("/"):
+        if not _COMPONENT.fullmatch(part):
+            raise StoreError(f"{uri}: {path!r} is not an OCI repository name (lowercase letters and digits, "
+                             f"separated by '.', '_', '__' or '-', components joined by '/')")
+    return path
+
+
+def _tag(tag: str, key: str) -> str:
+    if not _TAG.fullmatch(tag):
+        raise StoreError(f"cannot map store key {key!r} onto an OCI tag: {tag!r} is not a valid tag "
+                         "(at most 128 of A-Z a-z 0-9 _ . -)")
+    return tag
+
+
+def _slug_repo(slug: str, key: str) -> str:
+    repo = slug.lower()
+    if not _COMPONENT.fullmatch(repo) or repo in (POOL, META):
+        raise StoreError(f"cannot map store key {key!r} onto an OCI repository: {repo!r} is not a valid "
+                         "repository component")
+    return repo
+
+
+def _recipe(recipe: str, key: str) -> str:
+    if "." in recipe or not recipe:
+        raise StoreError(f"cannot map store key {key!r} onto an OCI tag: recipe {recipe!r} holds a '.' "
+                         "(the separator of <recipe>.<tag>)")
+    return recipe
+
+
+def place(key: str) -> Place | None:
+    """Where `key` lives; None for a key no backend writes (reads of it find nothing)."""
+    parts = key.split("/")
+    if parts[0] == "blobs":
+        if len(parts) == 4 and parts[1] == "sha256" and _HEX.fullmatch(parts[3]) and parts[2] == parts[3][:2]:
+            return Place("blob", POOL, parts[3], digest=f"sha256:{parts[3]}")
+        return None
+    if parts[0] in ("refs", "manifests", "signatures") and len(parts) == 4:
+        _, slug, recipe, last = parts
+        repo, recipe = _slug_repo(slug, key), _recipe(recipe, key)
+        if parts[0] == "refs":
+            return Place("ref", repo, _tag(f"{recipe}.{last}", key), slug)
+        suffix = ".json" if parts[0] == "manifests" else ".json.sig"
+        build = last[:-len(suffix)] if last.endswith(suffix) else ""
+        if not _HEX.fullmatch(build):
+            return None
+        return Place(parts[0][:-1], repo, _tag(f"_{parts[0][0]}.{recipe}.{build}", key), slug)
+    if parts[0] == "staging" and len(parts) == 2 and parts[1].endswith(".json") and _HEX.fullmatch(parts[1][:-5]):
+        return Place("meta", META, f"staging.{parts[1][:-5]}")
+    if key == "profiles.json":
+        return Place("meta", META, "profiles.json")
+    return None
+
+
+def key_of(repo: str, tag: str, slug: str) -> str | None:
+    """The store key a tag of a repository holds (`slug`: the model slug as written, for a model repository);
+    None for a tag that is none of hive-aot's."""
+    if repo == POOL:
+        return f"blobs/sha256/{tag[:2]}/{tag}" if _HEX.fullmatch(tag) else None
+    if repo == META:
+        if tag.startswith("staging.") and _HEX.fullmatch(tag[8:]):
+            return f"staging/{tag[8:]}.json"
+        return "profiles.json" if tag == "profiles.json" else None
+    if tag.startswith(("_m.", "_s.")):
+        recipe, _, build = tag[3:].partition(".")
+        if not (recipe and _HEX.fullmatch(build)):
+            return None
+        return (f"manifests/{slug}/{recipe}/{build}.json" if tag[1] == "m"
+                else f"signatures/{slug}/{recipe}/{build}.json.sig")
+    recipe, dot, ref = tag.partition(".")
+    return f"refs/{slug}/{recipe}/{ref}" if dot and recipe and ref and not tag.startswith("_") else None
+
+
+def area_of(prefix: str) -> tuple[str, str | None]:
+    """(first key component, the model slug the prefix names or None) of a list() prefix."""
+    parts = prefix.split("/")
+    slug = parts[1] if len(parts) > 1 and parts[1] and parts[0] in ("refs", "manifests", "signatures") else None
+    return parts[0], slug
