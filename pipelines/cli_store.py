@@ -132,3 +132,43 @@ def cmd_gc(args) -> int:
                      f"{len(res['temporaries'])} stale temporary file(s), {len(res['work'])} dead work dir(s) and "
                      f"{len(res['partials'])} dead partial download(s)")
     return EXIT_OK
+
+
+def cmd_modelcar(args) -> int:
+    from .modelcar import modelcar
+
+    res = modelcar(args.model, store_uri=args.store, recipe=args.recipe, build=args.build, tag=args.tag,
+                   image_tag=args.image_tag, base=args.base)
+    verb = "already there:" if res["already_present"] else "pushed"
+    human = (f"{verb} Modelcar of {res['model_id']} {res['recipe']} (build {res['build_id'][:12]}, {res['files']} "
+             f"file(s), layer {size(res['layer_size'])}" + (f", on {res['base']}" if res["base"] else "")
+             + f")\n  {res['storage_uri']}\n  digest {res['digest']}")
+    if not res["base"]:
+        human += "\n  no base image: for image volumes (subPath: models) and oci+native://; KServe's Modelcar mode " \
+                 "needs --base (a runnable image with a shell, e.g. busybox)"
+    emit(args, res, human)
+    return EXIT_OK
+
+
+def modelcar_parser(sub) -> None:
+    sp = sub.add_parser("modelcar", help="push a Modelcar image of a published artifact (its files under /models) "
+                                         "to the artifact's repository in an oci:// store",
+                        description="Push a regular OCI image whose one added layer is an uncompressed tar of the "
+                                    "artifact's files under models/ (deterministic: the same artifact gives the same "
+                                    "digest), streamed from the store to the registry, tagged <recipe>.<tag>-modelcar "
+                                    "(or <recipe>.<build id>-modelcar with --build) in the model's repository. "
+                                    "Without --base the image has no shell: it is for Kubernetes image volumes "
+                                    "(subPath: models) and KServe's oci+native://. KServe's Modelcar mode "
+                                    "(storageUri: oci://..., enableModelcar) runs `ln` and `sleep` in it: give "
+                                    "--base a runnable image such as busybox.")
+    sp.add_argument("model", help="org/name[@build_id]")
+    sp.add_argument("--recipe", help="the recipe (default: the only one published with --tag)")
+    sp.add_argument("--build", help="a build id instead of a tag")
+    sp.add_argument("--tag", default="latest", help="the ref tag whose build is imaged (default latest)")
+    sp.add_argument("--image-tag", help="the image's tag (default <recipe>.<tag>-modelcar); not one of the store's "
+                                        "own <recipe>.<tag> tags")
+    sp.add_argument("--base", metavar="IMAGE_REF", help="a base image: oci://host[:port]/repository[:tag] or a "
+                                                        "repository[:tag] of the store's registry")
+    sp.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    sp.add_argument("--store", help="an oci://host[:port]/repository store (default: $HIVE_AOT_STORE)")
+    sp.set_defaults(func=cmd_modelcar)

@@ -168,7 +168,8 @@ class OciStore(Store):
             if repo in self._slugs:
                 return self._slugs[repo]
         spelled = repo
-        for tag in self.registry.tags(self._repo(repo))[:1]:
+        # a tag that holds a store key: a Modelcar image (or another tool's tag) carries no key annotation
+        for tag in [t for t in self.registry.tags(self._repo(repo)) if key_of(repo, t, repo)][:1]:
             got = self.registry.get_manifest(self._repo(repo), tag)
             try:
                 key = read_document(got[0], repo).key if got else ""

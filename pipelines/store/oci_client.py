@@ -1,6 +1,7 @@
 """A small client of the OCI distribution API (v1.1) on urllib3, which the base install has through botocore.
 
-Only what the OCI store needs: blobs (HEAD, ranged GET, monolithic upload, cross-repository mount, DELETE),
+Only what the OCI store needs: blobs (HEAD, ranged GET, monolithic and chunked upload, cross-repository mount,
+DELETE),
 manifests (GET, PUT, DELETE by digest), tags and the catalog with `Link` pagination. Authentication answers
 the registry's challenge (oci_auth.py): Basic, or a Bearer token per scope from the challenge's realm.
 
@@ -51,6 +52,14 @@ def _error_code(resp: urllib3.BaseHTTPResponse) -> str:
     except (ValueError, AttributeError, IndexError, TypeError):
         return ""
     return f"{code}: {message}"[:160] if message else code[:80]
+
+
+def _range_end(header: str | None) -> int | None:
+    """Bytes held, from an upload's `Range: 0-<last>`; None when absent, malformed or the ambiguous `0-0`."""
+    first, _, last = (header or "").partition("-")
+    if first.strip() != "0" or not last.strip().isdigit() or int(last) == 0:
+        return None
+    return int(last) + 1
 
 
 class Registry:
@@ -272,6 +281,43 @@ class Registry:
                 return
             raise
 
+    # Chunked upload (a layer streamed as it is made, its digest known only at the end). Distribution 2.8
+    # ignores Content-Range and appends whatever a PATCH carries: a PATCH re-sent after a lost answer would
+    # duplicate bytes, so nothing here retries one; the caller asks upload_offset() where the upload stands.
+    def start_upload(self, repo: str) -> str:
+        what = f"start an upload to {repo}"
+        resp = self.request("POST", f"/v2/{repo}/blobs/uploads/", what, scope=self.scope(repo, True), ok=(202,),
+                            headers={"Content-Length": "0"})
+        return self._location(resp, what)
+
+    def patch_upload(self, repo: str, location: str, start: int, data: bytes) -> tuple[str, int | None]:
+        """Append `data` at `start`: (the upload's newest Location, its size as the registry now reports it,
+        None when it did not say)."""
+        what = f"upload a chunk to {repo}"
+        resp = self.request("PATCH", location, what, scope=self.scope(repo, True), body=data, ok=(202,),
+                            headers={"Content-Type": "application/octet-stream", "Content-Length": str(len(data)),
+                                     "Content-Range": f"{start}-{start + len(data) - 1}"})
+        return self._location(resp, what), _range_end(resp.headers.get("Range"))
+
+    def upload_offset(self, repo: str, location: str) -> tuple[str, int | None] | None:
+        """(Location, bytes the registry holds) of an upload in progress; None when it is gone. The size is
+        None when the answer is ambiguous: Distribution says `0-0` both for no byte and for one."""
+        what = f"read the state of an upload to {repo}"
+        resp = self.request("GET", location, what, scope=self.scope(repo, True), ok=(204,), missing_ok=True)
+        if resp is None:
+            return None
+        return self._location(resp, what), _range_end(resp.headers.get("Range"))
+
+    def finish_upload(self, repo: str, location: str, digest: str) -> None:
+        """The closing PUT: the registry checks the digest of everything appended, then the blob exists."""
+        what = f"finish the upload of blob {digest[7:19]} to {repo}"
+        url = location + ("&" if "?" in location else "?") + urlencode({"digest": digest})
+        self.request("PUT", url, what, scope=self.scope(repo, True), ok=(201,), headers={"Content-Length": "0"})
+
+    def cancel_upload(self, repo: str, location: str) -> None:
+        self.request("DELETE", location, f"cancel an upload to {repo}", scope=self.scope(repo, True),
+                     ok=(204, 200, 202), missing_ok=True)
+
     def start_and_cancel_upload(self, repo: str) -> None:
         """Whether we may push to `repo`, without leaving anything there."""
         what = f"write to {repo}"
@@ -284,10 +330,10 @@ class Registry:
         self.request("DELETE", f"/v2/{repo}/blobs/{digest}", f"delete blob {digest[7:19]}", scope=self.scope(repo, True),
                      ok=(202, 200, 204), missing_ok=True)
 
-    def get_manifest(self, repo: str, reference: str) -> tuple[bytes, str] | None:
+    def get_manifest(self, repo: str, reference: str, accept: str = MANIFEST_TYPE) -> tuple[bytes, str] | None:
         """(bytes, digest) of a manifest by tag or digest, None when there is none."""
         resp = self.request("GET", f"/v2/{repo}/manifests/{reference}", f"read {repo}:{reference}",
-                            scope=self.scope(repo), headers={"Accept": MANIFEST_TYPE}, missing_ok=True)
+                            scope=self.scope(repo), headers={"Accept": accept}, missing_ok=True)
         if resp is None:
             return None
         return resp.data, resp.headers.get("Docker-Content-Digest", "")

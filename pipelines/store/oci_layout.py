@@ -9,6 +9,10 @@
     staging/<build>.json                       REPOSITORY/hive-aot:staging.<build>    a document artifact
     profiles.json                              REPOSITORY/hive-aot:profiles.json      a document artifact
 
+Modelcar images (`hive-aot modelcar`, oci_modelcar.py) sit beside them in the model's repository under tags that
+are no store key: `<recipe>.<tag>-modelcar` for a ref, `<recipe>.<build>-modelcar` for a build (a ref tag
+ending in `-modelcar` is refused, so the two never meet), or a tag the operator names that maps onto no key.
+
 `<slug>` is the model slug lowercased (repository names are lowercase; Hugging Face ids are case-insensitive
 too): the original spelling travels in each artifact's `io.hive-aot.key` annotation and comes back from there
 when the registry is listed. A recipe id holds no '.', so `<recipe>.<tag>` splits at its first '.'; hive-aot's
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 from ..errors import StoreError
 
 POOL, META = "blobs", "hive-aot"
+MODELCAR_SUFFIX = "-modelcar"
 _COMPONENT = re.compile(r"[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*")
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _HEX = re.compile(r"[0-9a-f]{64}")
@@ -80,6 +85,9 @@ def place(key: str) -> Place | None:
         _, slug, recipe, last = parts
         repo, recipe = _slug_repo(slug, key), _recipe(recipe, key)
         if parts[0] == "refs":
+            if last.endswith(MODELCAR_SUFFIX):
+                raise StoreError(f"cannot map store key {key!r} onto an OCI tag: tags ending in {MODELCAR_SUFFIX!r} "
+                                 "are the Modelcar images' (hive-aot modelcar)")
             return Place("ref", repo, _tag(f"{recipe}.{last}", key), slug)
         suffix = ".json" if parts[0] == "manifests" else ".json.sig"
         build = last[:-len(suffix)] if last.endswith(suffix) else ""
@@ -109,6 +117,8 @@ def key_of(repo: str, tag: str, slug: str) -> str | None:
         return (f"manifests/{slug}/{recipe}/{build}.json" if tag[1] == "m"
                 else f"signatures/{slug}/{recipe}/{build}.json.sig")
     recipe, dot, ref = tag.partition(".")
+    if tag.endswith(MODELCAR_SUFFIX):
+        return None  # a Modelcar image, no store key
     return f"refs/{slug}/{recipe}/{ref}" if dot and recipe and ref and not tag.startswith("_") else None
 
 
@@ -117,3 +127,16 @@ def area_of(prefix: str) -> tuple[str, str | None]:
     parts = prefix.split("/")
     slug = parts[1] if len(parts) > 1 and parts[1] and parts[0] in ("refs", "manifests", "signatures") else None
     return parts[0], slug
+
+
+def modelcar_tag(recipe: str, name: str, given: str | None = None) -> str:
+    """The tag of a Modelcar image of `<recipe>.<name>` (a ref's tag or a build id), or the operator's `given`
+    one, refused when it would be a store key's tag (the image would replace a ref or a build's artifact)."""
+    tag = given if given is not None else f"{recipe}.{name}{MODELCAR_SUFFIX}"
+    if not _TAG.fullmatch(tag):
+        raise StoreError(f"{tag[:140]!r} is not a valid OCI tag (at most 128 of A-Z a-z 0-9 _ . -, not starting "
+                         "with '.' or '-')" + ("" if given is not None else ": name one with --image-tag"))
+    if key_of("model", tag, "model") is not None:
+        raise StoreError(f"image tag {tag!r} is of the form of the store's own tags (<recipe>.<tag>, _m., _s.): end "
+                         f"it in {MODELCAR_SUFFIX!r} or leave out the '.'")
+    return tag
