@@ -98,9 +98,10 @@ def cmd_retire(args) -> int:
 
     res = retire(args.model, recipe=args.recipe, store_uri=args.store, dry_run=args.dry_run)
     verb = "would remove" if res["dry_run"] else "removed"
-    emit(args, res, f"{verb} {len(res['refs'])} ref(s) and {len(res['manifests'])} manifest(s) of {res['model_id']}"
-                     f"{' ' + res['recipe'] if res['recipe'] else ''}; {res['blobs_left_for_gc']} blob(s) left for "
-                     "`hive-aot gc`")
+    images = f", {len(res['images'])} Modelcar image tag(s)" if res["images"] else ""
+    emit(args, res, f"{verb} {len(res['refs'])} ref(s) and {len(res['manifests'])} manifest(s){images} of "
+                     f"{res['model_id']}{' ' + res['recipe'] if res['recipe'] else ''}; {res['blobs_left_for_gc']} "
+                     "blob(s) left for `hive-aot gc`")
     return EXIT_OK
 
 

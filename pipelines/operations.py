@@ -82,12 +82,15 @@ def retire(model_id: str, *, recipe: str | None = None, store_uri: str | None = 
         raw = store.read_bytes(key)
         if raw is not None:
             digests.update(f.sha256 for f in Manifest.parse(raw, f"{store.uri}: {key}").files)
+    # images made from these builds first (an OCI store's Modelcars): a retire killed after them is run again,
+    # one killed after the manifests would leave them with nothing that names them
+    images = store.delete_derived(manifests, dry_run=dry_run)
     if not dry_run:
         for key in refs:  # refs first: none is ever left naming a deleted manifest
             store.delete(key)
         for key in manifests:
             store.delete(key)
-    return {"model_id": model_id, "recipe": recipe, "refs": refs, "manifests": manifests,
+    return {"model_id": model_id, "recipe": recipe, "refs": refs, "manifests": manifests, "images": images,
             "blobs_left_for_gc": len(digests), "dry_run": dry_run, "store": store.uri}
 
 

@@ -257,3 +257,36 @@ def test_a_killed_upload_leaves_no_tag(published):
         assert _skopeo("inspect", "--tls-verify=false", f"docker://{published['repo']}:{tag}", ok=False).returncode != 0
     done = _modelcar(published, "--image-tag", tag)
     assert tag in _tags(published["repo"]) and done["already_present"] is False
+
+
+def test_retire_takes_the_modelcar_images_down_with_the_build(oci_registry, tiny_llama, tmp_path):
+    """A licence takedown leaves no pullable copy: retire deletes the Modelcar images made from the builds it
+    retires (every tag of the image), lists them under --dry-run without touching them, and leaves another
+    model's image alone."""
+    name = f"hive-{uuid.uuid4().hex[:8]}"
+    uri = f"oci://{oci_registry}/{name}"
+    config = Config.load(write_test_config(tmp_path / "cfg", REPO))
+    builds = {}
+    for model in (MODEL, "test-org/Other-Car"):
+        assert build_and_publish(str(tiny_llama), "gguf-f16", config, uri, model).state == "published"
+        proc = _cli("modelcar", model, "--store", uri, "--json")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        builds[model] = json.loads(proc.stdout)["build_id"]
+        # a second tag of the same image: the build's own
+        assert _cli("modelcar", f"{model}@{builds[model]}", "--store", uri, "--json").returncode == 0
+    repo, other = f"{oci_registry}/{name}/{SLUG_REPO}", f"{oci_registry}/{name}/test-org--other-car"
+    images = sorted(t for t in _tags(repo) if t.endswith("-modelcar"))
+    assert images == sorted(["gguf-f16.latest-modelcar", f"gguf-f16.{builds[MODEL]}-modelcar"])
+
+    dry = _cli("retire", MODEL, "--store", uri, "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    assert sorted(json.loads(dry.stdout)["images"]) == sorted(f"{repo}:{t}" for t in images)
+    assert sorted(t for t in _tags(repo) if t.endswith("-modelcar")) == images  # a dry run deletes nothing
+
+    done = _cli("retire", MODEL, "--store", uri, "--json")
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)["images"]) == 2
+    assert [t for t in _tags(repo) if t.endswith("-modelcar")] == []
+    assert _skopeo("inspect", "--tls-verify=false", f"docker://{repo}:gguf-f16.latest-modelcar", ok=False).returncode != 0
+    assert sorted(t for t in _tags(other) if t.endswith("-modelcar")) == sorted(  # another model's stay
+        ["gguf-f16.latest-modelcar", f"gguf-f16.{builds['test-org/Other-Car']}-modelcar"])

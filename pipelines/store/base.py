@@ -88,6 +88,12 @@ class Store(ABC):
         writes are atomic per object and leave none)."""
         return []
 
+    def delete_derived(self, manifest_keys: list[str], dry_run: bool = False) -> list[str]:
+        """Delete what the store keeps beside these manifests outside its keys, made from them (an OCI store's
+        Modelcar images): retire takes them down with the build, so no copy stays pullable. Their names (listed
+        only, with `dry_run`). Nothing in stores that keep no such things."""
+        return []
+
     def local_path(self, key: str) -> Path | None:
         """A path readers can use in place, for stores on the local file system."""
         return None

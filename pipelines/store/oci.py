@@ -34,7 +34,7 @@ from ..paths import safe_relpath
 from .base import Entry, Store
 from .faults import store_event
 from .oci_client import Registry
-from .oci_layout import META, POOL, Place, area_of, check_repository, key_of, place
+from .oci_layout import META, MODELCAR_OF, POOL, Place, area_of, check_repository, key_of, place
 from .oci_modelpack import (EMPTY, EMPTY_BYTES, MODEL_CONFIG, build_of, compose, config_bytes, holder,
                             read_document)
 
@@ -333,6 +333,35 @@ class OciStore(Store):
         elif not digest:
             return
         store_event("delete", key)
+
+
+    def delete_derived(self, manifest_keys: list[str], dry_run: bool = False) -> list[str]:
+        """The Modelcar images (tags that hold no store key) whose MODELCAR_OF annotation names one of these
+        manifests, deleted by digest (every tag of an image goes with it)."""
+        wanted, found = set(manifest_keys), []
+        for repo in sorted({place(k).repo for k in manifest_keys if place(k) is not None}):
+            full, digests = self._repo(repo), set()
+            for tag in self.registry.tags(full):  # all of them first: deleting an image takes all its tags
+                if key_of(repo, tag, repo) is not None:
+                    continue
+                got = self.registry.get_manifest(full, tag)
+                if got is not None and _annotations(got[0]).get(MODELCAR_OF) in wanted:
+                    found.append(f"{self.host}/{full}:{tag}")
+                    digests.add(got[1])
+            for digest in sorted(digests) if not dry_run else ():
+                self.registry.delete_manifest(full, digest)
+        return found
+
+
+def _annotations(raw: bytes) -> dict:
+    import json
+
+    try:
+        doc = json.loads(raw)
+    except ValueError:  # not a manifest of ours: nothing to match
+        return {}
+    notes = doc.get("annotations") if isinstance(doc, dict) else None
+    return notes if isinstance(notes, dict) else {}
 
 
 class _BytesReader:

@@ -30,6 +30,8 @@ from ..errors import StoreError
 
 POOL, META = "blobs", "hive-aot"
 MODELCAR_SUFFIX = "-modelcar"
+# a Modelcar image's annotation naming the manifest key it was made of: retire finds the images of what it takes down
+MODELCAR_OF = "io.hive-aot.modelcar.of"
 _COMPONENT = re.compile(r"[a-z0-9]+(?:(?:\.|_|__|-+)[a-z0-9]+)*")
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 _HEX = re.compile(r"[0-9a-f]{64}")

@@ -32,7 +32,7 @@ from .faults import store_event
 from .layout import blob_key
 from .oci import OciStore
 from .oci_client import MANIFEST_TYPE, Registry
-from .oci_layout import check_repository, modelcar_tag, place
+from .oci_layout import MODELCAR_OF, check_repository, modelcar_tag, place
 from .oci_tar import chunks, layer_size, plan
 
 IMAGE_CONFIG = "application/vnd.oci.image.config.v1+json"
@@ -46,7 +46,7 @@ ACCEPT = ", ".join((MANIFEST_TYPE, OCI_INDEX, DOCKER_MANIFEST, DOCKER_LIST))
 DOCKER_LAYERS = {"application/vnd.docker.image.rootfs.diff.tar.gzip": "application/vnd.oci.image.layer.v1.tar+gzip",
                  "application/vnd.docker.image.rootfs.foreign.diff.tar.gzip":
                      "application/vnd.oci.image.layer.nondistributable.v1.tar+gzip"}
-A_BUILD, A_OF, A_LAYOUT = "io.hive-aot.modelcar.build", "io.hive-aot.modelcar.of", "io.hive-aot.modelcar.layout"
+A_BUILD, A_OF, A_LAYOUT = "io.hive-aot.modelcar.build", MODELCAR_OF, "io.hive-aot.modelcar.layout"
 A_BASE_NAME, A_BASE_DIGEST = "org.opencontainers.image.base.name", "org.opencontainers.image.base.digest"
 LAYOUT = "1"  # bumped when the layer or config format changes: an image of the old one is then re-made
 CHUNK = 32 << 20  # bytes per PATCH, held in memory once (what a resumed PATCH re-sends from)
