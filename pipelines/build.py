@@ -327,19 +327,35 @@ def _build_chain(p: Plan, store: Store, config: Config) -> BuildResult:
     return res
 
 
+def _published_meanwhile(p: Plan, store: Store, error: StoreError) -> BuildResult:
+    """The skipped result when a concurrent builder of the same build published it while this one validated or
+    published (its commit deletes the staging record both share: this one then finds none); otherwise `error`,
+    the store's, stands."""
+    res = _published_intact(p, store, published_manifest(p, store))
+    if res is None:
+        raise error
+    return res
+
+
 def _build_one(p: Plan, store: Store, config: Config) -> BuildResult:
     meter.reset()
     staged = stage(p, store)
     if staged.state in ("skipped", "repaired"):  # published before: nothing to validate or publish
         return staged
-    report = validate_staged(p, store)
+    try:
+        report = validate_staged(p, store)
+    except StoreError as e:
+        return _published_meanwhile(p, store, e)
     if not report.passed:
         return BuildResult(build_id=p.build_id, model_id=p.model_id, recipe=p.recipe.id, manifest="", skipped=False,
                            state="rejected", validation=validation_record(p, report), files=staged.files,
                            memory_plan=staged.memory_plan, memory_measured=meter.measured(),
                            step_seconds=meter.seconds())
     with meter.step("publish"):
-        res = publish_staged(p, store, config)
+        try:
+            res = publish_staged(p, store, config)
+        except StoreError as e:
+            return _published_meanwhile(p, store, e)
     res.memory_plan = staged.memory_plan
     res.memory_measured = meter.measured()
     res.step_seconds = meter.seconds()

@@ -163,6 +163,33 @@ def test_unchanged_answers_what_the_skipped_build_would_without_building(publish
     assert plan_each(str(tmp_path / "no-such-model"), ["gguf-f16"], tconfig, MODEL) == {}
 
 
+def test_a_concurrent_builder_that_publishes_first_leaves_this_one_skipped(tiny_llama, tconfig, tmp_path, monkeypatch):
+    """Two builders of one build share its staging record: the one that commits first deletes it, and the other,
+    still validating, finds none. That one answers skipped (the build is published), not an error; a staging
+    record gone with nothing published is still the store's error."""
+    import pipelines.build as build
+    from pipelines.store import staging_key
+
+    real = build.validate_staged
+
+    def other_builder_commits_first(p, store):
+        assert real(p, store).passed
+        build.publish_staged(p, store)  # the other builder's commit: the staging record goes
+        return real(p, store)
+
+    monkeypatch.setattr(build, "validate_staged", other_builder_commits_first)
+    res = build_and_publish(str(tiny_llama), "gguf-f16", tconfig, str(tmp_path / "store"), MODEL)
+    assert res.state == "skipped" and res.skipped is True and _visible(tmp_path / "store")
+
+    def staging_lost(p, store):
+        store.delete(staging_key(p.build_id))
+        return real(p, store)
+
+    monkeypatch.setattr(build, "validate_staged", staging_lost)
+    with pytest.raises(StoreError, match="no staged candidate"):
+        build_and_publish(str(tiny_llama), "gguf-f16", tconfig, str(tmp_path / "other-store"), MODEL)
+
+
 def test_build_id_is_content_addressed(tiny_llama, config, tmp_path):
     base = plan(str(tiny_llama), "gguf-f16", config, MODEL).build_id
 
