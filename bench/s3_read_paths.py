@@ -9,8 +9,9 @@ run, against s5cmd (the anchor), each into a file with ranged GETs in flight at 
 - s5cmd `cp` of the object (no hashing).
 
 On 2026-12-05 (2 cores, quiet): botocore 1.58 s (1.47x s5cmd), http.client with the hash 1.08 s (1.01x), s5cmd
-1.08 s; `hive-aot pull` of the same 1 GiB (bench/pull_s3.py) took 2.6-2.8 s whichever of the first two its store
-used, so the CLI pull loses its time elsewhere too (what to profile next: the issue 26 notes).
+1.08 s. S3Store.iter_range now reads the second way (pipelines/store/s3_ranges.py) and the blob cache hashes
+behind the written frontier: `hive-aot pull` of 1 GiB (bench/pull_s3.py) went from 2.6-2.8 s to 2.1 s, in process
+from 3.5 s to 1.46 s; what the CLI child adds is the next thing to profile (the issue 26 notes).
 """
 
 from __future__ import annotations

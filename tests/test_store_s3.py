@@ -107,3 +107,26 @@ def test_gc_on_s3_keeps_referenced_and_young_blobs(s3_uri, tmp_path):
     assert gc(s3_uri, min_age_s=3600)["blobs"] == []  # too young: may belong to a build in flight
     removed = gc(s3_uri, min_age_s=0)
     assert removed["blobs"] == [blob_key(digest)] and not store.exists(blob_key(digest))
+
+
+def test_ranged_reads_over_presigned_urls_match_botocore_and_say_what_is_missing(s3_uri, tmp_path, monkeypatch):
+    """S3Store.iter_range reads through http.client over a presigned URL (s3_ranges.py): any range gives the
+    object's bytes, a range past a short object's end gives what it has (the caller judges the shortfall), a
+    missing key is one line; behind a proxy the store reads through botocore, with the same answers."""
+    import pipelines.store.s3 as s3_module
+
+    data = os.urandom((3 << 20) + 12345)
+    for via_proxy in (False, True):
+        if via_proxy:
+            monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")  # never reached: botocore is not asked to
+            monkeypatch.setattr(s3_module, "ranges_usable", lambda: False)
+        store = open_store(s3_uri)
+        store.write_bytes("ranges/object.bin", data)
+        for start, length in ((0, len(data)), (1, 1 << 20), ((2 << 20) - 7, (1 << 20) + 100), (len(data) - 1, 1)):
+            got = b"".join(store.iter_range("ranges/object.bin", start, length))
+            assert got == data[start:start + length], (via_proxy, start, length)
+        assert b"".join(store.iter_range("ranges/object.bin", len(data) - 10, 100)) == data[-10:]
+        with pytest.raises(StoreError, match="ranges/missing.bin is missing"):
+            b"".join(store.iter_range("ranges/missing.bin", 0, 10))
+        assert (store._ranges is None) == via_proxy  # which reader answered
+    assert store._ranges is None  # the proxied store never built the http.client reader
