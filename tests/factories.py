@@ -440,3 +440,15 @@ def make_causal_lm(config_class: str, model_class: str, params: dict[str, Any], 
         if (tokenizer_dir / fname).is_file():
             shutil.copy(tokenizer_dir / fname, dest / fname)
     return dest
+
+
+def store_contract(store, ref: str) -> None:
+    """The opening every store's contract test shares, on an empty store: writable, an absent key reads as absent,
+    a document at `ref` (a key under refs/, for the store's own layout) written, overwritten whole, sized, listed
+    and dated."""
+    store.check_writable()
+    assert store.read_bytes(ref) is None and store.size("x/y") is None and not store.exists("x/y")
+    store.write_bytes(ref, b'{"a": 1}')
+    store.write_bytes(ref, b'{"a": 2}')  # overwrite is whole
+    assert store.read_json(ref) == {"a": 2} and store.size(ref) == 8
+    assert store.list("refs/") == [ref] and store.modified(ref) > 0

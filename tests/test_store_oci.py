@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from factories import write_test_config
+from factories import store_contract, write_test_config
 from oci_registry import PASSWORD, USER, data_dir
 from pipelines.build import build_and_publish
 from pipelines.config import Config
@@ -70,12 +70,7 @@ def published(oci_registry, tiny_llama, tmp_path_factory):
 def test_store_contract(oci_uri, tmp_path):
     store = open_store(oci_uri)
     assert isinstance(store, OciStore) and store.uri == oci_uri
-    store.check_writable()
-    assert store.read_bytes("refs/m--x/r/latest") is None and store.size("x/y") is None and not store.exists("x/y")
-    store.write_bytes("refs/m--x/r/latest", b'{"a": 1}')
-    store.write_bytes("refs/m--x/r/latest", b'{"a": 2}')  # overwrite is whole
-    assert store.read_json("refs/m--x/r/latest") == {"a": 2} and store.size("refs/m--x/r/latest") == 8
-    assert store.list("refs/") == ["refs/m--x/r/latest"] and store.modified("refs/m--x/r/latest") > 0
+    store_contract(store, "refs/m--x/r/latest")
     store.write_bytes("profiles.json", b"\xff\x00 not utf-8")  # any bytes, exactly
     assert store.read_bytes("profiles.json") == b"\xff\x00 not utf-8"
     f = tmp_path / "blob.bin"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from factories import write_test_config
+from factories import store_contract, write_test_config
 from pipelines.build import build_and_publish
 from pipelines.config import Config
 from pipelines.errors import IntegrityError, StoreError
@@ -27,12 +27,7 @@ MODEL = "test-org/tiny-s3"
 def test_store_contract(s3_uri, tmp_path):
     store = open_store(s3_uri)
     assert isinstance(store, S3Store) and store.uri == s3_uri
-    store.check_writable()
-    assert store.read_bytes("refs/m/r/latest") is None and store.size("x/y") is None and not store.exists("x/y")
-    store.write_bytes("refs/m/r/latest", b'{"a": 1}')
-    store.write_bytes("refs/m/r/latest", b'{"a": 2}')  # overwrite is whole
-    assert store.read_json("refs/m/r/latest") == {"a": 2} and store.size("refs/m/r/latest") == 8
-    assert store.list("refs/") == ["refs/m/r/latest"] and store.modified("refs/m/r/latest") > 0
+    store_contract(store, "refs/m/r/latest")
     f = tmp_path / "blob.bin"
     f.write_bytes(os.urandom(300_000))
     digest = store.put_blob(f)
