@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -22,7 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from processes import free_port, stop_group
+from processes import free_port, serving
 
 START_TIMEOUT_S = 60.0
 USER, PASSWORD = "hive-test", "oci-test-secret-71ac"
@@ -69,27 +67,21 @@ def registry(root: Path, htpasswd: str | None = None) -> Iterator[str]:
         "version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: true\n"
         f"storage:\n  filesystem:\n    rootdirectory: {root / 'data'}\n  delete:\n    enabled: true\n"
         f"http:\n  addr: 127.0.0.1:{port}\n  secret: local-test-only-{uuid.uuid4().hex}\n{auth}")
-    log = root / "registry.log"
-    with open(log, "wb") as logf:
-        proc = subprocess.Popen([_binary(), "serve", str(root / "config.yml")], cwd=root, stdout=logf,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    args = [_binary(), "serve", str(root / "config.yml")]
     host = f"127.0.0.1:{port}"
     _roots[host] = root
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                urllib.request.urlopen(f"http://{host}/v2/", timeout=2)
-                break
-            except urllib.error.HTTPError:
-                break  # 401: up, and asking for credentials
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("docker-registry did not start: " + log.read_text(errors="replace")[-3000:]) from None
-                time.sleep(0.2)
+    with serving("docker-registry", args, root, root / "registry.log", lambda: _answers(host), START_TIMEOUT_S):
         yield host
-    finally:
-        stop_group(proc)
+
+
+def _answers(host: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{host}/v2/", timeout=2):
+            return True
+    except urllib.error.HTTPError:
+        return True  # 401: up, and asking for credentials
+    except OSError:
+        return False
 
 
 @pytest.fixture(scope="session")

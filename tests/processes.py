@@ -1,5 +1,6 @@
-"""Servers the tests start for real (SeaweedFS, Redis, Celery workers, `dg dev`): a free loopback port, and
-stopping a process started in its own session together with its children."""
+"""Servers the tests start for real (SeaweedFS, docker-registry, Redis, Celery workers, `dg dev`): a free loopback
+port, a server started in its own session and waited for until it answers, and stopping such a process together
+with its children."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import signal
 import socket
 import subprocess
 import tempfile
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 
 # Ports are taken below Linux's ephemeral range (32768-60999 by default), so the kernel never hands one of
@@ -55,3 +59,23 @@ def stop_group(proc: subprocess.Popen, timeout: float = 30) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+@contextmanager
+def serving(name: str, args: list[str], root: Path, log: Path, answers: Callable[[], bool], timeout: float,
+            poll: float = 0.2) -> Iterator[subprocess.Popen]:
+    """Run the server `args` in `root`, in its own session (so its children stop with it), its output in `log`;
+    yield it once `answers()` says it is up, and stop its process group when the block ends. RuntimeError naming
+    `name`, with the log's tail, when it exits first or does not answer within `timeout` seconds."""
+    with open(log, "wb") as logf:
+        proc = subprocess.Popen(args, cwd=root, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not answers():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not start: " + log.read_text(errors="replace")[-3000:])
+            time.sleep(poll)
+        yield proc
+    finally:
+        stop_group(proc)

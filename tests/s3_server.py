@@ -17,15 +17,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 import pytest
-from processes import free_port, stop_group
+from processes import free_port, serving
 
 START_TIMEOUT_S = 90.0
 ACCESS_KEY, SECRET_KEY = "hive-test", "hive-test-secret-9f3c"
@@ -64,35 +62,33 @@ def seaweedfs(root: Path, weed: Path | None = None) -> Iterator[str]:
     args.append(f"-s3.config={root / 's3.json'}")
     log = root / "weed.log"
     _logs.append(log)
-    with open(log, "wb") as logf:
-        proc = subprocess.Popen(args, cwd=root, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
     endpoint = f"http://127.0.0.1:{ports['s3.port']}"
-    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                             "AWS_DEFAULT_REGION")}
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY,
-                      AWS_DEFAULT_REGION="us-east-1")
-    try:
-        import boto3
+    import boto3
 
-        client = boto3.client("s3", aws_access_key_id="admin", aws_secret_access_key=ADMIN_SECRET)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                client.create_bucket(Bucket=BUCKET)
-                break
-            except Exception:  # noqa: BLE001 - not up yet
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("SeaweedFS did not start: " + log.read_text(errors="replace")[-3000:]) from None
-                time.sleep(0.5)
-        yield endpoint
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        stop_group(proc)
+    # endpoint and region given here, not through AWS_*: weed is started, as it always was, before those are set
+    admin = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="admin",
+                         aws_secret_access_key=ADMIN_SECRET)
+
+    def bucket_created() -> bool:
+        try:
+            admin.create_bucket(Bucket=BUCKET)
+            return True
+        except Exception:  # noqa: BLE001 - not up yet
+            return False
+
+    with serving("SeaweedFS", args, root, log, bucket_created, START_TIMEOUT_S, poll=0.5):
+        saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                                 "AWS_DEFAULT_REGION")}
+        os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY,
+                          AWS_DEFAULT_REGION="us-east-1")
+        try:
+            yield endpoint
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 @pytest.hookimpl(hookwrapper=True)
