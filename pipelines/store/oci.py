@@ -34,7 +34,7 @@ from ..paths import safe_relpath
 from .base import Entry, Store
 from .faults import store_event
 from .oci_client import Registry
-from .oci_layout import META, MODELCAR_OF, POOL, Place, area_of, check_repository, key_of, place
+from .oci_layout import META, MODELCAR_OF, POOL, Place, area_of, check_repository, json_object, key_of, place
 from .oci_modelpack import (EMPTY, EMPTY_BYTES, MODEL_CONFIG, build_of, compose, config_bytes, holder,
                             read_document)
 
@@ -354,13 +354,10 @@ class OciStore(Store):
 
 
 def _annotations(raw: bytes) -> dict:
-    import json
-
     try:
-        doc = json.loads(raw)
-    except ValueError:  # not a manifest of ours: nothing to match
+        notes = json_object(raw, "a manifest").get("annotations")
+    except StoreError:  # not a manifest of ours: nothing to match
         return {}
-    notes = doc.get("annotations") if isinstance(doc, dict) else None
     return notes if isinstance(notes, dict) else {}
 
 

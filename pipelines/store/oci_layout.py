@@ -23,8 +23,10 @@ one-word repositories `blobs` and `hive-aot`. What does not fit OCI's grammar (a
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import StoreError
 
@@ -142,3 +144,14 @@ def modelcar_tag(recipe: str, name: str, given: str | None = None) -> str:
         raise StoreError(f"image tag {tag!r} is of the form of the store's own tags (<recipe>.<tag>, _m., _s.): end "
                          f"it in {MODELCAR_SUFFIX!r} or leave out the '.'")
     return tag
+
+
+def json_object(raw: bytes, what: str) -> dict[str, Any]:
+    """The JSON object a registry document (manifest, config) holds; one line naming `what` when it holds none."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise StoreError(f"{what} is not JSON")
+    return doc

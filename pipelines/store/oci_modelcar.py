@@ -32,7 +32,7 @@ from .faults import store_event
 from .layout import blob_key
 from .oci import OciStore
 from .oci_client import MANIFEST_TYPE, Registry
-from .oci_layout import MODELCAR_OF, check_repository, modelcar_tag, place
+from .oci_layout import MODELCAR_OF, check_repository, json_object, modelcar_tag, place
 from .oci_tar import chunks, layer_size, plan
 
 IMAGE_CONFIG = "application/vnd.oci.image.config.v1+json"
@@ -83,16 +83,6 @@ def _locate(ref: str, store: OciStore) -> tuple[str, str, str]:
     return host, check_repository(repo, f"--base {ref}"), reference
 
 
-def _json(raw: bytes, what: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        doc = None
-    if not isinstance(doc, dict):
-        raise StoreError(f"{what} is not JSON")
-    return doc
-
-
 def read_base(ref: str, store: OciStore) -> Base:
     """The base image's layers and config; one line for what is not a runnable image."""
     host, repo, reference = _locate(ref, store)
@@ -101,7 +91,7 @@ def read_base(ref: str, store: OciStore) -> Base:
     got = registry.get_manifest(repo, reference, ACCEPT)
     if got is None:
         raise StoreError(f"--base {shown}: no such image")
-    doc = _json(got[0], f"--base {shown}")
+    doc = json_object(got[0], f"--base {shown}")
     if doc.get("mediaType") in (OCI_INDEX, DOCKER_LIST) or "manifests" in doc:
         entries = [m for m in doc.get("manifests") or [] if isinstance(m, dict)]
         amd64 = [m for m in entries if (m.get("platform") or {}).get("os") == "linux"
@@ -112,7 +102,7 @@ def read_base(ref: str, store: OciStore) -> Base:
         got = registry.get_manifest(repo, pick[0]["digest"], ACCEPT)
         if got is None:
             raise StoreError(f"--base {shown}: its index names {pick[0]['digest'][:19]}, which is not there")
-        doc = _json(got[0], f"--base {shown}")
+        doc = json_object(got[0], f"--base {shown}")
     config = doc.get("config") if isinstance(doc.get("config"), dict) else {}
     if config.get("mediaType") not in (IMAGE_CONFIG, DOCKER_CONFIG) or not isinstance(doc.get("layers"), list):
         raise StoreError(f"--base {shown} is not a runnable image (config {str(config.get('mediaType'))[:80]}): "
@@ -120,7 +110,7 @@ def read_base(ref: str, store: OciStore) -> Base:
     raw = b"".join(registry.blob_stream(repo, config["digest"]))
     if "sha256:" + hashlib.sha256(raw).hexdigest() != config["digest"]:
         raise IntegrityError(f"--base {shown}: its config does not match its digest")
-    cfg = _json(raw, f"--base {shown}: its config")
+    cfg = json_object(raw, f"--base {shown}: its config")
     layers = [{"mediaType": DOCKER_LAYERS.get(la["mediaType"], la["mediaType"]), "digest": la["digest"],
                "size": int(la["size"])} for la in doc["layers"]]
     if len((cfg.get("rootfs") or {}).get("diff_ids") or []) != len(layers):
@@ -243,7 +233,7 @@ def push_modelcar(store: OciStore, key: str, files: list[tuple[str, str, int]], 
            "files": len(files), "layer_size": layer_size(entries)}
     got = reg.get_manifest(repo, tag)
     if got is not None:
-        there = _json(got[0], where)
+        there = json_object(got[0], where)
         notes, layers = there.get("annotations") or {}, there.get("layers") or [{}]
         if (notes.get(A_BUILD), notes.get(A_LAYOUT), notes.get(A_BASE_DIGEST)) == (
                 build_id, LAYOUT, base.digest if base else None):
