@@ -66,10 +66,13 @@ def plan(source: str, recipe_id: str, config: Config, model_id: str | None = Non
     return parent
 
 
-def plan_each(source: str, recipe_ids: list[str], config: Config, model_id: str | None = None) -> dict[str, Plan]:
+def plan_each(source: str, recipe_ids: list[str], config: Config, model_id: str | None = None, *,
+              refused: dict[str, str] | None = None) -> dict[str, Plan]:
     """The plans of several recipes of one model from one fetch (an unpinned Hub source asks the Hub once, not
     once per recipe) and one classification per hardware; a recipe that cannot be planned is left out (its
-    build says why). Nothing at all when the source cannot be fetched."""
+    build says why). Nothing at all when the source cannot be fetched. `refused`, when given, receives the
+    one-line refusal of each recipe that does not apply (NotApplicableError), so a caller that reports those
+    need not plan again."""
     try:
         snap = fetch(source, model_id)
     except HiveError:
@@ -81,6 +84,10 @@ def plan_each(source: str, recipe_ids: list[str], config: Config, model_id: str 
             parent = None
             for recipe in config.lineage(rid):
                 parent = _plan_recipe(snap, recipe, config, parent, seen)
+        except NotApplicableError as e:
+            if refused is not None:
+                refused[rid] = str(e)
+            continue
         except HiveError:
             continue
         if parent is not None:

@@ -11,7 +11,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
@@ -22,6 +22,9 @@ from .factories import INTEGRITY_CHECK, PARITY_CHECK, artifact_key, model_asset_
 from .partitions import models_partitions, partition_key
 from .pools import apply_pool_limits, process_tags, release_dead_claims
 from .resources import HiveResource
+
+if TYPE_CHECKING:
+    from ..planning import Plan
 
 
 INSTANCE_SETTINGS = Path(__file__).with_name("dagster.yaml")
@@ -116,38 +119,36 @@ def _summarize(result: dg.ExecuteInProcessResult, config: Config, model_id: str,
     return rows
 
 
-def _inapplicable(config: Config, entry) -> list[dict[str, Any]]:
-    """Recipes a model with a local source cannot take, found before any Dagster run (its config and weight
-    headers read, nothing hashed: well under a second): one failed row each, with the refusal's line. Hub
-    sources are left to the run (answering would mean asking the Hub)."""
-    from ..errors import NotApplicableError
-    from ..planning import plan
-    from ..sources import parse_source
-
-    source = config.model_source(entry)
-    if parse_source(source).kind == "hf":
-        return []
-    rows = []
-    for rid in entry.recipes:
-        try:
-            plan(source, rid, config, entry.id, hashed=False)
-        except NotApplicableError as e:
-            rows.append({"model_id": entry.id, "recipe": rid, "state": "failed", "error": str(e), "run_id": "none: "
-                         "refused before the run"})
-        except Exception:  # noqa: BLE001 - anything else is the run's to report, with its step and traceback
-            continue
-    return rows
-
-
-def _unchanged(config: Config, entry, store) -> list[dict[str, Any]]:
-    """Recipes of a model whose build would be a no-op (build.unchanged: the build id of its inputs as they are
-    now published, intact, finished): one skipped row each, and no Dagster run for them. A run spends about a
-    second per model storing its step events; deciding this costs the plan and a few store reads."""
-    from ..build import unchanged
+def _plans(config: Config, entry) -> tuple[dict[str, Plan], dict[str, str]]:
+    """The plans of a model's recipes, and the refusal line of each recipe that does not apply: one planning
+    (one fetch, config and weight headers read, digests cached by file identity) answers both `_unchanged`
+    and `_inapplicable`."""
     from ..planning import plan_each
 
+    refused: dict[str, str] = {}
+    return plan_each(config.model_source(entry), entry.recipes, config, entry.id, refused=refused), refused
+
+
+def _inapplicable(config: Config, entry, refused: dict[str, str]) -> list[dict[str, Any]]:
+    """Recipes a model with a local source cannot take, found before any Dagster run by the planning `_plans`
+    did (`refused`: recipe -> its refusal's line): one failed row each, with that line. Hub sources are left to
+    the run, whose step reports the refusal, as they were when answering here meant asking the Hub again."""
+    from ..sources import parse_source
+
+    if parse_source(config.model_source(entry)).kind == "hf":
+        return []
+    return [{"model_id": entry.id, "recipe": rid, "state": "failed", "error": refused[rid],
+             "run_id": "none: refused before the run"} for rid in entry.recipes if rid in refused]
+
+
+def _unchanged(entry, plans: dict[str, Plan], store) -> list[dict[str, Any]]:
+    """Recipes of a model whose build would be a no-op (build.unchanged: the build id of its inputs as they are
+    now published, intact, finished): one skipped row each, and no Dagster run for them. A run spends about a
+    second per model storing its step events; deciding this costs the plan (`_plans`) and a few store reads."""
+    from ..build import unchanged
+
     rows = []
-    for rid, p in plan_each(config.model_source(entry), entry.recipes, config, entry.id).items():
+    for rid, p in plans.items():
         res = unchanged(p, store)
         if res is None:
             continue
@@ -177,9 +178,10 @@ def onboard(registry: str | None = None, store: str | None = None, models: list[
     results, success = [], True
     opened = open_store(store)
     for entry, key in zip(entries, keys):
-        done = _unchanged(config, entry, opened)
+        plans, refusals = _plans(config, entry)
+        done = _unchanged(entry, plans, opened)
         results += done
-        refused = _inapplicable(config, entry) if len(done) < len(entry.recipes) else []
+        refused = _inapplicable(config, entry, refusals) if len(done) < len(entry.recipes) else []
         results += refused
         success &= not refused
         settled = {x["recipe"] for x in done + refused}
