@@ -175,10 +175,12 @@ bench-compare-1b: setup
 	.venv/bin/python bench/compare_llamacpp.py $(BENCH_1B) --model-id bench/llama3-1b --variants f16 --no-validate \
 	  --json-out bench/results/compare_llamacpp-llama3-1b.json
 
-# Publish and pull of a 1 GiB artifact against one loopback SeaweedFS: hive-aot vs s5cmd vs boto3.
+# Publish and pull of a 1.9 GB and a 4 GiB artifact against one loopback SeaweedFS: hive-aot vs s5cmd (and s5cmd
+# followed by a sha256 of the file: the same work as a verified pull) vs boto3, with each side's CPU seconds.
 .PHONY: bench-pull bench-onboard
 bench-pull: setup
-	.venv/bin/python bench/pull_s3.py --size 1G --runs 3 --json-out bench/results/pull_s3-1g.json
+	.venv/bin/python bench/pull_s3.py --size 1.9G --runs 3 --json-out bench/results/pull_s3-1.9g.json
+	.venv/bin/python bench/pull_s3.py --size 4G --runs 3 --json-out bench/results/pull_s3-4g.json
 
 # No-op onboarding through Dagster of 5, 10 and 20 registered models x 3 recipes (every build id published).
 bench-onboard: setup

@@ -3,11 +3,16 @@ plain boto3, plus a cached re-pull and a pull resumed after a kill at 50%.
 
     .venv/bin/python bench/pull_s3.py [--size 1G] [--runs 2] [--json-out FILE]
 
-- publish: hive-aot's `put_blob` (sha256 of the file, then boto3's multipart upload with the digest in the
-  object's metadata, as a build publishes) vs `s5cmd cp` vs boto3 `upload_file` (same transfer settings).
+- publish: hive-aot's `put_blob` of a file whose digest the caller knows (a build's files copied from the source,
+  or hashed while written: one read, the parts hashed as they go, completed only on a match; s3_upload.py) and of a
+  file it must hash first to learn its key, vs `s5cmd cp` vs boto3 `upload_file` (same part size and concurrency).
 - pull: `hive-aot pull` of a manifest naming the blob (64 MiB ranged GETs, 8 at a time, into the blob cache,
-  sha256 verified, the file hard-linked into DIR) vs `s5cmd cp` vs boto3 `download_file`. Each pull starts with
-  an empty cache and the page cache dropped of the written files where the kernel lets us (`posix_fadvise`).
+  sha256 verified as the bytes land, the file hard-linked into DIR) vs `s5cmd cp` vs `s5cmd cp` + a sha256 of the
+  file by OpenSSL's command line (the same work as ours: fetch, then verify; coreutils' sha256sum, 5x slower
+  without SHA extensions, only where openssl is missing) vs boto3 `download_file`. Each pull starts with an empty cache and the
+  page cache dropped of the written files where the kernel lets us (`posix_fadvise`).
+- CPU: each row also records the client's CPU seconds (user + sys of the command) and the server's (SeaweedFS's
+  processes): on a host where both share few cores, CPU is what bounds the wall time (the notes of issue 26).
 - cached re-pull: the same pull again (the cache hit is re-hashed before it is trusted).
 - resumed: a pull killed once half of its parts are written, then the pull that finishes: its time and bytes.
 
@@ -21,6 +26,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -36,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 S5CMD_VERSION = "0.3.3"
+SHA256_TOOL = ["openssl", "dgst", "-sha256"] if shutil.which("openssl") else ["sha256sum"]
 MODEL = "bench/pull-1g"
 
 
@@ -60,12 +67,36 @@ def s5cmd_binary(cache: Path) -> Path:
     return dest
 
 
-def timed(cmd: list[str], env: dict[str, str]) -> float:
+CPU: dict[str, list[tuple[float, float]]] = {}  # row -> (client, server) CPU seconds per run
+
+
+def server_cpu() -> float:
+    """CPU seconds SeaweedFS's processes (`weed`) have used so far."""
+    total = 0.0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        if "(weed)" in stat:
+            fields = stat.rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def timed(cmd: list[str], env: dict[str, str], row: str | None = None, then: list[str] | None = None) -> float:
+    """Wall seconds of `cmd` (and of `then` right after it, counted in the same row); its CPU goes to CPU[row]."""
+    before, server = resource.getrusage(resource.RUSAGE_CHILDREN), server_cpu()
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    for c in (cmd, then) if then else (cmd,):
+        proc = subprocess.run(c, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"pull_s3: {' '.join(c[:4])} failed: {proc.stderr[-1500:]}")
     wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        sys.exit(f"pull_s3: {' '.join(cmd[:4])} failed: {proc.stderr[-1500:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if row:
+        client = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+        CPU.setdefault(row, []).append((client, server_cpu() - server))
     return wall
 
 
@@ -133,20 +164,22 @@ def main() -> int:
             boto = ("import boto3, sys; from boto3.s3.transfer import TransferConfig; "
                     "c = boto3.client('s3'); t = TransferConfig(multipart_threshold=64 << 20, "
                     "multipart_chunksize=64 << 20, max_concurrency=8); ")
+            put = "import sys, pathlib; from pipelines.store import open_store; open_store(sys.argv[1]).put_blob("
+            rows = {"publish: hive-aot put_blob, digest known": [sys.executable, "-c", put + "pathlib.Path(sys.argv[2]), "
+                                                                 "sys.argv[3])", uri, str(blob), digest],
+                    "publish: hive-aot put_blob, hashed first": [sys.executable, "-c", put + "pathlib.Path(sys.argv[2]))",
+                                                                 uri, str(blob)],
+                    "publish: s5cmd cp": [str(s5), "--endpoint-url", endpoint, "cp", str(blob),
+                                          f"s3://{BUCKET}/s5/artifact.bin"],
+                    "publish: boto3 upload_file": [sys.executable, "-c", boto + "c.upload_file(sys.argv[1], sys.argv[2], "
+                                                   "'boto/artifact.bin', Config=t)", str(blob), BUCKET]}
             for run in range(args.runs):
                 log(f"publish, run {run + 1}/{args.runs}")
-                store.delete(blob_key(digest))
-                drop_cache(blob)
-                results.setdefault("publish: hive-aot put_blob", []).append(timed(
-                    [sys.executable, "-c", "import sys; from pipelines.store import open_store; "
-                     "open_store(sys.argv[1]).put_blob(__import__('pathlib').Path(sys.argv[2]))", uri, str(blob)], env))
-                drop_cache(blob)
-                results.setdefault("publish: s5cmd cp", []).append(timed(
-                    [str(s5), "--endpoint-url", endpoint, "cp", str(blob), f"s3://{BUCKET}/s5/artifact.bin"], env))
-                drop_cache(blob)
-                results.setdefault("publish: boto3 upload_file", []).append(timed(
-                    [sys.executable, "-c", boto + "c.upload_file(sys.argv[1], sys.argv[2], 'boto/artifact.bin', Config=t)",
-                     str(blob), BUCKET], env))
+                for row, cmd in rows.items():
+                    store.delete(blob_key(digest))
+                    drop_cache(blob)
+                    results.setdefault(row, []).append(timed(cmd, env, row))
+            store.put_blob(blob, digest)  # each publish row above deleted the blob first
             publish_manifest(store, digest, size)
             pull = [sys.executable, "-m", "pipelines.cli", "pull", MODEL, "--target", "llm-llamacpp-cpu", "--store", uri,
                     "--json"]
@@ -154,19 +187,22 @@ def main() -> int:
                 log(f"pull, run {run + 1}/{args.runs}")
                 cache, dest = work / f"cache-{run}", work / f"dest-{run}"
                 results.setdefault("pull: hive-aot pull", []).append(timed(
-                    [*pull, "--dest", str(dest)], {**env, "HIVE_AOT_CACHE": str(cache)}))
+                    [*pull, "--dest", str(dest)], {**env, "HIVE_AOT_CACHE": str(cache)}, "pull: hive-aot pull"))
                 results.setdefault("re-pull, cached: hive-aot pull", []).append(timed(
                     [*pull, "--dest", str(work / f"dest2-{run}")], {**env, "HIVE_AOT_CACHE": str(cache)}))
                 shutil.rmtree(cache)
                 shutil.rmtree(dest)
                 shutil.rmtree(work / f"dest2-{run}")
                 out = work / f"s5-{run}.bin"
-                results.setdefault("pull: s5cmd cp", []).append(timed(
-                    [str(s5), "--endpoint-url", endpoint, "cp", f"s3://{BUCKET}/s5/artifact.bin", str(out)], env))
+                s5_get = [str(s5), "--endpoint-url", endpoint, "cp", f"s3://{BUCKET}/s5/artifact.bin", str(out)]
+                results.setdefault("pull: s5cmd cp", []).append(timed(s5_get, env, "pull: s5cmd cp"))
+                out.unlink()
+                row = "pull: s5cmd cp + sha256"
+                results.setdefault(row, []).append(timed(s5_get, env, row, then=[*SHA256_TOOL, str(out)]))
                 out.unlink()
                 results.setdefault("pull: boto3 download_file", []).append(timed(
                     [sys.executable, "-c", boto + "c.download_file(sys.argv[1], 'boto/artifact.bin', sys.argv[2], Config=t)",
-                     BUCKET, str(out)], env))
+                     BUCKET, str(out)], env, "pull: boto3 download_file"))
                 out.unlink()
             log("pull killed at 50%, then resumed")
             cache = work / "cache-resume"
@@ -188,25 +224,36 @@ def main() -> int:
             t0 = time.perf_counter()
             done = subprocess.run([*pull, "--dest", str(work / "dest-r")], env=renv, capture_output=True, text=True)
             resumed_wall = time.perf_counter() - t0
-            moved = json.loads(done.stdout)["transfer"] if done.returncode == 0 else {}
+            # a kill that came too late leaves DIR complete: then the second pull moves nothing ("already_present")
+            answer = json.loads(done.stdout) if done.returncode == 0 else {}
+            moved = answer.get("transfer") or {"already_present": answer.get("already_present")}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     med = {k: statistics.median(v) for k, v in results.items()}
     doc = {"size": size, "runs": args.runs, "s5cmd": S5CMD_VERSION, "wall_s": med, "wall_s_runs": results,
-           "ratios": {"publish ours/s5cmd": med["publish: hive-aot put_blob"] / med["publish: s5cmd cp"],
-                      "publish ours/boto3": med["publish: hive-aot put_blob"] / med["publish: boto3 upload_file"],
+           "ratios": {"publish ours (digest known)/s5cmd": med["publish: hive-aot put_blob, digest known"]
+                      / med["publish: s5cmd cp"],
+                      "publish ours (hashed first)/s5cmd": med["publish: hive-aot put_blob, hashed first"]
+                      / med["publish: s5cmd cp"],
+                      "publish ours (digest known)/boto3": med["publish: hive-aot put_blob, digest known"]
+                      / med["publish: boto3 upload_file"],
                       "pull ours/s5cmd": med["pull: hive-aot pull"] / med["pull: s5cmd cp"],
+                      "pull ours/(s5cmd + sha256)": med["pull: hive-aot pull"] / med["pull: s5cmd cp + sha256"],
                       "pull ours/boto3": med["pull: hive-aot pull"] / med["pull: boto3 download_file"]},
+           "cpu_s": {row: {"client": statistics.median(c for c, _ in v), "server": statistics.median(w for _, w in v)}
+                     for row, v in CPU.items()},
            "resumed": {"killed_after_s": killed_after, "wall_s": resumed_wall, **moved},
            "host": {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()}}
     if args.json_out:
         args.json_out.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"{human_bytes(size)} artifact, loopback SeaweedFS, median of {args.runs} (s):")
     for k, v in med.items():
-        print(f"  {k:34} {v:7.2f}  ({size / v / 1e6:6.0f} MB/s)")
+        cpu = doc["cpu_s"].get(k)
+        used = f"  CPU s: client {cpu['client']:5.2f}, server {cpu['server']:5.2f}" if cpu else ""
+        print(f"  {k:42} {v:7.2f}  ({size / v / 1e6:6.0f} MB/s){used}")
     for k, v in doc["ratios"].items():
-        print(f"  {k:34} {v:7.2f}x")
+        print(f"  {k:42} {v:7.2f}x")
     r = doc["resumed"]
     if r.get("fetched_bytes") is not None:
         print(f"  resumed after a kill at 50%: {r['wall_s']:.2f} s, fetched {human_bytes(r['fetched_bytes'])}, reused "

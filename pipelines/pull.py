@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .blob_cache import TransferStats, fetch_blob, missing_bytes, reclaim_partials
+from .blob_cache import TransferStats, fetch_blobs, missing_bytes, reclaim_partials
 from .errors import HiveError, IntegrityError, ResourceError
 from .hashing import sha256_file
 from .manifest import Manifest
@@ -317,7 +317,7 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
         check_disk_for_pull(m, dest)
         stats = TransferStats()
         with bar(m.total_size, f"pull {chosen.recipe}") as pb:
-            blobs = {f.sha256: fetch_blob(store, f.sha256, f.size, pb, stats=stats) for f in m.files}
+            blobs = fetch_blobs(store, {f.sha256: f.size for f in m.files}, pb, stats=stats)
         try:
             _assemble(dest, m, blobs, marker_doc)
         except OSError as e:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.blob_cache import TransferStats, blob_path, fetch_blob, missing_bytes, parts_of, reclaim_partials
+from pipelines.blob_cache import (TransferStats, blob_path, fetch_blob, fetch_blobs, missing_bytes, parts_of,
+                                  reclaim_partials)
 from pipelines.errors import IntegrityError, StoreError
 from pipelines.hashing import sha256_file
 from pipelines.store import open_store
@@ -146,6 +147,49 @@ def test_concurrent_fetches_of_one_digest_download_it_once(fresh_cache, tmp_path
     assert len(paths) == 6 and len(set(paths)) == 1 and sha256_file(paths[0]) == digest
     assert counting.served == size  # downloaded once
     assert sorted(s.cached_blobs for s in stats) == [0, 1, 1, 1, 1, 1]
+
+
+class Together(Flaky):
+    """Holds the first read of each blob until `count` blobs are being read at once (a barrier): fetches done one
+    after another break it."""
+
+    def __init__(self, store, count: int, refuse: str | None = None, timeout: float = 30):
+        super().__init__(store)
+        self.barrier, self.seen, self.refuse = threading.Barrier(count, timeout=timeout), set(), refuse
+
+    def iter_range(self, key, start, length):
+        with self.lock:
+            first = key not in self.seen
+            self.seen.add(key)
+        if first:
+            self.barrier.wait()
+        if self.refuse and key.endswith(self.refuse):
+            raise StoreError(f"{self.uri}: cannot read {key} (connection reset)")
+        yield from super().iter_range(key, start, length)
+
+
+def test_several_blobs_are_fetched_at_once_and_the_first_failure_is_raised(fresh_cache, tmp_path, monkeypatch):
+    """A sharded artifact's files are fetched several at a time (each blob's sha256 runs on its own core): all are
+    in flight together. A blob the store cannot serve fails the fetch in one line; the others are complete or
+    resumable, never half-visible."""
+    monkeypatch.setenv("HIVE_AOT_PULL_PART_SIZE", str(PART))
+    store = open_store(str(tmp_path / "store"))
+    sizes = dict(_blob(store, tmp_path, 3 * PART + i, seed=i) for i in range(3))
+    stats = TransferStats()
+    paths = fetch_blobs(Together(store, 3), sizes, stats=stats, at_once=3)
+    assert {d: sha256_file(p) for d, p in paths.items()} == {d: d for d in sizes}
+    assert stats.fetched == sum(sizes.values())
+
+    shutil.rmtree(fresh_cache)
+    broken = sorted(sizes)[1]
+    with pytest.raises(StoreError, match="connection reset") as failed:
+        fetch_blobs(Together(store, 3, refuse=broken), sizes, at_once=3)
+    assert "\n" not in str(failed.value) and not blob_path(broken).exists()
+    for d in sizes:  # the others: whole and verified, or absent
+        assert not blob_path(d).exists() or sha256_file(blob_path(d)) == d
+    shutil.rmtree(fresh_cache)
+    with pytest.raises(threading.BrokenBarrierError):  # one at a time: the barrier never fills
+        fetch_blobs(Together(store, 2, timeout=1), sizes, at_once=1)
 
 
 def test_reclaim_takes_dead_old_partials_keeps_young_live_and_resumed_ones(fresh_cache, tmp_path):

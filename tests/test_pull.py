@@ -524,15 +524,15 @@ def test_a_pull_of_another_build_waits_for_the_one_in_progress(env, tmp_path, mo
     dest = tmp_path / "model"
     f16_digest = env["builds"]["gguf-f16"].files[0]["sha256"]
     entered, release = threading.Event(), threading.Event()
-    real = pull_mod.fetch_blob
+    real = pull_mod.fetch_blobs
 
-    def paused_fetch(store, digest, *a, **kw):
-        if digest == f16_digest:
+    def paused_fetch(store, sizes, *a, **kw):
+        if f16_digest in sizes:
             entered.set()
             release.wait(60)
-        return real(store, digest, *a, **kw)
+        return real(store, sizes, *a, **kw)
 
-    monkeypatch.setattr(pull_mod, "fetch_blob", paused_fetch)
+    monkeypatch.setattr(pull_mod, "fetch_blobs", paused_fetch)
     results: dict[str, object] = {}
 
     def run(recipe: str) -> None:

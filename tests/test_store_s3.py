@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -114,7 +115,7 @@ def test_ranged_reads_over_presigned_urls_match_botocore_and_say_what_is_missing
     for via_proxy in (False, True):
         if via_proxy:
             monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:9")  # never reached: botocore is not asked to
-            monkeypatch.setattr(s3_module, "ranges_usable", lambda: False)
+            monkeypatch.setattr(s3_module, "http_usable", lambda: False)
         store = open_store(s3_uri)
         store.write_bytes("ranges/object.bin", data)
         for start, length in ((0, len(data)), (1, 1 << 20), ((2 << 20) - 7, (1 << 20) + 100), (len(data) - 1, 1)):
@@ -125,3 +126,83 @@ def test_ranged_reads_over_presigned_urls_match_botocore_and_say_what_is_missing
             b"".join(store.iter_range("ranges/missing.bin", 0, 10))
         assert (store._ranges is None) == via_proxy  # which reader answered
     assert store._ranges is None  # the proxied store never built the http.client reader
+
+
+def _unfinished_uploads(store) -> list[str]:
+    prefix = store.prefix + "/"
+    return [u["Key"] for page in store.client.get_paginator("list_multipart_uploads").paginate(
+        Bucket=store.bucket, Prefix=prefix) for u in page.get("Uploads", [])]
+
+
+def test_multipart_upload_hashes_as_it_sends_and_completes_only_a_match(s3_uri, tmp_path, monkeypatch):
+    """A blob above the part size goes up in parts over presigned URLs (s3_upload.py) while its sha256 follows:
+    the object appears, with the digest in its metadata, only when the digest matches and the file did not change;
+    a mismatch, a change meanwhile, or a part the server refuses leaves nothing visible and no unfinished upload."""
+    import pipelines.store.s3 as s3_module
+    import pipelines.store.s3_upload as s3_upload
+
+    part = 5 << 20  # S3's smallest part
+    monkeypatch.setattr(s3_module, "CHUNK", part)
+    monkeypatch.setattr(s3_upload, "PART_BYTES", part)
+    f = tmp_path / "big.bin"
+    f.write_bytes(os.urandom(3 * part + 12345))
+    store = open_store(s3_uri)
+    digest = store.put_blob(f)
+    assert digest == sha256_file(f) and store._uploads is not None  # the parts path answered
+    head = store.client.head_object(Bucket=store.bucket, Key=store._key(blob_key(digest)))
+    assert head["Metadata"]["sha256"] == digest and head["ContentLength"] == f.stat().st_size
+    assert store.blob_intact(digest, f.stat().st_size)
+    assert b"".join(store.iter_range(blob_key(digest), 0, f.stat().st_size)) == f.read_bytes()
+
+    wrong = "0" * 64
+    with pytest.raises(IntegrityError, match="does not match sha256 000000000000"):
+        store.upload_file(blob_key(wrong), f, wrong)
+    assert not store.exists(blob_key(wrong)) and _unfinished_uploads(store) == []
+
+    sent = s3_upload.MultipartUpload._send_part
+    touched = []
+
+    f2 = tmp_path / "big2.bin"
+    f2.write_bytes(os.urandom(2 * part + 1))
+
+    def touch_first(self, *args):  # the file is written to (same bytes) while its parts go out
+        if not touched:
+            st = f2.stat()
+            touched.append(os.utime(f2, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9)))
+        return sent(self, *args)
+
+    monkeypatch.setattr(s3_upload.MultipartUpload, "_send_part", touch_first)
+    d2 = sha256_file(f2)
+    with pytest.raises(IntegrityError, match="changed while uploading"):
+        store.upload_file(blob_key(d2), f2, d2)
+    assert not store.exists(blob_key(d2)) and _unfinished_uploads(store) == []
+    monkeypatch.setattr(s3_upload.MultipartUpload, "_send_part", sent)
+
+    presign = store.client.generate_presigned_url
+
+    def forged(*args, **kwargs):  # a part's signature the server does not accept
+        url = presign(*args, **kwargs)
+        return re.sub(r"Signature=[^&]+", "Signature=Zm9yZ2Vk", url) if args[0] == "upload_part" else url
+
+    monkeypatch.setattr(store.client, "generate_presigned_url", forged)
+    with pytest.raises(StoreError) as refused:
+        store.upload_file(blob_key(d2), f2, d2)
+    assert "access denied" in str(refused.value) and "Signature" not in str(refused.value)
+    assert "\n" not in str(refused.value)
+    assert not store.exists(blob_key(d2)) and _unfinished_uploads(store) == []
+
+
+def test_gc_aborts_the_unfinished_uploads_of_killed_publishers(s3_uri):
+    """A publisher killed mid-upload leaves an invisible multipart upload whose parts take space: gc aborts it once
+    it is older than the age that protects publishes in flight, and lists it under `temporaries`."""
+    from pipelines.inventory import gc
+
+    store = open_store(s3_uri)
+    k = store._key(blob_key("ab" * 32))
+    upload = store.client.create_multipart_upload(Bucket=store.bucket, Key=k)["UploadId"]
+    store.client.upload_part(Bucket=store.bucket, Key=k, UploadId=upload, PartNumber=1, Body=b"x" * 1000)
+    assert store.reclaim_temporaries(3600) == [] and _unfinished_uploads(store) == [k]  # may be in flight
+    named = [f"{blob_key('ab' * 32)} (unfinished upload)"]
+    assert store.reclaim_temporaries(0, dry_run=True) == named and _unfinished_uploads(store) == [k]
+    assert gc(s3_uri, min_age_s=0)["temporaries"] == named
+    assert _unfinished_uploads(store) == [] and not store.exists(blob_key("ab" * 32))

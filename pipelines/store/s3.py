@@ -2,12 +2,15 @@
 
 boto3 reads credentials and `AWS_ENDPOINT_URL` from the environment as usual; they never appear in
 a message. Each PUT is atomic per object, which is what the store layout needs (blobs are
-content-addressed, manifests immutable, the ref write is the commit point). Large downloads are
-parallel ranged GETs (boto3's transfer manager).
+content-addressed, manifests immutable, the ref write is the commit point). Large blobs go both ways as
+parallel parts over presigned URLs with http.client (s3_ranges.py, s3_upload.py), hashed as they stream; behind
+a proxy, through botocore.
 """
 
 from __future__ import annotations
 
+import hashlib
+import time
 import uuid
 from pathlib import Path
 from typing import Iterator
@@ -18,7 +21,9 @@ from ..paths import safe_relpath
 from .base import Entry, Store
 from .faults import store_event
 from .layout import blob_key
-from .s3_ranges import RangeReader, usable as ranges_usable
+from .s3_http import usable as http_usable
+from .s3_ranges import RangeReader
+from .s3_upload import MultipartUpload, abandoned_uploads
 
 CHUNK = 64 * 1024 * 1024
 RANGE_CHUNK = 1 << 20  # bytes per read of a ranged GET's body
@@ -35,6 +40,7 @@ class S3Store(Store):
         self.client = boto3.client("s3", config=Config(retries={"max_attempts": 5, "mode": "standard"}))
         self.transfer = TransferConfig(multipart_threshold=CHUNK, multipart_chunksize=CHUNK, max_concurrency=8)
         self._ranges: RangeReader | None = None
+        self._uploads: MultipartUpload | None = None
 
     def _key(self, key: str) -> str:
         try:
@@ -139,23 +145,52 @@ class S3Store(Store):
         store_event("delete", key)
 
     def upload_file(self, key: str, path: Path, sha256: str) -> None:
-        # Verified before the PUT: S3 has no rename, so what lands under a digest must already match it.
+        # Verified on the way: S3 has no rename, so what lands under a digest must already match it. A large file
+        # goes up in parts, hashed as they go, the upload completed only on a match (s3_upload.py); a small one is
+        # read once, hashed, then sent.
         k = self._key(key)
-        if sha256_file(path) != sha256:
-            raise IntegrityError(f"{path.name}: content does not match sha256 {sha256[:12]} (changed while uploading?)")
         store_event("temp", key)
         try:
-            self.client.upload_file(str(path), self.bucket, k, Config=self.transfer,
-                                    ExtraArgs={"Metadata": {"sha256": sha256}})
-        except Exception as e:  # noqa: BLE001
+            if path.stat().st_size < CHUNK:
+                data = path.read_bytes()
+                if hashlib.sha256(data).hexdigest() != sha256:
+                    raise IntegrityError(f"{path.name}: content does not match sha256 {sha256[:12]} (changed while "
+                                         f"uploading?)")
+                self.client.put_object(Bucket=self.bucket, Key=k, Body=data, Metadata={"sha256": sha256})
+            elif http_usable():
+                if self._uploads is None:
+                    self._uploads = MultipartUpload(self.client, self.bucket, self.uri)
+                self._uploads.upload(key, k, path, sha256)
+            else:  # behind a proxy: boto3's transfer manager, after a full read to verify
+                if sha256_file(path) != sha256:
+                    raise IntegrityError(f"{path.name}: content does not match sha256 {sha256[:12]} (changed while "
+                                         f"uploading?)")
+                self.client.upload_file(str(path), self.bucket, k, Config=self.transfer,
+                                        ExtraArgs={"Metadata": {"sha256": sha256}})
+        except (HiveError, OSError):
+            raise
+        except Exception as e:  # noqa: BLE001 - botocore raises several unrelated classes
             raise self._error(f"upload {key}", e) from None
         store_event("done", key)
+
+    def reclaim_temporaries(self, min_age_s: float, dry_run: bool = False) -> list[str]:
+        """Abort the multipart uploads killed publishers left (invisible, but their parts take space) once they are
+        older than min_age_s: a younger one may belong to a publish in flight."""
+        prefix = self.prefix + "/" if self.prefix else ""
+        try:
+            found = abandoned_uploads(self.client, self.bucket, prefix, time.time() - min_age_s)
+            if not dry_run:
+                for k, upload_id in found:
+                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=k, UploadId=upload_id)
+        except Exception as e:  # noqa: BLE001
+            raise self._error("list or abort unfinished uploads", e) from None
+        return [f"{k[len(prefix):]} (unfinished upload)" for k, _ in found]
 
     def iter_range(self, key: str, start: int, length: int) -> Iterator[bytes]:
         if length <= 0:
             return
         k = self._key(key)
-        if ranges_usable():  # http.client over a presigned URL: faster than botocore's body (s3_ranges.py)
+        if http_usable():  # http.client over a presigned URL: faster than botocore's body (s3_ranges.py)
             if self._ranges is None:
                 self._ranges = RangeReader(self.client, self.bucket, self.uri)
             yield from self._ranges.iter_range(key, k, start, length, RANGE_CHUNK)
