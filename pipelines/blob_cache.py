@@ -6,6 +6,7 @@ Under `$HIVE_AOT_CACHE/blobs/sha256/<2 hex>/`:
     .<digest>.partial    the download in progress: the blob's size, parts written in place
     .<digest>.parts      which parts of the partial are complete (JSON, replaced atomically after each part)
     .<digest>.lock       flock of the one process downloading the digest; other pulls of it wait
+    .<digest>.verified   the blob's (inode, size, mtime) when its sha256 last matched (blob_stamps.py)
 
 A blob is fetched in parts (ranged reads, several at once). A killed pull leaves the partial and its
 part list; the next pull of that digest fetches only the parts not listed, then verifies the whole blob
@@ -39,7 +40,7 @@ from .errors import HiveError, IntegrityError
 from .hashing import sha256_file
 from .paths import cache_root, exclusive_lock, lock_is_free, read_small_file, release_lock, try_lock
 from .store import Store, blob_key
-from . import settings
+from . import blob_stamps, settings
 
 FILE_MODE = 0o644
 PART_BYTES = 64 << 20  # bytes per ranged read: a killed pull loses at most this much per worker
@@ -47,7 +48,6 @@ PART_SIZE_ENV = settings.PULL_PART_SIZE.name
 MIN_PART_BYTES = 64 << 10  # below this, requests cost more than a kill could lose (1 byte: 15 s for 256 KiB)
 MAX_PART_LIST_BYTES = 64 << 20  # far above any real part list (a 10 GB blob in 64 KiB parts lists ~1 MB)
 PART_WORKERS = 8  # ranged reads in flight per blob
-BLOBS_AT_ONCE_MAX = 4  # blobs fetched at once on a host with cores to spare (see blobs_at_once)
 PARTIAL_MAX_AGE_S = 24 * 3600.0  # a dead pull's partial waits this long for a pull to resume it
 STATE_VERSION = 1
 HASH_READ = 8 << 20  # bytes read back per sha256 update
@@ -102,10 +102,17 @@ def _regular_or_absent(path: Path) -> os.stat_result | None:
 
 
 def _complete(path: Path, digest: str, size: int) -> bool:
-    # A cache hit is re-hashed: pulled files are hard links to cached blobs, so a file edited in a serving
-    # directory would otherwise poison every later pull of the same digest.
+    # A cache hit is re-hashed unless stamped unchanged since it verified (blob_stamps.py): pulled files are hard
+    # links to cached blobs, so a file edited in a serving directory would otherwise poison later pulls.
     st = _lstat(path)
-    return st is not None and stat.S_ISREG(st.st_mode) and st.st_size == size and sha256_file(path) == digest
+    if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != size:
+        return False
+    if blob_stamps.trusted(path, st):
+        return True
+    if sha256_file(path) != digest:
+        return False
+    blob_stamps.record(path)
+    return True
 
 
 def _ensure_mode(path: Path) -> None:
@@ -218,55 +225,33 @@ def fetch_blob(store: Store, digest: str, size: int, progress=None, *, stats: Tr
                         f"the next pull resumes what was downloaded") from None
 
 
-def blobs_at_once() -> int:
-    """How many blobs a pull fetches at once. A blob's sha256 is one sequential stream on one core (about 1.3 GB/s
-    here with SHA extensions), below what a fast link delivers: fetching several files of a sharded artifact at once
-    hashes them on several cores. A 2-core host fetches one at a time: its cores are busy with the bytes already."""
-    return max(1, min(BLOBS_AT_ONCE_MAX, (os.cpu_count() or 1) // 2))
-
-
-def fetch_blobs(store: Store, sizes: dict[str, int], progress=None, *, stats: TransferStats | None = None,
-                at_once: int | None = None) -> dict[str, Path]:
-    """fetch_blob for every digest -> size of `sizes`, up to `at_once` (default blobs_at_once()) at a time; the first
-    failure stops the blobs not yet started and is raised (what the others wrote is kept for the next pull)."""
-    stats = stats if stats is not None else TransferStats()
-    n = min(at_once or blobs_at_once(), len(sizes))
-    if n <= 1:
-        return {d: fetch_blob(store, d, size, progress, stats=stats) for d, size in sizes.items()}
-    with ThreadPoolExecutor(n, thread_name_prefix="pull-blob") as pool:
-        futures = {d: pool.submit(fetch_blob, store, d, size, progress, stats=stats) for d, size in sizes.items()}
-        try:
-            return {d: f.result() for d, f in futures.items()}
-        except BaseException:
-            for f in futures.values():
-                f.cancel()
-            raise
-
-
 def _fetch(store: Store, digest: str, size: int, dest: Path, progress, stats: TransferStats, part_bytes: int,
            workers: int) -> Path:
-    if _complete(dest, digest, size):
+    def hit() -> Path:
         stats.add(cached=1)
         if progress is not None:
             progress.update(size)
-        _ensure_mode(dest)
         return dest
+
+    if _complete(dest, digest, size):
+        _ensure_mode(dest)
+        return hit()
     _cache_dirs(dest)
     with exclusive_lock(_sidecar(dest, "lock")):
         _regular_or_absent(dest)  # a link or FIFO under the digest's name is not a blob
         if _complete(dest, digest, size):  # another pull of this digest finished while we waited
-            stats.add(cached=1)
-            if progress is not None:
-                progress.update(size)
-            return dest
+            return hit()
+        mine = TransferStats()  # this blob's: `stats` may be shared with other blobs fetched at once
         try:
-            _download(store, digest, size, dest, progress, stats, part_bytes, workers, resume=True)
+            _download(store, digest, size, dest, progress, mine, part_bytes, workers, resume=True)
         except IntegrityError:
-            if not stats.resumed:
+            if not mine.resumed:
                 raise
             # the parts kept from an earlier pull did not add up (a crash can lose written pages): once more
             # from nothing, and a second mismatch is the store's
-            _download(store, digest, size, dest, progress, stats, part_bytes, workers, resume=False)
+            _download(store, digest, size, dest, progress, mine, part_bytes, workers, resume=False)
+        finally:
+            stats.add(fetched=mine.fetched, resumed=mine.resumed)
     return dest
 
 
@@ -363,6 +348,7 @@ def _download(store: Store, digest: str, size: int, dest: Path, progress, stats:
     # Cached blobs are hard-linked into serving directories, so they carry the served mode.
     os.chmod(partial, FILE_MODE)
     os.replace(partial, dest)
+    blob_stamps.record(dest)
     state_file.unlink(missing_ok=True)
 
 
@@ -412,7 +398,7 @@ def reclaim_partials(max_age_s: float = PARTIAL_MAX_AGE_S, keep: set[str] | froz
 
 def _reclaim_leftovers(blob: Path, now: float, max_age_s: float) -> list[str]:
     partial, state, lock = _sidecar(blob, "partial"), _sidecar(blob, "parts"), _sidecar(blob, "lock")
-    temporaries = list(blob.parent.glob(f".{blob.name}.parts.*.tmp"))
+    temporaries = [*blob.parent.glob(f".{blob.name}.parts.*.tmp"), *blob.parent.glob(f".{blob.name}.verified.*.tmp")]
     found = {p: st for p in (partial, state, *temporaries) if (st := _lstat(p)) is not None}
     if any(now - st.st_mtime <= max_age_s for st in found.values()):
         return []  # a recent write: its pull may be alive, or may resume soon
@@ -443,4 +429,4 @@ def _take_free_lock(lock: Path) -> int | None:
     return try_lock(lock)
 
 
-__all__ = ["PART_BYTES", "TransferStats", "blob_path", "blobs_at_once", "fetch_blob", "fetch_blobs", "missing_bytes", "parts_of", "reclaim_partials"]
+__all__ = ["PART_BYTES", "TransferStats", "blob_path", "fetch_blob", "missing_bytes", "parts_of", "reclaim_partials"]

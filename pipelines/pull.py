@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .blob_cache import TransferStats, fetch_blobs, missing_bytes, reclaim_partials
+from .blob_batch import fetch_blobs
+from .blob_cache import TransferStats, missing_bytes, reclaim_partials
 from .errors import HiveError, IntegrityError, ResourceError
 from .hashing import sha256_file
 from .manifest import Manifest

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.blob_cache import (TransferStats, blob_path, fetch_blob, fetch_blobs, missing_bytes, parts_of,
-                                  reclaim_partials)
+from pipelines.blob_batch import fetch_blobs
+from pipelines.blob_cache import TransferStats, blob_path, fetch_blob, missing_bytes, parts_of, reclaim_partials
 from pipelines.errors import IntegrityError, StoreError
 from pipelines.hashing import sha256_file
 from pipelines.store import open_store
@@ -82,7 +82,8 @@ def test_an_interrupted_fetch_resumes_with_only_the_missing_parts(kind, fresh_ca
     path = fetch_blob(again, digest, size, part_bytes=PART, stats=stats)
     assert sha256_file(path) == digest and path.stat().st_mode & 0o777 == 0o644
     assert again.served == stats.fetched == left and stats.resumed == 4 * PART
-    assert sorted(p.name for p in path.parent.iterdir()) == [digest]  # no partial, part list or lock left
+    # no partial, part list or lock left; the stamp of its verification (blob_stamps.py)
+    assert sorted(p.name for p in path.parent.iterdir()) == [f".{digest}.verified", digest]
 
 
 def test_parts_kept_from_a_damaged_partial_are_fetched_again_from_scratch(fresh_cache, tmp_path):
@@ -311,5 +312,6 @@ def test_killed_pulls_resume_and_never_leave_a_half_destination(kind, tmp_path, 
     gc = subprocess.run([sys.executable, "-m", "pipelines.cli", "gc", "--min-age", "0", "--store", store_uri],
                         env=env, capture_output=True, text=True, timeout=120)
     assert gc.returncode == 0, gc.stderr
-    leftovers = [p.name for p in (cache / "blobs").rglob(".*")] + [p.name for p in dest.parent.glob(".*")]
+    leftovers = [p.name for p in (cache / "blobs").rglob(".*") if not p.name.endswith(".verified")] + \
+        [p.name for p in dest.parent.glob(".*")]
     assert leftovers == [], leftovers
