@@ -50,6 +50,8 @@ def record(blob: Path) -> None:
     cannot hold the stamp is re-hashed next time, as before."""
     try:
         st = os.lstat(blob)
+        if st.st_uid != os.getuid():
+            return  # another user's blob is never trusted on a stamp (see `trusted`): nothing to record
         fd, tmp = tempfile.mkstemp(prefix=f".{blob.name}.verified.", suffix=".tmp", dir=blob.parent)
         try:
             with os.fdopen(fd, "w") as f:

@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import HiveError, IntegrityError, StoreError
+from ..errors import HiveError, StoreError
 from ..hashing import sha256_file
 from ..paths import safe_relpath
 from .base import Entry, Store
@@ -23,7 +23,7 @@ from .faults import store_event
 from .layout import blob_key
 from .s3_http import usable as http_usable
 from .s3_ranges import RangeReader
-from .s3_upload import MultipartUpload, abandoned_uploads
+from .s3_upload import MultipartUpload, abandoned_uploads, mismatch
 
 CHUNK = 64 * 1024 * 1024
 RANGE_CHUNK = 1 << 20  # bytes per read of a ranged GET's body
@@ -154,8 +154,7 @@ class S3Store(Store):
             if path.stat().st_size < CHUNK:
                 data = path.read_bytes()
                 if hashlib.sha256(data).hexdigest() != sha256:
-                    raise IntegrityError(f"{path.name}: content does not match sha256 {sha256[:12]} (changed while "
-                                         f"uploading?)")
+                    raise mismatch(path, sha256, key)
                 self.client.put_object(Bucket=self.bucket, Key=k, Body=data, Metadata={"sha256": sha256})
             elif http_usable():
                 if self._uploads is None:
@@ -163,8 +162,7 @@ class S3Store(Store):
                 self._uploads.upload(key, k, path, sha256)
             else:  # behind a proxy: boto3's transfer manager, after a full read to verify
                 if sha256_file(path) != sha256:
-                    raise IntegrityError(f"{path.name}: content does not match sha256 {sha256[:12]} (changed while "
-                                         f"uploading?)")
+                    raise mismatch(path, sha256, key)
                 self.client.upload_file(str(path), self.bucket, k, Config=self.transfer,
                                         ExtraArgs={"Metadata": {"sha256": sha256}})
         except (HiveError, OSError):

@@ -79,6 +79,14 @@ class MultipartUpload:
         with ThreadPoolExecutor(max(1, min(self.workers, len(parts))), thread_name_prefix="s3-part") as pool:
             futures = [pool.submit(self._send_part, key, k, path, identity, upload_id, n, start, length)
                        for n, (start, length) in enumerate(parts, 1)]
+            failures: list[BaseException] = []  # filled as parts fail: no scan of every part per chunk hashed
+
+            def note_failure(f) -> None:
+                if not f.cancelled() and f.exception() is not None:
+                    failures.append(f.exception())
+
+            for f in futures:
+                f.add_done_callback(note_failure)
             try:
                 hasher, at = hashlib.sha256(), 0
                 while at < identity[2]:
@@ -87,12 +95,10 @@ class MultipartUpload:
                         break
                     hasher.update(data)
                     at += len(data)
-                    failed = next((f for f in futures if f.done() and f.exception() is not None), None)
-                    if failed is not None:
-                        raise failed.exception()
+                    if failures:
+                        raise failures[0]
                 if hasher.hexdigest() != sha256:
-                    raise IntegrityError(f"{path.name}: content does not match sha256 {sha256[:12]} (changed while "
-                                         f"uploading?): nothing was published under {key}")
+                    raise mismatch(path, sha256, key)
                 done, _ = wait(futures, return_when=FIRST_EXCEPTION)
                 for f in done:
                     if f.exception() is not None:
@@ -136,6 +142,12 @@ class MultipartUpload:
             raise AssertionError("unreachable")
         finally:
             f.close()
+
+
+def mismatch(path: Path, sha256: str, key: str) -> IntegrityError:
+    """The one line for a file whose bytes are not the digest it is published under."""
+    return IntegrityError(f"{path.name}: content does not match sha256 {sha256[:12]} (changed while uploading?): "
+                          f"nothing was published under {key}")
 
 
 def abandoned_uploads(client, bucket: str, prefix: str, older_than: float) -> list[tuple[str, str]]:
