@@ -53,6 +53,13 @@ class Setting:
             raise SettingError(f"{self.name}={value!r}: expected a positive number of seconds")
         return seconds
 
+    def choice(self, allowed: tuple[str, ...]) -> str:
+        """The value, which must be one of `allowed` (compared lower-case)."""
+        value = (self.get() or "").lower()
+        if value not in allowed:
+            raise SettingError(f"{self.name}={self.get()!r}: expected one of {', '.join(allowed)}")
+        return value
+
     def is_set(self) -> bool:
         return bool(os.environ.get(self.name, "").strip())
 
@@ -84,6 +91,8 @@ MEMORY_BUDGET = Setting("HIVE_AOT_MEMORY_BUDGET", "memory a build may plan for (
 VLLM_PYTHON = Setting("HIVE_AOT_VLLM_PYTHON", "interpreter of the vLLM venv that validates vLLM artifacts; else "
                       "the checkout's .venvs/vllm-cpu")
 VLLM_TIMEOUT = Setting("HIVE_AOT_VLLM_TIMEOUT", "seconds a vLLM validation engine may take to start", "1200")
+VLLM_FP8_MATMUL = Setting("HIVE_AOT_VLLM_FP8_MATMUL", "FP8 matmul of a CPU vLLM check: auto (fp32 emulation where "
+                          "torch._scaled_mm runs oneDNN's scalar reference loop), native, emulated", "auto")
 QAIC_SDK = Setting("HIVE_AOT_QAIC_SDK", "root of the Cloud AI 100 Apps/Platform SDK (qaic-exec)", "/opt/qti-aic")
 QAIC_COMPILE_TIMEOUT = Setting("HIVE_AOT_QAIC_COMPILE_TIMEOUT", "seconds one qaic-exec compile may take",
                                str(6 * 3600))

@@ -6,7 +6,8 @@ creates it), never imported by hive-aot: that venv has vLLM and its own torch/tr
 JOB: model_dir, dtype, max_model_len, sequences (token ids, scored teacher-forced through
 prompt_logprobs), generation_prompts (token ids, greedy), generation_tokens, tokenizer_texts.
 RESULT: per sequence and position [top-1 id, top-1 logprob, logprob of the actual next token];
-greedy token ids with their logprobs; the ids vLLM's tokenizer gives the texts; versions and timings.
+greedy token ids with their logprobs; the ids vLLM's tokenizer gives the texts; versions and timings;
+for an FP8 artifact, which FP8 matmul ran (`fp8_matmul`, below).
 
 A script file, not stdin: vLLM's engine start spawns processes that re-import the main module. A warm
 server (pipelines/warm.py) runs it too: `preload()` once, then `main(argv)` in a forked child per job.
@@ -15,6 +16,7 @@ server (pipelines/warm.py) runs it too: `preload()` once, then `main(argv)` in a
 import json
 import sys
 import time
+import weakref
 
 
 def skip_input_embedding_packing() -> None:
@@ -40,6 +42,118 @@ def skip_input_embedding_packing() -> None:
     method.process_weights_after_loading = process_weights_after_loading
 
 
+# FP8 matmul on CPU. vLLM's CPU backend runs a channel-wise FP8 artifact (per-channel weight scales, per-token
+# activations) through torch._scaled_mm where the CPU has no AMX-FP8 kernel; torch hands that to oneDNN, whose fast
+# FP8 path needs AMX-FP16/AVX10.2 and which otherwise runs its scalar reference loop, converting every FP8 element
+# on every multiply-add: 20x slower than the fp32 engine here, 20 minutes for a 135M model's check, hours for a 70B
+# slice. Which loop a CI host gets depends on the CPU generation it draws. Where the probe measures the reference
+# loop, the same products are computed as an fp32 matmul of the FP8 values (exact in fp32) times the scales:
+# vLLM's loading, scale layout and activation quantization still run as they are; only the GEMM's loop differs.
+FP8_SLOW_RATIO = 8.0  # torch._scaled_mm this many times slower than an fp32 matmul of the same shape: the scalar loop
+FP8_PROBE_SHAPE = (64, 512, 512)  # tokens x in x out: a few ms in fp32, a second or so in the reference loop
+
+
+def _best_seconds(fn, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def probe_fp8_matmul() -> float:
+    """How many times slower torch._scaled_mm (FP8 in, fp32 out, unit scales: vLLM's channel-wise call) is than
+    torch.mm of the same shape in fp32, on this CPU."""
+    import torch
+
+    m, k, n = FP8_PROBE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    a32, b32 = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen).t()
+    a8, b8 = a32.to(torch.float8_e4m3fn), b32.to(torch.float8_e4m3fn)
+    one = torch.ones(1)
+    torch.mm(a32, b32), torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.float32)  # warm-up
+    fp8 = _best_seconds(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.float32))
+    fp32 = _best_seconds(lambda: torch.mm(a32, b32))
+    return fp8 / max(fp32, 1e-6)
+
+
+def widen_bf16(x16):
+    """bf16 -> fp32 by moving each value's 16 bits up (exact), in the tensor's storage order: numpy does it 3x
+    faster than torch's .float() on CPU (41 ms against 119 ms for a 4096 x 14336 weight here)."""
+    import numpy as np
+    import torch
+
+    flip = x16.dim() == 2 and not x16.is_contiguous() and x16.t().is_contiguous()  # vLLM's transposed weight
+    bits = (x16.t() if flip else x16.contiguous()).view(torch.int16).numpy().view(np.uint16)
+    out = np.empty(bits.shape, np.uint32)
+    np.left_shift(bits, 16, out=out, dtype=np.uint32)
+    wide = torch.from_numpy(out.view(np.float32))
+    return wide.t() if flip else wide
+
+
+def emulated_scaled_mm(original):
+    """torch._scaled_mm for CPU tensors as fp32 arithmetic: (A x B) in fp32 (every FP8 value and product is exact
+    there; the sums round as any fp32 GEMM does) times the row scales of A and the column scales of B, plus bias,
+    in `out_dtype`. Anything else (other devices, block scales, a result scale, no out_dtype) goes to `original`.
+
+    B is a layer's weight in every call vLLM makes. Widening e4m3 to fp32 costs 4x the GEMM on CPU, so each weight
+    keeps a bf16 copy while it lives (every e4m3 value is exact in bf16: 8 exponent bits, 7 of mantissa) and is
+    widened from that per call. Its 1 + 2 bytes per parameter stay within the 4 engine_check.engine_memory counts
+    for every weight (fp32), with the one weight widened at a time inside the difference."""
+    import torch
+
+    narrow: dict[int, tuple] = {}  # id(B) -> (weak reference to B, its bf16 copy); dropped when B is freed
+
+    def widened(b):
+        hit = narrow.get(id(b))
+        if hit is None or hit[0]() is not b:
+            copy = b.to(torch.bfloat16)
+            try:
+                narrow[id(b)] = (weakref.ref(b, lambda _gone, key=id(b): narrow.pop(key, None)), copy)
+            except TypeError:  # not weakly referable: not a module's weight, widened each time
+                return copy.to(torch.float32)
+            hit = narrow[id(b)]
+        return widen_bf16(hit[1])
+
+    def scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+        rows, cols = a.shape[0], b.shape[1]
+        if (a.device.type != "cpu" or out_dtype is None or scale_result is not None or a.dim() != 2
+                or scale_a.numel() not in (1, rows) or scale_b.numel() not in (1, cols)):
+            return original(a, b, scale_a, scale_b, bias=bias, scale_result=scale_result, out_dtype=out_dtype,
+                            use_fast_accum=use_fast_accum)
+        out = torch.mm(a.to(torch.float32), widened(b))
+        out.mul_(scale_a.to(torch.float32).reshape(-1, 1) if scale_a.numel() > 1 else scale_a.to(torch.float32))
+        out.mul_(scale_b.to(torch.float32).reshape(1, -1) if scale_b.numel() > 1 else scale_b.to(torch.float32))
+        if bias is not None:
+            out.add_(bias.to(torch.float32))
+        return out.to(out_dtype)
+
+    scaled_mm._hive_aot = True
+    scaled_mm.narrow = narrow
+    return scaled_mm
+
+
+def choose_fp8_matmul(requested: str) -> dict:
+    """`requested`: "auto" (probe, emulate where the reference loop runs), "native" or "emulated". What ran, and
+    why, goes into the result."""
+    import torch
+
+    ratio = None if requested in ("native", "emulated") else round(probe_fp8_matmul(), 1)
+    emulate = requested == "emulated" or (ratio is not None and ratio > FP8_SLOW_RATIO)
+    if emulate and not getattr(torch._scaled_mm, "_hive_aot", False):
+        torch._scaled_mm = emulated_scaled_mm(torch._scaled_mm)
+    if requested != "auto":
+        why = f"HIVE_AOT_VLLM_FP8_MATMUL={requested}"
+    elif emulate:
+        why = (f"torch._scaled_mm ran {ratio}x slower than an fp32 matmul on this CPU (oneDNN's reference loop, "
+               "no AMX-FP16/FP8): the same products in fp32")
+    else:
+        why = f"torch._scaled_mm within {FP8_SLOW_RATIO:g}x of an fp32 matmul on this CPU ({ratio}x)"
+    return {"kernel": "fp32 emulation of torch._scaled_mm" if emulate else "torch._scaled_mm", "probe_ratio": ratio,
+            "reason": why}
+
+
 def preload() -> None:
     """What every job imports first (most of an engine start on CPU): a warm server does it once."""
     import vllm  # noqa: F401
@@ -59,6 +173,7 @@ def main(argv: list[str]) -> int:
     from vllm.inputs import TokensPrompt
 
     preload()
+    fp8_matmul = choose_fp8_matmul(job["fp8_matmul"]) if job.get("fp8_matmul") else None
 
     llm = LLM(model=job["model_dir"], dtype=job["dtype"], max_model_len=job["max_model_len"], enforce_eager=True,
               seed=0, gpu_memory_utilization=job.get("memory_fraction", 0.25), trust_remote_code=False,
@@ -94,7 +209,8 @@ def main(argv: list[str]) -> int:
     tok = llm.get_tokenizer()
     tokenized = [list(tok(text).input_ids) for text in job["tokenizer_texts"]]
     result = {"sequences": sequences, "greedy": greedy, "tokenized": tokenized, "vllm": vllm.__version__,
-              "load_seconds": round(t_load - t0, 1), "total_seconds": round(time.time() - t0, 1)}
+              "load_seconds": round(t_load - t0, 1), "total_seconds": round(time.time() - t0, 1),
+              **({"fp8_matmul": fp8_matmul} if fp8_matmul else {})}
     with open(result_path + ".tmp", "w") as f:
         json.dump(result, f)
     import os

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ... import parity, prompts, reference
+from ... import parity, prompts, reference, settings
 from ...errors import EngineFailed, HiveError
 from ...memory import model_facts
 from ...paths import work_dir
@@ -106,7 +106,8 @@ def compare_engine(tf_logits: list[np.ndarray], ids: list[list[int]], tf_greedy:
                "vllm_reference_top1_agreement": parity.round6(ref_agree / max(total, 1)),
                "vllm_greedy_tokens_matched": f"{matched}/{tokens}"}
     details = {"greedy": per_prompt, "engine": result.get("vllm"), "load_seconds": result.get("load_seconds"),
-               "cached": result.get("cached", False)}
+               "cached": result.get("cached", False),
+               **({"fp8_matmul": result["fp8_matmul"]} if result.get("fp8_matmul") else {})}
     return metrics, details
 
 
@@ -216,6 +217,8 @@ def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tup
                "generation_prompts": greedy_prompts, "generation_tokens": prompts.GREEDY_TOKENS,
                "tokenizer_texts": prompts.TOKENIZER_TEXTS,
                "engine_args": {"kv_cache_memory_bytes": kv_cache_bytes(model_facts(snapshot), check.layers, max_len)}}
+        if quantized:  # which FP8 GEMM the CPU engine runs (runner.choose_fp8_matmul): part of the job, so of its cache key
+            job["fp8_matmul"] = settings.VLLM_FP8_MATMUL.choice(("auto", "native", "emulated"))
         if ctx.config.get("sliding_window") and ctx.compatibility.family == "gemma":
             job["engine_args"]["disable_sliding_window"] = True
         try:
