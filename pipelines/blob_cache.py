@@ -306,25 +306,33 @@ def _download(store: Store, digest: str, size: int, dest: Path, progress, stats:
         buffer = bytearray(HASH_READ)  # read back into one buffer: no new bytes object per read
         view = memoryview(buffer)
 
-        def hash_ready() -> None:
-            while at_byte[0] < size:
+        def hash_ready(budget: int | None = None) -> bool:
+            """Hash what is written contiguously past the digest, at most `budget` bytes: then back to the part
+            loop, which records finished parts. A hash that followed a faster download to its end kept the part
+            list at its first parts meanwhile, so a kill then threw away everything written since. True when it
+            stopped at the budget (more is ready to hash)."""
+            stop = size if budget is None else min(size, at_byte[0] + budget)
+            while at_byte[0] < stop:
                 index = min(at_byte[0] // part_bytes, len(parts) - 1)
-                frontier = parts[index][0] + filled[index]
+                frontier = min(parts[index][0] + filled[index], stop)
                 if frontier <= at_byte[0]:
-                    return
+                    return False
                 while at_byte[0] < frontier:
                     n = os.preadv(fd, [view[:min(HASH_READ, frontier - at_byte[0])]], at_byte[0])
                     if n <= 0:  # the partial was cut short under us: the digest will not match
-                        return
+                        return False
                     hasher.update(view[:n])
                     at_byte[0] += n
+            return at_byte[0] < size
 
         todo = [i for i in range(len(parts)) if i not in done]
         with ThreadPoolExecutor(max(1, min(workers, len(todo) or 1)), thread_name_prefix="pull-part") as pool:
             pending = {pool.submit(fetch, i) for i in todo}
             try:
+                backlog = False  # bytes ready to hash: then the loop only looks for finished parts, never waits
                 while pending:
-                    finished, pending = wait(pending, timeout=HASH_POLL_S, return_when=FIRST_COMPLETED)
+                    finished, pending = wait(pending, timeout=0 if backlog else HASH_POLL_S,
+                                             return_when=FIRST_COMPLETED)
                     failed = [f.exception() for f in finished if f.exception() is not None]
                     done.update(f.result() for f in finished if f.exception() is None)
                     # the pages written are the kernel's now: a killed pull resumes after these parts
@@ -332,7 +340,7 @@ def _download(store: Store, digest: str, size: int, dest: Path, progress, stats:
                         _write_state(state_file, {**state, "done": sorted(done)})
                     if failed:
                         raise failed[0]
-                    hash_ready()
+                    backlog = hash_ready(part_bytes)
             finally:
                 for f in pending:
                     f.cancel()

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -220,6 +221,43 @@ def test_reclaim_takes_dead_old_partials_keeps_young_live_and_resumed_ones(fresh
     assert sorted(n for n in removed if n.endswith(".partial")) == sorted(f".{d}.partial" for d in (digests[0], digests[2], digests[3]))
     assert f".{digests[2]}.lock" in removed  # the killed holder's lock file
     assert not any(p.name.startswith(".") for p in (fresh_cache / "blobs").rglob("*"))
+
+
+class SlowHash:
+    """A sha256 that takes 20 ms per update (a hash slower than the download, as on a host whose link outruns one
+    core's sha256), and interrupts the pull (as a kill -9 would: no code of the pull runs after) at its first
+    update once the store has served the whole blob."""
+
+    def __init__(self, flaky: Flaky, size: int):
+        self.inner, self.flaky, self.size = hashlib.sha256(), flaky, size
+
+    def update(self, data) -> None:
+        if self.flaky.served >= self.size:
+            raise KeyboardInterrupt
+        time.sleep(0.02)
+        self.inner.update(data)
+
+    def hexdigest(self) -> str:
+        return self.inner.hexdigest()
+
+
+def test_the_part_list_keeps_up_while_the_hash_trails_the_download(fresh_cache, tmp_path, monkeypatch):
+    """A kill while the sha256 is still catching up loses none of the parts already written: the part list on
+    disk follows the download, not the hash (it was written only when the hash caught up, so a pull killed
+    near the end of a long blob resumed from its first parts)."""
+    import pipelines.blob_cache as blob_cache
+
+    store = open_store(str(tmp_path / "store"))
+    digest, size = _blob(store, tmp_path, 24 * PART)
+    flaky = Flaky(store)
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setattr(blob_cache, "HASH_READ", PART)  # one update per part: the hash trails by many parts
+        m.setattr(blob_cache, "hashlib", SimpleNamespace(sha256=lambda: SlowHash(flaky, size)))
+        fetch_blob(flaky, digest, size, part_bytes=PART, workers=4)
+    assert flaky.served == size and missing_bytes(digest, size) == 0  # every written part is on the list
+    again, stats = Flaky(store), TransferStats()
+    assert sha256_file(fetch_blob(again, digest, size, part_bytes=PART, stats=stats)) == digest
+    assert again.served == stats.fetched == 0 and stats.resumed == size
 
 
 def test_parts_cover_the_blob():
