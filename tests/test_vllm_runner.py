@@ -121,3 +121,11 @@ def test_bf16_is_widened_exactly_in_either_layout(transposed):
     w = w.t() if transposed else w
     wide = runner.widen_bf16(w.to(torch.bfloat16))
     assert wide.dtype == torch.float32 and wide.shape == w.shape and torch.equal(wide, w.to(torch.float32))
+
+
+def test_a_gpu_engine_is_left_alone(emulated, monkeypatch):
+    _emu, original = emulated
+    monkeypatch.setattr(runner, "_cpu_engine", lambda: False)
+    record = runner.choose_fp8_matmul("emulated")
+    assert record == {"kernel": "the platform's own FP8 kernels", "probe_ratio": None, "reason": "not a CPU engine"}
+    assert torch._scaled_mm is original

@@ -141,11 +141,21 @@ def emulated_scaled_mm(original):
     return scaled_mm
 
 
+def _cpu_engine() -> bool:
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # torch alone (the tests of this module): the CPU
+        return True
+    return bool(current_platform.is_cpu())
+
+
 def choose_fp8_matmul(requested: str) -> dict:
     """`requested`: "auto" (probe, emulate where that is faster), "native" or "emulated". What ran, and why, goes
     into the result."""
     import torch
 
+    if not _cpu_engine():  # a GPU vLLM never calls torch._scaled_mm on CPU tensors: nothing to decide
+        return {"kernel": "the platform's own FP8 kernels", "probe_ratio": None, "reason": "not a CPU engine"}
     if getattr(torch._scaled_mm, "_hive_aot", False):  # a second job in a warm process: measure the real one
         torch._scaled_mm = torch._scaled_mm.original
     ratio = None if requested in ("native", "emulated") else round(probe_fp8_matmul(), 1)
