@@ -91,8 +91,8 @@ MEMORY_BUDGET = Setting("HIVE_AOT_MEMORY_BUDGET", "memory a build may plan for (
 VLLM_PYTHON = Setting("HIVE_AOT_VLLM_PYTHON", "interpreter of the vLLM venv that validates vLLM artifacts; else "
                       "the checkout's .venvs/vllm-cpu")
 VLLM_TIMEOUT = Setting("HIVE_AOT_VLLM_TIMEOUT", "seconds a vLLM validation engine may take to start", "1200")
-VLLM_FP8_MATMUL = Setting("HIVE_AOT_VLLM_FP8_MATMUL", "FP8 matmul of a CPU vLLM check: auto (fp32 emulation where "
-                          "torch._scaled_mm runs oneDNN's scalar reference loop), native, emulated", "auto")
+VLLM_FP8_MATMUL = Setting("HIVE_AOT_VLLM_FP8_MATMUL", "FP8 matmul of a CPU vLLM check: auto (an fp32 emulation where "
+                          "a probe finds torch._scaled_mm 1.5x slower or more), native, emulated", "auto")
 QAIC_SDK = Setting("HIVE_AOT_QAIC_SDK", "root of the Cloud AI 100 Apps/Platform SDK (qaic-exec)", "/opt/qti-aic")
 QAIC_COMPILE_TIMEOUT = Setting("HIVE_AOT_QAIC_COMPILE_TIMEOUT", "seconds one qaic-exec compile may take",
                                str(6 * 3600))

