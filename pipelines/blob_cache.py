@@ -29,7 +29,6 @@ import hashlib
 import json
 import os
 import stat
-import tempfile
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -38,7 +37,8 @@ from pathlib import Path
 
 from .errors import HiveError, IntegrityError
 from .hashing import sha256_file
-from .paths import cache_root, exclusive_lock, lock_is_free, read_small_file, release_lock, try_lock
+from .paths import (cache_root, exclusive_lock, lock_is_free, read_small_file, release_lock,
+                    replace_with_json, try_lock)
 from .store import Store, blob_key
 from . import blob_stamps, settings
 
@@ -337,7 +337,7 @@ def _download(store: Store, digest: str, size: int, dest: Path, progress, stats:
                     done.update(f.result() for f in finished if f.exception() is None)
                     # the pages written are the kernel's now: a killed pull resumes after these parts
                     if finished:
-                        _write_state(state_file, {**state, "done": sorted(done)})
+                        replace_with_json(state_file, {**state, "done": sorted(done)})
                     if failed:
                         raise failed[0]
                     backlog = hash_ready(part_bytes)
@@ -363,18 +363,6 @@ def _download(store: Store, digest: str, size: int, dest: Path, progress, stats:
 def _discard(partial: Path, state: Path) -> None:
     partial.unlink(missing_ok=True)
     state.unlink(missing_ok=True)
-
-
-def _write_state(path: Path, doc: dict) -> None:
-    # a fresh, exclusively created temporary (never a fixed name a link could be planted at), renamed over
-    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(doc))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def reclaim_partials(max_age_s: float = PARTIAL_MAX_AGE_S, keep: set[str] | frozenset[str] = frozenset()) -> list[str]:

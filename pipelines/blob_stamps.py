@@ -16,10 +16,9 @@ from __future__ import annotations
 import json
 import os
 import stat
-import tempfile
 from pathlib import Path
 
-from .paths import read_small_file
+from .paths import read_small_file, replace_with_json
 
 MAX_STAMP_BYTES = 256
 
@@ -52,13 +51,6 @@ def record(blob: Path) -> None:
         st = os.lstat(blob)
         if st.st_uid != os.getuid():
             return  # another user's blob is never trusted on a stamp (see `trusted`): nothing to record
-        fd, tmp = tempfile.mkstemp(prefix=f".{blob.name}.verified.", suffix=".tmp", dir=blob.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(_stamp(st)))
-            os.replace(tmp, stamp_path(blob))
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        replace_with_json(stamp_path(blob), _stamp(st))
     except OSError:
         pass

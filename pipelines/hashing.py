@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from .paths import cache_root
+from .paths import cache_root, replace_with_json
 
 CHUNK = 4 * 1024 * 1024
 
@@ -68,9 +66,6 @@ class DigestCache:
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".json")
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.entries, f)
-            os.replace(tmp, self.path)
+            replace_with_json(self.path, self.entries)
         except OSError:
             pass  # a cache that cannot be written only costs time

@@ -9,6 +9,7 @@ import re
 import shutil
 import stat
 import tempfile
+import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -249,6 +250,19 @@ def link_or_copy(src: Path, dest: Path) -> None:
         except OSError:
             pass
     shutil.copyfile(src, dest)
+
+
+def replace_with_json(path: Path, doc) -> None:
+    """Write `doc` as JSON to `path` all at once: a fresh, exclusively created temporary beside it (never a fixed
+    name a link could be planted at, `.<name>.<random>.tmp`), renamed over; removed again if anything fails."""
+    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(doc))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def read_small_file(path: Path, limit: int, *, follow_symlinks: bool = True) -> bytes:
