@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-from .blob_cache import TransferStats, fetch_blob
+from .blob_cache import CachedBlob, TransferStats, fetch_verified
 from .store import Store
 
 BLOBS_AT_ONCE_MAX = 4  # blobs fetched at once on a host with cores to spare (see blobs_at_once)
@@ -20,14 +19,14 @@ def blobs_at_once() -> int:
 
 
 def fetch_blobs(store: Store, sizes: dict[str, int], progress=None, *, stats: TransferStats | None = None,
-                at_once: int | None = None) -> dict[str, Path]:
-    """fetch_blob for every digest -> size, `at_once` at a time; the first failure is raised (the rest kept)."""
+                at_once: int | None = None) -> dict[str, CachedBlob]:
+    """fetch_verified for every digest -> size, `at_once` at a time; the first failure is raised (the rest kept)."""
     stats = stats if stats is not None else TransferStats()
     n = min(at_once or blobs_at_once(), len(sizes))
     if n <= 1:
-        return {d: fetch_blob(store, d, size, progress, stats=stats) for d, size in sizes.items()}
+        return {d: fetch_verified(store, d, size, progress, stats=stats) for d, size in sizes.items()}
     with ThreadPoolExecutor(n, thread_name_prefix="pull-blob") as pool:
-        futures = {d: pool.submit(fetch_blob, store, d, size, progress, stats=stats) for d, size in sizes.items()}
+        futures = {d: pool.submit(fetch_verified, store, d, size, progress, stats=stats) for d, size in sizes.items()}
         try:
             return {d: f.result() for d, f in futures.items()}
         finally:

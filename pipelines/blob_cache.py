@@ -6,15 +6,15 @@ Under `$HIVE_AOT_CACHE/blobs/sha256/<2 hex>/`:
     .<digest>.partial    the download in progress: the blob's size, parts written in place
     .<digest>.parts      which parts of the partial are complete (JSON, replaced atomically after each part)
     .<digest>.lock       flock of the one process downloading the digest; other pulls of it wait
-    .<digest>.verified   the blob's (inode, size, mtime) when its sha256 last matched (blob_stamps.py)
+    .<digest>.verified   the digest and the blob's (device, inode, size, mtime, ctime) when it last matched
+                         (blob_stamps.py)
 
 A blob is fetched in parts (ranged reads, several at once). A killed pull leaves the partial and its
 part list; the next pull of that digest fetches only the parts not listed, then verifies the whole blob
 (a resumed blob that does not verify is fetched once more from scratch before failing), so nothing
 incomplete or unverified is ever visible under the digest's name. Concurrent pulls of one digest on a host
-serialize on its lock: the second finds the blob complete and downloads nothing. A partial whose
-downloader died is reclaimed once it is older than a day (or by `gc`), and only while holding its lock;
-so are part lists without their partial, their temporaries and free lock files.
+serialize on its lock: the second finds the blob complete and downloads nothing. What dead pulls leave (partials,
+part lists, temporaries, free locks, stamps of deleted blobs) is reclaimed by blob_leftovers.py.
 
 A cache shared between users is writable by others, and what it holds is untrusted input: nothing here
 follows a symlink (a link planted at a partial, part list, lock or blob is removed, never written through),
@@ -30,15 +30,14 @@ import json
 import os
 import stat
 import threading
-import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from .errors import HiveError, IntegrityError
-from .hashing import sha256_file
-from .paths import (cache_root, exclusive_lock, lock_is_free, read_small_file, release_lock,
-                    replace_with_json, try_lock)
+from .hashing import sha256_stream
+from .paths import cache_root, exclusive_lock, read_small_file, replace_with_json
 from .store import Store, blob_key
 from . import blob_stamps, settings
 
@@ -48,7 +47,6 @@ PART_SIZE_ENV = settings.PULL_PART_SIZE.name
 MIN_PART_BYTES = 64 << 10  # below this, requests cost more than a kill could lose (1 byte: 15 s for 256 KiB)
 MAX_PART_LIST_BYTES = 64 << 20  # far above any real part list (a 10 GB blob in 64 KiB parts lists ~1 MB)
 PART_WORKERS = 8  # ranged reads in flight per blob
-PARTIAL_MAX_AGE_S = 24 * 3600.0  # a dead pull's partial waits this long for a pull to resume it
 STATE_VERSION = 1
 HASH_READ = 8 << 20  # bytes read back per sha256 update
 HASH_POLL_S = 0.02  # how often the sha256 catches up with the bytes written while parts are in flight
@@ -71,6 +69,14 @@ class TransferStats:
 
 
 _STATS_LOCK = threading.Lock()
+
+
+class CachedBlob(NamedTuple):
+    """A blob of the cache and the stat of the inode whose sha256 matched: what pull links into DIR must be that
+    inode (a shared cache's name may be swapped meanwhile), at that size and mtime."""
+
+    path: Path
+    verified: os.stat_result
 
 
 def blob_path(digest: str) -> Path:
@@ -101,36 +107,68 @@ def _regular_or_absent(path: Path) -> os.stat_result | None:
     return None
 
 
-def _complete(path: Path, digest: str, size: int) -> bool:
-    # A cache hit is re-hashed unless stamped unchanged since it verified (blob_stamps.py): pulled files are hard
-    # links to cached blobs, so a file edited in a serving directory would otherwise poison later pulls.
+def _complete(path: Path, digest: str, size: int) -> os.stat_result | None:
+    """The stat of the verified blob under `path`, None when there is none.
+
+    A cache hit is re-hashed unless stamped unchanged since it verified (blob_stamps.py): pulled files are hard
+    links to cached blobs, so a file edited in a serving directory would otherwise poison later pulls. The hash
+    reads the inode it checked, through one descriptor opened without following links."""
     st = _lstat(path)
     if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != size:
-        return False
+        return None
     if blob_stamps.trusted(path, st):
-        return True
-    if sha256_file(path) != digest:
-        return False
-    blob_stamps.record(path)
-    return True
+        return st
+    try:
+        f = open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), "rb")
+    except OSError:
+        return None  # swapped for a link or removed since the lstat: not a blob; the pull fetches it
+    with f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size or sha256_stream(f) != digest:
+            return None
+    blob_stamps.record(path, st)
+    return st
 
 
-def _ensure_mode(path: Path) -> None:
+def _ensure_mode(path: Path) -> bool:
     """Give a cached blob the served mode (blobs cached by older versions were 0600); a blob we may not chmod
     (another user's cache) keeps its mode, and pull copies it instead of linking. Through an fd opened without
-    following links: a symlink swapped in must not chmod a file elsewhere."""
+    following links: a symlink swapped in must not chmod a file elsewhere. Whether it changed the mode."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return
+        return False
     try:
         st = os.fstat(fd)
         if stat.S_ISREG(st.st_mode) and st.st_mode & 0o777 != FILE_MODE:
             os.fchmod(fd, FILE_MODE)
+            return True
     except PermissionError:
         pass
     finally:
         os.close(fd)
+    return False
+
+
+def check_cache_dirs(digests: set[str] | frozenset[str] = frozenset()) -> None:
+    """One line, before a pull reads the cache, when HIVE_AOT_CACHE or a level of the blob tree below it is not a
+    directory (a file, /dev/null, a fan-out level someone replaced with a file): every lstat below would fail
+    with ENOTDIR. A symlinked level is left to `_cache_dirs`, which replaces it."""
+    root = cache_root()
+    levels = [root, root / "blobs", root / "blobs" / "sha256", *sorted({blob_path(d).parent for d in digests})]
+    for level in levels:
+        try:
+            st = os.lstat(level)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise HiveError(f"blob cache: cannot use {level} ({e.strerror or type(e).__name__}; HIVE_AOT_CACHE "
+                            f"names the cache directory): nothing was pulled") from None
+        # a link below the root is replaced by _cache_dirs; the root itself may be a link the operator made
+        if stat.S_ISDIR(st.st_mode) or (stat.S_ISLNK(st.st_mode) and (level != root or os.path.isdir(level))):
+            continue
+        raise HiveError(f"blob cache: {level} is not a directory (HIVE_AOT_CACHE names the cache directory): "
+                        f"nothing was pulled")
 
 
 def _cache_dirs(dest: Path) -> None:
@@ -208,6 +246,12 @@ def fetch_blob(store: Store, digest: str, size: int, progress=None, *, stats: Tr
                part_bytes: int | None = None, workers: int = PART_WORKERS) -> Path:
     """The blob `digest` in the local cache, complete and verified: fetched from `store`, or resumed from a
     killed pull's partial, or found there."""
+    return fetch_verified(store, digest, size, progress, stats=stats, part_bytes=part_bytes, workers=workers).path
+
+
+def fetch_verified(store: Store, digest: str, size: int, progress=None, *, stats: TransferStats | None = None,
+                   part_bytes: int | None = None, workers: int = PART_WORKERS) -> CachedBlob:
+    """fetch_blob, with the stat of the inode that verified (what pull places in DIR)."""
     dest = blob_path(digest)
     try:
         return _fetch(store, digest, size, dest, progress, stats if stats is not None else TransferStats(),
@@ -226,37 +270,39 @@ def fetch_blob(store: Store, digest: str, size: int, progress=None, *, stats: Tr
 
 
 def _fetch(store: Store, digest: str, size: int, dest: Path, progress, stats: TransferStats, part_bytes: int,
-           workers: int) -> Path:
-    def hit() -> Path:
+           workers: int) -> CachedBlob:
+    def hit(st: os.stat_result) -> CachedBlob:
         stats.add(cached=1)
         if progress is not None:
             progress.update(size)
-        return dest
+        return CachedBlob(dest, st)
 
-    if _complete(dest, digest, size):
-        _ensure_mode(dest)
-        return hit()
+    if (st := _complete(dest, digest, size)) is not None:
+        if _ensure_mode(dest):
+            blob_stamps.restamp(dest, st)  # the chmod moved its ctime; bytes, inode and mtime are as verified
+            st = _as_verified(dest, st)
+        return hit(st)
     _cache_dirs(dest)
     with exclusive_lock(_sidecar(dest, "lock")):
         _regular_or_absent(dest)  # a link or FIFO under the digest's name is not a blob
-        if _complete(dest, digest, size):  # another pull of this digest finished while we waited
-            return hit()
+        if (st := _complete(dest, digest, size)) is not None:  # another pull of this digest finished meanwhile
+            return hit(st)
         mine = TransferStats()  # this blob's: `stats` may be shared with other blobs fetched at once
         try:
-            _download(store, digest, size, dest, progress, mine, part_bytes, workers, resume=True)
+            st = _download(store, digest, size, dest, progress, mine, part_bytes, workers, resume=True)
         except IntegrityError:
             if not mine.resumed:
                 raise
             # the parts kept from an earlier pull did not add up (a crash can lose written pages): once more
             # from nothing, and a second mismatch is the store's
-            _download(store, digest, size, dest, progress, mine, part_bytes, workers, resume=False)
+            st = _download(store, digest, size, dest, progress, mine, part_bytes, workers, resume=False)
         finally:
             stats.add(fetched=mine.fetched, resumed=mine.resumed)
-    return dest
+    return CachedBlob(dest, st)
 
 
 def _download(store: Store, digest: str, size: int, dest: Path, progress, stats: TransferStats, part_bytes: int,
-              workers: int, *, resume: bool) -> None:
+              workers: int, *, resume: bool) -> os.stat_result:
     partial, state_file = _sidecar(dest, "partial"), _sidecar(dest, "parts")
     key = blob_key(digest)
     done: set[int] = set()
@@ -353,11 +399,21 @@ def _download(store: Store, digest: str, size: int, dest: Path, progress, stats:
     if os.path.getsize(partial) != size or at_byte[0] != size or hasher.hexdigest() != digest:
         _discard(partial, state_file)
         raise IntegrityError(f"blob {digest[:12]} from {store.uri} does not match its manifest sha256")
-    # Cached blobs are hard-linked into serving directories, so they carry the served mode.
+    # Cached blobs are hard-linked into serving directories, so they carry the served mode. The stamp describes
+    # the inode that was hashed, as the rename left it (a rename moves the ctime).
     os.chmod(partial, FILE_MODE)
+    hashed = os.lstat(partial)
     os.replace(partial, dest)
-    blob_stamps.record(dest)
     state_file.unlink(missing_ok=True)
+    blob_stamps.restamp(dest, hashed)
+    return _as_verified(dest, hashed)
+
+
+def _as_verified(blob: Path, verified: os.stat_result) -> os.stat_result:
+    """The blob's stat now when its name still holds the verified inode at its size and mtime (only the ctime
+    moved: a rename, a chmod), else the verified stat itself, which pull then finds the name no longer holds."""
+    now = _lstat(blob)
+    return now if now is not None and blob_stamps.same_inode_and_bytes(now, verified) else verified
 
 
 def _discard(partial: Path, state: Path) -> None:
@@ -365,64 +421,5 @@ def _discard(partial: Path, state: Path) -> None:
     state.unlink(missing_ok=True)
 
 
-def reclaim_partials(max_age_s: float = PARTIAL_MAX_AGE_S, keep: set[str] | frozenset[str] = frozenset()) -> list[str]:
-    """Remove what dead pulls left in the cache: partials older than `max_age_s` that no pull is resuming
-    (their lock is free) with their part lists, part lists and part-list temporaries whose partial is gone,
-    lock files nobody holds, and the random-named partials of older versions, which cannot be resumed. A
-    digest in `keep` (the pull about to resume it) is left alone. Returns the removed entries' names."""
-    removed: list[str] = []
-    root = cache_root() / "blobs" / "sha256"
-    if not root.is_dir() or root.is_symlink():
-        return removed
-    now = time.time()
-    digests: dict[Path, str] = {}  # one directory entry per digest with leftovers: its blob path
-    for entry in sorted(root.glob("*/.*")):
-        name = entry.name[1:]
-        if name.endswith(".partial") and "." in name[:-len(".partial")]:
-            # `.<digest12>.<random>.partial` (before resumable pulls): flock on the file itself
-            if entry.is_file() and not entry.is_symlink() and lock_is_free(entry):
-                entry.unlink(missing_ok=True)
-                removed.append(entry.name)
-            continue
-        digest = name.split(".", 1)[0]
-        if digest not in keep and len(digest) == 64:
-            digests[entry.with_name(digest)] = digest
-    for blob in digests:
-        removed += _reclaim_leftovers(blob, now, max_age_s)
-    return removed
-
-
-def _reclaim_leftovers(blob: Path, now: float, max_age_s: float) -> list[str]:
-    partial, state, lock = _sidecar(blob, "partial"), _sidecar(blob, "parts"), _sidecar(blob, "lock")
-    temporaries = [*blob.parent.glob(f".{blob.name}.parts.*.tmp"), *blob.parent.glob(f".{blob.name}.verified.*.tmp")]
-    found = {p: st for p in (partial, state, *temporaries) if (st := _lstat(p)) is not None}
-    if any(now - st.st_mtime <= max_age_s for st in found.values()):
-        return []  # a recent write: its pull may be alive, or may resume soon
-    leftovers = list(found)
-    had_lock = _lstat(lock) is not None
-    if not had_lock and not leftovers:
-        return []
-    fd = _take_free_lock(lock)
-    if fd is None:
-        return []  # a live pull holds it
-    try:
-        for p in leftovers:
-            p.unlink(missing_ok=True)
-        return [p.name for p in leftovers] + ([lock.name] if had_lock else [])
-    finally:
-        release_lock(lock, fd)
-
-
-def _take_free_lock(lock: Path) -> int | None:
-    """The digest's lock taken without waiting (made if absent), or None while a live pull holds it. A link or
-    FIFO at the lock's name is no lock: it is removed first."""
-    if _lstat(lock) is not None:
-        _regular_or_absent(lock)
-    try:
-        os.close(os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE))
-    except FileExistsError:
-        pass
-    return try_lock(lock)
-
-
-__all__ = ["PART_BYTES", "TransferStats", "blob_path", "fetch_blob", "missing_bytes", "parts_of", "reclaim_partials"]
+__all__ = ["PART_BYTES", "CachedBlob", "TransferStats", "blob_path", "check_cache_dirs", "fetch_blob", "fetch_verified",
+           "missing_bytes", "parts_of"]

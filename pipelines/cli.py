@@ -25,7 +25,8 @@ from .errors import HiveError
 
 from .cli_output import (EXIT_ERROR, EXIT_INCOMPATIBLE, EXIT_OK, EXIT_REJECTED, EXIT_RESOURCES,  # noqa: F401
                          EXIT_REVIEW, EXIT_USAGE, emit as _emit, size as _size)
-from .cli_store import cmd_gc, cmd_ls, cmd_profiles, cmd_pull, cmd_retire, cmd_serve, cmd_tag, modelcar_parser
+from .cli_store import (cmd_gc, cmd_ls, cmd_profiles, cmd_pull, cmd_retire, cmd_serve, cmd_tag, modelcar_parser,
+                        verify_parser)
 
 # Import names that differ from the distribution that provides them.
 _DIST_OF_MODULE = {"llama_cpp": "llama_cpp_python", "google": "protobuf"}
@@ -318,6 +319,7 @@ def parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_profiles)
 
     modelcar_parser(sub)
+    verify_parser(sub)
 
     sp = sub.add_parser("tag", help="point a tag at a published build (promote it, or roll a tag back to it)")
     sp.add_argument("model", metavar="MODEL_ID@BUILD_ID")

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from .cli_output import EXIT_OK, emit, size
-from .errors import HiveError
+from .errors import HiveError, IntegrityError
 
 
 def cmd_pull(args) -> int:
@@ -173,3 +173,43 @@ def modelcar_parser(sub) -> None:
     sp.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     sp.add_argument("--store", help="an oci://host[:port]/repository store (default: $HIVE_AOT_STORE)")
     sp.set_defaults(func=cmd_modelcar)
+
+
+def cmd_verify(args) -> int:
+    from .verify import verify_published
+
+    res = verify_published(args.model, recipe=args.recipe, tag=args.tag, store_uri=args.store, deep=args.deep,
+                           trusted=args.trusted_keys)
+    lines = []
+    for b in res["builds"]:
+        ok = sum(f["state"] == "intact" for f in b["files"])
+        signed = f", signed by {b['signed_by']}" if b["signed_by"] else ""
+        lines.append(f"{res['model_id']} {b['recipe']} (build {b['build_id'][:12]}): {ok} of {len(b['files'])} "
+                     f"file(s) intact by {b['checked']}{signed}")
+        lines += [f"  {p}" for p in b["problems"]]
+    emit(args, res, "\n".join(lines))
+    if res["intact"]:
+        return EXIT_OK
+    damaged = [f"{b['recipe']} {b['build_id'][:12]}" for b in res["builds"] if not b["intact"]]
+    print(f"hive-aot: error: {res['model_id']}: {', '.join(damaged)} not intact in {res['store']} (the next "
+          f"`hive-aot build` of a build id re-uploads its damaged blobs)", file=sys.stderr)
+    return IntegrityError.exit_code
+
+
+def verify_parser(sub) -> None:
+    sp = sub.add_parser("verify", help="check a model's published builds in the store without pulling them "
+                                       "(manifests, signatures, every blob at its size and intact)",
+                        description="Check what a tag (or build id) of a model names in any store: the manifests "
+                                    "as pull reads them, their signatures with --trusted-keys, and every blob by "
+                                    "the store's own policy (a local store hashes; S3 compares its upload "
+                                    "evidence), or with --deep by reading and hashing every blob from the store "
+                                    "(nothing is written). Exit 0 when everything is intact, 1 otherwise.")
+    sp.add_argument("model", help="org/name[@build_id]")
+    sp.add_argument("--recipe", help="only this recipe (default: every recipe the tag names)")
+    sp.add_argument("--tag", default="latest", help="the ref tag to check (default latest)")
+    sp.add_argument("--deep", action="store_true", help="read and hash every blob from the store")
+    sp.add_argument("--trusted-keys", help="Ed25519 public key PEM file(s): also require a trusted signature "
+                                           "(default: $HIVE_AOT_TRUSTED_KEYS)")
+    sp.add_argument("--json", action="store_true", help="print the report as one JSON document on stdout")
+    sp.add_argument("--store", help="the store (default: $HIVE_AOT_STORE)")
+    sp.set_defaults(func=cmd_verify)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from .paths import cache_root, replace_with_json
 
@@ -13,12 +13,18 @@ CHUNK = 4 * 1024 * 1024
 
 
 def sha256_file(path: Path, progress=None) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-            if progress is not None:
-                progress.update(len(chunk))
+        return sha256_stream(f, progress)
+
+
+def sha256_stream(f: BinaryIO, progress=None) -> str:
+    """sha256 of what is left to read in an open file (a caller that checked the file's fstat hashes that very
+    inode, whatever its name points at meanwhile)."""
+    h = hashlib.sha256()
+    while chunk := f.read(CHUNK):
+        h.update(chunk)
+        if progress is not None:
+            progress.update(len(chunk))
     return h.hexdigest()
 
 

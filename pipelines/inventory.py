@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from . import staging_lease
-from .blob_cache import reclaim_partials
+from .blob_leftovers import reclaim_partials
 from .errors import IntegrityError
 from .manifest import Manifest
 from .paths import reclaim_work

@@ -210,6 +210,14 @@ def safe_relpath(name: str, *, what: str = "file name") -> str:
     return name
 
 
+def resolved(path: Path, shown: str | None = None) -> Path:
+    """path.resolve(), with a symlink loop (which pathlib raises as RuntimeError) a one-line SourceError."""
+    try:
+        return path.resolve()
+    except RuntimeError:
+        raise SourceError(f"refusing {shown or str(path)!r}: a symlink loop (links that lead back to themselves)") from None
+
+
 def confined(root: Path, rel: str, within: Path | None = None) -> Path:
     """Join and check that the real path stays inside `within` (default root), symlinks included.
 
@@ -219,8 +227,8 @@ def confined(root: Path, rel: str, within: Path | None = None) -> Path:
     safe_relpath(rel)
     p = root / rel
     fence = within or root
-    real_fence = fence.resolve()
-    real = p.resolve()
+    real_fence = resolved(fence)
+    real = resolved(p, rel)
     if real != real_fence and real_fence not in real.parents:
         raise SourceError(f"refusing {rel!r}: it resolves outside {fence} (symlink?)")
     return p

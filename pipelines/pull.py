@@ -8,23 +8,19 @@ Pulls of one DIR are serialized by a lock file next to it, so concurrent pulls w
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import stat
-import tempfile
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .blob_batch import fetch_blobs
-from .blob_cache import TransferStats, missing_bytes, reclaim_partials
+from .blob_cache import TransferStats, check_cache_dirs, missing_bytes
+from .blob_leftovers import reclaim_partials
 from .errors import HiveError, IntegrityError, ResourceError
-from .hashing import sha256_file
 from .manifest import Manifest
 from .paths import check_model_id, exclusive_lock, model_slug, safe_relpath
 from .progress import bar
+from .pulled_dir import FILE_MODE, MARKER, assemble, present  # noqa: F401 - MARKER: pull's public name for it
 from .signing import trusted_keys, verify
 from .store import Store, manifest_key, open_store, ref_key
 from .store.documents import load_manifest
@@ -32,9 +28,6 @@ from .store.layout import BUNDLE_TAG_PREFIX, PROFILES_KEY, is_digest
 from .engine_versions import engine_check
 from .serve_policy import serving_summary
 
-MARKER = "hive-aot.json"
-# Serving processes often run as another user than the puller: what a pull leaves is world-readable.
-FILE_MODE, DIR_MODE = 0o644, 0o755
 
 
 @dataclass
@@ -175,69 +168,6 @@ def _refuse_bundle_only(store: Store, model_id: str, profile: dict[str, Any], re
                     f"{b.manifest.pending_needs}: hive-aot compile {model_id} --recipe {b.recipe}")
 
 
-def _place(blob: Path, out: Path) -> None:
-    """out = the blob's content, mode FILE_MODE: a hard link when the blob has that mode, else a copy."""
-    if blob.stat().st_mode & 0o777 == FILE_MODE:
-        try:
-            out.hardlink_to(blob)
-            return
-        except OSError:
-            pass
-    shutil.copyfile(blob, out)
-    os.chmod(out, FILE_MODE)
-
-
-def _mkdirs(root: Path, rel_dir: Path) -> None:
-    """Create rel_dir's components under root with DIR_MODE whatever the umask."""
-    path = root
-    for part in rel_dir.parts:
-        path = path / part
-        if not path.is_dir():
-            path.mkdir()
-            os.chmod(path, DIR_MODE)
-
-
-def _not_ours(dest: Path) -> list[str]:
-    """Entries under dest that the pull which made it did not create: anything but its marker, the files its
-    marker's manifest lists and their directories (only the marker when that is unreadable)."""
-    owned = {MARKER}
-    try:
-        for f in json.loads((dest / MARKER).read_text())["manifest"]["files"]:
-            parts = f["path"].split("/")
-            owned.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
-    foreign = []
-
-    def fail(e: OSError) -> None:
-        raise e  # an unreadable subdirectory may hold anything: never replace what we could not inspect
-
-    for root, dirs, files in os.walk(dest, onerror=fail):
-        rel = Path(root).relative_to(dest)
-        foreign += sorted(str(rel / n) for n in files + dirs if str(rel / n) not in owned)
-        dirs[:] = [d for d in dirs if str(rel / d) in owned]  # a foreign directory is reported once
-    return foreign
-
-
-def _swap_into_place(tmp: Path, dest: Path) -> None:
-    if dest.exists():
-        if not dest.is_dir():
-            raise HiveError(f"{dest} exists and is not a directory")
-        foreign = _not_ours(dest)
-        if foreign and not (dest / MARKER).is_file():
-            raise HiveError(f"{dest} is not empty and was not made by hive-aot pull: refusing to replace it")
-        if foreign:
-            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-            raise HiveError(f"{dest} holds files an earlier pull did not create ({shown}): refusing to replace it "
-                            f"(move them elsewhere, or pull into another directory)")
-        old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-        os.replace(dest, old)
-        os.replace(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, dest)
-
-
 def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag: str = "latest",
          store_uri: str | None = None, registry: str | None = None, strict: bool = False,
          trusted: str | None = None, fetch: bool = True, allow_stand_in: bool = False) -> dict[str, Any]:
@@ -306,13 +236,14 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
                   "manifest": m.model_dump(mode="json")}
     if not fetch:
         return {**serving_summary(marker_doc, dest, m, signed=signed_by is not None), "fetched": False,
-                "already_present": _present(dest, m), "auto_target": auto, "engines": engines, "warnings": warnings,
+                "already_present": present(dest, m), "auto_target": auto, "engines": engines, "warnings": warnings,
                 "signed_by": signed_by}
     # Held from the "already present" check to the swap: a second pull of DIR waits, then finds it complete.
     with _dest_lock(dest):
-        if _present(dest, m):
+        if present(dest, m):
             return {**serving_summary(marker_doc, dest, m, signed=signed_by is not None), "already_present": True, "auto_target": auto,
                     "engines": engines, "warnings": warnings, "signed_by": signed_by}
+        check_cache_dirs({f.sha256 for f in m.files})
         # what dead pulls left in the cache, except the partials this pull resumes
         reclaim_partials(keep={f.sha256 for f in m.files})
         check_disk_for_pull(m, dest)
@@ -320,7 +251,7 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
         with bar(m.total_size, f"pull {chosen.recipe}") as pb:
             blobs = fetch_blobs(store, {f.sha256: f.size for f in m.files}, pb, stats=stats)
         try:
-            _assemble(dest, m, blobs, marker_doc)
+            assemble(dest, m, blobs, marker_doc)
         except OSError as e:
             raise _cannot_write(dest, e) from None
     return {**serving_summary(marker_doc, dest, m, signed=signed_by is not None), "already_present": False, "auto_target": auto,
@@ -375,66 +306,3 @@ def _dest_lock(dest: Path):
         raise _cannot_write(dest, e) from None
     with held:
         yield
-
-
-def _assemble(dest: Path, m: Manifest, blobs: dict[str, Path], marker_doc: dict[str, Any]) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
-    try:
-        for f in m.files:
-            out = tmp / f.path
-            _mkdirs(tmp, Path(f.path).parent)
-            _place(blobs[f.sha256], out)
-        # Inode and mtime survive the rename into place, so the stamps taken here describe DIR's files.
-        _write_marker(tmp, {**marker_doc, "stamps": {f.path: _stamp((tmp / f.path).stat()) for f in m.files}})
-        os.chmod(tmp, DIR_MODE)
-        _swap_into_place(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _write_marker(directory: Path, doc: dict[str, Any]) -> None:
-    """Atomically: a marker cut short by a crash would disown DIR's files (see _not_ours)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{MARKER}.", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(doc, indent=1, sort_keys=True) + "\n")
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, directory / MARKER)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _stamp(st: os.stat_result) -> list[int]:
-    return [st.st_ino, st.st_size, st.st_mtime_ns]
-
-
-def _present(dest: Path, m: Manifest) -> bool:
-    """DIR already holds build m: every file a regular file at its size and served mode, and unmodified.
-
-    Policy for "unmodified" (issue 7 item 5): a file whose (inode, size, mtime) equals the stamp the pull
-    recorded in the marker is trusted without reading it, since any write through the file system changes
-    the mtime; any other file (a copied or restored DIR, a marker from an older version, a file rewritten
-    at the same size) is re-hashed, and a mismatch means DIR is pulled again. After a successful re-hash
-    the new stamps are recorded, so the next check is cheap again."""
-    try:
-        doc = json.loads((dest / MARKER).read_text())
-        if not isinstance(doc, dict) or doc.get("build_id") != m.build_id:
-            return False
-        stamps = doc.get("stamps") if isinstance(doc.get("stamps"), dict) else {}
-        fresh = {}
-        for f in m.files:
-            p = dest / f.path
-            st = p.lstat()
-            if not stat.S_ISREG(st.st_mode) or st.st_size != f.size or stat.S_IMODE(st.st_mode) != FILE_MODE:
-                return False
-            fresh[f.path] = _stamp(st)
-            if stamps.get(f.path) != fresh[f.path] and sha256_file(p) != f.sha256:
-                return False
-    except (OSError, ValueError):
-        return False
-    if fresh != stamps:
-        with suppress(OSError):  # a read-only DIR stays valid; it is just re-hashed next time
-            _write_marker(dest, {**doc, "stamps": fresh})
-    return True

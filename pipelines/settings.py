@@ -12,6 +12,7 @@ runner's interpreter all read their settings through it.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 OPERATOR, TESTS = "operator", "tests"  # who sets it: a deployment, or the test suite's fault injection
@@ -31,6 +32,7 @@ class Setting:
     default: str | None = None  # what an unset (or empty) variable means; None: the feature is off / derived
     audience: str = OPERATOR
     secret: bool = False  # its value may carry a credential (a broker URL with a password): never shown
+    uri: bool = False  # a URI: shown without user-info, query or fragment (where a credential could hide)
 
     def get(self) -> str | None:
         """The variable's value, else the default; surrounding whitespace is not part of a value."""
@@ -71,7 +73,27 @@ class Setting:
         """The value as it may be printed: a secret's only as `(set)`."""
         if self.secret and self.is_set():
             return "(set)"
-        return self.get()
+        value = self.get()
+        return redact_uri(value) if self.uri and value else value
+
+
+_URI_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def redact_uri(uri: str) -> str:
+    """A URI as it may be printed: user-info (`user:password@`), query and fragment replaced by `***`; a plain
+    path is left as it is. `oci://user:pa/ss@host/repo` is `oci://***@host/repo`: the last `@` ends user-info
+    however the password is spelled."""
+    scheme = _URI_SCHEME.match(uri)
+    if scheme is None:
+        return uri
+    rest = uri[scheme.end():]
+    cut = min([i for i in (rest.find("?"), rest.find("#")) if i >= 0], default=len(rest))
+    tail = "?***" if cut < len(rest) else ""
+    rest = rest[:cut]
+    if "@" in rest:
+        rest = "***@" + rest.rsplit("@", 1)[1]
+    return scheme.group(0) + rest + tail
 
 
 # --- where things are --------------------------------------------------------------------------------------------
@@ -79,11 +101,14 @@ REGISTRY = Setting("HIVE_AOT_REGISTRY", "deployment registry YAML (models, profi
                    "if present, else the embedded defaults")
 RECIPES = Setting("HIVE_AOT_RECIPES", "directory of the deployment's own recipes; else the registry's recipes_dir")
 STORE = Setting("HIVE_AOT_STORE", "artifact store URI: a directory, file://, s3://bucket/prefix or "
-                "oci://host[:port]/repository", "./artifacts")
+                "oci://host[:port]/repository", "./artifacts", uri=True)
 CACHE = Setting("HIVE_AOT_CACHE", "local cache: snapshots, reference logits, pulled blobs, downloads "
                 "(default ~/.cache/hive-aot)")
 PULL_PART_SIZE = Setting("HIVE_AOT_PULL_PART_SIZE", "size of one ranged GET of a pull (e.g. 16M): smaller parts "
                          "lose less to a kill and cost more requests")
+CACHE_VERIFY = Setting("HIVE_AOT_CACHE_VERIFY", "how a pull trusts what the blob cache and DIR already hold: "
+                       "stamps (re-hash only what changed since it verified) or rehash (every cached blob and "
+                       "DIR file, every pull: a cache writable by a uid you do not trust)", default="stamps")
 
 # --- resources and engines ---------------------------------------------------------------------------------------
 MEMORY_BUDGET = Setting("HIVE_AOT_MEMORY_BUDGET", "memory a build may plan for (12G, 12GiB, 800M, bytes); else "
@@ -116,6 +141,8 @@ OCI_USERNAME = Setting("HIVE_AOT_OCI_USERNAME", "user name for an oci:// store's
                        "HIVE_AOT_OCI_PASSWORD); else docker's config.json, else anonymous", secret=True)
 OCI_PASSWORD = Setting("HIVE_AOT_OCI_PASSWORD", "password or access token for an oci:// store's registry",
                        secret=True)
+OCI_DEADLINE = Setting("HIVE_AOT_OCI_DEADLINE", "seconds an oci:// store's registry may take to answer a request in "
+                       "full (a blob transfer: to move each MiB)", "300")
 
 # --- orchestration -----------------------------------------------------------------------------------------------
 CELERY_BROKER = Setting("HIVE_AOT_CELERY_BROKER", "Celery broker URL: every Dagster step becomes a Celery task",

@@ -120,7 +120,7 @@ def verify(store, manifest_key: str, manifest_bytes: bytes, keys: dict[str, Any]
     try:
         doc = json.loads(raw)
         kid, sig = doc["key_id"], base64.b64decode(doc["signature"], validate=True)
-        if doc.get("algorithm") != ALGORITHM:
+        if doc.get("algorithm") != ALGORITHM or not isinstance(kid, str):  # a list or object id: not a key's
             raise ValueError(doc.get("algorithm"))
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise IntegrityError(f"{where}: its signature file is malformed") from None

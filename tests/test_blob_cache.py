@@ -24,7 +24,8 @@ from types import SimpleNamespace
 import pytest
 
 from pipelines.blob_batch import fetch_blobs
-from pipelines.blob_cache import TransferStats, blob_path, fetch_blob, missing_bytes, parts_of, reclaim_partials
+from pipelines.blob_cache import TransferStats, blob_path, fetch_blob, missing_bytes, parts_of
+from pipelines.blob_leftovers import reclaim_partials
 from pipelines.errors import IntegrityError, StoreError
 from pipelines.hashing import sha256_file
 from pipelines.store import open_store
@@ -38,7 +39,7 @@ class Flaky:
 
     def __init__(self, store, parts_ok: int | None = None, gate: threading.Event | None = None):
         self.store, self.parts_ok, self.gate = store, parts_ok, gate
-        self.served, self.parts, self.lock = 0, 0, threading.Lock()
+        self.served, self.parts, self.completed, self.lock = 0, 0, 0, threading.Lock()
         self.uri = store.uri
 
     def iter_range(self, key, start, length):
@@ -53,6 +54,8 @@ class Flaky:
             with self.lock:
                 self.served += len(chunk)
             yield chunk
+        with self.lock:
+            self.completed += 1  # the reader wrote this part's last chunk before asking for more
 
 
 @pytest.fixture
@@ -178,8 +181,8 @@ def test_several_blobs_are_fetched_at_once_and_the_first_failure_is_raised(fresh
     store = open_store(str(tmp_path / "store"))
     sizes = dict(_blob(store, tmp_path, 3 * PART + i, seed=i) for i in range(3))
     stats = TransferStats()
-    paths = fetch_blobs(Together(store, 3), sizes, stats=stats, at_once=3)
-    assert {d: sha256_file(p) for d, p in paths.items()} == {d: d for d in sizes}
+    paths = fetch_blobs(Together(store, 3), sizes, stats=stats, at_once=3)  # CachedBlob: path, verified stat
+    assert {d: sha256_file(b.path) for d, b in paths.items()} == {d: d for d in sizes}
     assert stats.fetched == sum(sizes.values())
 
     shutil.rmtree(fresh_cache)
@@ -225,15 +228,18 @@ def test_reclaim_takes_dead_old_partials_keeps_young_live_and_resumed_ones(fresh
 
 class SlowHash:
     """A sha256 that takes 20 ms per update (a hash slower than the download, as on a host whose link outruns one
-    core's sha256), and interrupts the pull (as a kill -9 would: no code of the pull runs after) at its first
-    update once the store has served the whole blob."""
+    core's sha256), and interrupts the pull (as a kill -9 would: no code of the pull runs after) once every part is
+    written: at the update after the one that first sees them all, so the pull's loop has looked for finished parts
+    in between (the interrupt at the first such update raced a loaded host's last part threads: a flaky failure)."""
 
-    def __init__(self, flaky: Flaky, size: int):
-        self.inner, self.flaky, self.size = hashlib.sha256(), flaky, size
+    def __init__(self, flaky: Flaky, size: int, parts: int):
+        self.inner, self.flaky, self.size, self.parts, self.armed = hashlib.sha256(), flaky, size, parts, False
 
     def update(self, data) -> None:
-        if self.flaky.served >= self.size:
-            raise KeyboardInterrupt
+        if self.flaky.served >= self.size and self.flaky.completed >= self.parts:
+            if self.armed:
+                raise KeyboardInterrupt
+            self.armed = True
         time.sleep(0.02)
         self.inner.update(data)
 
@@ -252,7 +258,7 @@ def test_the_part_list_keeps_up_while_the_hash_trails_the_download(fresh_cache, 
     flaky = Flaky(store)
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
         m.setattr(blob_cache, "HASH_READ", PART)  # one update per part: the hash trails by many parts
-        m.setattr(blob_cache, "hashlib", SimpleNamespace(sha256=lambda: SlowHash(flaky, size)))
+        m.setattr(blob_cache, "hashlib", SimpleNamespace(sha256=lambda: SlowHash(flaky, size, 24)))
         fetch_blob(flaky, digest, size, part_bytes=PART, workers=4)
     assert flaky.served == size and missing_bytes(digest, size) == 0  # every written part is on the list
     again, stats = Flaky(store), TransferStats()
@@ -350,6 +356,8 @@ def test_killed_pulls_resume_and_never_leave_a_half_destination(kind, tmp_path, 
     gc = subprocess.run([sys.executable, "-m", "pipelines.cli", "gc", "--min-age", "0", "--store", store_uri],
                         env=env, capture_output=True, text=True, timeout=120)
     assert gc.returncode == 0, gc.stderr
-    leftovers = [p.name for p in (cache / "blobs").rglob(".*") if not p.name.endswith(".verified")] + \
+    # the stamps of blobs the loop deleted went with gc (issue 39 item 13); the finished pull's blob keeps its own
+    leftovers = [p.name for p in (cache / "blobs").rglob(".*")
+                 if not (p.name == f".{digest}.verified" and p.with_name(digest).is_file())] + \
         [p.name for p in dest.parent.glob(".*")]
     assert leftovers == [], leftovers

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from pipelines.blob_cache import (MIN_PART_BYTES, PART_SIZE_ENV, blob_path, fetch_blob, missing_bytes,
-                                  part_bytes_setting, reclaim_partials)
+                                  part_bytes_setting)
+from pipelines.blob_leftovers import reclaim_partials
 from pipelines.errors import HiveError
 from pipelines.hashing import sha256_file
 from pipelines.manifest import FileEntry, Manifest, ModelInfo, RecipeInfo

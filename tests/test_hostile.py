@@ -271,6 +271,12 @@ def _symlink_out(d: Path) -> None:
     (d / "model.safetensors").symlink_to("/etc/passwd")
 
 
+def _symlink_loop(d: Path) -> None:
+    """Issue 39 item 10: a link to itself where a weights file belongs (pathlib raises RuntimeError on it)."""
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors").symlink_to("model.safetensors")
+
+
 def _tokenizer_garbage(d: Path) -> None:
     (d / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": {}, "merges": []}}')
 
@@ -323,6 +329,7 @@ MODEL_DIRS: dict[str, tuple[Callable[[Path], None], int, int, str]] = {
     "nested-safetensors-header": (_nested_header, 1, 1, "nested too deeply"),
     "pickle-only": (_pickle_only, 1, 1, "only pickle weights (pytorch_model.bin)"),
     "symlink-out-of-repo": (_symlink_out, 1, 1, "resolves outside"),
+    "symlink-loop": (_symlink_loop, 1, 1, "a symlink loop"),
     "tokenizer-garbage": (_tokenizer_garbage, 0, 1, "tokenizer"),
 }
 
@@ -389,3 +396,88 @@ def test_a_huge_number_in_a_size_variable_is_one_line(variable, published, cli, 
         r = cli("pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "m"), "--store",
                 str(published["store"]))
     assert r.rc == 1 and variable in r.error_line() and "is not a size" in r.error_line()
+
+
+# --- issue 39: secrets in store URIs, an unusable cache, a damaged signature -----------------------------------
+
+SECRET = "s3cr3t-Tail"
+
+
+@pytest.mark.parametrize("uri", [f"oci://user:pa/{SECRET}@127.0.0.1:1/repo", f"oci://127.0.0.1:1/repo?token={SECRET}",
+                                 f"oci://127.0.0.1:1/repo#{SECRET}", f"s3://bucket/prefix?X-Amz-Signature={SECRET}",
+                                 f"s3://user:{SECRET}@bucket/prefix", f"ftp://user:{SECRET}@host/x",
+                                 f"file:///tmp/x?sig={SECRET}"])
+@pytest.mark.parametrize("command", ["ls", "pull"])
+def test_a_secret_in_a_store_uri_is_never_echoed(uri, command, published, cli, tmp_path, monkeypatch):
+    """Item 6: user-info, query and fragment of a store URI are refused and never printed, whichever scheme."""
+    args = ["ls"] if command == "ls" else ["pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "d")]
+    r = cli(*args, "--store", uri)
+    line = r.error_line()
+    assert r.rc == 1 and SECRET not in line and SECRET not in r.out and "***" in line
+    monkeypatch.setenv("HIVE_AOT_STORE", uri)
+    r = cli("settings", "--json")
+    assert r.rc == 0 and SECRET not in r.out + r.err
+
+
+@pytest.mark.parametrize("cache", ["a-file", "dev-null", "fan-out-a-file"])
+def test_an_unusable_blob_cache_is_one_line_in_pull(cache, published, cli, tmp_path, monkeypatch):
+    """Item 9 and 13: HIVE_AOT_CACHE naming a file or /dev/null, or a fan-out level of the cache that is a file,
+    was NotADirectoryError in pull."""
+    root = tmp_path / "cache-root"
+    if cache == "a-file":
+        root.write_text("not a directory")
+    elif cache == "dev-null":
+        root = Path("/dev/null")
+    else:
+        digest = published["manifest"]["files"][0]["sha256"]
+        (root / "blobs" / "sha256").mkdir(parents=True)
+        (root / "blobs" / "sha256" / digest[:2]).write_text("not a directory")
+    monkeypatch.setenv("HIVE_AOT_CACHE", str(root))
+    r = cli("pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "d"), "--store",
+            str(published["store"]))
+    assert r.rc == 1 and "is not a directory" in r.error_line() and "HIVE_AOT_CACHE" in r.error_line()
+    assert not (tmp_path / "d").exists()
+
+
+def _sign(published: dict, tmp_path: Path, monkeypatch) -> tuple[Path, Path, Path]:
+    """A copy of the store whose manifest carries a signature; (store, signature file, public key file)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    from pipelines.signing import signature_key, write_signature
+
+    store = _copy(published, tmp_path)
+    private = ed25519.Ed25519PrivateKey.generate()
+    key = tmp_path / "signing.pem"
+    key.write_bytes(private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
+    public = tmp_path / "trusted.pem"
+    public.write_bytes(private.public_key().public_bytes(serialization.Encoding.PEM,
+                                                         serialization.PublicFormat.SubjectPublicKeyInfo))
+    from pipelines.store import open_store
+
+    monkeypatch.setenv("HIVE_AOT_SIGNING_KEY", str(key))
+    mkey = str(_manifest(store).relative_to(store))
+    assert write_signature(open_store(str(store)), mkey, _manifest(store).read_bytes())
+    monkeypatch.delenv("HIVE_AOT_SIGNING_KEY")
+    return store, store / signature_key(mkey), public
+
+
+@pytest.mark.parametrize("damage", ["key-id-a-list", "key-id-an-object", "a-directory", "a-fifo"])
+def test_a_damaged_signature_is_one_line_in_pull(damage, published, cli, tmp_path, monkeypatch):
+    """Item 13: a key id that is a list or an object was `TypeError: unhashable type`, a signature path that is a
+    directory `IsADirectoryError` (a FIFO would block the read forever)."""
+    import os
+
+    store, sig, public = _sign(published, tmp_path, monkeypatch)
+    if damage.startswith("key-id"):
+        doc = json.loads(sig.read_text())
+        doc["key_id"] = [doc["key_id"]] if damage == "key-id-a-list" else {"id": doc["key_id"]}
+        sig.write_text(json.dumps(doc))
+    else:
+        sig.unlink()
+        sig.mkdir() if damage == "a-directory" else os.mkfifo(sig)
+    r = cli("pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "d"), "--store", str(store),
+            "--trusted-keys", str(public))
+    assert r.rc == 1 and ("signature file is malformed" in r.error_line() or "not a regular file" in r.error_line())
+    assert not (tmp_path / "d").exists()

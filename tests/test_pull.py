@@ -18,6 +18,7 @@ from factories import CPU_PREFERENCE, write_test_config
 from pipelines.build import build_and_publish
 from pipelines.config import Config
 from pipelines.errors import HiveError, IntegrityError, StoreError
+from pipelines.blob_stamps import identity
 from pipelines.pull import MARKER, pull
 
 REPO = Path.cwd()
@@ -405,30 +406,66 @@ def test_file_corrupted_at_the_same_size_is_pulled_again(env, tmp_path, monkeypa
 
 
 def test_present_check_trusts_its_stamp_and_rehashes_anything_else(env, tmp_path, monkeypatch):
-    """Item 5 policy: a file matching the (inode, size, mtime) stamp recorded at pull time is not read; a copied
-    DIR (new inodes) is re-hashed once, found intact, reported present, and stamped again."""
-    import pipelines.pull as pull_mod
+    """Item 5 policy: a file matching the (device, inode, size, mtime, ctime) stamp recorded at pull time is not
+    read; a copied DIR (new inodes) is re-hashed once, found intact, reported present, and stamped again."""
+    import pipelines.pulled_dir as pulled_dir
 
     dest = tmp_path / "model"
     res = pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))
     name = Path(res["files"][0]).name
     st = (dest / name).stat()
-    assert json.loads((dest / MARKER).read_text())["stamps"] == {name: [st.st_ino, st.st_size, st.st_mtime_ns]}
+    assert json.loads((dest / MARKER).read_text())["stamps"] == {name: identity(st)}
 
     copy = tmp_path / "copy"
     shutil.copytree(dest, copy)  # new inodes, same bytes
-    hashed = []
-    real = pull_mod.sha256_file
-    monkeypatch.setattr(pull_mod, "sha256_file", lambda p, *a: hashed.append(Path(p)) or real(p, *a))
+    hashed = _count_hashes(monkeypatch, pulled_dir)
     assert pull(MODEL, CPU, copy, recipe="gguf-f16", store_uri=str(env["store"]))["already_present"] is True
-    assert hashed == [copy / name]
+    assert len(hashed) == 1
     st = (copy / name).stat()
-    assert json.loads((copy / MARKER).read_text())["stamps"] == {name: [st.st_ino, st.st_size, st.st_mtime_ns]}
+    assert json.loads((copy / MARKER).read_text())["stamps"] == {name: identity(st)}
 
     hashed.clear()
     for d in (dest, copy):
         assert pull(MODEL, CPU, d, recipe="gguf-f16", store_uri=str(env["store"]))["already_present"] is True
     assert hashed == []  # the stamps matched: nothing was read
+    monkeypatch.setenv("HIVE_AOT_CACHE_VERIFY", "rehash")  # a cache nobody vouches for: every file, every pull
+    assert pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))["already_present"] is True
+    assert len(hashed) == 1
+
+
+def _count_hashes(monkeypatch, module) -> list[int]:
+    """Every sha256 the module reads from a file (one entry per call)."""
+    calls: list[int] = []
+    real = module.sha256_stream
+    monkeypatch.setattr(module, "sha256_stream", lambda f, *a: calls.append(1) or real(f, *a))
+    return calls
+
+
+def test_timestamps_restored_after_an_edit_prove_nothing(env, tmp_path, monkeypatch):
+    """Issue 39 item 1: `cp --preserve=timestamps` over a pulled file writes the cache blob's own inode (DIR files
+    are its hard links) and sets the mtime back. The re-pull of that DIR and a pull into a new DIR both notice
+    (ctime moved), re-hash, and deliver the published bytes again."""
+    monkeypatch.setenv("HIVE_AOT_CACHE", str(tmp_path / "cache"))
+    f = env["builds"]["gguf-f16"].files[0]
+    dest = tmp_path / "srv" / "model"
+    gguf = Path(pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))["files"][0])
+    forged = tmp_path / "forged.gguf"
+    data = bytearray(gguf.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    forged.write_bytes(bytes(data))
+    before = gguf.stat()
+    os.utime(forged, ns=(before.st_atime_ns, before.st_mtime_ns))
+    subprocess.run(["cp", "--preserve=timestamps", str(forged), str(gguf)], check=True)
+    after = gguf.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    assert hashlib.sha256(gguf.read_bytes()).hexdigest() != f["sha256"]  # the blob itself is poisoned now
+
+    other = pull(MODEL, CPU, tmp_path / "srv" / "other", recipe="gguf-f16", store_uri=str(env["store"]))
+    assert other["transfer"]["fetched_bytes"] == f["size"]  # re-hashed, found wrong, fetched again
+    assert hashlib.sha256(Path(other["files"][0]).read_bytes()).hexdigest() == f["sha256"]
+    again = pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))
+    assert again["already_present"] is False
+    assert hashlib.sha256(gguf.read_bytes()).hexdigest() == f["sha256"]
 
 
 def test_replacing_an_earlier_pull_never_deletes_user_files(env, tmp_path):

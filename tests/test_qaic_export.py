@@ -244,6 +244,15 @@ def _index_names_absent(d: Path) -> None:
         **{n: "model.safetensors" for n in names}, "model.layers.9.mlp.up_proj.weight": "model.safetensors"}}))
 
 
+def _half_a_tensor(d: Path) -> None:
+    """Issue 39 item 13: a tensor whose shape disagrees with config.json (half its rows): an AssertionError was the
+    export's answer ("wrote 16384 bytes, its shape needs 32768")."""
+    from factories import rewrite_safetensors
+
+    name = "model.layers.0.mlp.up_proj.weight"
+    rewrite_safetensors(d, lambda t: t.update({name: t[name][: t[name].shape[0] // 2]}))
+
+
 def _nan(d: Path) -> None:
     from factories import poison_weights
 
@@ -254,7 +263,8 @@ def _nan(d: Path) -> None:
 BAD_SOURCES = {"int8 without a quantization config": (_int8_tensor, "is stored as I8 but config.json declares no quantization"),
                "a stray tensor": (_stray_tensor, "tensor(s) the model has no parameter for: model.layers.0.mlp.extra_proj"),
                "an index naming an absent tensor": (_index_names_absent, "names tensor(s) no shard holds"),
-               "an Inf weight": (_nan, "layers.1.self_attn.v_proj.weight holds NaN/Inf")}
+               "an Inf weight": (_nan, "layers.1.self_attn.v_proj.weight holds NaN/Inf"),
+               "a tensor shape the config does not give": (_half_a_tensor, "layers.0.mlp.up_proj.weight gives 4096 values")}
 
 
 @pytest.mark.parametrize("case", sorted(BAD_SOURCES))

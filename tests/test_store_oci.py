@@ -1,7 +1,9 @@
 """The OCI store against a real registry (Debian's docker-registry, Distribution 2.8, on loopback), checked with an
 independent client (skopeo): the store contract, a build published and pulled back through the CLI as a CNCF
 ModelPack artifact whose layer digests are the pulled files' sha256, ls/tag/retire/gc, and the bad input: wrong
-or missing credentials (401), a missing repository or tag (404), a tampered blob, a killed push."""
+or missing credentials (401), a missing repository or tag (404), a tampered blob, a killed push, model ids that
+differ only in case, a manifest whose layers were rewritten, a damaged blob no push can repair (the client against
+a hostile server: test_oci_hostile.py)."""
 
 from __future__ import annotations
 
@@ -325,3 +327,92 @@ def test_bearer_token_flow_and_credential_helpers(oci_registry, tmp_path, monkey
         with pytest.raises(StoreError, match="credentials refused|answered 401|token") as ei:
             open_store(uri).read_bytes("profiles.json")  # anonymous: the realm refuses a token
         assert "\n" not in str(ei.value)
+
+
+def test_model_ids_that_differ_only_in_case_cannot_share_an_oci_store(published, tiny_llama, tmp_path):
+    """test-org/Tiny-OCI and TEST-ORG/tiny-oci map to one repository (OCI names are lowercase): publishing the
+    second is refused in one line naming both, the first is untouched and pulls, and the other spelling finds
+    nothing (as on a local or S3 store, where the two are different models)."""
+    uri, res = published["uri"], published["res"]
+    other = "TEST-ORG/tiny-oci"
+    with pytest.raises(StoreError) as ei:
+        build_and_publish(str(tiny_llama), "gguf-f16", published["config"], uri, other)
+    line = str(ei.value)
+    assert "\n" not in line and f"'{other}' differs only in case from '{MODEL}'" in line, line
+    store = open_store(uri)
+    assert store.read_ref("refs/test-org--Tiny-OCI/gguf-f16/latest")["build_id"] == res.build_id
+    assert store.read_bytes("refs/TEST-ORG--tiny-oci/gguf-f16/latest") is None
+    assert not store.exists("refs/TEST-ORG--tiny-oci/gguf-f16/latest")
+    assert store.list("refs/TEST-ORG--tiny-oci/") == [] and store.list("manifests/TEST-ORG--tiny-oci/") == []
+    dest = tmp_path / "serve"
+    pulled = _cli("pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(dest), "--store", uri, "--json",
+                  env={"HIVE_AOT_CACHE": str(tmp_path / "cache")})
+    assert pulled.returncode == 0, pulled.stderr[-2000:]
+    assert json.loads(pulled.stdout)["build_id"] == res.build_id
+    for f in res.files:
+        assert sha256_file(dest / f["path"]) == f["sha256"]
+
+
+def test_a_manifest_whose_layers_were_rewritten_is_refused(published, tmp_path):
+    """The registry accepts a manifest whose ModelPack layers name other blobs than the files its hive-aot document
+    lists (any other OCI client would pull those): reading it through the store (pull, verify) is one
+    IntegrityError line, for the build's manifest and for a ref's artifact alike, and nothing is delivered."""
+    uri, res = published["uri"], published["res"]
+    store = open_store(uri)
+    reg, repo = store.registry, f"{uri.rsplit('/', 1)[1]}/{SLUG_REPO}"
+    foreign = os.urandom(4096)  # another model's weights, in the repository already
+    digest = "sha256:" + hashlib.sha256(foreign).hexdigest()
+    reg.upload_blob(repo, digest, len(foreign), foreign)
+    for tag in (f"_m.gguf-f16.{res.build_id}", "gguf-f16.latest"):
+        raw, _ = reg.get_manifest(repo, tag)
+        rewritten = json.loads(raw)
+        layer = next(la for la in rewritten["layers"] if la["annotations"]["org.cncf.model.filepath"].endswith(".gguf"))
+        layer["digest"], layer["size"] = digest, len(foreign)  # the document annotation is left as it was
+        reg.put_manifest(repo, tag, json.dumps(rewritten).encode())
+        try:
+            if tag.startswith("_m."):
+                dest = tmp_path / "serve"
+                _one_line(_cli("pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(dest), "--store", uri,
+                               env={"HIVE_AOT_CACHE": str(tmp_path / "cache")}),
+                          f"{tag}: its layers are not the files its document names")
+                assert not dest.exists()
+                _one_line(_cli("verify", f"{MODEL}@{res.build_id}", "--store", uri),
+                          f"{tag}: its layers are not the files its document names")
+            else:
+                with pytest.raises(IntegrityError, match="its layers are not the files its document names") as ei:
+                    open_store(uri).read_ref("refs/test-org--Tiny-OCI/gguf-f16/latest")
+                assert "\n" not in str(ei.value)
+        finally:
+            reg.put_manifest(repo, tag, raw)
+    assert open_store(uri).read_ref("refs/test-org--Tiny-OCI/gguf-f16/latest")["build_id"] == res.build_id
+
+
+def test_a_damaged_blob_a_deep_check_sees_and_a_rebuild_cannot_repair_says_so(published, tiny_llama):
+    """Bytes changed in the registry's storage: at the same size only a full read sees it (blob_content_intact;
+    blob_intact trusts the size and the registry's digest check at push); at another size a rebuild sees it and
+    pushes the blob again, which Distribution answers 201 while keeping its damaged copy: the build says so in one
+    line naming the fix, instead of reporting it repaired."""
+    uri, host, res = published["uri"], published["host"], published["res"]
+    gguf = next(f for f in res.files if f["path"].endswith(".gguf"))
+    stored = data_dir(host) / "docker/registry/v2/blobs/sha256" / gguf["sha256"][:2] / gguf["sha256"] / "data"
+    original = stored.read_bytes()
+    store = open_store(uri)
+    assert store.blob_content_intact(gguf["sha256"], gguf["size"])
+    try:
+        stored.write_bytes(original[:-4] + bytes(b ^ 0xFF for b in original[-4:]))  # same size, other bytes
+        assert store.blob_intact(gguf["sha256"], gguf["size"])  # what the cheap check cannot see (documented)
+        assert not store.blob_content_intact(gguf["sha256"], gguf["size"])
+        deep = _cli("verify", MODEL, "--recipe", "gguf-f16", "--deep", "--json", "--store", uri)
+        files = {f["path"]: f["state"] for f in json.loads(deep.stdout)["builds"][0]["files"]}
+        assert deep.returncode == 1 and files[gguf["path"]] == "damaged", deep.stderr
+        assert _cli("verify", MODEL, "--recipe", "gguf-f16", "--store", uri).returncode == 0  # the cheap policy
+        stored.write_bytes(original[:-4])  # four bytes short: the cheap check sees it, a rebuild tries to repair
+        assert not store.blob_intact(gguf["sha256"], gguf["size"])
+        with pytest.raises(IntegrityError) as ei:
+            build_and_publish(str(tiny_llama), "gguf-f16", published["config"], uri, MODEL)
+        line = str(ei.value)
+        assert "\n" not in line and f"blob {gguf['sha256'][:12]} is damaged in the registry" in line, line
+        assert "pushing it again does not replace it" in line and "garbage-collect" in line, line
+    finally:
+        stored.write_bytes(original)
+    assert store.blob_content_intact(gguf["sha256"], gguf["size"])

@@ -134,18 +134,27 @@ def _unfinished_uploads(store) -> list[str]:
         Bucket=store.bucket, Prefix=prefix) for u in page.get("Uploads", [])]
 
 
+def _sent_in_parts(monkeypatch, tmp_path: Path, parts: int, tail: int) -> tuple[int, Path]:
+    """(part size, file): S3's smallest part size made the store's, and a file of `parts` of them plus `tail` bytes,
+    so a test's blob goes up through the multipart path (s3_upload.py) without a 64 MiB file."""
+    import pipelines.store.s3 as s3_module
+    import pipelines.store.s3_upload as s3_upload
+
+    part = 5 << 20
+    monkeypatch.setattr(s3_module, "CHUNK", part)
+    monkeypatch.setattr(s3_upload, "PART_BYTES", part)
+    f = tmp_path / "big.bin"
+    f.write_bytes(os.urandom(parts * part + tail))
+    return part, f
+
+
 def test_multipart_upload_hashes_as_it_sends_and_completes_only_a_match(s3_uri, tmp_path, monkeypatch):
     """A blob above the part size goes up in parts over presigned URLs (s3_upload.py) while its sha256 follows:
     the object appears, with the digest in its metadata, only when the digest matches and the file did not change;
     a mismatch, a change meanwhile, or a part the server refuses leaves nothing visible and no unfinished upload."""
-    import pipelines.store.s3 as s3_module
     import pipelines.store.s3_upload as s3_upload
 
-    part = 5 << 20  # S3's smallest part
-    monkeypatch.setattr(s3_module, "CHUNK", part)
-    monkeypatch.setattr(s3_upload, "PART_BYTES", part)
-    f = tmp_path / "big.bin"
-    f.write_bytes(os.urandom(3 * part + 12345))
+    part, f = _sent_in_parts(monkeypatch, tmp_path, 3, 12345)
     store = open_store(s3_uri)
     digest = store.put_blob(f)
     assert digest == sha256_file(f) and store._uploads is not None  # the parts path answered
@@ -206,3 +215,48 @@ def test_gc_aborts_the_unfinished_uploads_of_killed_publishers(s3_uri):
     assert store.reclaim_temporaries(0, dry_run=True) == named and _unfinished_uploads(store) == [k]
     assert gc(s3_uri, min_age_s=0)["temporaries"] == named
     assert _unfinished_uploads(store) == [] and not store.exists(blob_key("ab" * 32))
+
+
+def _overwrite_keeping_metadata(store, key: str) -> None:
+    """Replace an object with other bytes of the same size, its metadata copied (a sync tool re-uploading a damaged
+    local copy with `--metadata`, or a hand-made "fix"): what size and the recorded sha256 cannot tell apart."""
+    k = store._key(key)
+    head = store.client.head_object(Bucket=store.bucket, Key=k)
+    data = bytearray(b"".join(store.iter_range(key, 0, head["ContentLength"])))
+    data[len(data) // 2] ^= 0xFF
+    store.client.put_object(Bucket=store.bucket, Key=k, Body=bytes(data), Metadata=head["Metadata"])
+
+
+def test_a_blob_replaced_with_its_metadata_copied_is_repaired_by_the_next_build(s3_uri, tiny_llama, tmp_path,
+                                                                               monkeypatch):
+    """Issue 39 item 12: S3's blob_intact trusted size and the recorded sha256, so a replaced blob was left in place
+    and the next build answered skipped. The upload's evidence (S3's SHA-256 checksum of a single PUT) tells it."""
+    config = Config.load(write_test_config(tmp_path / "cfg", REPO))
+    res = build_and_publish(str(tiny_llama), "gguf-f16", config, s3_uri, "test-org/tiny-s3-repair")
+    store = open_store(s3_uri)
+    for f in res.files:
+        assert store.blob_intact(f["sha256"], f["size"])
+        _overwrite_keeping_metadata(store, blob_key(f["sha256"]))
+        assert not store.blob_intact(f["sha256"], f["size"])
+    again = build_and_publish(str(tiny_llama), "gguf-f16", config, s3_uri, "test-org/tiny-s3-repair")
+    assert again.state == "repaired" and again.build_id == res.build_id
+    assert all(store.blob_intact(f["sha256"], f["size"]) for f in res.files)
+    monkeypatch.setenv("HIVE_AOT_CACHE", str(tmp_path / "fresh-cache"))
+    out = pull("test-org/tiny-s3-repair", "llm-llamacpp-cpu", tmp_path / "serve", store_uri=s3_uri,
+               registry=str(REPO / "registry.yaml"))
+    assert [sha256_file(Path(p)) for p in out["files"]] == [f["sha256"] for f in res.files]
+
+
+def test_a_multipart_blob_replaced_with_its_metadata_copied_is_uploaded_again(s3_uri, tmp_path, monkeypatch):
+    """The same for a blob sent in parts: its completion ETag, kept in an object tag, no longer matches."""
+    _part, f = _sent_in_parts(monkeypatch, tmp_path, 2, 99)
+    store = open_store(s3_uri)
+    digest = store.put_blob(f)
+    size = f.stat().st_size
+    assert store._uploads is not None and store.blob_intact(digest, size)
+    _overwrite_keeping_metadata(store, blob_key(digest))
+    assert not store.blob_intact(digest, size)
+    assert store.put_blob(f) == digest and store.blob_intact(digest, size)  # repaired: uploaded again
+    assert sha256_file(f) == digest
+    got = b"".join(store.iter_range(blob_key(digest), 0, size))
+    assert got == f.read_bytes()

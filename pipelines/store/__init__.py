@@ -17,6 +17,7 @@ from ..errors import StoreError
 from .base import Store
 from .layout import blob_key, manifest_key, ref_key, staging_key
 from .. import settings
+from ..settings import redact_uri
 
 
 def default_store_uri() -> str:
@@ -28,12 +29,21 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 def open_store(uri: str | None = None) -> Store:
     """A path, `file:///absolute/path`, `s3://bucket[/prefix]` or `oci://host[:port]/repository`; anything else
-    is refused (an unknown scheme taken as a relative path once wrote `./ftp:/x/...` and reported success)."""
+    is refused (an unknown scheme taken as a relative path once wrote `./ftp:/x/...` and reported success).
+
+    A URI never carries a secret here: user-info, a query or a fragment is refused, and every message shows the
+    URI without them (settings.redact_uri), so a password pasted into `--store` is not echoed to a log."""
     uri = uri or default_store_uri()
     scheme = _SCHEME.match(uri)
+    shown = redact_uri(uri)
     if scheme and scheme.group(1) not in ("s3", "file", "oci"):
-        raise StoreError(f"{uri!r}: unknown store scheme {scheme.group(1)!r} "
+        raise StoreError(f"{shown!r}: unknown store scheme {scheme.group(1)!r} "
                          "(use a path, file:///absolute/path, s3://bucket/prefix or oci://host[:port]/repository)")
+    if scheme and shown != uri:
+        where = {"oci": "HIVE_AOT_OCI_USERNAME/HIVE_AOT_OCI_PASSWORD or docker's config.json",
+                 "s3": "the AWS_* variables or the AWS config files"}.get(scheme.group(1), "the environment")
+        raise StoreError(f"{shown!r}: a store URI takes no user-info, query or fragment (credentials go in {where}, "
+                         "never the URI)")
     if uri.startswith("file://") and not uri.startswith("file:///"):
         raise StoreError(f"{uri!r}: a file:// store URI must be absolute (file:///absolute/path)")
     if uri.startswith("s3://"):
@@ -47,10 +57,8 @@ def open_store(uri: str | None = None) -> Store:
         from .oci import OciStore
 
         host, _, repository = uri[6:].partition("/")
-        if not host or not repository.strip("/") or "@" in host or "?" in uri or "#" in uri:
-            shown = "oci://***@" + uri.split("@", 1)[1] if "@" in host else uri  # never echo a password
-            raise StoreError(f"{shown!r} is not oci://host[:port]/repository (credentials go in "
-                             "HIVE_AOT_OCI_USERNAME/HIVE_AOT_OCI_PASSWORD or docker's config.json, never the URI)")
+        if not host or not repository.strip("/"):
+            raise StoreError(f"{uri!r} is not oci://host[:port]/repository")
         return OciStore(host, repository)
     from .local import LocalStore
 

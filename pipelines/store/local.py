@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -54,12 +55,21 @@ class LocalStore(Store):
             raise StoreError(f"store {self.root} {what} (check --store or $HIVE_AOT_STORE)")
 
     def read_bytes(self, key: str) -> bytes | None:
+        """The object's bytes. What the directory holds is untrusted: a directory, FIFO or device where a
+        document belongs (which would raise, block forever or never end) is one IntegrityError line."""
         try:
-            return self._path(key).read_bytes()
-        except FileNotFoundError:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
             return None
-        except NotADirectoryError:
-            return None
+        except OSError as e:
+            raise StoreError(f"{self.root}: cannot read {key} ({e.strerror or type(e).__name__})") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # fdopen of a directory raises: check the fd first
+                raise IntegrityError(f"{self.uri}: {key} is not a regular file: the store is damaged")
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                return f.read()
+        finally:
+            os.close(fd)
 
     def _atomic_write(self, dest: Path, writer) -> None:
         try:

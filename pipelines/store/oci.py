@@ -35,7 +35,7 @@ from .base import Entry, Store
 from .faults import store_event
 from .oci_client import Registry
 from .oci_layout import META, MODELCAR_OF, POOL, Place, area_of, check_repository, json_object, key_of, place
-from .oci_modelpack import (EMPTY, EMPTY_BYTES, MODEL_CONFIG, build_of, compose, config_bytes, holder,
+from .oci_modelpack import (EMPTY, EMPTY_BYTES, MODEL_CONFIG, build_of, check_view, compose, config_bytes, holder,
                             read_document)
 
 
@@ -80,14 +80,55 @@ class OciStore(Store):
         return f"{self.uri}/{p.repo}:{p.tag}"
 
     def _document(self, p: Place, key: str):
+        """The document under `key`, None when there is none. What every read of a document goes through: an
+        artifact whose OCI view (layers, config) is not what its document makes is refused here (check_view),
+        so every reader of a manifest or ref (pull, verify, gc) sees the same artifact other OCI clients do."""
         got = self.registry.get_manifest(self._repo(p.repo), p.tag)
         if got is None:
             return None
         doc = read_document(got[0], self._where(p))
-        if doc.key.lower() != key.lower():
+        if doc.key != key:
+            if doc.key.lower() == key.lower():
+                return None  # the tag holds another spelling of the model id: another model (see _owner)
             raise IntegrityError(f"{self._where(p)} holds {doc.key[:120]!r}, not {key!r}: it was copied or moved "
                                  "there (refusing to read it)")
+        check_view(got[0], doc, p.kind, self._where(p), p.digest)
         return doc
+
+    def _owner(self, repo: str) -> str | None:
+        """The model slug as the keys in model repository `repo` spell it; None while it holds none.
+
+        OCI repository names are lowercase, so model ids that differ only in case (rt3/tiny, RT3/Tiny) map to one
+        repository. Local and S3 stores keep them apart; here the first spelling owns the repository and a write
+        under another is refused in one line (write_bytes), reads and lists of another find nothing. Refused rather
+        than mapped injectively (say, case encoded in the name): the repository a user pulls with skopeo, KServe
+        or oras stays `<org>--<name>` lowercased, as the README's table says, and stores already published keep
+        their names."""
+        with self._lock:
+            if repo in self._slugs:
+                return self._slugs[repo]
+        spelled = None
+        # a tag that holds a store key: a Modelcar image (or another tool's tag) carries no key annotation
+        for tag in [t for t in self.registry.tags(self._repo(repo)) if key_of(repo, t, repo)][:1]:
+            got = self.registry.get_manifest(self._repo(repo), tag)
+            try:
+                key = read_document(got[0], repo).key if got else ""
+            except IntegrityError:
+                key = ""
+            parts = key.split("/")
+            if len(parts) > 2 and parts[1].lower() == repo:
+                spelled = parts[1]
+        if spelled is not None:  # a repository still empty may be taken by the next write: not remembered
+            with self._lock:
+                self._slugs[repo] = spelled
+        return spelled
+
+    def _other_spelling(self, p: Place) -> str | None:
+        """The slug that owns p's model repository when it is not the one p's key spells; None otherwise."""
+        if p.kind not in ("ref", "manifest", "signature"):
+            return None
+        owner = self._owner(p.repo)
+        return owner if owner is not None and owner != p.slug else None
 
     # --- reads ----------------------------------------------------------------------------------------------
     def read_bytes(self, key: str) -> bytes | None:
@@ -95,9 +136,10 @@ class OciStore(Store):
         if p is None:
             return None
         if p.kind == "blob":
-            if self.registry.blob_size(self._repo(POOL), p.digest) is None:
+            size = self.registry.blob_size(self._repo(POOL), p.digest)
+            if size is None:
                 return None
-            return b"".join(self.registry.blob_stream(self._repo(POOL), p.digest))
+            return b"".join(self.registry.blob_stream(self._repo(POOL), p.digest, at_most=size))
         doc = self._document(p, key)
         return None if doc is None else doc.data
 
@@ -107,6 +149,8 @@ class OciStore(Store):
             return False
         if p.kind == "blob":
             return self.registry.blob_size(self._repo(POOL), p.digest) is not None
+        if self._other_spelling(p) is not None:
+            return False
         return self.registry.head_manifest(self._repo(p.repo), p.tag) is not None
 
     def size(self, key: str) -> int | None:
@@ -129,8 +173,15 @@ class OciStore(Store):
 
     def blob_intact(self, digest: str, size: int) -> bool:
         """Size from the pool, and its holder tag: the registry checked the digest when the blob was pushed, so
-        the bytes under a digest are that digest's; a blob whose holder a killed upload never wrote is
-        re-pushed (which writes the holder)."""
+        through its API the bytes under a digest are that digest's; a blob whose holder a killed upload never
+        wrote is re-pushed (which writes the holder).
+
+        What this cannot see: bytes changed behind the API, in the registry's storage, at the same size; only
+        reading the blob does (blob_content_intact, `verify --deep`), and every pull does. What cannot be
+        repaired through the API at all: Distribution keeps the data it holds under a digest when the same digest
+        is pushed again (201, nothing written) and a DELETE only unlinks it; so a damaged blob stays until the
+        registry's operator removes its data (and garbage-collects), and a push that should have repaired one
+        says so in one line (_push_blob) instead of reporting it repaired."""
         p = place(f"blobs/sha256/{digest[:2]}/{digest}")
         return (self.registry.blob_size(self._repo(POOL), p.digest) == size
                 and self.registry.head_manifest(self._repo(POOL), p.tag) is not None)
@@ -147,8 +198,9 @@ class OciStore(Store):
         p = self._place(key)
         if p is None or p.kind != "blob":
             raise StoreError(f"{self.uri}: {key} is not a blob")
+        size = self.registry.blob_size(self._repo(POOL), p.digest)  # what is read at most (the caller verifies)
         with open(dest, "wb") as f:
-            for chunk in self.registry.blob_stream(self._repo(POOL), p.digest):
+            for chunk in self.registry.blob_stream(self._repo(POOL), p.digest, at_most=size):
                 f.write(chunk)
                 if progress is not None:
                     progress.update(len(chunk))
@@ -157,30 +209,15 @@ class OciStore(Store):
     def _model_repos(self, slug: str | None) -> list[tuple[str, str]]:
         """(repository, slug as spelled) of the models a listing covers: the one named, else the catalog's."""
         if slug is not None:
-            return [(slug.lower(), slug)]
+            owner = self._owner(slug.lower())
+            return [] if owner is not None and owner != slug else [(slug.lower(), slug)]
         under = self.repository + "/"
         names = [r[len(under):] for r in self.registry.catalog() if r.startswith(under)]
         return [(n, self._spelling(n)) for n in names if "/" not in n and n not in (POOL, META)]
 
     def _spelling(self, repo: str) -> str:
         """A model repository's slug as hive-aot wrote it (repositories are lowercase), from any of its tags."""
-        with self._lock:
-            if repo in self._slugs:
-                return self._slugs[repo]
-        spelled = repo
-        # a tag that holds a store key: a Modelcar image (or another tool's tag) carries no key annotation
-        for tag in [t for t in self.registry.tags(self._repo(repo)) if key_of(repo, t, repo)][:1]:
-            got = self.registry.get_manifest(self._repo(repo), tag)
-            try:
-                key = read_document(got[0], repo).key if got else ""
-            except IntegrityError:
-                key = ""
-            parts = key.split("/")
-            if len(parts) > 2 and parts[1].lower() == repo:
-                spelled = parts[1]
-        with self._lock:
-            self._slugs[repo] = spelled
-        return spelled
+        return self._owner(repo) or repo
 
     def _keys(self, prefix: str) -> list[tuple[str, str, str]]:
         """(key, repository, tag) of every key under prefix."""
@@ -265,7 +302,7 @@ class OciStore(Store):
 
         try:
             mkey = json.loads(ref).get("manifest")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             return None, None
         mp = self._place(mkey) if isinstance(mkey, str) and mkey else None
         if mp is None or mp.kind != "manifest":
@@ -284,6 +321,11 @@ class OciStore(Store):
                 raise IntegrityError(f"{key}: content does not match its digest")
             self._push_blob(p, key, len(data), lambda: data)
             return
+        owner = self._other_spelling(p)
+        if owner is not None:
+            raise StoreError(f"{self.uri}: cannot write {key}: model {p.slug.replace('--', '/')!r} differs only in "
+                             f"case from {owner.replace('--', '/')!r}, which holds repository {self._repo(p.repo)} "
+                             "(OCI repository names are lowercase): publish it under another id or to another store")
         body = self._artifact(p, key, data)
         repo = self._repo(p.repo)
         # by digest first (the registry checks what it names), then the tag: the one request that makes it visible
@@ -295,7 +337,8 @@ class OciStore(Store):
     def _push_blob(self, p: Place, key: str, size: int, opener) -> None:
         pool = self._repo(POOL)
         store_event("temp", key)
-        if self.registry.blob_size(pool, p.digest) != size:
+        held = self.registry.blob_size(pool, p.digest)
+        if held != size:
             readers: list[_HashingReader] = []
 
             def body():
@@ -308,6 +351,11 @@ class OciStore(Store):
             if sent.n != size or sent.h.hexdigest() != p.digest[7:]:
                 self.registry.delete_blob(pool, p.digest)
                 raise IntegrityError(f"{key}: content changed while uploading (sha256 mismatch)")
+            there = None if held is None else self.registry.blob_size(pool, p.digest)
+            if held is not None and there != size:  # a damaged blob the push was to replace: kept (see blob_intact)
+                raise IntegrityError(f"{self.uri}: blob {p.digest[7:19]} is damaged in the registry ({there} bytes, "
+                                     f"not {size}) and pushing it again does not replace it: the registry's operator "
+                                     "must delete its data from the registry's storage (then garbage-collect)")
         self._ensure_blob(pool, EMPTY["digest"], EMPTY["size"], EMPTY_BYTES)  # the holder's config
         self.registry.put_manifest(pool, p.tag, holder(key, p.digest, size, time.time()))
         store_event("done", key)
@@ -320,7 +368,7 @@ class OciStore(Store):
 
     def delete(self, key: str) -> None:
         p = self._place(key)
-        if p is None:
+        if p is None or self._other_spelling(p) is not None:  # another model's tag: nothing of this key's
             return
         repo = self._repo(p.repo)
         digest = self.registry.head_manifest(repo, p.tag)

@@ -6,51 +6,52 @@ manifests (GET, PUT, DELETE by digest), tags and the catalog with `Link` paginat
 the registry's challenge (oci_auth.py): Basic, or a Bearer token per scope from the challenge's realm.
 
 Plain HTTP only for a loopback registry (127.0.0.1, ::1, localhost), as docker does; HTTPS with certificate
-verification for every other host. Every failure is one StoreError line that names the registry, the
-operation and the HTTP status (the registry's own error code when it sent one) and never a credential, a
-token or an upload URL's state.
+verification for every other host. Credentials go to the registry's origin only, every answer is read to a
+bound, and every request has a deadline (oci_http.py). Every failure is one StoreError line that names the
+registry, the operation and the HTTP status (the registry's own error code when it sent one) and never a
+credential, a token or an upload URL's state.
 """
 
 from __future__ import annotations
 
 import json
-import threading
+import re
 import time
 from typing import Any, BinaryIO, Callable, Iterator
-from urllib.parse import urlencode, urljoin, urlsplit
+from urllib.parse import urlencode, urljoin
 
 import urllib3
 
+from .. import settings
 from ..errors import IntegrityError, StoreError
-from .oci_auth import Challenge, Credentials, credentials_for, parse_challenge
+from .oci_auth import Auth, Credentials, parse_challenge
+from .oci_http import (BODY_LIMITS, Answer, Lost, Stalled, Streamed, TooLarge, Watch, discard, is_loopback, origin,
+                       pool_manager, progress_body, read_body, send, shown)
 
-LOOPBACK = {"127.0.0.1", "::1", "[::1]", "localhost"}
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
 READ_CHUNK = 1 << 20
-TOKEN_MARGIN_S = 10.0
 # Answers worth a second try. Distribution's filesystem driver writes a tag's link in place, not by rename: a
 # read racing a concurrent write of the same tag (six publishers of one build) gets 500, and a PUT racing one
 # of the same manifest can get DIGEST_INVALID for bytes that are right (both seen in tests/test_store_faults.py).
 TRANSIENT = (500, 502, 503, 504)
-PUT_TRIES = 4  # renew a Bearer token this long before the realm said it expires
+PUT_TRIES = 4
+# A listing that names more pages than this is refused: each page is a request, and a registry that links page
+# after page (distinct URLs, so no loop is seen) would otherwise hold the client for ever.
+MAX_PAGES = 10_000
+_NEXT = re.compile(r'<([^>]*)>\s*;[^,]*\brel="?next"?')
 
+_UNREAD = object()  # an error answer's body not read yet
 Body = bytes | Callable[[], BinaryIO] | None  # a callable opens a fresh stream: a retry after a 401 resends it
 
 
-def is_loopback(host: str) -> bool:
-    name = host.rsplit(":", 1)[0] if not host.endswith("]") and host.count(":") == 1 else host
-    if host.startswith("["):
-        name = host.split("]")[0] + "]"
-    return name in LOOPBACK
-
-
-def _error_code(resp: urllib3.BaseHTTPResponse) -> str:
+def _error_code(data: bytes) -> str:
     """The registry's first error code and message ({"errors": [{code, message}]}), short, for the line."""
     try:
-        errors = json.loads(resp.data or b"{}").get("errors") or []
+        errors = json.loads(data or b"{}").get("errors") or []
         code, message = str(errors[0].get("code", "")), str(errors[0].get("message", ""))
-    except (ValueError, AttributeError, IndexError, TypeError):
+    except (ValueError, AttributeError, IndexError, TypeError, RecursionError):
         return ""
+    code, message = (" ".join(t.split()) for t in (code, message))  # one line, whatever the registry sent
     return f"{code}: {message}"[:160] if message else code[:80]
 
 
@@ -68,142 +69,158 @@ class Registry:
     def __init__(self, host: str, *, workers: int = 16):
         self.host = host
         self.base = f"{'http' if is_loopback(host) else 'https'}://{host}"
-        self.http = urllib3.PoolManager(
-            maxsize=workers, block=False, timeout=urllib3.Timeout(connect=15.0, read=300.0),
-            retries=urllib3.Retry(total=5, connect=3, read=2, status=4, redirect=5, backoff_factor=0.2,
-                                  status_forcelist=TRANSIENT, raise_on_status=False,
-                                  allowed_methods={"GET", "HEAD", "DELETE"}))
-        self._lock = threading.Lock()
-        self._creds: Credentials | None = None
-        self._creds_loaded = False
-        self._basic = False  # the registry asked for Basic: send it on every request from now on
-        self._tokens: dict[str, tuple[str, float]] = {}  # scope -> (token, expires at)
+        self.origin = origin(self.base)  # where credentials may go
+        self.deadline = settings.OCI_DEADLINE.seconds()
+        self.http = pool_manager(workers)
+        self.auth = Auth(host)
 
-    # --- authentication ----------------------------------------------------------------------------------------
     def credentials(self) -> Credentials | None:
-        with self._lock:
-            if not self._creds_loaded:
-                self._creds, self._creds_loaded = credentials_for(self.host), True
-            return self._creds
-
-    def _auth_header(self, scope: str) -> str | None:
-        if self._basic:
-            creds = self.credentials()
-            return creds.basic() if creds else None
-        with self._lock:
-            token = self._tokens.get(scope)
-        if token and token[1] > time.monotonic():
-            return f"Bearer {token[0]}"
-        return None
-
-    def _answer(self, challenge: Challenge | None, scope: str, what: str) -> None:
-        """Get what the 401's challenge asks for, so the request can be sent again."""
-        creds = self.credentials()
-        if challenge is None or challenge.scheme not in ("basic", "bearer"):
-            raise StoreError(f"{self.host}: cannot {what}: the registry asks for an authentication it does not name (401)")
-        if challenge.scheme == "basic":
-            if creds is None:
-                raise StoreError(f"{self.host}: cannot {what}: the registry needs credentials (401); set "
-                                 "HIVE_AOT_OCI_USERNAME/HIVE_AOT_OCI_PASSWORD or `docker login`")
-            self._basic = True
-            return
-        realm = challenge.params.get("realm")
-        if not realm:
-            raise StoreError(f"{self.host}: cannot {what}: the registry's Bearer challenge names no realm")
-        if urlsplit(realm).scheme != "https" and not is_loopback(urlsplit(realm).netloc):
-            raise StoreError(f"{self.host}: refusing the token realm {urlsplit(realm).netloc}: not HTTPS")
-        query = {k: v for k, v in (("service", challenge.params.get("service")),) if v}
-        scopes = scope.split(" ") if scope else ([challenge.params["scope"]] if challenge.params.get("scope") else [])
-        headers = {}
-        if creds is not None and creds.identity_token:
-            resp = self._token_request("POST", realm, what, encode_multipart=False, fields={  # OAuth2: a form
-                "grant_type": "refresh_token", "refresh_token": creds.password, "client_id": "hive-aot",
-                "scope": " ".join(scopes), **query})
-        else:
-            if creds is not None:
-                headers["Authorization"] = creds.basic()
-            url = realm + ("&" if "?" in realm else "?") + urlencode([*query.items(), *(("scope", s) for s in scopes)])
-            resp = self._token_request("GET", url, what, headers=headers)
-        try:
-            doc = json.loads(resp.data)
-            token = doc.get("token") or doc.get("access_token")
-            ttl = float(doc.get("expires_in") or 60)
-        except (ValueError, AttributeError, TypeError):
-            token = None
-        if not isinstance(token, str) or not token:
-            raise StoreError(f"{self.host}: cannot {what}: the token service answered without a token")
-        with self._lock:
-            self._tokens[scope] = (token, time.monotonic() + max(ttl - TOKEN_MARGIN_S, 1.0))
-
-    def _token_request(self, method: str, url: str, what: str, **kw) -> urllib3.BaseHTTPResponse:
-        try:
-            resp = self.http.request(method, url, redirect=True, **kw)
-        except urllib3.exceptions.HTTPError as e:
-            raise StoreError(f"{self.host}: cannot {what}: token service unreachable ({type(e).__name__})") from None
-        if resp.status in (401, 403):
-            raise StoreError(f"{self.host}: cannot {what}: credentials refused by the token service ({resp.status})")
-        if resp.status != 200:
-            raise StoreError(f"{self.host}: cannot {what}: the token service answered {resp.status}")
-        return resp
+        return self.auth.credentials()
 
     # --- requests ----------------------------------------------------------------------------------------------
+    def _token_request(self, method: str, url: str, what: str, **kw) -> bytes:
+        """The token service's answer (at most BODY_LIMITS["token"] bytes, within the deadline)."""
+        watch = Watch(self.deadline)
+        try:
+            try:
+                resp = send(self.http, watch, method, url, redirect=True, **kw)
+            except (urllib3.exceptions.HTTPError, OSError) as e:
+                if watch.fired:
+                    raise self._late(what, "the token service") from None
+                raise StoreError(f"{self.host}: cannot {what}: token service unreachable ({type(e).__name__})") from None
+            if resp.status != 200:
+                discard(resp, watch)
+                if resp.status in (401, 403):
+                    raise StoreError(f"{self.host}: cannot {what}: credentials refused by the token service "
+                                     f"({resp.status})")
+                raise StoreError(f"{self.host}: cannot {what}: the token service answered {resp.status}")
+            return self._read(resp, watch, "token", what)
+        finally:
+            watch.close()
+
+    def _url(self, path: str, what: str) -> str:
+        """The absolute URL of a path or of a URL the registry named; plain HTTP only to loopback."""
+        url = path if path.startswith(("http://", "https://")) else self.base + path
+        where = origin(url)
+        if where is None:
+            raise StoreError(f"{self.host}: cannot {what}: the registry named an address that is not an http(s) URL")
+        if where[0] != "https" and not is_loopback(where[1]):
+            raise StoreError(f"{self.host}: cannot {what}: the registry sends it to {where[1]} over plain HTTP "
+                             "(refused: HTTPS for every host but loopback)")
+        return url
+
+    def _late(self, what: str, who: str = "the registry") -> StoreError:
+        return StoreError(f"{self.host}: cannot {what}: {who} did not answer in full within {self.deadline:g} s "
+                          f"({settings.OCI_DEADLINE.name})")
+
+    def _read(self, resp: urllib3.BaseHTTPResponse, watch: Watch, kind: str, what: str) -> bytes:
+        try:
+            return read_body(resp, watch, BODY_LIMITS[kind])
+        except TooLarge:
+            raise StoreError(f"{self.host}: cannot {what}: the answer is larger than {shown(BODY_LIMITS[kind])}, "
+                             f"more than a {kind} holds (refused, not read)") from None
+        except Stalled:
+            raise self._late(what) from None
+        except Lost:
+            raise StoreError(f"{self.host}: cannot {what}: connection lost while reading the answer") from None
+
     def request(self, method: str, path: str, what: str, *, scope: str = "", headers: dict[str, str] | None = None,
                 body: Body = None, ok: tuple[int, ...] = (200,), missing_ok: bool = False,
-                stream: bool = False) -> urllib3.BaseHTTPResponse | None:
-        """Send one request, answering one 401 challenge. `ok`: the statuses that succeed; a 404 returns None
-        when `missing_ok`; anything else is a StoreError line. `what` is what the line says could not be done."""
-        url = path if path.startswith(("http://", "https://")) else self.base + path
-        for attempt in (0, 1):
-            hdrs = dict(headers or {})
-            auth = self._auth_header(scope)
-            data = body() if callable(body) else body
-            if auth is not None:
-                # per request, never on the pool: urllib3 drops Authorization on a redirect to another host (a
-                # blob store's presigned URL)
-                hdrs["Authorization"] = auth
-            try:
-                resp = self.http.request(method, url, body=data, headers=hdrs, preload_content=not stream,
-                                         redirect=method in ("GET", "HEAD"))
-            except urllib3.exceptions.HTTPError as e:
-                reason = type(getattr(e, "reason", None) or e).__name__
-                raise StoreError(f"{self.host}: cannot {what}: registry unreachable ({reason})") from None
-            finally:
-                if callable(body) and hasattr(data, "close"):
-                    data.close()
-            if resp.status == 401 and attempt == 0:
-                challenge = parse_challenge(resp.headers.get("WWW-Authenticate"))
-                resp.drain_conn()
-                if auth is not None and (challenge is None or challenge.scheme == "basic"):
-                    break  # what we sent was refused
-                self._answer(challenge, scope, what)
-                continue
-            break
-        if resp.status in ok:
-            return resp
-        if resp.status == 404 and missing_ok:
-            resp.drain_conn()
-            return None
-        raise self.error(resp, what)  # reads the (small) error body, streamed or not
+                stream: bool = False, kind: str = "answer") -> Any:
+        """Send one request, answering one 401 challenge. `ok`: the statuses that succeed, whose body is read
+        (at most BODY_LIMITS[kind] bytes: an Answer) or handed over (`stream`: a Streamed, for the caller to
+        close); a 404 returns None when `missing_ok`; anything else is a StoreError line. `what` is what the line
+        says could not be done."""
+        url = self._url(path, what)
+        # Credentials go to the registry's own origin only: an upload's Location may name a blob store elsewhere
+        # (followed without them, as docker does), and anything else the registry names gets none either.
+        mine = origin(url) == self.origin
+        watch, handed = Watch(self.deadline), False
+        try:
+            for attempt in (0, 1):
+                seen: Any = _UNREAD
+                hdrs = dict(headers or {})
+                auth = self.auth.header(scope) if mine else None
+                data = body() if callable(body) else body
+                if auth is not None:
+                    # per request, never on the pool: urllib3 drops Authorization on a redirect to another host
+                    # (a blob store's presigned URL)
+                    hdrs["Authorization"] = auth
+                try:
+                    resp = self._send(watch, method, url, what, body=progress_body(data, watch), headers=hdrs,
+                                      redirect=method in ("GET", "HEAD"))
+                finally:
+                    if callable(body) and hasattr(data, "close"):
+                        data.close()
+                if resp.status == 401 and attempt == 0:
+                    challenge = parse_challenge(resp.headers.get("WWW-Authenticate"))
+                    seen = self._error_body(resp, watch, what)
+                    if not mine:
+                        raise StoreError(f"{self.host}: cannot {what}: {origin(url)[1]}, which is not the registry, "
+                                         "asks for credentials (401): they are sent to the registry only")
+                    if auth is not None and (challenge is None or challenge.scheme == "basic"):
+                        break  # what we sent was refused
+                    self.auth.answer(challenge, scope, what, self._token_request)
+                    watch.restart()  # the second exchange has its own time
+                    continue
+                break
+            if resp.status in ok:
+                if stream:
+                    handed = True
+                    return Streamed(resp, watch)
+                return Answer(resp.status, resp.headers, self._read(resp, watch, kind, what))
+            if resp.status == 404 and missing_ok:
+                discard(resp, watch)
+                return None
+            raise self.error(resp, what, watch, seen)
+        finally:
+            if not handed:
+                watch.close()
 
-    def error(self, resp: urllib3.BaseHTTPResponse, what: str) -> StoreError:
-        code = _error_code(resp)
-        err = self._error(resp, code, what)
+    def _send(self, watch: Watch, method: str, url: str, what: str, **kw) -> urllib3.BaseHTTPResponse:
+        try:
+            return send(self.http, watch, method, url, **kw)
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            if watch.fired:
+                raise self._late(what) from None
+            reason = type(getattr(e, "reason", None) or e).__name__
+            raise StoreError(f"{self.host}: cannot {what}: registry unreachable ({reason})") from None
+
+    def _error_body(self, resp: urllib3.BaseHTTPResponse, watch: Watch, what: str) -> bytes | None:
+        """An error answer's body, to BODY_LIMITS["answer"]; None when it is longer (not read further)."""
+        try:
+            return read_body(resp, watch, BODY_LIMITS["answer"])
+        except TooLarge:
+            return None
+        except Stalled:
+            raise self._late(what) from None
+        except Lost:
+            return b""
+
+    def error(self, resp: urllib3.BaseHTTPResponse, what: str, watch: Watch, data: Any = None) -> StoreError:
+        """The line for an answer that is not one of the successes (its body read to the bound here, unless the
+        caller read it already: `data`, None for one over the bound)."""
+        if data is _UNREAD:
+            data = self._error_body(resp, watch, what)
+        code = "" if data is None else _error_code(data)
+        err = self._error(resp.status, code, what, "" if data is not None else
+                          f", an error body over {shown(BODY_LIMITS['answer'])}, not read")
         err.status, err.code = resp.status, code  # for a caller that retries
         return err
 
-    def _error(self, resp: urllib3.BaseHTTPResponse, code: str, what: str) -> StoreError:
-        detail = f"{resp.status}" + (f" {code}" if code else "")
-        if resp.status == 401:
+    def _error(self, status: int, code: str, what: str, note: str = "") -> StoreError:
+        detail = f"{status}" + (f" {code}" if code else "") + note
+        if status == 401:
             return StoreError(f"{self.host}: cannot {what}: credentials refused ({detail})")
-        if resp.status == 403:
+        if status == 403:
             return StoreError(f"{self.host}: cannot {what}: access denied ({detail})")
-        if resp.status == 404:
+        if status == 404:
             return StoreError(f"{self.host}: cannot {what}: not found ({detail})")
-        if resp.status == 413:
+        if status == 413:
             return StoreError(f"{self.host}: cannot {what}: the registry refuses something this large ({detail})")
         if code.startswith(("DIGEST_INVALID", "SIZE_INVALID")):
             return IntegrityError(f"{self.host}: cannot {what}: the bytes do not match their digest ({detail})")
-        if code.startswith(("MANIFEST_INVALID", "UNSUPPORTED", "MANIFEST_UNKNOWN")) or resp.status == 415:
+        if code.startswith(("MANIFEST_INVALID", "UNSUPPORTED", "MANIFEST_UNKNOWN")) or status == 415:
             return StoreError(f"{self.host}: cannot {what}: the registry does not accept this artifact ({detail})")
         return StoreError(f"{self.host}: cannot {what}: the registry answered {detail}")
 
@@ -215,10 +232,15 @@ class Registry:
     def blob_size(self, repo: str, digest: str) -> int | None:
         resp = self.request("HEAD", f"/v2/{repo}/blobs/{digest}", f"stat blob {digest[7:19]}", scope=self.scope(repo),
                             missing_ok=True)
-        return None if resp is None else int(resp.headers.get("Content-Length", -1))
+        if resp is None:
+            return None
+        length = resp.headers.get("Content-Length", "")
+        return int(length) if length.isdigit() else -1  # a size no blob has: never "intact"
 
-    def blob_stream(self, repo: str, digest: str, start: int = 0, length: int | None = None) -> Iterator[bytes]:
-        """The blob's bytes [start, start + length), streamed; a missing blob is a StoreError."""
+    def blob_stream(self, repo: str, digest: str, start: int = 0, length: int | None = None,
+                    at_most: int | None = None) -> Iterator[bytes]:
+        """The blob's bytes [start, start + length), streamed; a missing blob is a StoreError. `at_most`: a whole
+        blob read no further than that (the size the registry gave: a body that goes on is not followed)."""
         what = f"read blob {digest[7:19]}"
         headers = {} if start == 0 and length is None else {
             "Range": f"bytes={start}-" + ("" if length is None else str(start + length - 1))}
@@ -226,8 +248,8 @@ class Registry:
                             ok=(200, 206), stream=True)
         try:
             skip = start if (resp.status == 200 and start) else 0  # a registry that ignores Range sends it all
-            left = length
-            for chunk in resp.stream(READ_CHUNK):
+            left = length if length is not None else (None if at_most is None else max(at_most, 0))
+            for chunk in resp.chunks(READ_CHUNK):
                 if skip:
                     cut = min(skip, len(chunk))
                     chunk, skip = chunk[cut:], skip - cut
@@ -238,10 +260,13 @@ class Registry:
                     yield chunk
                 if left == 0:
                     break
-        except urllib3.exceptions.HTTPError as e:
-            raise StoreError(f"{self.host}: cannot {what}: connection lost ({type(e).__name__})") from None
+        except Stalled:
+            raise StoreError(f"{self.host}: cannot {what}: the transfer stalled (less than 1 MiB in "
+                             f"{self.deadline:g} s, {settings.OCI_DEADLINE.name})") from None
+        except Lost:
+            raise StoreError(f"{self.host}: cannot {what}: connection lost") from None
         finally:
-            resp.release_conn()
+            resp.close()
 
     def _location(self, resp: urllib3.BaseHTTPResponse, what: str) -> str:
         loc = resp.headers.get("Location")
@@ -333,7 +358,7 @@ class Registry:
     def get_manifest(self, repo: str, reference: str, accept: str = MANIFEST_TYPE) -> tuple[bytes, str] | None:
         """(bytes, digest) of a manifest by tag or digest, None when there is none."""
         resp = self.request("GET", f"/v2/{repo}/manifests/{reference}", f"read {repo}:{reference}",
-                            scope=self.scope(repo), headers={"Accept": accept}, missing_ok=True)
+                            scope=self.scope(repo), headers={"Accept": accept}, missing_ok=True, kind="manifest")
         if resp is None:
             return None
         return resp.data, resp.headers.get("Docker-Content-Digest", "")
@@ -363,19 +388,34 @@ class Registry:
         self.request("DELETE", f"/v2/{repo}/manifests/{digest}", f"delete {repo}@{digest[7:19]}",
                      scope=self.scope(repo, True), ok=(202, 200, 204), missing_ok=True)
 
-    def _pages(self, path: str, what: str, scope: str, field: str) -> Iterator[Any]:
-        url: str | None = path
-        while url:
-            resp = self.request("GET", url, what, scope=scope, missing_ok=True)
+    def _pages(self, path: str, what: str, scope: str, field: str) -> Iterator[str]:
+        """The names of a paginated list, following `Link: <...>; rel="next"`: on the registry's own origin only
+        (credentials would follow it there; a list has no business elsewhere), never a page twice (a loop), at
+        most MAX_PAGES pages."""
+        url, seen = self.base + path, set()
+        for _ in range(MAX_PAGES):
+            resp = self.request("GET", url, what, scope=scope, missing_ok=True, kind="page")
             if resp is None:
                 return
             try:
                 items = json.loads(resp.data).get(field) or []
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, RecursionError):
                 raise StoreError(f"{self.host}: cannot {what}: the registry's answer is not JSON") from None
+            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+                raise StoreError(f"{self.host}: cannot {what}: the registry's {field!r} is not a list of names")
             yield from items
-            link = resp.headers.get("Link", "")  # </v2/...?last=x&n=100>; rel="next"
-            url = link[link.index("<") + 1:link.index(">")] if "<" in link and 'rel="next"' in link else None
+            found = _NEXT.search(resp.headers.get("Link", ""))  # </v2/...?last=x&n=100>; rel="next"
+            if found is None:
+                return
+            seen.add(url)
+            url = urljoin(url, found.group(1))
+            if origin(url) != self.origin:
+                raise StoreError(f"{self.host}: cannot {what}: the registry links its next page to "
+                                 f"{(origin(url) or ('', 'an address that is not http(s)'))[1]}, not to itself (refused)")
+            if url in seen:
+                raise StoreError(f"{self.host}: cannot {what}: the registry's next page is one already read "
+                                 "(a loop of Links)")
+        raise StoreError(f"{self.host}: cannot {what}: more than {MAX_PAGES} pages (refused)")
 
     def tags(self, repo: str) -> list[str]:
         """The repository's tags; none when it does not exist (yet, or any more)."""

@@ -150,7 +150,7 @@ def json_object(raw: bytes, what: str) -> dict[str, Any]:
     """The JSON object a registry document (manifest, config) holds; one line naming `what` when it holds none."""
     try:
         doc = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         doc = None
     if not isinstance(doc, dict):
         raise StoreError(f"{what} is not JSON")

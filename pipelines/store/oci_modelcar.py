@@ -52,6 +52,7 @@ LAYOUT = "1"  # bumped when the layer or config format changes: an image of the 
 CHUNK = 32 << 20  # bytes per PATCH, held in memory once (what a resumed PATCH re-sends from)
 PATCH_TRIES = 4  # failed PATCHes resumed per upload
 RESTARTS = 2  # uploads begun again after one lost its place
+CONFIG_LIMIT = 4 << 20  # an image config is a few KiB; a base's config is read whole, so no further than this
 
 
 @dataclass
@@ -107,7 +108,11 @@ def read_base(ref: str, store: OciStore) -> Base:
     if config.get("mediaType") not in (IMAGE_CONFIG, DOCKER_CONFIG) or not isinstance(doc.get("layers"), list):
         raise StoreError(f"--base {shown} is not a runnable image (config {str(config.get('mediaType'))[:80]}): "
                          "name one such as busybox")
-    raw = b"".join(registry.blob_stream(repo, config["digest"]))
+    size = config.get("size")
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= CONFIG_LIMIT:
+        raise StoreError(f"--base {shown}: its config's size {str(size)[:20]} is not 1 byte to "
+                         f"{CONFIG_LIMIT >> 20} MiB (refused)")
+    raw = b"".join(registry.blob_stream(repo, config["digest"], at_most=size))
     if "sha256:" + hashlib.sha256(raw).hexdigest() != config["digest"]:
         raise IntegrityError(f"--base {shown}: its config does not match its digest")
     cfg = json_object(raw, f"--base {shown}: its config")
@@ -144,7 +149,7 @@ def _place_base_layers(store: OciStore, repo: str, base: Base) -> None:
         if base.host == store.host and reg.mount_blob(repo, d, base.repo):
             continue
         src, src_repo = base.registry, base.repo
-        reg.upload_blob(repo, d, size, lambda: _StreamReader(src.blob_stream(src_repo, d)))
+        reg.upload_blob(repo, d, size, lambda: _StreamReader(src.blob_stream(src_repo, d, at_most=size)))
 
 
 def stream_layer(reg: Registry, repo: str, entries, read, chunk: int | None = None) -> str:

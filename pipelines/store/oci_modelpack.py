@@ -15,11 +15,17 @@ also carries the manifest document it names (`io.hive-aot.manifest`), so one GET
 Mutable documents record when they were written (`io.hive-aot.written`, epoch seconds): the registry API has
 no modification time, and gc and the staging lease need one. A build's manifest artifact has none: its bytes
 stay deterministic, as the store's manifests are.
+
+Two clients read one artifact two ways: hive-aot its document annotation, every other OCI client its layers and
+config. A registry accepts any manifest, so one whose layers were rewritten to another model's blobs would give
+the two different models under one tag; check_view refuses, on every read, an artifact whose layers and config
+are not exactly what its document makes.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from pathlib import PurePosixPath
 from typing import Any, NamedTuple
@@ -79,7 +85,7 @@ def build_of(raw: bytes | None) -> dict[str, Any] | None:
     try:
         doc = json.loads(raw) if raw else None
         files = [File(str(f["path"]), "sha256:" + f["sha256"], int(f["size"])) for f in doc["files"]]
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):
         return None
     if not files or any(len(f.digest) != 71 or f.size < 0 for f in files):
         return None
@@ -151,7 +157,66 @@ def read_document(raw: bytes, where: str) -> Document:
         layers = doc.get("layers") or []
         if not isinstance(key, str) or not isinstance(layers, list):
             raise TypeError
-    except (ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
         raise IntegrityError(f"{where} is not an artifact hive-aot wrote (no {A_KEY} annotation): the store is "
                              "damaged or shared with another tool") from None
     return Document(key, data if data is not None else b"", written, layers)
+
+
+def _annotation(notes: dict[str, Any], name: str) -> bytes | None:
+    try:
+        if isinstance(notes.get(name), str):
+            return notes[name].encode("utf-8")
+        if isinstance(notes.get(name + ".base64"), str):
+            return base64.b64decode(notes[name + ".base64"], validate=True)
+    except ValueError:
+        pass
+    return None
+
+
+def _seen(descriptor: Any) -> tuple[Any, ...]:
+    """What a client takes from a descriptor: media type, digest, size, the file path it writes the blob to."""
+    if not isinstance(descriptor, dict):
+        return (None,)
+    notes = descriptor.get("annotations") if isinstance(descriptor.get("annotations"), dict) else {}
+    return descriptor.get("mediaType"), descriptor.get("digest"), descriptor.get("size"), notes.get(A_PATH)
+
+
+def check_view(raw: bytes, doc: Document, kind: str, where: str, digest: str = "") -> None:
+    """Refuse (one IntegrityError line) an artifact whose OCI view is not what its hive-aot document makes: a build
+    manifest's (`kind` "manifest") layers and config are its files', a ref's those of the manifest it carries
+    (which must be the one the ref names, by sha256), any other document's the empty ones, a blob holder's
+    one layer the blob `digest` of its key. `raw`: the manifest bytes read_document read `doc` from."""
+    manifest = json.loads(raw)
+    notes = manifest.get("annotations") if isinstance(manifest.get("annotations"), dict) else {}
+    layers = manifest.get("layers") if isinstance(manifest.get("layers"), list) else None
+    problem = ""
+    if kind == "blob":
+        if layers is None or len(layers) != 1 or _seen(layers[0])[1] != digest:
+            problem = f"its layer is not blob {digest[7:19]}"
+    else:
+        build, named = None, None
+        if kind == "manifest":
+            build = build_of(doc.data)
+        elif kind == "ref":
+            named = _annotation(notes, A_MANIFEST)
+            build = build_of(named)
+            try:
+                want = json.loads(doc.data).get("manifest_sha256")
+            except (ValueError, AttributeError, RecursionError):
+                want = None
+            if named is not None and isinstance(want, str) and hashlib.sha256(named).hexdigest() != want:
+                problem = "the manifest it carries is not the one its document names"
+        if build is None:
+            expected, config = [EMPTY], EMPTY
+        else:
+            cfg = config_bytes(build)
+            expected = _layers(build["files"])
+            config = {"mediaType": MODEL_CONFIG, "digest": "sha256:" + hashlib.sha256(cfg).hexdigest(), "size": len(cfg)}
+        if layers is None or [_seen(x) for x in layers] != [_seen(x) for x in expected]:
+            problem = problem or "its layers are not the files its document names"
+        elif _seen(manifest.get("config")) != _seen(config):
+            problem = problem or "its config is not the one its document makes"
+    if problem:
+        raise IntegrityError(f"{where}: {problem}: another OCI client would pull something else than hive-aot "
+                             "(rewritten in the registry?); refusing it")

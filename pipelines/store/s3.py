@@ -9,6 +9,7 @@ a proxy, through botocore.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import time
 import uuid
@@ -23,10 +24,15 @@ from .faults import store_event
 from .layout import blob_key
 from .s3_http import usable as http_usable
 from .s3_ranges import RangeReader
-from .s3_upload import MultipartUpload, abandoned_uploads, mismatch
+from .s3_upload import ETAG_TAG, ETAG_TAGGED, SHA256_CHECKSUM, MultipartUpload, abandoned_uploads, mismatch
 
 CHUNK = 64 * 1024 * 1024
 RANGE_CHUNK = 1 << 20  # bytes per read of a ranged GET's body
+
+
+def _b64(hex_digest: str) -> str:
+    """A hex sha256 as S3 spells checksums (base64 of the raw digest)."""
+    return base64.b64encode(bytes.fromhex(hex_digest)).decode()
 
 
 class S3Store(Store):
@@ -99,13 +105,44 @@ class S3Store(Store):
             raise self._error(f"stat {key}", e) from None
 
     def blob_intact(self, digest: str, size: int) -> bool:
-        """Size and the sha256 recorded at upload (object metadata), from one HEAD: re-reading every blob
-        to verify a skipped build would cost its whole download. An object replaced by anything but
-        hive-aot's verified upload lacks the matching metadata and counts as damaged; pull re-verifies
-        the full sha256 of everything it downloads."""
-        head = self._head(blob_key(digest))
-        return (head is not None and int(head["ContentLength"]) == size
-                and head.get("Metadata", {}).get("sha256") == digest)
+        """Whether the object still holds the bytes hive-aot's verified upload put there, from the store's own
+        answers (no byte of the blob is read: re-reading every blob to verify a skipped build would cost its whole
+        download). Size and the sha256 recorded at upload (object metadata), and the evidence the upload left
+        (s3_upload.py): S3's own SHA-256 checksum of a single PUT, or the multipart completion's ETag kept in an
+        object tag, compared with the ETag the object has now. An object replaced since, even with the metadata
+        copied, lacks that evidence and counts as damaged; the next build uploads it again.
+
+        What this cannot see: blobs uploaded before the evidence existed, or behind a proxy (boto3's transfer
+        manager), or on a store without object tagging, are checked by metadata alone; and a writer who forges the
+        evidence on purpose. `hive-aot verify --deep` reads and hashes every blob; pull always does."""
+        k = self._key(blob_key(digest))
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=k, ChecksumMode="ENABLED")
+        except Exception as e:  # noqa: BLE001
+            if self._missing(e):
+                return False
+            raise self._error(f"stat {blob_key(digest)}", e) from None
+        meta = head.get("Metadata", {})
+        if int(head["ContentLength"]) != size or meta.get("sha256") != digest:
+            return False
+        evidence = meta.get("evidence")
+        if evidence == SHA256_CHECKSUM:
+            return head.get("ChecksumSHA256") == _b64(digest)
+        if evidence == ETAG_TAGGED:
+            tags = self._tags(k)
+            return tags is None or tags.get(ETAG_TAG) == head.get("ETag", "").strip('"')
+        return True  # uploaded without evidence (see above): metadata alone
+
+    def _tags(self, k: str) -> dict[str, str] | None:
+        """The object's tags; None when the store does not implement object tagging."""
+        try:
+            found = self.client.get_object_tagging(Bucket=self.bucket, Key=k).get("TagSet", [])
+        except Exception as e:  # noqa: BLE001
+            code = getattr(e, "response", {}).get("Error", {}).get("Code") if hasattr(e, "response") else None
+            if code in ("NotImplemented", "MethodNotAllowed", "501"):
+                return None
+            raise self._error(f"read the tags of {k}", e) from None
+        return {t.get("Key"): t.get("Value") for t in found if isinstance(t, dict)}
 
     def exists(self, key: str) -> bool:
         return self._head(key) is not None
@@ -155,7 +192,8 @@ class S3Store(Store):
                 data = path.read_bytes()
                 if hashlib.sha256(data).hexdigest() != sha256:
                     raise mismatch(path, sha256, key)
-                self.client.put_object(Bucket=self.bucket, Key=k, Body=data, Metadata={"sha256": sha256})
+                self.client.put_object(Bucket=self.bucket, Key=k, Body=data, ChecksumSHA256=_b64(sha256),
+                                       Metadata={"sha256": sha256, "evidence": SHA256_CHECKSUM})
             elif http_usable():
                 if self._uploads is None:
                     self._uploads = MultipartUpload(self.client, self.bucket, self.uri)

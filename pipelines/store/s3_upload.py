@@ -7,7 +7,8 @@ upload, then boto3's `upload_file`, whose SigV4 signing over plain HTTP hashes e
 presigned URL signs `UNSIGNED-PAYLOAD`), with its default CRC32 on top. An incomplete multipart upload is
 invisible to readers: a killed publisher leaves nothing under the key, and `gc` aborts what it left behind
 (`abandoned_uploads`). The object's metadata carries the sha256 (set when the upload is created; it becomes
-visible only with a matching digest), which `S3Store.blob_intact` reads.
+visible only with a matching digest), which `S3Store.blob_intact` reads, with the completion's ETag kept in an
+object tag (`tag_etag`): a later overwrite of the key, even one that copies the metadata, is told apart.
 """
 
 from __future__ import annotations
@@ -58,19 +59,20 @@ class MultipartUpload:
             size = before[2]
             part = part_bytes_for(size)
             parts = [(start, min(part, size - start)) for start in range(0, size, part)]
-            upload_id = self.client.create_multipart_upload(Bucket=self.bucket, Key=k,
-                                                            Metadata={"sha256": sha256})["UploadId"]
+            upload_id = self.client.create_multipart_upload(
+                Bucket=self.bucket, Key=k, Metadata={"sha256": sha256, "evidence": ETAG_TAGGED})["UploadId"]
             try:
                 etags = self._send(key, k, path, f.fileno(), before, upload_id, parts, sha256)
                 if _identity(os.fstat(f.fileno())) != before:
                     raise IntegrityError(f"{path.name} changed while uploading: nothing was published under {key}")
-                self.client.complete_multipart_upload(
+                done = self.client.complete_multipart_upload(
                     Bucket=self.bucket, Key=k, UploadId=upload_id,
                     MultipartUpload={"Parts": [{"ETag": e, "PartNumber": n} for n, e in enumerate(etags, 1)]})
             except BaseException:
                 with suppress(Exception):  # invisible either way; gc aborts what a failed abort leaves
                     self.client.abort_multipart_upload(Bucket=self.bucket, Key=k, UploadId=upload_id)
                 raise
+        tag_etag(self.client, self.bucket, k, done.get("ETag", ""))
 
     def _send(self, key: str, k: str, path: Path, fd: int, identity: tuple[int, ...], upload_id: str,
               parts: list[tuple[int, int]], sha256: str) -> list[str]:
@@ -142,6 +144,23 @@ class MultipartUpload:
             raise AssertionError("unreachable")
         finally:
             f.close()
+
+
+# How `S3Store.blob_intact` can tell later, from the store's own answers, that an object still holds the bytes this
+# upload verified (object metadata `evidence`): SHA256_CHECKSUM, a single PUT that sent the sha256 as S3's
+# x-amz-checksum-sha256 (the server checks the body against it and reports it on HEAD); ETAG_TAGGED, a multipart
+# upload whose completion ETag (computed by the server from the parts it holds) is kept in an object tag. Any later
+# PUT or copy over the key replaces the checksum and the tags with its own.
+SHA256_CHECKSUM, ETAG_TAGGED = "sha256-checksum", "etag-tag"
+ETAG_TAG = "hive-aot-etag"
+
+
+def tag_etag(client, bucket: str, k: str, etag: str) -> None:
+    """Record the completed upload's ETag as an object tag. Best effort: a store without object tagging leaves the
+    blob checked by its metadata alone (S3Store.blob_intact says so)."""
+    with suppress(Exception):
+        client.put_object_tagging(Bucket=bucket, Key=k,
+                                  Tagging={"TagSet": [{"Key": ETAG_TAG, "Value": etag.strip('"')}]})
 
 
 def mismatch(path: Path, sha256: str, key: str) -> IntegrityError:

@@ -146,8 +146,10 @@ class DataWriter:
             entry = t.external_data.add()
             entry.key, entry.value = key, value
         expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(np_dtype).itemsize
-        if self.offset - start != expected:
-            raise AssertionError(f"{name}: wrote {self.offset - start} bytes, its shape needs {expected}")
+        if self.offset - start != expected:  # a checkpoint whose tensor shapes disagree with its config.json
+            raise ModelFormatError(f"{what} gives {(self.offset - start) // np.dtype(np_dtype).itemsize} values where "
+                                   f"the graph its config describes needs {list(shape)} ({expected // np.dtype(np_dtype).itemsize}): "
+                                   f"the checkpoint does not match its config.json")
         return t
 
     def close(self) -> None:

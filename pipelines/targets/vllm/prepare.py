@@ -150,8 +150,9 @@ def write_shard(path: Path, tensors: list[OutTensor], src: TensorSource, metadat
                 f.write(buf)
                 written += len(buf)
                 del part, buf
-            if written != t.nbytes:
-                raise AssertionError(f"{t.name}: produced {written} bytes, planned {t.nbytes}")
+            if written != t.nbytes:  # a checkpoint whose tensor shapes disagree with its config.json
+                raise ModelFormatError(f"{t.name}: its source gives {written} bytes where the plan from config.json "
+                                       f"needs {t.nbytes}: the checkpoint does not match its config.json")
             if t.source is not None and t.source in src:
                 src.release(t.source)
 
