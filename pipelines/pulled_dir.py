@@ -40,18 +40,23 @@ def place(blob: CachedBlob, out: Path) -> None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or not blob_stamps.same_inode_and_bytes(st, verified):
             raise _swapped(blob)
-        if st.st_mode & 0o777 == FILE_MODE:
-            try:
-                out.hardlink_to(blob.path)
-                if blob_stamps.same_inode_and_bytes(out.lstat(), verified):
-                    return
-                out.unlink()
-                raise _swapped(blob)
-            except OSError:
-                pass
+        if st.st_mode & 0o777 == FILE_MODE and _hardlink(blob.path, out):
+            if blob_stamps.same_inode_and_bytes(out.lstat(), verified):
+                return
+            out.unlink()  # the name was swapped between the check above and the link
+            raise _swapped(blob)
         with open(out, "xb") as dst:
             shutil.copyfileobj(src, dst, 8 << 20)
     os.chmod(out, FILE_MODE)
+
+
+def _hardlink(src: Path, out: Path) -> bool:
+    """Whether `out` is now a hard link of `src` (False on another file system, or where links are refused)."""
+    try:
+        out.hardlink_to(src)
+        return True
+    except OSError:
+        return False
 
 
 def _swapped(blob: CachedBlob) -> IntegrityError:
