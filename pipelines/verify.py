@@ -72,17 +72,14 @@ def _check_build(store: Store, model_id: str, c: Candidate, deep: bool, keys: di
 
 def _blob_state(store: Store, digest: str, size: int, deep: bool, pb) -> str:
     stored = store.size(blob_key(digest))
-    if stored is None:
-        state = "missing"
-    elif stored != size:
-        state = f"holds {stored} bytes, not {size}"
-    elif deep:
-        state = "intact" if store.blob_content_intact(digest, size, progress=pb) else "damaged"
-        return state
-    else:
-        state = "intact" if store.blob_intact(digest, size) else "damaged"
+    if deep and stored == size:  # the bar follows the bytes read
+        return "intact" if store.blob_content_intact(digest, size, progress=pb) else "damaged"
     pb.update(size if deep else 1)
-    return state
+    if stored is None:
+        return "missing"
+    if stored != size:
+        return f"holds {stored} bytes, not {size}"
+    return "intact" if store.blob_intact(digest, size) else "damaged"
 
 
 __all__ = ["verify_published"]

@@ -452,3 +452,19 @@ def store_contract(store, ref: str) -> None:
     store.write_bytes(ref, b'{"a": 2}')  # overwrite is whole
     assert store.read_json(ref) == {"a": 2} and store.size(ref) == 8
     assert store.list("refs/") == [ref] and store.modified(ref) > 0
+
+
+def ed25519_keypair(d: Path, name: str) -> tuple[Path, Path]:
+    """(private PEM, public PEM) of a fresh Ed25519 key written under `d`: a publisher's signing key and what a
+    puller trusts."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    key = ed25519.Ed25519PrivateKey.generate()
+    priv, pub = d / f"{name}.pem", d / f"{name}.pub"
+    priv.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()))
+    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                  serialization.PublicFormat.SubjectPublicKeyInfo))
+    return priv, pub
+

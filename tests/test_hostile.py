@@ -441,21 +441,12 @@ def test_an_unusable_blob_cache_is_one_line_in_pull(cache, published, cli, tmp_p
 
 def _sign(published: dict, tmp_path: Path, monkeypatch) -> tuple[Path, Path, Path]:
     """A copy of the store whose manifest carries a signature; (store, signature file, public key file)."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ed25519
-
+    from factories import ed25519_keypair
     from pipelines.signing import signature_key, write_signature
-
-    store = _copy(published, tmp_path)
-    private = ed25519.Ed25519PrivateKey.generate()
-    key = tmp_path / "signing.pem"
-    key.write_bytes(private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-    public = tmp_path / "trusted.pem"
-    public.write_bytes(private.public_key().public_bytes(serialization.Encoding.PEM,
-                                                         serialization.PublicFormat.SubjectPublicKeyInfo))
     from pipelines.store import open_store
 
+    store = _copy(published, tmp_path)
+    key, public = ed25519_keypair(tmp_path, "publisher")
     monkeypatch.setenv("HIVE_AOT_SIGNING_KEY", str(key))
     mkey = str(_manifest(store).relative_to(store))
     assert write_signature(open_store(str(store)), mkey, _manifest(store).read_bytes())

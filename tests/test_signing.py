@@ -11,10 +11,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519
 
-from factories import rewrite_published_manifest, write_test_config
+from factories import ed25519_keypair, rewrite_published_manifest, write_test_config
 from pipelines.build import build_and_publish
 from pipelines.cli import main
 from pipelines.config import Config
@@ -26,20 +24,11 @@ REPO = Path.cwd()
 MODEL, CPU = "test-org/signed", "llm-llamacpp-cpu"
 
 
-def _keypair(d: Path, name: str) -> tuple[Path, Path]:
-    key = ed25519.Ed25519PrivateKey.generate()
-    priv, pub = d / f"{name}.pem", d / f"{name}.pub"
-    priv.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                       serialization.NoEncryption()))
-    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
-    return priv, pub
-
-
 @pytest.fixture(scope="module")
 def signed(tiny_llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("signed")
-    priv, pub = _keypair(root, "publisher")
-    _, other = _keypair(root, "other")
+    priv, pub = ed25519_keypair(root, "publisher")
+    _, other = ed25519_keypair(root, "other")
     config = Config.load(write_test_config(root / "cfg", REPO))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HIVE_AOT_SIGNING_KEY", str(priv))

@@ -25,15 +25,11 @@ import urllib3
 from .. import settings
 from ..errors import IntegrityError, StoreError
 from .oci_auth import Auth, Credentials, parse_challenge
-from .oci_http import (BODY_LIMITS, Answer, Lost, Stalled, Streamed, TooLarge, Watch, discard, is_loopback, origin,
-                       pool_manager, progress_body, read_body, send, shown)
+from .oci_http import (BODY_LIMITS, TRANSIENT, Answer, Lost, Stalled, Streamed, TooLarge, Watch, discard,
+                       is_loopback, origin, pool_manager, progress_body, read_body, send, shown)
 
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
 READ_CHUNK = 1 << 20
-# Answers worth a second try. Distribution's filesystem driver writes a tag's link in place, not by rename: a
-# read racing a concurrent write of the same tag (six publishers of one build) gets 500, and a PUT racing one
-# of the same manifest can get DIGEST_INVALID for bytes that are right (both seen in tests/test_store_faults.py).
-TRANSIENT = (500, 502, 503, 504)
 PUT_TRIES = 4
 # A listing that names more pages than this is refused: each page is a request, and a registry that links page
 # after page (distinct URLs, so no loop is seen) would otherwise hold the client for ever.

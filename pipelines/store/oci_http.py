@@ -43,6 +43,11 @@ MIB = 1 << 20
 # repositories is well under 1 MiB (a registry that ignores `n` and answers 100k tags at once still fits); an
 # error body is a few hundred bytes, a token a few KiB.
 BODY_LIMITS = {"manifest": 4 * MIB, "page": 8 * MIB, "token": 64 << 10, "answer": 64 << 10}
+# Answers worth a second try (urllib3 retries them for reads; the client for manifest writes). Distribution's
+# filesystem driver writes a tag's link in place, not by rename: a read racing a concurrent write of the same tag
+# (six publishers of one build) gets 500, and a PUT racing one of the same manifest can get DIGEST_INVALID for
+# bytes that are right (both seen in tests/test_store_faults.py).
+TRANSIENT = (500, 502, 503, 504)
 POLL_S = 0.25  # the watchdog looks again at least this often (a restarted clock does not wake it)
 LOOPBACK = {"127.0.0.1", "::1", "[::1]", "localhost"}  # plain HTTP is allowed to these only, as docker does
 _local = threading.local()  # .watch: the Watch of the request this thread is sending, for the connection to join
@@ -207,7 +212,7 @@ def pool_manager(workers: int) -> urllib3.PoolManager:
         maxsize=workers, block=False, timeout=urllib3.Timeout(connect=15.0, read=300.0),
         # Retry-After is not obeyed: a registry that asks for an hour's wait would hang the client past any deadline
         retries=_Retry(total=5, connect=3, read=2, status=4, redirect=5, backoff_factor=0.2,
-                       status_forcelist=(500, 502, 503, 504), raise_on_status=False, respect_retry_after_header=False,
+                       status_forcelist=TRANSIENT, raise_on_status=False, respect_retry_after_header=False,
                        allowed_methods={"GET", "HEAD", "DELETE"}))
     http.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
     return http

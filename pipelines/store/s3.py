@@ -95,10 +95,10 @@ class S3Store(Store):
             raise self._error(f"write {key}", e) from None
         store_event("done", key)
 
-    def _head(self, key: str) -> dict | None:
+    def _head(self, key: str, **extra) -> dict | None:
         k = self._key(key)
         try:
-            return self.client.head_object(Bucket=self.bucket, Key=k)
+            return self.client.head_object(Bucket=self.bucket, Key=k, **extra)
         except Exception as e:  # noqa: BLE001
             if self._missing(e):
                 return None
@@ -115,21 +115,15 @@ class S3Store(Store):
         What this cannot see: blobs uploaded before the evidence existed, or behind a proxy (boto3's transfer
         manager), or on a store without object tagging, are checked by metadata alone; and a writer who forges the
         evidence on purpose. `hive-aot verify --deep` reads and hashes every blob; pull always does."""
-        k = self._key(blob_key(digest))
-        try:
-            head = self.client.head_object(Bucket=self.bucket, Key=k, ChecksumMode="ENABLED")
-        except Exception as e:  # noqa: BLE001
-            if self._missing(e):
-                return False
-            raise self._error(f"stat {blob_key(digest)}", e) from None
-        meta = head.get("Metadata", {})
-        if int(head["ContentLength"]) != size or meta.get("sha256") != digest:
+        head = self._head(blob_key(digest), ChecksumMode="ENABLED")
+        meta = {} if head is None else head.get("Metadata", {})
+        if head is None or int(head["ContentLength"]) != size or meta.get("sha256") != digest:
             return False
         evidence = meta.get("evidence")
         if evidence == SHA256_CHECKSUM:
             return head.get("ChecksumSHA256") == _b64(digest)
         if evidence == ETAG_TAGGED:
-            tags = self._tags(k)
+            tags = self._tags(self._key(blob_key(digest)))
             return tags is None or tags.get(ETAG_TAG) == head.get("ETag", "").strip('"')
         return True  # uploaded without evidence (see above): metadata alone
 
