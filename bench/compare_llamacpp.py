@@ -34,7 +34,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -42,15 +41,14 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
-LLAMA_CPP_VERSION = "0.3.36"
+import llamacpp_converter  # noqa: E402
+
+LLAMA_CPP_VERSION = llamacpp_converter.LLAMA_CPP_VERSION
 MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 CONVERT_REQS = ["torch==2.13.0", "transformers>=4.57,<4.58", "sentencepiece==0.2.0", "protobuf<5", "numpy",
                 "safetensors"]
-VENDOR = f"llama_cpp_python-{LLAMA_CPP_VERSION}/vendor/llama.cpp/"
-# What convert_hf_to_gguf.py needs from the source tree. The script puts its own gguf-py first on
-# sys.path itself (unless NO_LOCAL_GGUF is set), so no PYTHONPATH is needed.
-VENDOR_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 Q4_K_M = 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
 VARIANTS = ("f16", "q8_0", "q4_k_m")
 RECIPES = {"f16": "gguf-f16", "q8_0": "gguf-q8_0", "q4_k_m": "gguf-q4_k_m"}
@@ -96,26 +94,9 @@ def cache_root() -> Path:
 
 
 def ensure_llamacpp_tree(cache: Path) -> Path:
-    comp = cache / "compare"
-    tree = comp / f"llama.cpp-{LLAMA_CPP_VERSION}"
-    if (tree / ".complete").is_file():
-        return tree
-    comp.mkdir(parents=True, exist_ok=True)
-    sdist = comp / f"llama_cpp_python-{LLAMA_CPP_VERSION}.tar.gz"
-    if not sdist.is_file():
-        log(f"downloading the llama-cpp-python {LLAMA_CPP_VERSION} sdist into {comp}")
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={LLAMA_CPP_VERSION}", "-d", str(comp)], check=True)
-    shutil.rmtree(tree, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=comp))
-    with tarfile.open(sdist) as tf:
-        members = [m for m in tf.getmembers()
-                   if m.name.startswith(VENDOR) and m.name[len(VENDOR):].startswith(VENDOR_PARTS)]
-        tf.extractall(tmp, members=members, filter="data")
-    (tmp / VENDOR).rename(tree)
-    shutil.rmtree(tmp)
-    (tree / ".complete").touch()
-    return tree
+    """The converter tree the GGUF family tests use too (tests/llamacpp_converter.py: the pinned sdist's
+    converter, conversion/ and gguf-py, extracted once into the cache)."""
+    return llamacpp_converter.ensure_tree(cache, log)
 
 
 def ensure_convert_venv(cache: Path, python: str) -> Path:

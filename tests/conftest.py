@@ -72,6 +72,15 @@ def smollm2_small_vocab_dir(smollm2_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llamacpp_tree() -> Path:
+    """llama.cpp's own converter (the pinned llama-cpp-python's sdist, extracted by `make setup`): the yardstick
+    the GGUF family tests compare hive-aot's tensors with (`llamacpp_converter`)."""
+    import llamacpp_converter
+
+    return llamacpp_converter.ensure_tree()
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(smollm2_dir, tmp_path_factory) -> Path:
     """A 2-layer random Llama with tied embeddings and SmolLM2's real BPE tokenizer (read-only: copy to modify)."""
     return make_llama(tmp_path_factory.mktemp("models") / "tiny-llama", smollm2_dir)

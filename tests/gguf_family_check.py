@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import numpy as np
 
 from factories import SMOLLM2_PRE, TOKENIZER_FILES
 from gguf_reader import FastGGUFReader
@@ -112,3 +113,48 @@ def assert_full_vocab_recognised(config_class: str, params: dict[str, Any], smol
     getattr(transformers, config_class)(**{**params, "vocab_size": full}).to_json_file(str(dest / "config.json"))
     info = build_vocab(dest, full, {}).info
     assert info["pre"] == SMOLLM2_PRE and info["pre_detection"].startswith("hash:"), info
+
+
+def assert_same_tensors_as_llamacpp(llamacpp_tree: Path, model_dir: Path, tmp_path: Path,
+                                    options: dict[str, Any] | None = None) -> Path:
+    """hive-aot's f16 of `model_dir` holds exactly the tensors llama.cpp's own converter writes for it (names,
+    types, shapes, bytes: `llamacpp_converter`). Returns hive-aot's file."""
+    import llamacpp_converter
+
+    ours = tmp_path / f"{model_dir.name}-hive-aot-f16.gguf"
+    theirs = tmp_path / f"{model_dir.name}-llama-cpp-f16.gguf"
+    convert_only(model_dir, ours, options)
+    llamacpp_converter.convert(llamacpp_tree, model_dir, theirs, "f16")
+    differences = llamacpp_converter.tensor_differences(ours, theirs)
+    assert differences == [], "\n".join(differences[:40])
+    theirs.unlink()
+    return ours
+
+
+def check_kquant(model_dir: Path, tmp_path: Path, *, options: dict[str, Any] | None = None, ftype: str = "Q4_K_M",
+                 max_kl: float = 0.1) -> dict[str, Any]:
+    """The streamed direct k-quant (libllama's type choice and ggml's quantizer per row slice, no intermediate)
+    writes the bytes libllama's quantizer makes of hive-aot's f16, loads in llama.cpp and stays within `max_kl`
+    of the transformers reference, with token-id parity. Returns the metrics."""
+    from pipelines.targets.gguf.quantize import quantize
+
+    snap = fetch(str(model_dir), f"test/{model_dir.name}")
+    args = (snap.dir, snap.config(), snap.safetensors_files())
+    direct = tmp_path / f"{model_dir.name}-direct-{ftype}.gguf"
+    convert(*args, direct, "f16", ftype=ftype, name=snap.model_id, options=with_pre_tokenizer(options))
+    f16 = tmp_path / f"{model_dir.name}-for-{ftype}.gguf"
+    convert(*args, f16, "f16", name=snap.model_id, options=with_pre_tokenizer(options))
+    via_libllama = tmp_path / f"{model_dir.name}-libllama-{ftype}.gguf"
+    quantize(f16, via_libllama, ftype)
+    f16.unlink()
+    a, b = tensors(direct), tensors(via_libllama)
+    assert set(a) == set(b)
+    differing = [n for n in a if a[n].tensor_type != b[n].tensor_type
+                 or np.asarray(a[n].data).tobytes() != np.asarray(b[n].data).tobytes()]
+    assert differing == [], differing
+    via_libllama.unlink()
+    metrics, details = validate_gguf(snap, direct)
+    print(f"{model_dir.name} {ftype}: {metrics}")
+    assert metrics["finite"] is True and metrics["token_parity"] == 1.0, (metrics, details["tokenizer_mismatches"])
+    assert metrics["mean_kl"] <= max_kl, metrics
+    return metrics
