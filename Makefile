@@ -41,6 +41,8 @@ export HIVE_AOT_SMOLLM2_DIR := $(CURDIR)/$(DEMO_MODEL)
 # tests/test_packaging.py installs the built wheel into fresh venvs with this compiled llama-cpp-python.
 export HIVE_AOT_LLAMA_WHEELS := $(LLAMA_WHEELS)
 export HIVE_AOT_LLAMA_CPU_LEVEL := $(LLAMA_CPU_LEVEL)
+# llama.cpp's own converter (tests/llamacpp_converter.py), extracted by setup: the GGUF family tests' yardstick.
+export HIVE_AOT_LLAMACPP_TREE := $(CACHE)/compare/llama.cpp-$(LLAMA_CPP_VERSION)
 
 .PHONY: setup project-link system-packages demo test test-random test-fast ui bench lock clean
 

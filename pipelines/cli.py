@@ -85,12 +85,14 @@ def cmd_registry(args) -> int:
     if args.registry_command == "sync":
         from .compat.sync import build_snapshot, snapshot_path, write_snapshot
 
-        doc = build_snapshot(args.vllm_version, Path(args.wheel) if args.wheel else None)
+        doc = build_snapshot(args.vllm_version, Path(args.wheel) if args.wheel else None, args.llama_cpp_version,
+                             Path(args.llama_cpp_sdist) if args.llama_cpp_sdist else None)
         path = Path(args.output) if args.output else snapshot_path()
         write_snapshot(doc, path)
         archs = doc["architectures"].values()
         summary = {"path": str(path), "sources": doc["sources"], "architectures": len(doc["architectures"]),
-                   "vllm_supported": sum(1 for a in archs if (a.get("vllm") or {}).get("support"))}
+                   "vllm_supported": sum(1 for a in archs if (a.get("vllm") or {}).get("support")),
+                   "llama_cpp_converted": sum(1 for a in archs if (a.get("llama_cpp") or {}).get("arch"))}
         _emit(args, summary, f"wrote {summary['architectures']} architectures ({summary['vllm_supported']} run by vLLM "
                              f"{args.vllm_version}) to {path}")
         return EXIT_OK
@@ -361,9 +363,12 @@ def parser() -> argparse.ArgumentParser:
         r.add_argument("--json", action="store_true")
         r.add_argument("--registry")
         r.add_argument("--recipes")
-    r = rsub.add_parser("sync", help="regenerate the architecture snapshot from vLLM's registry and transformers")
+    r = rsub.add_parser("sync", help="regenerate the architecture snapshot from vLLM's registry, transformers and "
+                        "llama.cpp's converter")
     r.add_argument("--vllm-version", default="0.33.0", help="the vLLM release the serving images pin")
     r.add_argument("--wheel", help="a local vllm wheel instead of downloading one")
+    r.add_argument("--llama-cpp-version", default="0.3.36", help="the llama-cpp-python release the CPU tier pins")
+    r.add_argument("--llama-cpp-sdist", help="a local llama-cpp-python sdist instead of downloading one")
     r.add_argument("--output", help="where to write (default: the packaged snapshot)")
     r.add_argument("--json", action="store_true")
     r.add_argument("--registry")

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import ResourceError
+from .expert_stream import ExpertTally
 from .host import device_of, free_bytes, memory_budget
 from .paths import cache_root, work_root
 from .slicing import LAYER_TENSOR
@@ -111,6 +112,7 @@ class ModelFacts:
     largest_layer_tensor: int = 0  # the largest tensor inside a decoder layer (what layer-wise conversions hold)
     widest_row: int = 0  # the longest last dimension of a matrix (a row of the widest weight)
     vision_parameters: int = 0  # a vision-language model's vision side (tower, projector): held whole when streamed
+    largest_streamed_layer: int = 0  # the largest layer with large expert stacks read an expert at a time (0: whole)
 
     @property
     def fp32_bytes(self) -> int:
@@ -162,6 +164,7 @@ def facts_from_tensors(tensors: Iterable[TensorInfo], config: dict[str, Any] | N
     largest, largest_name = 0, ""
     largest_in_layer = widest = 0
     per_layer: dict[str, int] = {}
+    experts = ExpertTally()
     embedding = lm_head = 0
     embedding_shape: tuple[int, ...] = ()
     floats = set()
@@ -190,6 +193,7 @@ def facts_from_tensors(tensors: Iterable[TensorInfo], config: dict[str, Any] | N
         if layer:
             per_layer[layer.group(1)] = per_layer.get(layer.group(1), 0) + n
             largest_in_layer = max(largest_in_layer, n)
+            experts.add(layer.group(1), t.name, tuple(t.shape), n)
         elif t.name.endswith(_EMBEDDING_SUFFIXES) and len(t.shape) == 2 and n > embedding:
             embedding, embedding_shape = n, t.shape
         elif t.name.endswith(_LM_HEAD_SUFFIXES) and len(t.shape) == 2:
@@ -209,6 +213,7 @@ def facts_from_tensors(tensors: Iterable[TensorInfo], config: dict[str, Any] | N
         head_dim=head_dim, vector_parameters=vectors, kquant_rows_parameters=kquant, q8_rows_parameters=q8,
         float_dtypes=tuple(sorted(floats)), tensor_sizes=tuple(sizes), largest_layer_tensor=largest_in_layer,
         widest_row=widest, vision_parameters=vision,
+        largest_streamed_layer=experts.streamed_layer(per_layer),
     )
 
 
@@ -227,9 +232,9 @@ def model_facts(snapshot: Snapshot) -> ModelFacts:
 # --- Memory of the shared steps ------------------------------------------------------------------------------
 
 def largest_unit(facts: ModelFacts) -> tuple[str, int]:
-    """(name, parameters) of the largest unit a streamed model holds at once: the embedding, a decoder layer, or an
-    untied lm_head."""
-    units = {"the embedding": facts.embedding, "a decoder layer": facts.largest_layer,
+    """(name, parameters) of the largest unit a streamed model holds at once: embedding, decoder layer, lm_head."""
+    layer = facts.largest_streamed_layer or facts.largest_layer
+    units = {"the embedding": facts.embedding, f"a decoder layer{' (an expert at a time)' * (layer < facts.largest_layer)}": layer,
              "the lm_head": facts.lm_head or facts.embedding}  # tied: the embedding serves as the lm_head again
     return max(units.items(), key=lambda kv: kv[1])
 

@@ -36,12 +36,18 @@ class Parity:
     # artifact drifts from the reference (error that builds up through the KV cache shows as a rising curve).
     # Empty for aggregates.
     kl_profile: list[float] = field(default_factory=list)
+    # MoE routing near-ties (router_gaps.TIE_BOUND): positions the reference routes on a near-tie, which any
+    # rounding may route to another expert. They are counted here, apart from the metrics above.
+    near_ties: int = 0
+    near_tie_top1: float | None = None
+    near_tie_max_kl: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def rounded(self) -> dict:
-        out = {k: round6(v) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        out = {k: round6(v) if isinstance(v, float) else v for k, v in asdict(self).items()
+               if not k.startswith("near_tie") or self.near_ties}  # a dense model's manifest keeps its keys
         out["kl_profile"] = [round6(v) for v in self.kl_profile]
         return out
 
@@ -61,7 +67,9 @@ def kl_profile(kl: np.ndarray, points: int = PROFILE_POINTS) -> list[float]:
 ROW_BLOCK = 16
 
 
-def compare(reference: np.ndarray, artifact: np.ndarray) -> Parity:
+def compare(reference: np.ndarray, artifact: np.ndarray, near_tie: np.ndarray | None = None) -> Parity:
+    """`near_tie`: a bool per position, true where the reference routes on an MoE near-tie; those positions are
+    reported apart and left out of the metrics (all of them near-ties: none is left out)."""
     if reference.shape != artifact.shape:
         raise ValueError(f"logit shapes differ: reference {reference.shape}, artifact {artifact.shape}")
     if reference.shape[0] == 0:
@@ -69,24 +77,31 @@ def compare(reference: np.ndarray, artifact: np.ndarray) -> Parity:
     finite = bool(np.isfinite(artifact).all() and np.isfinite(reference).all())
     if not finite:
         return Parity(reference.shape[0], 0.0, float("inf"), float("inf"), float("inf"), False)
-    kl_rows, agree, max_delta = [], 0, 0.0
+    kl_rows, agree_rows, delta_rows = [], [], []
     for lo in range(0, reference.shape[0], ROW_BLOCK):
         ref, art = np.asarray(reference[lo:lo + ROW_BLOCK]), np.asarray(artifact[lo:lo + ROW_BLOCK])
         lp, lq = log_softmax(ref), log_softmax(art)
         kl_rows.append((np.exp(lp) * (lp - lq)).sum(axis=-1))
         del lp, lq
         centered = (ref - ref.mean(-1, keepdims=True)) - (art - art.mean(-1, keepdims=True))
-        max_delta = max(max_delta, float(np.abs(centered).max()))
-        agree += int((ref.argmax(-1) == art.argmax(-1)).sum())
-    kl = np.concatenate(kl_rows)
+        delta_rows.append(np.abs(centered).max(axis=-1))
+        agree_rows.append(ref.argmax(-1) == art.argmax(-1))
+    kl, agree, delta = np.concatenate(kl_rows), np.concatenate(agree_rows), np.concatenate(delta_rows)
+    ties = np.zeros(kl.shape, dtype=bool) if near_tie is None else np.asarray(near_tie, dtype=bool)[:kl.size]
+    if ties.all():
+        ties = np.zeros(kl.shape, dtype=bool)
+    kept = ~ties
     return Parity(
-        positions=int(reference.shape[0]),
-        top1_agreement=agree / reference.shape[0],
-        mean_kl=float(max(kl.mean(), 0.0)),
-        max_kl=float(max(kl.max(), 0.0)),
-        max_abs_logit_delta=max_delta,
+        positions=int(kept.sum()),
+        top1_agreement=float(agree[kept].mean()),
+        mean_kl=float(max(kl[kept].mean(), 0.0)),
+        max_kl=float(max(kl[kept].max(), 0.0)),
+        max_abs_logit_delta=float(delta[kept].max()),
         finite=True,
         kl_profile=kl_profile(kl),
+        near_ties=int(ties.sum()),
+        near_tie_top1=float(agree[ties].mean()) if ties.any() else None,
+        near_tie_max_kl=float(max(kl[ties].max(), 0.0)) if ties.any() else None,
     )
 
 
@@ -95,6 +110,8 @@ def merge(parts: list[Parity]) -> Parity:
     n = sum(p.positions for p in parts)
     if not all(p.finite for p in parts):
         return Parity(n, 0.0, float("inf"), float("inf"), float("inf"), False)
+    ties = [p for p in parts if p.near_ties]
+    n_ties = sum(p.near_ties for p in ties)
     return Parity(
         positions=n,
         top1_agreement=sum(p.top1_agreement * p.positions for p in parts) / n,
@@ -102,6 +119,9 @@ def merge(parts: list[Parity]) -> Parity:
         max_kl=max(p.max_kl for p in parts),
         max_abs_logit_delta=max(p.max_abs_logit_delta for p in parts),
         finite=True,
+        near_ties=n_ties,
+        near_tie_top1=sum(p.near_tie_top1 * p.near_ties for p in ties) / n_ties if ties else None,
+        near_tie_max_kl=max(p.near_tie_max_kl for p in ties) if ties else None,
     )
 
 

@@ -30,6 +30,8 @@ class Reference:
     generation_prompt_ids: list[int]
     generation_ids: list[int]
     usage: dict[str, Any] = field(default_factory=dict)  # the computing child's peak memory (not cached results)
+    # MoE models: each position's smallest routing gap over the layers (router_gaps.py); None for a dense model
+    router_gaps: list[np.ndarray] | None = None
 
 
 def load_tokenizer(model_dir: Path):
@@ -70,7 +72,8 @@ def load_model(model_dir: Path, what: str = "the model"):
 # Part of the cache key: bump when what `compute` produces changes for the same inputs.
 # 2: streamed weights; greedy is pure argmax (a repository's generation_config is not applied).
 # 3: streamed, the parity texts go through each unit together (one pass over the weights, right-padded).
-REFERENCE_VERSION = 3
+# 4: MoE routing gaps per position (router_gaps.py).
+REFERENCE_VERSION = 4
 
 
 def _key(content_digest: str, ids: list[list[int]], gen_ids: list[int], n_gen: int) -> str:
@@ -135,7 +138,8 @@ def compute(model_dir: Path, content_digest: str, ids: list[list[int]], gen_ids:
                                  step=step or f"the transformers reference of {model_dir.name}", **args)
                 publish_cache_entry(tmp, root, "done.json")
     done = json.loads((root / "done.json").read_text())
-    return Reference(ids, LazyLogits(root, len(ids)), gen_ids, done["generation_ids"], done.get("usage", {}))
+    gaps = [np.load(root / f"g{i}.npy") for i in range(len(ids))] if done.get("router_gaps") else None
+    return Reference(ids, LazyLogits(root, len(ids)), gen_ids, done["generation_ids"], done.get("usage", {}), gaps)
 
 
 def reference_resident(files: list[Path]) -> bool:
@@ -151,16 +155,23 @@ def reference_resident(files: list[Path]) -> bool:
 def compute_into(model_dir: str, files: list[str], ids: list[list[int]], gen_ids: list[int], n_gen: int,
                  out_dir: str, resident: bool) -> dict[str, Any]:
     """The child's side of `compute`: one .npy of logits per sequence, then done.json (written last)."""
+    from . import router_gaps
     from .isolation import peak_memory
     from .streamed_model import StreamedCausalLM
 
     out = Path(out_dir)
     with StreamedCausalLM(Path(model_dir), [Path(f) for f in files], resident=resident) as lm:
-        for i, logits in enumerate(lm.logits_batch(ids)):  # one pass over the weights when streamed
-            np.save(out / f"l{i}.npy", logits)
-        eos = lm.model.config.eos_token_id
+        with router_gaps.recording(lm.model) as routing:
+            for i, logits in enumerate(lm.logits_batch(ids)):  # one pass over the weights when streamed
+                np.save(out / f"l{i}.npy", logits)
+        gaps = routing.per_sequence([len(s) for s in ids], None if resident else max(len(s) for s in ids))
+        for i, gap in enumerate(gaps or []):
+            np.save(out / f"g{i}.npy", gap.astype(np.float32))
+        config = lm.model.config  # a vision-language wrapper may keep the token ids in its text config only
+        eos = getattr(config, "eos_token_id", None)
+        eos = getattr(config.get_text_config(), "eos_token_id", None) if eos is None else eos
         gen = lm.greedy(gen_ids, n_gen, eos=set(eos) if isinstance(eos, list) else {eos} if eos is not None else None)
         loads = lm.loads
     usage = {**(peak_memory() if not resident else {}), "unit_loads": loads, "resident": resident}
-    (out / "done.json").write_text(json.dumps({"generation_ids": gen, "usage": usage}))
+    (out / "done.json").write_text(json.dumps({"generation_ids": gen, "usage": usage, "router_gaps": gaps is not None}))
     return usage

@@ -22,6 +22,8 @@ WANTED_PATTERNS = [
     "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
     "chat_template.json", "model_index.json", "*.safetensors", "model.safetensors.index.json",
     "README.md", "LICENSE", "LICENSE.txt",
+    # a vision-language model's image processor: its projector GGUF records the normalization (gguf/mmproj.py)
+    "preprocessor_config.json", "processor_config.json",
 ]
 # Besides the weights, the files vLLM and transformers read from a model directory, which every kind's artifact
 # carries as they are; licence and model card travel with the weights. Pickles, original/, consolidated* and

@@ -24,6 +24,8 @@ parameters through weight_rules.py.
 
 from __future__ import annotations
 
+import inspect
+import types
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
+from . import expert_stream
 from .errors import HiveError, ModelFormatError
 from .safetensors_io import TensorSource
 from .weight_rules import weight_rules
@@ -144,6 +147,17 @@ def read_float32(source: TensorSource, name: str):
     return out
 
 
+def read_packed(source: TensorSource, name: str):
+    """A packed checkpoint tensor (uint8: MXFP4 blocks, E8M0 scales) as a uint8 torch tensor, copied out of the
+    mapping with its pages then dropped; its weight rule (weight_rules.dequantize_mxfp4) makes the float32 value."""
+    import torch
+
+    info = source.info(name)
+    out = torch.from_numpy(np.array(source.where[name].raw(name)).reshape(info.shape))
+    source.release(name)
+    return out
+
+
 def meta_model(model_dir: Path, checkpoint: set[str], layers: int | None = None):
     """(the causal LM built from `model_dir`'s config with every parameter on the meta device, the rule that
     makes each of its parameters from the `checkpoint`'s tensors). A remote-code architecture with a native
@@ -212,6 +226,11 @@ class StreamedCausalLM:
         self.resident = resident
         self.transform = transform
         self.reader = reader
+        try:
+            self._load_buffers()
+        except BaseException:
+            self.source.close()
+            raise
         self.units = _units(self.model)
         self.loads = 0  # units read from disk (a test checks streaming really happened)
         self._loaded: set[str] = set()
@@ -229,6 +248,27 @@ class StreamedCausalLM:
         if embed_hooks is not None:
             self.model.register_forward_pre_hook(lambda _module, _args: embed_hooks[0]())
 
+    def _load_buffers(self) -> None:
+        """Persistent floating-point buffers that the checkpoint holds are read as `from_pretrained` reads them: a
+        learned routing bias (MiniMax-M2's, DeepSeek-V3's `e_score_correction_bias`), Apertus's xIELU beta and
+        eps. Without this they keep the constructor's zeros and the reference routes another way. The others
+        (rotary tables, masks) stay as the constructor made them. Small: read once and kept."""
+        checkpoint = set(self.source.names())
+        for owner_name, owner in self.model.named_modules():
+            for attr, buf in list(owner._buffers.items()):
+                if buf is None or attr in owner._non_persistent_buffers_set or not buf.is_floating_point():
+                    continue
+                full = f"{owner_name}.{attr}" if owner_name else attr
+                try:
+                    rule = weight_rules([full], checkpoint, {})[full]
+                except ModelFormatError:  # not in the checkpoint: the constructor's value, as from_pretrained keeps
+                    continue
+                value = rule.load(self._read)
+                if tuple(value.shape) != tuple(buf.shape):
+                    raise ModelFormatError(f"tensor for {full} has shape {list(value.shape)}, the model's buffer is "
+                                           f"{list(buf.shape)}")
+                owner._buffers[attr] = value.to(buf.dtype)
+
     def _params(self, prefix: str, module, recurse: bool):
         for pname, _ in list(module.named_parameters(recurse=recurse, remove_duplicate=False)):
             owner_path, _, attr = pname.rpartition(".")
@@ -241,6 +281,8 @@ class StreamedCausalLM:
             read = self.reader(self.source, name)
             if read is not None:
                 return read
+        if self.source.info(name).dtype == "U8":  # packed MXFP4 blocks / E8M0 scales: their rule decodes the bytes
+            return read_packed(self.source, name)
         return read_float32(self.source, name)
 
     def _loader(self, prefix: str, module, recurse: bool):
@@ -250,8 +292,23 @@ class StreamedCausalLM:
             if prefix in self._loaded:
                 return
             for full, owner, attr in self._params(prefix, module, recurse):
-                value = self.rules[full].load(self._read)
                 expected = tuple(owner._parameters[attr].shape)
+                if self.transform is None and expert_stream.streams(attr, expected):
+                    one = expert_stream.expert_loader(self.rules[full], self.source, self._read, expected[0])
+                    if one is not None:  # a large stack of experts: read one expert at a time as the layer runs
+                        owner._parameters[attr] = expert_stream.ExpertSlices(expected, one)
+                        # the eager forward, expert by expert (not a grouped matmul over the whole stack)
+                        eager = inspect.unwrap(type(owner).forward)
+                        if "torch.bmm" in inspect.getsource(eager):  # all experts multiplied at once (Llama 4)
+                            owner.forward = types.MethodType(expert_stream.bmm_by_expert, owner)
+                        elif eager is not type(owner).forward:
+                            owner.forward = types.MethodType(eager, owner)
+                        continue
+                value = self.rules[full].load(self._read)
+                if value.dim() == 3 and tuple(value.shape) == (expected[0], expected[2], expected[1]) != expected:
+                    # fused experts stored inputs first (Qwen3-VL-MoE as released): transposed as transformers'
+                    # conversion transposes them (a square stack is taken as it is, as there)
+                    value = value.transpose(1, 2).contiguous()
                 if tuple(value.shape) != expected:
                     raise ModelFormatError(f"tensor for {full} has shape {list(value.shape)}, the config implies {list(expected)}")
                 if self.transform is not None:
@@ -270,6 +327,7 @@ class StreamedCausalLM:
             for _full, owner, attr in self._params(prefix, module, recurse):
                 p = owner._parameters[attr]
                 owner._parameters[attr] = torch.nn.Parameter(p.to("meta"), requires_grad=False)
+                owner.__dict__.pop("forward", None)  # an expert-by-expert forward lives as long as its slices
             self._loaded.discard(prefix)
         return hook
 

@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 # Per-expert checkpoint layouts (module under the layer, gate, up, down) that transformers 5 stacks
 # into `<layer>.mlp.experts.gate_up_proj` [E, 2I, H] and `.down_proj` [E, H, I].
-EXPERT_LAYOUTS = (("block_sparse_moe", "w1", "w3", "w2"), ("mlp", "gate_proj", "up_proj", "down_proj"))
+EXPERT_LAYOUTS = (("block_sparse_moe", "w1", "w3", "w2"), ("mlp", "gate_proj", "up_proj", "down_proj"),
+                  ("feed_forward", "w1", "w3", "w2"))  # LFM2-MoE's experts are `<layer>.feed_forward.experts`
 # Bytes of a checkpoint tensor widened to fp32 at a time (and then dropped from the resident set).
 READ_SLICE_BYTES = 16 << 20
 # Whole-module renames between checkpoint and model (Mixtral's router lives in block_sparse_moe; GPT-NeoX's
@@ -29,7 +30,9 @@ READ_SLICE_BYTES = 16 << 20
 MODULE_RENAMES = ((".mlp.", ".block_sparse_moe."), ("lm_head.", "embed_out."),
                   (".block_sparse_moe.router.weight", ".block_sparse_moe.router.layer.weight"),
                   (".block_sparse_moe.experts.gate_up_proj", ".block_sparse_moe.input_linear.weight"),
-                  (".block_sparse_moe.experts.down_proj", ".block_sparse_moe.output_linear.weight"))
+                  (".block_sparse_moe.experts.down_proj", ".block_sparse_moe.output_linear.weight"),
+                  # ERNIE 4.5 MoE keeps its routing bias beside the router, transformers 5 inside it
+                  (".mlp.gate.moe_statics.", ".mlp.moe_statics."))
 
 
 # Vision-language checkpoints in the layout before transformers 5 (which its save_pretrained still writes) keep
@@ -38,9 +41,16 @@ MODULE_RENAMES = ((".mlp.", ".block_sparse_moe."), ("lm_head.", "embed_out."),
 # under `model.` (its conversion mappings): (model prefix, checkpoint prefix), the first that exists wins.
 VLM_PREFIXES = (("model.language_model.", "language_model.model."), ("model.language_model.", "language_model."),
                 ("model.language_model.", "model."), ("lm_head.", "language_model.lm_head."),
+                # a CLIP / SigLIP tower as released (llava-1.5, Gemma 3) keeps its transformer under `vision_model.`
+                ("model.vision_tower.", "vision_tower.vision_model."),
+                ("model.vision_tower.", "model.vision_tower.vision_model."),
                 ("model.vision_tower.", "vision_tower."), ("model.vision_model.", "vision_model."),
                 ("model.visual.", "visual."), ("model.multi_modal_projector.", "multi_modal_projector."),
                 ("model.image_newline", "image_newline"))
+
+# Checkpoints that keep the decoder trunk under another name than transformers 5's `model.` (Nemotron-H as released
+# and as transformers 5.23 saves it: `backbone.embeddings`, `backbone.layers.N.mixer`, `backbone.norm_f`).
+TRUNK_PREFIXES = (("model.", "backbone."),)
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,7 @@ def _stack_gate_up(n_experts: int):
 
         gates, ups = parts[:n_experts], parts[n_experts:]
         return torch.stack([torch.cat([g, u], dim=0) for g, u in zip(gates, ups)])
+    combine.stacks_gate_up = True  # expert e is cat(source e, source n + e): expert_stream reads one at a time
     return combine
 
 
@@ -68,6 +79,31 @@ def _stack(parts):
     import torch
 
     return torch.stack(parts)
+
+
+_stack.stacks = True  # expert e is source e (expert_stream)
+
+
+# E2M1 code -> value (sign bit 8): MXFP4 elements, each times its block's power of two (E8M0 scale, bias 127).
+MXFP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(parts):
+    """(`<param>_blocks` [E, R, n, 16] uint8, `<param>_scales` [E, R, n] uint8) -> the float32 parameter
+    [E, n * 32, R], as transformers dequantizes MXFP4 experts when it loads them (gpt-oss as released): element
+    2j in byte j's low nibble, 2j + 1 in its high one, times 2^(scale - 127), then rows and columns swapped."""
+    import torch
+
+    blocks, scales = (p.to(torch.uint8) for p in parts)
+    if blocks.shape[:-1] != scales.shape or scales.dim() != 3:
+        raise ModelFormatError(f"MXFP4 blocks {list(blocks.shape)} do not match their scales {list(scales.shape)}")
+    lut = torch.tensor(MXFP4_VALUES, dtype=torch.float32)
+    experts, rows, n = scales.shape
+    out = torch.empty(experts, n * 32, rows, dtype=torch.float32)
+    for e in range(experts):  # expert by expert: the index and value temporaries stay one expert's size
+        values = torch.stack([lut[(blocks[e] & 0x0F).long()], lut[(blocks[e] >> 4).long()]], dim=-1).flatten(-2)
+        out[e] = torch.ldexp(values, (scales[e].to(torch.int32) - 127).unsqueeze(-1)).flatten(-2).T
+    return out
 
 
 def weight_rules(param_names: list[str], checkpoint: set[str], tied: dict[str, str],
@@ -95,11 +131,14 @@ def _rule_for(name: str, checkpoint: set[str], tied: dict[str, str]) -> WeightRu
             candidates.append(name.replace(model_part, ckpt_part))
     if "." in name:  # checkpoints saved from the base model lack its prefix (`transformer.`, `model.`)
         candidates.append(name.split(".", 1)[1])
-    candidates += [ckpt + name[len(model_prefix):] for model_prefix, ckpt in VLM_PREFIXES if name.startswith(model_prefix)]
+    candidates += [ckpt + name[len(model_prefix):] for model_prefix, ckpt in VLM_PREFIXES + TRUNK_PREFIXES
+                   if name.startswith(model_prefix)]
     for c in candidates:
         if c in checkpoint:
             return WeightRule((c,))
-    m = re.fullmatch(r"(.*)\.mlp\.experts\.(gate_up_proj|down_proj)", name)
+    if f"{name}_blocks" in checkpoint and f"{name}_scales" in checkpoint:  # MXFP4 experts (gpt-oss as released)
+        return WeightRule((f"{name}_blocks", f"{name}_scales"), dequantize_mxfp4)
+    m = re.fullmatch(r"(.*)\.(?:mlp|feed_forward)\.experts\.(gate_up_proj|down_proj)", name)
     if m:
         layer, which = m.groups()
         for moe, gate, up, down in EXPERT_LAYOUTS:

@@ -77,7 +77,10 @@ def llamacpp_tree() -> Path:
     the GGUF family tests compare hive-aot's tensors with (`llamacpp_converter`)."""
     import llamacpp_converter
 
-    return llamacpp_converter.ensure_tree()
+    # the tree `make setup` extracted (the tests' own HIVE_AOT_CACHE is a fresh temporary directory)
+    tree = Path(os.environ.get("HIVE_AOT_LLAMACPP_TREE")
+                or llamacpp_converter.tree_path(Path.home() / ".cache" / "hive-aot"))
+    return tree if (tree / ".complete").is_file() else llamacpp_converter.ensure_tree(tree.parent.parent)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,9 @@ interpreter (torch and transformers are there), its own gguf-py first on the pat
 
 The family tests' tokenizer is SmolLM2's cut to 2,048 tokens, whose check hash llama.cpp's converter does not
 know: the child names SmolLM2's pre-tokenizer ("smollm") where the converter would give up on an unknown one,
-as hive-aot's conversions do with `bpe_pre_fallback`. Nothing else of the converter is changed.
+as hive-aot's conversions do with `bpe_pre_fallback`; for families whose converter wants a tokenizer of their
+own (a SentencePiece model, GLM's chat tokens), `tensors_only` skips its vocabulary step. Nothing else of the
+converter is changed.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ VENDOR_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 
 # Runs in the child: argv = tree, converter arguments.
 _CHILD = """
-import runpy, sys
+import os, runpy, sys
 tree = sys.argv[1]
 sys.path[:0] = [tree, tree + "/gguf-py"]
 import conversion.base as base
@@ -41,6 +43,14 @@ def named_or_smollm(self, tokenizer):
     except NotImplementedError:  # the cut test vocabulary: SmolLM2's pre-tokenizer, as the tests name it
         return "smollm"
 base.TextModel.get_vocab_base_pre = named_or_smollm
+if os.environ.get("HIVE_AOT_TENSORS_ONLY"):  # the tensors are compared; the vocabulary is tested on its own
+    import conversion
+    conversion.load_all_models()
+    todo = [base.TextModel]
+    while todo:
+        cls = todo.pop()
+        cls.set_vocab = lambda self: None
+        todo += cls.__subclasses__()
 sys.argv = [tree + "/convert_hf_to_gguf.py", *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -88,14 +98,17 @@ def architectures(tree: Path) -> set[str]:
     found: set[str] = set()
     for module in sorted((tree / "conversion").glob("*.py")):
         for args in re.findall(r"@ModelBase\.register\(([^)]*)\)", module.read_text()):
-            found |= set(re.findall(r"[\"']([A-Za-z0-9_]+)[\"']", args))
+            found |= set(re.findall(r"[\"']([A-Za-z0-9_.]+)[\"']", args))
     return found
 
 
-def convert(tree: Path, model_dir: Path, out: Path, outtype: str = "f16", *extra: str) -> Path:
-    """`convert_hf_to_gguf.py model_dir --outtype outtype --outfile out` in a child; its log on failure."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NO_LOCAL_GGUF")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+def convert(tree: Path, model_dir: Path, out: Path, outtype: str = "f16", *extra: str, tensors_only: bool = False) -> Path:
+    """`convert_hf_to_gguf.py model_dir --outtype outtype --outfile out` in a child; its log on failure.
+    `tensors_only`: the converter's vocabulary step is skipped (its tokenizer rules want each family's own
+    tokenizer files, a SentencePiece model or chat tokens, which the test models' shared BPE lacks)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NO_LOCAL_GGUF", "HIVE_AOT_TENSORS_ONLY")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               **({"HIVE_AOT_TENSORS_ONLY": "1"} if tensors_only else {}))
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(tree), str(model_dir), "--outtype", outtype,
                            "--outfile", str(out), *extra], capture_output=True, text=True, env=env, cwd=tree)
     if proc.returncode != 0:

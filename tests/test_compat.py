@@ -61,15 +61,22 @@ EXPECTED = {
     **{a: ("compatible", "transformers-cu121") for a in TRANSFORMERS_FALLBACK},
 }
 # our converter's families (pipelines/targets/gguf/families/), listed here so that adding or losing one is on purpose
-GGUF_ARCHS = {"ArceeForCausalLM", "Cohere2ForCausalLM", "CohereForCausalLM", "Ernie4_5ForCausalLM",
-              "Exaone4ForCausalLM", "FalconForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM",
-              "GPTJForCausalLM", "GPTNeoXForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GemmaForCausalLM",
-              "Glm4ForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM", "HunYuanDenseV1ForCausalLM",
-              "InternLM2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM",
-              "NemotronForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM", "OlmoeForCausalLM",
-              "Phi3ForCausalLM", "PhiForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM",
-              "Qwen3MoeForCausalLM", "SeedOssForCausalLM", "SmolLM3ForCausalLM", "StableLmForCausalLM",
-              "Starcoder2ForCausalLM"}
+GGUF_ARCHS = {"ApertusForCausalLM", "ArceeForCausalLM", "Cohere2ForCausalLM", "CohereForCausalLM",
+              "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM",
+              "Exaone4ForCausalLM", "FalconForCausalLM", "FalconH1ForCausalLM", "GPT2LMHeadModel",
+              "GPTBigCodeForCausalLM", "GPTJForCausalLM", "GPTNeoXForCausalLM", "Gemma2ForCausalLM",
+              "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "GemmaForCausalLM", "Glm4ForCausalLM",
+              "Glm4MoeForCausalLM", "GptOssForCausalLM", "GraniteForCausalLM", "GraniteMoeForCausalLM",
+              "GraniteMoeHybridForCausalLM", "HunYuanDenseV1ForCausalLM", "InternLM2ForCausalLM",
+              "LFM2ForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "Llama4ForCausalLM",
+              "Llama4ForConditionalGeneration", "LlamaForCausalLM", "LlavaForConditionalGeneration",
+              "MiniMaxM2ForCausalLM", "Ministral3ForCausalLM", "Mistral3ForConditionalGeneration",
+              "MistralForCausalLM", "MixtralForCausalLM", "NemotronForCausalLM", "NemotronHForCausalLM",
+              "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoForCausalLM", "OlmoeForCausalLM", "Phi3ForCausalLM",
+              "PhiForCausalLM", "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen2VLForConditionalGeneration",
+              "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+              "Qwen3NextForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+              "SeedOssForCausalLM", "SmolLM3ForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM"}
 VLLM_RECIPES = ["vllm-bf16", "vllm-fp8"]
 QAIC_RECIPES = ["qaic-export", "qaic-fp16", "qaic-mxfp6"]
 # Dense Llama-lineage families vLLM runs natively get the FP8 tier too; the rest the portable tier only.
@@ -677,3 +684,85 @@ def test_the_readme_counts_the_database_as_it_is(db):
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     m = re.search(r"(\d+) records,\s+(\d+)\s+active", text)
     assert m and (int(m.group(1)), int(m.group(2))) == (len(db.architectures), len(db.active()))
+
+
+def test_a_causal_lm_released_as_its_base_model_is_an_embedding_model(tiny_llama, tmp_path, config):
+    """Qwen3-Embedding's layout: config.json names the causal LM, the weights are the base model (no `model.`
+    prefix, no lm_head), as sentence-transformers saves it. `check` says what it is from the headers and
+    offers no recipe that builds a text generator (the GGUF build used to fail on a missing tensor)."""
+    from factories import rewrite_safetensors_header
+
+    d = copy_model(tiny_llama, tmp_path / "embedder")
+    rewrite_safetensors_header(d / "model.safetensors", lambda h: h.update(
+        {k.removeprefix("model."): h.pop(k) for k in [k for k in h if k.startswith("model.")]}))
+    snap = fetch(str(d), "test-org/embedder")
+    for hardware in ("cpu", "nvidia"):
+        c = classify_snapshot(snap, config.recipes.values(), hardware=hardware, registry=config.registry)
+        assert c.task == "embedding" and c.recipes == [], (hardware, c.task, c.recipes)
+        detail = _check(c, "checkpoint_layout").detail
+        assert "base model" in detail and "no lm_head" in detail and "embedding model" in detail
+    # the causal LM it came from is still a causal LM with its GGUF recipes
+    lm = classify_snapshot(fetch(str(tiny_llama), "test-org/lm"), config.recipes.values(), hardware="cpu",
+                           registry=config.registry)
+    assert lm.task == "causal-lm" and sorted(lm.recipes) == GGUF_RECIPES
+    assert not [ch for ch in lm.checks if ch.name == "checkpoint_layout"]
+
+
+# hive-aot's own mappings onto a llama.cpp graph that llama.cpp's converter does not make (gptj.py says why)
+OWN_GGUF_MAPPINGS = {"GPTJForCausalLM": "phi2"}
+
+
+def test_every_gguf_family_is_an_architecture_the_pinned_llama_cpp_converts_the_same_way(db, llamacpp_tree):
+    """The database's llama.cpp column is read from the pinned converter (compat/llama_cpp_archs.py): each
+    architecture a GGUF family declares is one it converts, to the same llama.cpp architecture (a spelling only
+    the converter knows, such as LFM2ForCausalLM, has no database record: it is in the converter's own list)."""
+    import llamacpp_converter
+    from pipelines.targets.gguf.families import BY_ARCHITECTURE
+
+    only_converter = llamacpp_converter.architectures(llamacpp_tree)
+    for arch, family in sorted(BY_ARCHITECTURE.items()):
+        rec = db.lookup(arch)
+        if rec is None:
+            assert arch in only_converter, arch
+            continue
+        expected = OWN_GGUF_MAPPINGS.get(arch)
+        got = rec.llama_cpp_arch if rec is not None else None
+        assert (got or expected) == family.gguf_arch, (arch, family.gguf_arch, got)
+    assert db.sources["llama_cpp_python"] == "0.3.36"
+
+
+def test_an_architecture_llama_cpp_converts_without_a_gguf_family_says_so(config, db):
+    """On the CPU tier an architecture llama.cpp's converter knows but no GGUF recipe converts goes to the
+    transformers fallback, and the answer says what llama.cpp would make of it."""
+    from pipelines.targets.gguf.families import BY_ARCHITECTURE
+
+    arch = next(a.name for a in sorted(db.architectures.values(), key=lambda a: a.name)
+                if a.llama_cpp_arch and a.name not in BY_ARCHITECTURE and a.task == "causal-lm" and a.transformers_known
+                and a.active and not a.trust_remote_code)
+    c = check(config, arch, hardware="cpu")
+    assert c.runtime_profile_id == "transformers-cpu" and c.recipes == []
+    detail = _check(c, "architecture_known").detail
+    assert f"llama.cpp's converter makes it a {db.lookup(arch).llama_cpp_arch} GGUF" in detail
+    assert "no GGUF recipe here converts it" in detail
+
+
+def test_the_llama_cpp_column_is_what_the_pinned_converter_registers(db, llamacpp_tree):
+    """The committed snapshot's llama.cpp entries are exactly what `registry sync` reads from the pinned sdist's
+    converter (not a hand-kept list), and the parser follows base classes to the GGUF architecture."""
+    import llamacpp_converter
+    from pipelines.compat import llama_cpp_archs
+    from pipelines.compat.sync import snapshot_path
+
+    sdist = llamacpp_tree.parent / f"llama_cpp_python-{llamacpp_converter.LLAMA_CPP_VERSION}.tar.gz"
+    converted = llama_cpp_archs.from_sdist(sdist)
+    recorded = {name: rec["llama_cpp"] for name, rec in json.loads(snapshot_path().read_text())["architectures"].items()
+                if "llama_cpp" in rec}
+    assert recorded == {name: converted[name] for name in recorded}
+    assert set(converted) - set(recorded) <= llamacpp_converter.architectures(llamacpp_tree)
+    assert converted["Qwen3NextForCausalLM"] == {"arch": "qwen3next"}  # declared on a subclass of Qwen2-MoE's
+    assert converted["LlavaForConditionalGeneration"] == {"arch": "llama", "mmproj": True}
+    parsed = llama_cpp_archs.parse({"a.py": (
+        "@ModelBase.register('XForCausalLM')\nclass X(Base):\n    pass\n"
+        "class Base(TextModel):\n    model_arch = gguf.MODEL_ARCH.QWEN3\n"
+        "@ModelBase.register('XForCausalLM')\nclass XVision(MmprojModel):\n    model_arch = gguf.MODEL_ARCH.MMPROJ\n")})
+    assert parsed == {"XForCausalLM": {"arch": "qwen3", "mmproj": True}}

@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 
 from factories import SMALL_BPE_VOCAB, copy_model, edit_config, make_causal_lm
-from gguf_family_check import (assert_full_vocab_recognised, check_family, convert_and_validate, convert_only, field,
-                               tensors)
+from gguf_family_check import (assert_full_vocab_recognised, assert_refused, assert_same_tensors_as_llamacpp,
+                               check_family, convert_and_validate, convert_only, field, replace_transforms, tensors,
+                               without_keys)
 from gguf_reader import FastGGUFReader
-from pipelines.errors import ModelFormatError
 from pipelines.targets.gguf import convert as convert_mod
 from pipelines.targets.gguf.families import shared as shared_blocks
 from pipelines.targets.gguf.families.shared import PERMUTE_K, PERMUTE_Q
@@ -192,30 +192,10 @@ def test_exaone4_sliding_windows_at_64_layers(model, tmp_path):
 
 # --- negative controls: the transforms and keys matter -----------------------------------------------
 
-def _replace_transforms(monkeypatch, replace) -> None:
-    """Convert with each rule's transform replaced by `replace(rule)` (None keeps it)."""
-    original = convert_mod.family_for
-
-    def patched(arch):
-        fam = original(arch)
-        rules = tuple(r if (t := replace(r)) is None else dataclasses.replace(r, transform=t) for r in fam.tensors)
-        return dataclasses.replace(fam, tensors=rules)
-
-    monkeypatch.setattr(convert_mod, "family_for", patched)
-
-
-def _without_keys(*keys: str):
-    def apply(monkeypatch) -> None:
-        original = convert_mod.family_for
-        monkeypatch.setattr(convert_mod, "family_for", lambda arch: dataclasses.replace(
-            original(arch), params=tuple(p for p in original(arch).params if p.key not in keys)))
-    return apply
-
-
 def _llama_permuted(monkeypatch) -> None:
     """Q and K permuted as for Llama's rope although these families' HF layout already is llama.cpp's."""
     permute = {"blk.{bid}.attn_q.weight": PERMUTE_Q, "blk.{bid}.attn_k.weight": PERMUTE_K}
-    _replace_transforms(monkeypatch, lambda r: permute.get(r.outputs[0]))
+    replace_transforms(monkeypatch, lambda r: permute.get(r.outputs[0]))
 
 
 def _unpermuted(monkeypatch) -> None:
@@ -223,7 +203,7 @@ def _unpermuted(monkeypatch) -> None:
 
 
 def _without_plus_one(monkeypatch) -> None:
-    _replace_transforms(monkeypatch, lambda r: IDENTITY if r.transform is PLUS_ONE else None)
+    replace_transforms(monkeypatch, lambda r: IDENTITY if r.transform is PLUS_ONE else None)
 
 
 def _without_rope_freqs(monkeypatch) -> None:
@@ -234,8 +214,8 @@ def _without_rope_freqs(monkeypatch) -> None:
 
 # control: (case, what goes wrong)
 NEGATIVE = {
-    "olmo-no-clamp": ("olmo", _without_keys("{arch}.attention.clamp_kqv")),  # llama.cpp would not clip q/k/v
-    "olmo3-no-window": ("olmo3", _without_keys("{arch}.attention.sliding_window",
+    "olmo-no-clamp": ("olmo", without_keys("{arch}.attention.clamp_kqv")),  # llama.cpp would not clip q/k/v
+    "olmo3-no-window": ("olmo3", without_keys("{arch}.attention.sliding_window",
                                                "{arch}.attention.sliding_window_pattern")),
     "nemotron-no-plus-one": ("nemotron", _without_plus_one),  # LayerNorm1P's 1 + w written as w
     # llama's rope wants adjacent pairs; the NoPE layer does not care, the others do
@@ -302,13 +282,7 @@ REFUSED = [
 
 @pytest.mark.parametrize("name,change,message", REFUSED, ids=[f"{n}-{next(iter(c))}" for n, c, _ in REFUSED])
 def test_unsupported_layout_is_refused(name, change, message, model, tmp_path):
-    d = copy_model(model(name), tmp_path / name)
-    edit_config(d, **change)
-    out = tmp_path / "refused.gguf"
-    with pytest.raises(ModelFormatError, match=message) as err:
-        convert_only(d, out)
-    assert "\n" not in str(err.value)
-    assert not out.exists()
+    assert_refused(model(name), tmp_path, change, message)
 
 
 @pytest.mark.parametrize("name", ["smollm3", "ernie4_5"])
@@ -339,3 +313,45 @@ def test_streamed_reference_equals_from_pretrained(name, model):
     with torch.no_grad():
         expected = load_model(d)(torch.tensor([ids])).logits[0].numpy()
     assert np.abs(streamed - expected).max() < 1e-4
+
+
+EXAONE4_RELEASED = {
+    # EXAONE-4.0-1.2B: 30 layers, global attention with the rope on every layer (sliding_window null)
+    "1.2b": dict(architectures=["Exaone4ForCausalLM"], model_type="exaone4", hidden_size=2048, intermediate_size=4096,
+                 num_hidden_layers=30, num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=102400,
+                 max_position_embeddings=65536, rms_norm_eps=1e-5, sliding_window=None, sliding_window_pattern=None,
+                 layer_types=["full_attention"] * 30, tie_word_embeddings=True, hidden_act="silu",
+                 rope_theta=1000000.0, rope_scaling=LLAMA3_ROPE),
+    # EXAONE-4.0-32B: 64 layers, three sliding layers (window 4096, rope) then a global one without rope
+    "32b": dict(architectures=["Exaone4ForCausalLM"], model_type="exaone4", hidden_size=5120, intermediate_size=27392,
+                num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8, head_dim=128, vocab_size=102400,
+                max_position_embeddings=131072, rms_norm_eps=1e-5, sliding_window=4096, sliding_window_pattern="LLLG",
+                tie_word_embeddings=False, hidden_act="silu", rope_theta=1000000.0, rope_scaling=LLAMA3_ROPE),
+}
+
+
+@pytest.mark.parametrize("size", list(EXAONE4_RELEASED))
+def test_exaone4_released_layouts_are_what_llama_cpp_runs(size):
+    """Both released sizes convert: llama.cpp's exaone4 slides (window 4096, pattern from the keys, rope on sliding
+    layers only) exactly at 64 layers, which is the 32B's layout, and runs every other layer count with global
+    attention and the rope everywhere, which is the 1.2B's (its config sets no window). A tiny model with the
+    32B's features must keep its 64 layers (test_exaone4_sliding_windows_at_64_layers); fewer are refused."""
+    from pipelines.targets.gguf.families import family_for
+    from pipelines.targets.gguf.families.spec import HParams
+
+    kv = family_for("Exaone4ForCausalLM").key_values(HParams(EXAONE4_RELEASED[size]))
+    if size == "32b":
+        assert kv["exaone4.attention.sliding_window"][0] == 4096
+        assert kv["exaone4.attention.sliding_window_pattern"][0] == [(i + 1) % 4 != 0 for i in range(64)]
+    else:
+        assert "exaone4.attention.sliding_window" not in kv and kv["exaone4.block_count"][0] == 30
+
+
+LLAMACPP_CASES = [c for c in CASES if c != "exaone4_64"]
+
+
+@pytest.mark.parametrize("name", LLAMACPP_CASES)
+def test_same_tensors_as_llamacpp(name, model, tmp_path, llamacpp_tree):
+    """f16 tensors byte-identical to llama.cpp's own converter on the same checkpoint (gguf_family_check; the
+    vocabulary is held by the token-parity tests)."""
+    assert_same_tensors_as_llamacpp(llamacpp_tree, model(name), tmp_path, tensors_only=True)

@@ -25,11 +25,10 @@ import gguf
 import numpy as np
 import pytest
 
-from factories import SMALL_BPE_VOCAB, copy_model, edit_config, make_causal_lm
-from gguf_family_check import (assert_full_vocab_recognised, check_family, convert_and_validate, convert_only, field,
-                               tensors)
+from factories import SMALL_BPE_VOCAB, make_causal_lm
+from gguf_family_check import (assert_full_vocab_recognised, assert_refused, assert_same_tensors_as_llamacpp,
+                               check_family, convert_and_validate, field, tensors)
 from gguf_reader import FastGGUFReader
-from pipelines.errors import ModelFormatError
 from pipelines.targets.gguf import convert as convert_mod
 
 VOCAB = SMALL_BPE_VOCAB  # SmolLM2's tokenizer cut to 2,048 tokens (gguf_family_check)
@@ -117,8 +116,8 @@ def test_family_parity(name, model, tmp_path):
     elif name == "qwen2_moe":
         assert field(r, "qwen2moe.expert_feed_forward_length") == 64
         assert field(r, "qwen2moe.expert_shared_feed_forward_length") == 96
-        gate = t["blk.1.ffn_gate_inp_shexp.weight"]  # the shared expert's gate: a vector, kept f32
-        assert tuple(gate.shape) == (64,) and gate.tensor_type == gguf.GGMLQuantizationType.F32
+        gate = t["blk.1.ffn_gate_inp_shexp.weight"]  # the shared expert's gate: [1, hidden] as llama.cpp writes it, f32
+        assert tuple(gate.shape) == (64, 1) and gate.tensor_type == gguf.GGMLQuantizationType.F32
         assert tuple(t["blk.0.ffn_gate_shexp.weight"].shape) == (64, 96)
         assert tuple(t["blk.0.ffn_down_exps.weight"].shape) == (64, 64, 4)
         assert "blk.0.attn_q.bias" in t
@@ -179,13 +178,7 @@ REFUSALS = [
 
 @pytest.mark.parametrize("name,change,message", REFUSALS, ids=[f"{n}-{next(iter(c))}" for n, c, _ in REFUSALS])
 def test_layouts_llama_cpp_cannot_run_are_refused(name, change, message, model, tmp_path):
-    d = copy_model(model(name), tmp_path / name)
-    edit_config(d, **change)
-    out = tmp_path / "refused.gguf"
-    with pytest.raises(ModelFormatError, match=message) as err:
-        convert_only(d, out, CASES[name][4])
-    assert "\n" not in str(err.value)
-    assert not out.exists()
+    assert_refused(model(name), tmp_path, change, message, CASES[name][4])
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
@@ -235,3 +228,14 @@ def test_imatrix_covers_stacked_experts_from_the_tokens_routed_to_each(name, mod
         got = np.asarray(stored[f"blk.1.{tensor}.weight.in_sum2"], dtype=np.float64).reshape(n_exp, -1)
         np.testing.assert_allclose(got, torch.stack(expect).numpy(), rtol=2e-4)
         assert np.asarray(stored[f"blk.1.{tensor}.weight.counts"]).reshape(-1).tolist() == counts
+
+
+LLAMACPP_CASES = list(CASES)
+
+
+@pytest.mark.parametrize("name", LLAMACPP_CASES)
+def test_same_tensors_as_llamacpp(name, model, tmp_path, llamacpp_tree):
+    """f16 tensors byte-identical to llama.cpp's own converter on the same checkpoint (gguf_family_check; the
+    vocabulary is held by the token-parity tests)."""
+    assert_same_tensors_as_llamacpp(llamacpp_tree, model(name), tmp_path, tensors_only=True,
+                                    options=CASES[name][4])

@@ -27,11 +27,10 @@ import numpy as np
 import pytest
 
 from factories import SMALL_BPE_VOCAB, copy_model, edit_config, make_causal_lm, rewrite_safetensors
-from gguf_family_check import (assert_full_vocab_recognised, check_family, convert_and_validate, convert_only, field,
-                               tensors)
+from gguf_family_check import (assert_full_vocab_recognised, assert_refused, assert_same_tensors_as_llamacpp,
+                               check_family, convert_and_validate, convert_only, field, tensors)
 from gguf_reader import FastGGUFReader
 from pipelines import streamed_model
-from pipelines.errors import ModelFormatError
 from pipelines.targets.gguf import convert as convert_mod
 from pipelines.targets.gguf.families import glm4 as glm4_mod
 from pipelines.targets.gguf.families import hunyuan_dense as hunyuan_mod
@@ -268,13 +267,7 @@ REFUSALS = [
 
 @pytest.mark.parametrize("name,change,message", REFUSALS, ids=[f"{n}-{next(iter(c))}" for n, c, _ in REFUSALS])
 def test_layouts_llama_cpp_cannot_run_are_refused(name, change, message, model, tmp_path):
-    d = copy_model(model(name), tmp_path / name)
-    edit_config(d, **change)
-    out = tmp_path / "refused.gguf"
-    with pytest.raises(ModelFormatError, match=message) as err:
-        convert_only(d, out)
-    assert "\n" not in str(err.value)
-    assert not out.exists()
+    assert_refused(model(name), tmp_path, change, message)
 
 
 def test_cohere2_tied_by_default(model, tmp_path):
@@ -330,3 +323,17 @@ def test_imatrix_covers_every_expert(name, model):
         assert len(counts) == 4 and counts.sum() == k * summary["tokens"] and counts.min() > 0, (tensor, counts)
     # gate and up read the same input: the same sums
     np.testing.assert_array_equal(stored["blk.1.ffn_gate_exps.weight.in_sum2"], stored["blk.1.ffn_up_exps.weight.in_sum2"])
+
+
+LLAMACPP_CASES = list(CASES)
+# keys llama.cpp's converter reads as the released configs spell them: Command R7B's rotary_pct; HunYuan's
+# converter asserts the released 32k context of its dynamic-rope models
+RELEASED_KEYS = {"cohere2": {"rotary_pct": 1.0}, "hunyuan_dense": {"max_position_embeddings": 32768}}
+
+
+@pytest.mark.parametrize("name", LLAMACPP_CASES)
+def test_same_tensors_as_llamacpp(name, model, tmp_path, llamacpp_tree):
+    """f16 tensors byte-identical to llama.cpp's own converter on the same checkpoint (gguf_family_check; the
+    vocabulary is held by the token-parity tests)."""
+    assert_same_tensors_as_llamacpp(llamacpp_tree, model(name), tmp_path, tensors_only=True,
+                                    released_keys=RELEASED_KEYS.get(name))

@@ -76,7 +76,10 @@ def test_the_readme_layout_names_every_module():
 
 
 # A variant may import the family it varies (its parent lineage); no family imports an unrelated one.
-GGUF_FAMILY_LINEAGE = {"gemma2": {"gemma"}, "gemma3": {"gemma", "gemma2"}, "granitemoe": {"granite"}}
+GGUF_FAMILY_LINEAGE = {"gemma2": {"gemma"}, "gemma3": {"gemma", "gemma2"}, "granitemoe": {"granite"},
+                       "ernie4_5_moe": {"ernie4_5"}, "glm4_moe": {"glm4"}, "granitehybrid": {"granitemoe"},
+                       # vision-language wrappers of a text family (its rules under the wrapper's prefixes)
+                       "gemma3_vlm": {"gemma3"}, "llava": {"llama"}, "qwen2vl": {"qwen2"}, "qwen3vl": {"qwen3"}}
 GGUF_FAMILY_LIBRARIES = {"spec", "shared"}  # the vocabulary and the blocks several families share
 
 

@@ -33,6 +33,7 @@ from ..native import equivalent_for, native_dict
 from ..safetensors_io import TensorSource
 from .database import Architecture, cached as architecture_database
 from .hardware import Hardware, parse_hardware
+from .layout import headless_embedding
 from .requirements import WeightsSummary, serving_requirements
 from .results import Check, Compatibility, Status
 from .sanity import config_problems, text_cfg
@@ -204,6 +205,9 @@ def _route(rec: Architecture | None, arch: str | None, task: str, hw: Hardware, 
     if hw.vendor == "cpu":
         if gguf_applies:
             return _answer("compatible", pick("gguf"), "pass", detail)
+        if rec.llama_cpp_arch and not gguf_after_review:  # llama.cpp runs it; hive-aot cannot build its GGUF yet
+            detail += (f"; llama.cpp's converter makes it a {rec.llama_cpp_arch} GGUF, but no GGUF recipe here "
+                       f"converts it ({unbuilt('gguf')})")
         if rec.transformers_known:
             return _answer("compatible", pick("transformers"), "pass", detail)
         if gguf_after_review:
@@ -255,6 +259,10 @@ def classify(
         if len({db.lookup(a).name if db.lookup(a) else a for a in names}) > 1:
             checks.append(Check(name="architectures_consistent", status="fail",
                                 detail=f"config.json lists conflicting architectures: {', '.join(names)}"))
+    headless = headless_embedding(arch, weights.shapes if weights else ()) if not pipeline else None
+    if headless:  # the weights decide what the model is: no recipe that builds a causal LM applies
+        task = "embedding"
+        checks.append(Check(name="checkpoint_layout", status="pass", detail=headless))
     auto_map = "auto_map" in cfg or "auto_map" in text_cfg(cfg)
     quant_method, quant_problem = _quantization(cfg)
     # the sizes and text settings as transformers reads them: a remote-code layout with a native equivalent
@@ -263,8 +271,8 @@ def classify(
 
     def recipe_applies(r: "Recipe") -> bool:
         """The recipe's target converts this model (whatever hardware it is served on)."""
-        return (target_for(r.kind).supports(rec, arch, cfg, r.options)
-                and (quant_method is None or target_for(r.kind).reads_prequantized))
+        return (not headless and target_for(r.kind).supports(rec, arch, cfg, r.options)
+                and (quant_method is None or target_for(r.kind).reads_quantization(rec, arch, cfg)))
 
     def unbuilt(role: str) -> str | None:
         """Why no recipe that the vendor's `role` profile loads converts this model (None: one does)."""
@@ -274,7 +282,9 @@ def classify(
             return None
         if not loaded:
             return f"no recipe here builds for {prof or f'a {role} profile'}"
-        if quant_method is not None and not any(target_for(r.kind).reads_prequantized for r in loaded):
+        if headless:
+            return headless
+        if quant_method is not None and not any(target_for(r.kind).reads_quantization(rec, arch, cfg) for r in loaded):
             return f"pre-quantized ({quant_method}): the recipes {prof} loads convert unquantized float weights only"
         why = dict.fromkeys(target_for(r.kind).refusal(rec, arch, cfg, r.options) for r in loaded)
         return "; ".join(w for w in why if w) or f"no recipe {prof} loads converts {arch}"
@@ -340,7 +350,7 @@ def classify(
         checks.append(Check(name="quantization_config", status="fail", detail=quant_problem))
         status = "incompatible"
     elif quant_method:
-        skipped = sorted({r.kind for r in recipes if not target_for(r.kind).reads_prequantized})
+        skipped = sorted({r.kind for r in recipes if not target_for(r.kind).reads_quantization(rec, arch, cfg)})
         why = f"; {', '.join(skipped)} recipes do not apply (they convert unquantized float weights only)" if skipped else ""
         checks.append(Check(name="quantization_config", status="pass",
                             detail=f"pre-quantized ({quant_method}); weights served as stored{why}"))

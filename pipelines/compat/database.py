@@ -31,6 +31,8 @@ class Architecture:
     aliases: tuple[str, ...] = ()
     qaic: bool = False  # in the Cloud AI 100 AOT validated matrix
     trust_remote_code: bool = False
+    llama_cpp_arch: str | None = None  # what the pinned llama.cpp's converter makes of it (None: not converted)
+    llama_cpp_mmproj: bool = False  # ... and whether it converts a vision projector too
 
     @property
     def transformers_known(self) -> bool:
@@ -42,7 +44,8 @@ class Architecture:
             "vllm_support": self.vllm_support, "vllm_last_version": self.vllm_last_version,
             "transformers_model_type": self.transformers_model_type, "tested": self.tested,
             "benchmark_model": self.benchmark_model, "notes": list(self.notes), "aliases": list(self.aliases),
-            "qaic": self.qaic, "trust_remote_code": self.trust_remote_code,
+            "qaic": self.qaic, "trust_remote_code": self.trust_remote_code, "llama_cpp_arch": self.llama_cpp_arch,
+            "llama_cpp_mmproj": self.llama_cpp_mmproj,
         }
 
 
@@ -68,13 +71,15 @@ def _snapshot() -> dict[str, Any]:
 def _from_snapshot(rec: dict[str, Any]) -> Architecture:
     vllm = rec.get("vllm") or {}
     tf = rec.get("transformers") or {}
+    llama_cpp = rec.get("llama_cpp") or {}
     support = vllm.get("support")
     # Active: the serving platform can run it somewhere - vLLM (natively or through its Transformers
     # backend) or the transformers fallback. Archs vLLM dropped and transformers never had are kept,
     # inactive, with the last vLLM version that ran them.
     active = support is not None or tf.get("model_type") is not None
     return Architecture(name=rec["name"], family=rec["family"], task=rec["task"], active=active, vllm_support=support,
-                        vllm_last_version=vllm.get("last_version"), transformers_model_type=tf.get("model_type"))
+                        vllm_last_version=vllm.get("last_version"), transformers_model_type=tf.get("model_type"),
+                        llama_cpp_arch=llama_cpp.get("arch"), llama_cpp_mmproj=bool(llama_cpp.get("mmproj")))
 
 
 def _same_class_spelled_otherwise(archs: dict[str, Architecture]) -> None:

@@ -151,6 +151,11 @@ class Target:
                  options: dict[str, Any]) -> bool:
         raise NotImplementedError
 
+    def reads_quantization(self, arch: "Architecture | None", architecture: str, config: dict[str, Any]) -> bool:
+        """Whether its build reads this pre-quantized checkpoint (config.json's quantization_config) as stored:
+        `reads_prequantized`, unless the kind knows the model's own quantization (GGUF: gpt-oss's MXFP4 experts)."""
+        return self.reads_prequantized
+
     def refusal(self, arch: "Architecture | None", architecture: str, config: dict[str, Any],
                 options: dict[str, Any]) -> str | None:
         """Why this kind does not convert the model, one clause for `check` (None: `supports` says it does)."""

@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 # 4: per-family modules; llama.cpp's general.* metadata and generic hyper-parameters; hive_aot.* provenance.
 # 5: general.name and the name heuristics as llama.cpp derives them from the repository's name (not the
 #    snapshot directory's commit); InternLM2; more families.
-FORMAT_VERSION = 5
+# 6: the 2025-26 families; llama.cpp's converter's bytes where they differed (Qwen2-MoE's shared-expert gate kept
+#    [1, hidden]; Llama 3.1 rope_freqs computed in float32 as its converter does); MoE near-ties reported apart.
+FORMAT_VERSION = 6
 LOSSLESS = {"F32": "f32", "F16": "f16", "BF16": "bf16"}
 
 
@@ -56,7 +58,8 @@ class GgufThresholds(Thresholds):
 
 
 # llama-server with what serving() writes: the model file, the context and the threads.
-LLAMA_SERVER = ServerProgram(name="llama-server", options={"-m": "model-path", "-c": "value", "-t": "value"})
+LLAMA_SERVER = ServerProgram(name="llama-server", options={"-m": "model-path", "-c": "value", "-t": "value",
+                                                           "--mmproj": "model-path"})
 
 
 class GgufTarget(Target):
@@ -107,6 +110,16 @@ class GgufTarget(Target):
         from .families import BY_ARCHITECTURE
 
         return (arch.name if arch else architecture) in BY_ARCHITECTURE
+
+    def reads_quantization(self, arch: "Architecture | None", architecture: str, config: dict[str, Any]) -> bool:
+        """A family that writes its checkpoint's quantized tensors as stored (gpt-oss's MXFP4 experts, which
+        llama.cpp keeps MXFP4) converts that pre-quantized model; any other is refused (convert.py)."""
+        from .convert import text_config
+        from .sliced import reads_quantization
+
+        quant = config.get("quantization_config")
+        quant = quant if quant is not None else text_config(config).get("quantization_config")
+        return reads_quantization(arch.name if arch else architecture, quant)
 
     def toolchain(self) -> dict[str, str]:
         return {
@@ -176,6 +189,12 @@ class GgufTarget(Target):
                              name=snapshot.model_id, options=opts, provenance=provenance, split_max_bytes=split)
             info = dict(report.__dict__)
             files = list(report.files)
+        from .projectors import write_projector
+
+        projector = write_projector(snapshot, out_dir, provenance)  # a VLM's vision side: llama.cpp's mmproj GGUF
+        if projector is not None:
+            info["mmproj"] = projector
+            files.append(projector["file"])
         for f in files:
             os.chmod(out_dir / f, 0o644)
         return BuiltArtifact(root=out_dir, files=files, info=info)
@@ -183,10 +202,20 @@ class GgufTarget(Target):
     def validate(self, ctx: BuildContext, artifact_dir: Path, files: dict[str, str]) -> ValidationReport:
         from .validate import validate_gguf
 
-        model = artifact_name(ctx.model_id, ctx.recipe)  # the imatrix, when published, is the other file
-        metrics, details = validate_gguf(ctx.snapshot, artifact_dir / (model if model in files else next(iter(files))),
-                                         step=f"GGUF validation of {ctx.model_id} ({ctx.recipe.id})")
+        from .mmproj import mmproj_name
+        from .mmproj_check import check_projector
+        from .projectors import projector_for
+
+        model = artifact_name(ctx.model_id, ctx.recipe)  # the imatrix and the projector, when published, are others
+        model = model if model in files else next(f for f in files if f != mmproj_name(ctx.model_id))
+        step = f"GGUF validation of {ctx.model_id} ({ctx.recipe.id})"
+        metrics, details = validate_gguf(ctx.snapshot, artifact_dir / model, step=step)
         failures = check_thresholds(metrics, ctx.recipe.validation)
+        if mmproj_name(ctx.model_id) in files:  # the projector's image embeddings against transformers'
+            projector = projector_for((ctx.snapshot.config().get("architectures") or [None])[0])
+            more, details["projector"] = check_projector(projector, ctx.snapshot, artifact_dir / model,
+                                                         artifact_dir / mmproj_name(ctx.model_id), step)
+            failures += more
         return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details=details)
 
     def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]:
@@ -200,6 +229,9 @@ class GgufTarget(Target):
             n_ctx = int(rc.get("max_model_len") or min(int(ctx.config.get("max_position_embeddings") or 4096), 4096))
             threads = prof.serving.get("n_threads")
             cmd = ["llama-server", "-m", f"{MODEL_DIR}/{files[0]}", "-c", str(n_ctx)]
+            mmproj = next((f for f in files if f.startswith("mmproj-")), None)
+            if mmproj is not None:  # a VLM: the projector libmtmd loads beside the language model
+                cmd += ["--mmproj", f"{MODEL_DIR}/{mmproj}"]
             if isinstance(threads, int):
                 cmd += ["-t", str(threads)]
             out[prof.id] = {"engine": "llama.cpp", "image": prof.image, "model_file": files[0], "n_ctx": n_ctx,

@@ -27,6 +27,7 @@ from ...safetensors_io import TensorSource
 from .families import Family, HParams, Rule, family_for, is_ignored
 from .families.spec import IDENTITY as _IDENTITY
 from .ftypes import FTYPES
+from .sliced import file_type, reads_quantization, write_sliced
 from .tensor_quant import NUMPY_TYPES, quantize_rows, round_to
 from .tensor_quant import apply as assign_quantized_types
 from .tensor_writer import Layout, TensorWriter, encode_threads, in_order, llama_cpp_order
@@ -59,6 +60,7 @@ class Output:
     shape: tuple[int, ...]
     qtype: Q
     lossless: Q | None = None  # quantized straight from the source: the type the intermediate would have had
+    fixed: bool = False  # its rule fixes the type whatever the outtype (MXFP4 experts): never a fallback
 
 
 @dataclass
@@ -89,17 +91,24 @@ class ConvertReport:
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A nested text config wins (multimodal wrappers); fold the outer architectures in."""
+    """A nested text config wins (multimodal wrappers); fold the outer architectures in. The outer ones name the
+    wrapper, which is what a family declares: a text config may name its base model's (llava-1.5's Llama)."""
     tc = cfg.get("text_config")
     if isinstance(tc, dict):
-        return {**tc, "architectures": tc.get("architectures") or cfg.get("architectures")}
+        # the vision config rides along: some language-model keys come from it (Qwen3-VL's deepstack layer count)
+        vision = {"vision_config": cfg["vision_config"]} if isinstance(cfg.get("vision_config"), dict) else {}
+        # transformers 5 ties a wrapper's embeddings by the outer config's value when it sets one (a Qwen3-VL-MoE
+        # saved with an untied head keeps the text config's default true)
+        tie = {"tie_word_embeddings": cfg["tie_word_embeddings"]} if cfg.get("tie_word_embeddings") is not None else {}
+        return {**vision, **tc, **tie, "architectures": cfg.get("architectures") or tc.get("architectures")}
     return cfg
 
 
 # Matrices llama.cpp keeps in f32 in every file type (its converter and its quantizer alike): MoE routers, whose
 # top-k choice flips at near-ties when rounded (measured: a random Mixtral's q8_0 router, KL 0.031 vs 0.0004),
-# and learned position / token-type embeddings.
-ALWAYS_F32 = re.compile(r"(blk\.\d+\.ffn_gate_inp(_shexp)?|position_embd|token_types)\.weight")
+# learned position / token-type embeddings, every tensor not named `.weight` (biases, Mamba-2's [heads, 1] `ssm_a`)
+# and the recurrent layers' short convolutions (Mamba, the gated delta-net, LFM2), which libllama never quantizes.
+ALWAYS_F32 = re.compile(r"(blk\.\d+\.(ffn_gate_inp(_shexp)?|ssm_conv1d|shortconv\.conv)|position_embd|token_types)\.weight|(?!.*\.weight$).+")
 
 
 def tensor_type(shape: tuple[int, ...], outtype: str, name: str = "") -> Q:
@@ -132,7 +141,7 @@ def plan_tensors(family: Family, hp: HParams, tensors: TensorSource, outtype: st
     def take(rule: Rule, bid: int | None) -> None:
         if rule.when is not None and bid is not None and not rule.when(hp, bid):
             return
-        inputs = _expand(rule.inputs, bid, hp)
+        inputs = [family.located(n, tensors.__contains__) for n in _expand(rule.inputs, bid, hp)]
         outputs = [o.replace("{bid}", str(bid)) for o in rule.outputs]
         missing = [n for n in inputs if n not in tensors]
         if missing:
@@ -140,7 +149,7 @@ def plan_tensors(family: Family, hp: HParams, tensors: TensorSource, outtype: st
                 return
             raise ModelFormatError(f"missing tensor {missing[0]!r} for {family.name} (needed for {outputs[0]})")
         used.update(inputs)
-        if tied and family.tied_output is not None and inputs == [family.tied_output]:
+        if tied and family.tied_output is not None and inputs == [family.located(family.tied_output, tensors.__contains__)]:
             return  # tied: llama.cpp reuses token_embd; an identical lm_head copy is dropped
         in_shapes = [tuple(tensors.info(n).shape) for n in inputs]
         if rule.transform.stack and len(set(in_shapes)) > 1:
@@ -151,26 +160,30 @@ def plan_tensors(family: Family, hp: HParams, tensors: TensorSource, outtype: st
             raise ModelFormatError(f"{inputs[0]}: {e}") from None
         if len(out_shapes) != len(outputs):
             raise ModelFormatError(f"{family.name}: rule for {outputs} makes {len(out_shapes)} tensors")
-        plan.append(Step(rule, inputs, [Output(n, s, tensor_type(s, outtype, n)) for n, s in zip(outputs, out_shapes)],
+        fixed = rule.transform.fixed  # the checkpoint's type kept (MXFP4 experts), else the outtype's
+        plan.append(Step(rule, inputs, [Output(n, s, fixed if fixed is not None else tensor_type(s, outtype, n),
+                                               fixed=fixed is not None) for n, s in zip(outputs, out_shapes)],
                          source_bytes=sum(tensors.info(n).nbytes for n in inputs)))
 
     for rule in family.tensors:
         if not rule.per_block:
             take(rule, None)
-    if not tied and family.tied_output is not None and family.tied_output not in tensors:
+    if not tied and family.tied_output is not None and family.located(family.tied_output, tensors.__contains__) not in tensors:
         raise ModelFormatError(f"{family.tied_output} is missing and tie_word_embeddings is false")
-    for bid in range(hp.n_layers):
+    for bid in range(family.blocks(hp) if family.blocks is not None else hp.n_layers):  # NextN layers after the trunk
         for rule in family.tensors:
             if rule.per_block:
                 take(rule, bid)
+    used.update(n for names in family.key_tensors(hp, tensors.__contains__).values() for n in names)  # read as keys
     for name, data in family.extra_tensors(hp).items():
         plan.append(Step(None, [], [Output(name, tuple(data.shape), Q.F32)], data))
     _keep_output(plan, OUTTYPES[outtype][0])
-    leftover = sorted(n for n in tensors if n not in used and not is_ignored(family, n))
+    leftover = sorted(n for n in tensors if n not in used and not is_ignored(family, n)
+                      and not (family.unused is not None and family.unused(hp, n)))
     if leftover:
         more = f" and {len(leftover) - 3} more" if len(leftover) > 3 else ""
         raise ModelFormatError(f"unmapped tensors for {family.name}: {', '.join(leftover[:3])}{more}")
-    _check_shapes(plan, hp)
+    _check_shapes(plan, hp, family.query_gate, family.query_head_dim)
     return plan
 
 
@@ -184,11 +197,13 @@ def _keep_output(plan: list[Step], wanted: Q) -> None:
         head.qtype = OUTPUT_KEPT[wanted]
 
 
-def _check_shapes(plan: list[Step], hp: HParams) -> None:
+def _check_shapes(plan: list[Step], hp: HParams, query_gate: bool = False, query_head_dim=None) -> None:
     hidden, vocab = hp.hidden, int(hp.require("vocab_size"))
+    q_dim = query_head_dim(hp) if query_head_dim is not None else hp.head_dim
     expect = {
         r"token_embd\.weight": (vocab, hidden),
-        r"blk\.\d+\.attn_q\.weight": (hp.n_head * hp.head_dim, hidden),
+        # a gated query (Qwen3-Next) holds each head's output gate beside its query: twice the rows
+        r"blk\.\d+\.attn_q\.weight": (hp.n_head * q_dim * (2 if query_gate else 1), hidden),
         r"blk\.\d+\.attn_k\.weight": (hp.n_head_kv * hp.head_dim, hidden),
     }
     for step in plan:
@@ -279,6 +294,9 @@ def _stream_rows(tensors: TensorSource, hf: str, transform, hp: HParams, sink: T
 def _write_step(step: Step, tensors: TensorSource, hp: HParams, writer: gguf.GGUFWriter, model: str, pb,
                 layout: Layout | None = None) -> None:
     rule = step.rule
+    if rule is not None and (rule.transform.sliced or rule.transform.fixed is not None):  # expert by expert
+        return write_sliced(step, tensors, hp, TensorWriter(writer, step.outputs[0], layout), pb, SLICE_BYTES,
+                            lambda data: _checked(data, step.outputs[0], step.inputs[0], model))
     if rule is None:  # computed by the family
         sink = TensorWriter(writer, step.outputs[0], layout)
         sink.write(_checked(step.data, step.outputs[0], step.outputs[0].name, model))
@@ -357,18 +375,21 @@ def convert(model_dir: Path, cfg: dict[str, Any], safetensors: list[Path], out_p
         raise ModelFormatError(f"GGUF outtype {outtype!r} is not written directly (use one of {', '.join(OUTTYPES)})")
     options = options or {}
     tcfg = text_config(cfg)
-    if cfg.get("quantization_config") is not None or tcfg.get("quantization_config") is not None:
+    arch = (tcfg.get("architectures") or [None])[0]
+    quant = cfg.get("quantization_config") if cfg.get("quantization_config") is not None else tcfg.get("quantization_config")
+    if quant is not None and not reads_quantization(arch, quant):
         # Pre-quantized weights (GPTQ/AWQ/FP8 ... or a garbage entry) would be read here as if they were plain
         # floats and published as an unquantized model; `check` keeps the GGUF recipes off such models too.
+        # Only a family whose rules read that quantization's tensors as stored takes it (gpt-oss's MXFP4 experts).
         raise ModelFormatError(f"{name}: config.json has a quantization_config; the GGUF converter reads only "
                                "unquantized float weights")
-    arch = (tcfg.get("architectures") or [None])[0]
-    family = family_for(arch)
     hp = HParams(tcfg)
+    family = family_for(arch).for_config(hp)  # a config may be written as another arch
     key_values = family.key_values(hp)
     vocab = build_vocab(model_dir, int(hp.require("vocab_size")), options)
     with TensorSource(safetensors) as tensors:
         plan = plan_tensors(family, hp, tensors, outtype)
+        key_values.update(family.tensor_key_values(hp, tensors.__contains__, tensors.float32))
         outputs = [o for step in plan for o in step.outputs]
         quantization = assign_quantized_types(outputs, family.gguf_arch, key_values, ftype,
                                               FTYPES[ftype.upper()], name) if ftype else None
@@ -387,7 +408,7 @@ def convert(model_dir: Path, cfg: dict[str, Any], safetensors: list[Path], out_p
             for key, (value, kind) in key_values.items():
                 _add(writer, key, value, kind)
             if not ftype:
-                writer.add_file_type(int(OUTTYPES[outtype][1]))
+                writer.add_file_type(int(file_type(outtype, OUTTYPES[outtype][1], outputs)))
                 writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
             write_vocab(writer, vocab, model_dir)
             for key, value in sorted((provenance or {}).items()):
@@ -424,5 +445,6 @@ def convert(model_dir: Path, cfg: dict[str, Any], safetensors: list[Path], out_p
 
 def _fallbacks(outputs: list[Output], wanted: Q) -> dict[str, int]:
     counts = Counter(f"{wanted.name}->{o.qtype.name}" for o in outputs
-                     if len(o.shape) > 1 and o.qtype not in (wanted, OUTPUT_KEPT.get(wanted)))
+                     if len(o.shape) > 1 and not o.fixed and o.qtype not in (wanted, OUTPUT_KEPT.get(wanted))
+                     and not (o.qtype == Q.F32 and o.name.endswith(".bias")))  # biases are f32 by rule, not by fallback
     return dict(sorted(counts.items()))

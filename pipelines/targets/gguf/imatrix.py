@@ -41,14 +41,18 @@ def matrix_sources(model_dir: Path, cfg: dict[str, Any], files: list[Path]) -> d
     from .families import HParams, family_for
 
     tcfg = text_config(cfg)
-    family = family_for((tcfg.get("architectures") or [None])[0])
     hp = HParams(tcfg)
+    family = family_for((tcfg.get("architectures") or [None])[0]).for_config(hp)
     with TensorSource(files) as tensors:
         plan = plan_tensors(family, hp, tensors, "f16")
     out: dict[str, list[str]] = {}
     for step in plan:
         for o in step.outputs:
-            if len(o.shape) < 2 or not step.inputs or o.name.startswith("token_embd"):
+            if len(o.shape) < 2 or not step.inputs or o.name.startswith("token_embd") or not o.name.endswith(".weight"):
+                continue  # vectors, stacked biases ([experts, rows]) and the embedding are not quantized by a matrix
+            if step.rule is not None and step.rule.transform.fixed is not None:
+                continue  # kept as stored (MXFP4 experts): never quantized, nothing to weigh
+            if o.qtype.name == "F32":  # kept f32 in every file type (a router, Mamba's conv1d and A): never quantized
                 continue
             if step.rule is not None and step.rule.transform.stack:
                 out[o.name] = list(step.inputs)  # one checkpoint tensor per expert
@@ -114,7 +118,7 @@ def _fused_experts(rules, path: str, module, wanted: set[str]):
     """(gate sources, up sources, down sources), one checkpoint tensor per expert each, when `module` is a
     transformers 5 experts module whose fused parameters the streamed model stacks from per-expert tensors."""
     gate_up, down = rules.get(f"{path}.gate_up_proj"), rules.get(f"{path}.down_proj")
-    if gate_up is None or down is None or not hasattr(module, "act_fn"):
+    if gate_up is None or down is None or not (hasattr(module, "act_fn") or hasattr(module, "_apply_gate")):
         return None
     if len(gate_up.sources) == len(down.sources) == 1:  # stacked in the checkpoint: one GGUF source per expert
         n = module.down_proj.shape[0]
@@ -128,10 +132,20 @@ def _fused_experts(rules, path: str, module, wanted: set[str]):
 
 
 def _experts_hook(module, gates, ups, downs, add):
-    """Pre-hook of an experts module called as (hidden_states [T, H], top_k_index [T, k], top_k_weights)."""
+    """Pre-hook of an experts module called as (hidden_states [T, H], top_k_index [T, k], top_k_weights), or with
+    the routed hidden states alone (Llama 4: `_prescaled_experts`)."""
+    import inspect
+
     import torch
 
+    # an experts module that takes the hidden states alone (Llama 4's): the routing is in the input itself
+    prescaled = len(inspect.signature(module.forward).parameters) == 1
+
     def hook(_module, args):
+        if prescaled:
+            with torch.no_grad():
+                _prescaled_experts(module, args[0], gates, ups, downs, add)
+            return
         x, top_k = args[0], args[1]
         with torch.no_grad():
             for e in range(len(downs)):
@@ -141,10 +155,29 @@ def _experts_hook(module, gates, ups, downs, add):
                 add(gates[e], xe)
                 if ups[e] != gates[e]:  # gate and up split from one stacked tensor: one source, counted once
                     add(ups[e], xe)
+                # gpt-oss: [H, 2I] with gate and up interleaved, biases, clamps (every transformers 5 experts module
+                # has an `_apply_gate`; only gpt-oss has the biases)
+                if hasattr(module, "gate_up_proj_bias"):
+                    add(downs[e], module._apply_gate(xe @ module.gate_up_proj[e] + module.gate_up_proj_bias[e]))
+                    continue
                 gate, up = torch.nn.functional.linear(xe, module.gate_up_proj[e]).chunk(2, dim=-1)
                 add(downs[e], module.act_fn(gate) * up)
 
     return hook
+
+
+def _prescaled_experts(module, x, gates, ups, downs, add) -> None:
+    """Llama 4's experts module is called with every token once per expert ([experts x tokens, H]), each already
+    scaled by its router score, which is zero where the token was not routed (sigmoid of -inf), as llama.cpp's
+    llama4 scales the experts' input too; its fused parameters are [in, out]: gate_up_proj [E, H, 2I]."""
+    x = x.reshape(len(downs), -1, x.shape[-1])
+    for e in range(len(downs)):
+        xe = x[e][(x[e] != 0).any(dim=-1)]
+        add(gates[e], xe)
+        if ups[e] != gates[e]:
+            add(ups[e], xe)
+        gate, up = (xe @ module.gate_up_proj[e]).chunk(2, dim=-1)
+        add(downs[e], module.act_fn(gate) * up)
 
 
 def compute(snapshot, out_path: Path, *, text: str | None = None, step: str | None = None) -> dict[str, Any]:

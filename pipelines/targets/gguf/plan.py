@@ -41,6 +41,7 @@ GGUF_REPACK_MAX_BYTES = 8 << 30
 KV_BYTES = 4  # per cached value (llama.cpp's default f16 cache would be 2: the estimate keeps room for f32)
 LLAMA_LOGIT_COPIES = 2  # llama.cpp's output buffer and llama-cpp-python's scores array
 PARENT_LOGIT_COPIES = 2  # the parent's reference logits and the child's, loaded back for the comparison
+RECURRENT_BYTES = 4  # llama.cpp keeps recurrent state (Mamba's conv and SSM state, ...) in f32, one per sequence
 
 
 # Output sizes. GGUF: 1-D tensors stay f32; 2-D tensors take the file type's bits per weight (llama.cpp's
@@ -101,6 +102,27 @@ def lossless_gguf_type(facts: ModelFacts) -> str:
     return "f32"
 
 
+def recurrent_cache(config: dict) -> tuple[int | None, int]:
+    """(layers with a KV cache, f32 values of recurrent state per sequence) of a recurrent or hybrid GGUF family
+    (Family.kv_layers / recurrent_state: a Mamba-2 hybrid caches K and V in its attention layers only, and a
+    state per Mamba layer); (None, 0) for the others and for configs the converter refuses."""
+    from ...errors import ModelFormatError
+    from .families import BY_ARCHITECTURE, HParams  # numpy, as `supports` already loaded it
+
+    tc = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    family = BY_ARCHITECTURE.get(((tc.get("architectures") or config.get("architectures")) or [None])[0])
+    if family is None:
+        return None, 0
+    hp = HParams(tc)
+    try:
+        family = family.for_config(hp)
+        if family.recurrent_state is None:
+            return None, 0
+        return (None if family.kv_layers is None else family.kv_layers(hp)), family.recurrent_state(hp)
+    except (ModelFormatError, TypeError, ValueError):  # refused in one line when it converts
+        return None, 0
+
+
 def plan_steps(env: "PlanEnv") -> list[StepNeed]:
     facts, opts, work = env.facts, env.options, env.work
     largest = env.largest
@@ -145,17 +167,21 @@ def plan_steps(env: "PlanEnv") -> list[StepNeed]:
     else:
         steps.append(StepNeed("convert", mem, disk=out, where=work, detail=detail))
     steps += [env.publish(out, base=parent_base), reference]
-    kv = VALIDATE_CTX * facts.layers * facts.kv_heads * facts.head_dim * 2 * KV_BYTES
+    kv_layers, state_values = recurrent_cache(env.config)
+    cached = facts.layers if kv_layers is None else kv_layers  # a hybrid's attention layers only
+    kv = VALIDATE_CTX * cached * facts.kv_heads * facts.head_dim * 2 * KV_BYTES
+    state = state_values * RECURRENT_BYTES  # one sequence's, whatever its length
     # llama.cpp's CPU backend repacks quantized weights (Q4_0, Q4_K, IQ4_NL, ...) into interleaved rows
     # in anonymous memory: measured at 8B, Q4_K_M's evaluator held 3.9 GiB anon for a 4.6 GiB file.
     # Up to GGUF_REPACK_MAX_BYTES only: a larger GGUF is evaluated from the mapped file.
     quantized = str(ftype or opts.get("outtype", "f16")).lower() not in LOSSLESS_GGUF_TYPES
     repacked = out if quantized and out <= GGUF_REPACK_MAX_BYTES else 0
-    child = BASE_LLAMA_EVAL + kv + validation_logits * LLAMA_LOGIT_COPIES + repacked
+    child = BASE_LLAMA_EVAL + kv + state + validation_logits * LLAMA_LOGIT_COPIES + repacked
     parent = parent_base + validation_logits * PARENT_LOGIT_COPIES
     steps.append(StepNeed("validate", child + parent, mapped=out, disk=env.placed(out) + validation_logits, where=work,
                           detail=(f"llama.cpp {human_bytes(BASE_LLAMA_EVAL)} + KV cache {human_bytes(kv)} + "
-                                  f"{LLAMA_LOGIT_COPIES} x logits {human_bytes(validation_logits)}"
+                                  + (f"recurrent state {human_bytes(state)} + " if state else "")
+                                  + f"{LLAMA_LOGIT_COPIES} x logits {human_bytes(validation_logits)}"
                                   + (f" + repacked weights {human_bytes(repacked)}" if repacked else "")
                                   + f"; parent {human_bytes(parent_base)} + {PARENT_LOGIT_COPIES} x logits; "
                                   "the GGUF mapped")))

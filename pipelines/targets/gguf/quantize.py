@@ -18,6 +18,7 @@ from typing import Any
 
 from ...errors import HiveError
 from .ftypes import FTYPES
+from .tensor_quant import type_overrides
 
 # llama.cpp refuses these without an importance matrix (its quantizer's own list): hive-aot computes one
 # (imatrix.py) when the recipe sets `imatrix: calibration`.
@@ -55,6 +56,22 @@ def quantize(src: Path, dst: Path, ftype: str, *, step: str | None = None, threa
     return summary
 
 
+def stored_quantized(src: Path) -> list[tuple[str, int]]:
+    """(name, ggml type) of the tensors the lossless GGUF `src` (and its other shards, which libllama loads with
+    the first) holds already quantized: those a family writes as stored (gpt-oss's MXFP4 experts), which the
+    quantizer keeps (tensor_quant.type_overrides)."""
+    import gguf
+
+    from .tensor_quant import FLOAT_GGML_TYPES
+
+    shards = [src]
+    split = re.fullmatch(r"(.+)-00001-of-(\d{5})\.gguf", src.name)
+    if split:
+        shards = sorted(src.parent.glob(f"{split.group(1)}-[0-9][0-9][0-9][0-9][0-9]-of-{split.group(2)}.gguf"))
+    return [(t.name, int(t.tensor_type)) for shard in shards for t in gguf.GGUFReader(str(shard)).tensors
+            if int(t.tensor_type) not in FLOAT_GGML_TYPES]
+
+
 def quantize_here(src: str, dst: str, name: str, threads: int, imatrix: str | None = None,
                   keep_split: bool = False) -> dict[str, Any]:
     """Runs in the child: libllama's quantizer with its log captured instead of printed."""
@@ -77,6 +94,9 @@ def quantize_here(src: str, dst: str, name: str, threads: int, imatrix: str | No
     llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FTYPES[name]
+    overrides = type_overrides(stored_quantized(Path(src)))
+    if overrides is not None:  # tensors the source keeps quantized as stored (MXFP4 experts) stay so
+        params.tt_overrides = overrides
     params.nthread = threads
     params.keep_split = keep_split
     # llama.cpp names shards `<prefix>-0000i-of-0000n.gguf` from the output name it is given

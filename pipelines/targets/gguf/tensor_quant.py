@@ -47,6 +47,7 @@ SYMBOLS = {
 SUPERBLOCK = 256  # the k-quants' block of weights
 GGML_LOG_LEVEL_ERROR = 4
 NUMPY_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+FLOAT_GGML_TYPES = (0, 1, 30)  # F32, F16, BF16: what a lossless GGUF holds unless a rule fixed the type
 
 
 def _lib_dir() -> Path | None:
@@ -159,6 +160,9 @@ def assign_types_here(shape: dict[str, Any], tensors: list[list], ftype: int) ->
     model = fn["from_metadata"](ctypes.byref(desc))
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
+    overrides = type_overrides([(name, gtype) for name, _dims, gtype in tensors if gtype not in FLOAT_GGML_TYPES])
+    if overrides is not None:
+        params.tt_overrides = overrides
     state = fn["init"](model, ctypes.byref(params))
     ctx = base.ggml_init(_GgmlInit(len(tensors) * base.ggml_tensor_overhead() + 4096, None, True))
     try:
@@ -175,6 +179,26 @@ def assign_types_here(shape: dict[str, Any], tensors: list[list], ftype: int) ->
         base.ggml_free(ctx)
         fn["free"](state)
         llama.llama_model_free(model)
+
+
+def type_overrides(kept: list[tuple[str, int]]):
+    """llama.cpp's per-tensor type overrides (`llama-quantize --tensor-type`) that keep each (name, ggml type)
+    tensor the lossless GGUF already holds quantized in its type (gpt-oss's MXFP4 experts, which llama.cpp keeps
+    MXFP4): without them libllama's quantizer refuses the file ("requantizing from type mxfp4 is disabled").
+    The NULL-terminated array for `tt_overrides` (it holds its pattern strings), or None when nothing is kept.
+    The streamed k-quant and libllama's quantizer of the intermediate (quantize.py) pass the same ones."""
+    import re
+
+    import llama_cpp
+
+    if not kept:
+        return None
+    overrides = (llama_cpp.llama_model_tensor_override * (len(kept) + 1))()
+    for i, (name, gtype) in enumerate(kept):
+        overrides[i].pattern = f"^{re.escape(name)}$".encode()
+        overrides[i].type = int(gtype)
+    overrides[len(kept)].pattern = None
+    return overrides
 
 
 def apply(outputs: list, arch: str, key_values: dict[str, tuple[Any, type]], ftype_name: str, ftype: int,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ... import parity, prompts, reference
+from ... import parity, prompts, reference, router_gaps
 from ...tokenizer_cache import CachedTokenizer
 from .llama_log import capture_errors, reason
 
@@ -149,7 +149,10 @@ def validate_gguf(snapshot: "Snapshot", gguf_path: Path, step: str | None = None
                            generation_tokens=prompts.GENERATION_TOKENS, logits_dir=str(tmp),
                            repack=gguf_path.stat().st_size <= REPACK_MAX_BYTES)
         # One prompt's pair of [tokens x vocab] arrays in memory at a time.
-        per_prompt = [parity.compare(np.asarray(ref.logits[i]), np.load(tmp / f"l{i}.npy")) for i in range(len(ids))]
+        # MoE positions the reference routes on a near-tie are reported apart (router_gaps.py)
+        ties = [None if ref.router_gaps is None else ref.router_gaps[i] < router_gaps.TIE_BOUND for i in range(len(ids))]
+        per_prompt = [parity.compare(np.asarray(ref.logits[i]), np.load(tmp / f"l{i}.npy"), ties[i])
+                      for i in range(len(ids))]
     total = parity.merge(per_prompt)
 
     reference_ids, reference_name = _reference_tokenizer(snapshot, tok)
@@ -178,6 +181,11 @@ def validate_gguf(snapshot: "Snapshot", gguf_path: Path, step: str | None = None
         "token_parity": parity.round6(token_parity),
         "greedy_prefix_match": agree,
     }
+    if ref.router_gaps is not None:  # an MoE model: the near-tie positions, apart from the gated metrics
+        metrics["router_near_ties"] = total.near_ties
+        if total.near_ties:
+            metrics["router_near_tie_top1"] = parity.round6(total.near_tie_top1)
+            metrics["router_near_tie_max_kl"] = parity.round6(total.near_tie_max_kl)
     details = {
         "reference": "transformers fp32",
         # the engine this artifact was checked in: pull compares it with a serving container's

@@ -20,13 +20,20 @@ from .spec import Family, HParams, Rule
 _NOT_FAMILIES = {"shared", "spec"}  # the vocabulary and the shared declarations, not families
 
 
+MODULE_OF: dict[str, str] = {}  # family name -> the module that declares it (the README's table reads its docstring)
+
+
 def _discover() -> tuple[Family, ...]:
     found: list[Family] = []
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if info.name in _NOT_FAMILIES or info.name.startswith("_"):
             continue
         module = importlib.import_module(f"{__name__}.{info.name}")
-        found += [module.FAMILY] if hasattr(module, "FAMILY") else list(getattr(module, "FAMILIES", ()))
+        declared = [module.FAMILY] if hasattr(module, "FAMILY") else list(getattr(module, "FAMILIES", ()))
+        for family in declared:
+            if family.name not in MODULE_OF:  # a variant declared beside its base keeps the base's module
+                MODULE_OF[family.name] = module.__name__
+        found += [f for f in declared if f not in found]
     return tuple(found)
 
 
@@ -51,4 +58,4 @@ def is_ignored(family: Family, name: str) -> bool:
     return any(re.fullmatch(p, name) for p in family.ignored)
 
 
-__all__ = ["BY_ARCHITECTURE", "FAMILIES", "Family", "HParams", "Rule", "family_for", "is_ignored"]
+__all__ = ["BY_ARCHITECTURE", "FAMILIES", "MODULE_OF", "Family", "HParams", "Rule", "family_for", "is_ignored"]

@@ -15,7 +15,7 @@ norm, embeddings scaled by llama.cpp, NEOX rope, post-attention / post-MLP norms
   query_pre_attn_scalar is refused.
 
 Gemma3ForConditionalGeneration (the multimodal checkpoints: a vision tower, and the text weights under
-another prefix) is not declared: `family_for` refuses it in one line, and the GGUF recipes do not apply.
+another prefix) is this family wrapped: `gemma3_vlm.py`.
 """
 
 from __future__ import annotations

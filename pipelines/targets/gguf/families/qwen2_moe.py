@@ -3,26 +3,20 @@ plus one shared expert, llama.cpp arch `qwen2moe`.
 
 Per-expert `mlp.experts.{xid}.gate_proj/up_proj/down_proj` (as checkpoints and transformers 5's
 `save_pretrained` write them) are stacked into [experts, rows, cols]; the router `mlp.gate` becomes
-`ffn_gate_inp`. The shared expert's sigmoid gate `mlp.shared_expert_gate` is a [1, hidden] linear that
-llama.cpp reads as a {hidden} vector and keeps in f32, as its converter does: it is flattened to 1-D
-(written f32 like every vector). llama.cpp's graph runs every layer as MoE and never renormalizes the
+`ffn_gate_inp`. The shared expert's sigmoid gate `mlp.shared_expert_gate` is a [1, hidden] linear, written
+as it is and in f32 as llama.cpp's converter writes it (llama.cpp reads it as a {hidden} vector: the trailing
+1 is its second dimension). llama.cpp's graph runs every layer as MoE and never renormalizes the
 top-k weights, so configs with dense layers or `norm_topk_prob` are refused; its output matrix is required
 (no tied fallback), so tied embeddings are refused too.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
 from .shared import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, attention, check_moe, routed_experts
-from .spec import IDENTITY, K, Family, HParams, T, Transform, param, refuse_true, tensor
-
-FLATTEN = Transform("flatten", lambda xs, hp: [np.ascontiguousarray(xs[0].reshape(-1))],
-                    lambda s, hp: [(int(np.prod(s[0])),)])
-
+from .spec import IDENTITY, K, Family, HParams, T, param, refuse_true, tensor
 
 SHARED_EXPERT = (
-    tensor(T.FFN_GATE_INP_SHEXP, LAYER + ".mlp.shared_expert_gate.weight", FLATTEN),
+    tensor(T.FFN_GATE_INP_SHEXP, LAYER + ".mlp.shared_expert_gate.weight"),
     tensor(T.FFN_GATE_SHEXP, LAYER + ".mlp.shared_expert.gate_proj.weight"),
     tensor(T.FFN_UP_SHEXP, LAYER + ".mlp.shared_expert.up_proj.weight"),
     tensor(T.FFN_DOWN_SHEXP, LAYER + ".mlp.shared_expert.down_proj.weight"),

@@ -49,6 +49,9 @@ class HParams:
 
     @property
     def n_layers(self) -> int:
+        blocks = self.get("layers_block_type")
+        if self.find("num_hidden_layers", "n_layer", "num_layers") is None and isinstance(blocks, list):
+            return len(blocks)  # Nemotron-H as transformers 5 saves it: the count is its per-layer list's length
         return int(self.require("num_hidden_layers", "n_layer", "num_layers"))
 
     @property
@@ -65,7 +68,9 @@ class HParams:
 
     @property
     def n_experts(self) -> int:
-        return int(self.require("num_local_experts", "num_experts"))
+        # ERNIE 4.5 MoE spells it moe_num_experts (transformers maps num_experts onto it), DeepSeek / GLM-4.5
+        # n_routed_experts
+        return int(self.require("num_local_experts", "num_experts", "moe_num_experts", "n_routed_experts"))
 
     @property
     def rope(self) -> dict[str, Any]:
@@ -240,6 +245,13 @@ class Transform:
     shapes: Callable[[list[Shape], HParams], list[Shape]]
     rowwise: bool = False
     stack: bool = False
+    # One output whose rows along the first axis (the experts of a fused [E, ...] tensor) depend only on the same
+    # rows of every input: the engine streams the inputs sliced together along that axis (a 120B's experts).
+    sliced: bool = False
+    # The output's GGML type whatever the recipe's outtype (MXFP4 experts stay MXFP4, as llama.cpp keeps them):
+    # sliced, and `apply` gets the inputs as stored (packed bytes, not widened) and returns that type's bytes;
+    # `shapes` gives the output's element shape.
+    fixed: gguf.GGMLQuantizationType | None = None
 
 
 def _same_shape(shapes: list[Shape], hp: HParams) -> list[Shape]:
@@ -357,6 +369,65 @@ class Family:
     tied_output: str | None = "lm_head.weight"  # dropped when tie_word_embeddings (llama.cpp reuses token_embd)
     tied_default: bool = False  # transformers' default tie_word_embeddings for these architectures (a config may omit it)
     block_prefix: str = "model.layers"  # HF module list of the blocks (for the "unmapped tensors" check)
+    # GGUF blocks when more than num_hidden_layers: multi-token-prediction (NextN) layers kept after the trunk
+    blocks: Callable[[HParams], int] | None = None
+    # HF tensors deliberately unused by what the config says (the NextN layers llama.cpp's converter drops)
+    unused: Callable[[HParams, str], bool] | None = None
+    query_gate: bool = False  # attn_q also yields each head's output gate (Qwen3-Next): 2 x heads x head_dim rows
+    query_head_dim: Callable[[HParams], int] | None = None  # a query head's rows when not head_dim (MLA: nope + rope)
+    # config.json quant_methods whose stored tensors the rules read as they are (gpt-oss: "mxfp4"); any other
+    # quantization_config is refused, as the converter reads only unquantized float weights otherwise
+    quantizations: tuple[str, ...] = ()
+    # (family prefix, checkpoint prefix): where a wrapper keeps the tensors the rules name, tried in order when a
+    # name is absent as written (a vision-language model's language model under `model.language_model.`)
+    renames: tuple[tuple[str, str], ...] = ()
+    # (GGUF key, HF tensor holding `{bid}`): a per-layer key whose values are checkpoint scalars, not config values
+    # (Apertus's learned xIELU parameters): one float per block, read when the header is written, as a list
+    tensor_keys: tuple[tuple[str, str], ...] = ()
+    # The family a config is written as when not this one (a Granite 4 hybrid config without Mamba layers is
+    # llama.cpp's `granite`, as its converter writes it); None: this family. Never registered on its own.
+    variant: Callable[[HParams], "Family | None"] | None = None
+    # Recurrent and hybrid families: f32 values of llama.cpp's recurrent state per sequence, all layers together
+    # (the memory plan's cache beside the KV cache), and how many layers keep a KV cache (None: every layer).
+    recurrent_state: Callable[[HParams], int] | None = None
+    kv_layers: Callable[[HParams], int] | None = None
+
+    def for_config(self, hp: HParams) -> "Family":
+        """The family this config is converted as (`variant`)."""
+        return (self.variant(hp) if self.variant is not None else None) or self
+
+    def located(self, name: str, present: Callable[[str], bool]) -> str:
+        """The checkpoint's name of the tensor the rules call `name` (itself when no rename finds it)."""
+        if present(name):
+            return name
+        for prefix, moved in self.renames:
+            if name.startswith(prefix) and present(moved + name[len(prefix):]):
+                return moved + name[len(prefix):]
+        return name
+
+    def key_tensors(self, hp: HParams, present: Callable[[str], bool]) -> dict[str, list[str]]:
+        """GGUF key -> the checkpoint scalars (one per block) its per-layer values are read from (`tensor_keys`)."""
+        out: dict[str, list[str]] = {}
+        for key, hf in self.tensor_keys:
+            names = [self.located(hf.replace("{bid}", str(bid)), present) for bid in range(hp.n_layers)]
+            missing = [n for n in names if not present(n)]
+            if missing:
+                raise ModelFormatError(f"missing tensor {missing[0]!r} for {self.name} (needed for "
+                                       f"{key.format(arch=self.gguf_arch)})")
+            out[key.format(arch=self.gguf_arch)] = names
+        return out
+
+    def tensor_key_values(self, hp: HParams, present: Callable[[str], bool],
+                          read: Callable[[str], np.ndarray]) -> dict[str, tuple[Any, type]]:
+        """The per-layer keys read from checkpoint scalars, as float lists (the values llama.cpp's converter writes)."""
+        out: dict[str, tuple[Any, type]] = {}
+        for key, names in self.key_tensors(hp, present).items():
+            values = [np.asarray(read(n), dtype=np.float32).reshape(-1) for n in names]
+            bad = next((n for n, v in zip(names, values) if v.size != 1 or not np.isfinite(v).all()), None)
+            if bad is not None:
+                raise ModelFormatError(f"{bad} must hold one finite value (for {key})")
+            out[key] = ([float(v[0]) for v in values], list)
+        return out
 
     def key_values(self, hp: HParams) -> dict[str, tuple[Any, type]]:
         """Every GGUF hyper-parameter key of this family for this config, in writing order."""

@@ -1,0 +1,58 @@
+"""The streamed reference reads a large MoE layer's experts one at a time (pipelines/expert_stream.py) and computes
+the same logits as `from_pretrained`'s model, for experts kept per expert in the checkpoint (Qwen3-MoE, indexed
+forward) and fused (Llama 4, whose forward multiplies all experts at once)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from factories import make_causal_lm
+from pipelines import expert_stream
+from pipelines.streamed_model import StreamedCausalLM
+
+TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=128, initializer_range=0.1, tie_word_embeddings=False)
+CASES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(TINY, head_dim=16, intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=32, norm_topk_prob=True)),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
+               dict(TINY, head_dim=16, intermediate_size=32, intermediate_size_mlp=128, num_local_experts=4,
+                    num_experts_per_tok=1, interleave_moe_layer_step=1, attention_chunk_size=64,
+                    no_rope_layers=[1, 0], use_qk_norm=True)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_experts_read_one_at_a_time_give_from_pretrained_logits(name, tmp_path, monkeypatch):
+    import torch
+    import transformers
+
+    d = make_causal_lm(*CASES[name], tmp_path / name)
+    ids = [[5, 17, 99, 4, 250, 8, 31, 7], [9, 3, 44]]
+    full = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = [full(torch.tensor([s])).logits[0].numpy() for s in ids]
+    monkeypatch.setattr(expert_stream, "STREAM_MIN_BYTES", 0)  # every stack streamed, however small
+    slices = []
+    original = expert_stream.ExpertSlices.__init__
+
+    def counted(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        slices.append(self)
+
+    monkeypatch.setattr(expert_stream.ExpertSlices, "__init__", counted)
+    with StreamedCausalLM(d, sorted(d.glob("*.safetensors"))) as lm:
+        got = lm.logits_batch(ids)
+        stacks = [p for _n, m, _r in lm.units for p in m.parameters()]
+    assert len(slices) == 2 * 2 and all(s.reads > 0 for s in slices)  # gate_up and down of both layers, read
+    assert not any(isinstance(p, expert_stream.ExpertSlices) for p in stacks)  # dropped with their layers
+    for a, b in zip(expected, got):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_small_stacks_are_loaded_whole():
+    assert not expert_stream.streams("gate_up_proj", (4, 64, 32))
+    assert expert_stream.streams("gate_up_proj", (256, 4096, 7168))  # DeepSeek-V3: 30 GB of fp32
+    assert not expert_stream.streams("q_proj", (256, 4096, 7168))
