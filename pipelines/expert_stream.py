@@ -50,6 +50,9 @@ class ExpertSlices:
     def __getitem__(self, index):
         self.reads += 1
         value = self._load_one(int(index))
+        rows, cols = self.shape[1:]
+        if tuple(value.shape) == (cols, rows) != (rows, cols):  # stored inputs first (Qwen3-VL-MoE as released)
+            value = value.T.contiguous()
         if tuple(value.shape) != tuple(self.shape[1:]):
             from .errors import ModelFormatError
 
@@ -80,11 +83,31 @@ def expert_loader(rule, source, read: Callable[[str], Any], n_experts: int) -> C
             source.release(name)
             return out
         return fused
+    if getattr(rule.combine, "mxfp4", False) and len(sources) == 2:  # gpt-oss's packed experts: expert e's rows
+        blocks, scales = sources
+
+        def packed(e: int):
+            parts = [_packed_rows(source, name, e) for name in (blocks, scales)]
+            return rule.combine([p.unsqueeze(0) for p in parts])[0]
+        return packed
     if rule.combine is not None and len(sources) == n_experts and getattr(rule.combine, "stacks", False):
         return lambda e: read(sources[e])
     if rule.combine is not None and len(sources) == 2 * n_experts and getattr(rule.combine, "stacks_gate_up", False):
         return lambda e: torch.cat([read(sources[e]), read(sources[n_experts + e])], dim=0)
     return None
+
+
+def _packed_rows(source, name: str, e: int):
+    """Expert e's rows of a packed uint8 tensor [E, ...] (MXFP4 blocks or scales), copied out of the mapping."""
+    import numpy as np
+    import torch
+
+    info = source.info(name)
+    row = info.nbytes // info.shape[0]
+    raw = source.where[name].raw(name)[e * row:(e + 1) * row]
+    out = torch.from_numpy(np.array(raw).reshape(info.shape[1:]))
+    source.release(name, e * row, (e + 1) * row)
+    return out
 
 
 def bmm_by_expert(module, hidden_states):
@@ -103,7 +126,7 @@ def bmm_by_expert(module, hidden_states):
 
 # An MoE layer's expert weights in a checkpoint: one tensor per expert (`experts.7.down_proj.weight`) or stacks.
 _ONE_EXPERT = re.compile(r"\.experts\.(\d+)\.")
-_EXPERT_STACK = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+_EXPERT_STACK = re.compile(r"\.experts\.(gate_up_proj|down_proj)(_blocks)?$")  # _blocks: MXFP4, [E, R, n, 16]
 
 
 class ExpertTally:
@@ -116,7 +139,7 @@ class ExpertTally:
 
     def add(self, layer: str, name: str, shape: tuple[int, ...], n: int) -> None:
         one = _ONE_EXPERT.search(name)
-        if not one and not (len(shape) == 3 and _EXPERT_STACK.search(name)):
+        if not one and not (len(shape) in (3, 4) and _EXPERT_STACK.search(name)):
             return
         self.per_layer[layer] = self.per_layer.get(layer, 0) + n
         key = (layer, one.group(1) if one else "stack")

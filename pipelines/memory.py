@@ -170,7 +170,7 @@ def facts_from_tensors(tensors: Iterable[TensorInfo], config: dict[str, Any] | N
     floats = set()
     sizes: list[int] = []
     for t in tensors:
-        n = t.numel
+        n = t.numel * 2 if t.dtype == "U8" and t.name.endswith("_blocks") else t.numel  # MXFP4: two a byte
         sizes.append(n)
         parameters += n
         source += t.nbytes

@@ -106,6 +106,9 @@ def dequantize_mxfp4(parts):
     return out
 
 
+dequantize_mxfp4.mxfp4 = True  # expert by expert too (expert_stream): its inputs' first axis is the expert
+
+
 def weight_rules(param_names: list[str], checkpoint: set[str], tied: dict[str, str],
                  native: "tuple[NativeEquivalent, dict] | None" = None) -> dict[str, WeightRule]:
     """The rule for every parameter; ModelFormatError naming what no checkpoint tensor provides. `native`: the

@@ -56,3 +56,40 @@ def test_small_stacks_are_loaded_whole():
     assert not expert_stream.streams("gate_up_proj", (4, 64, 32))
     assert expert_stream.streams("gate_up_proj", (256, 4096, 7168))  # DeepSeek-V3: 30 GB of fp32
     assert not expert_stream.streams("q_proj", (256, 4096, 7168))
+
+
+def test_an_expert_stored_inputs_first_is_transposed_as_the_whole_stack_would_be():
+    """Qwen3-VL-MoE's released stacks are [E, H, 2I] where transformers holds [E, 2I, H]: a streamed expert is
+    transposed as the streamed model transposes a whole stack; any other shape is a one-line error."""
+    import torch
+
+    from pipelines.errors import ModelFormatError
+
+    stored = torch.arange(2 * 3 * 5, dtype=torch.float32).reshape(2, 3, 5)  # [E, H, 2I] as released
+    slices = expert_stream.ExpertSlices((2, 5, 3), lambda e: stored[e])
+    assert torch.equal(slices[1], stored[1].T)
+    wrong = expert_stream.ExpertSlices((2, 4, 3), lambda e: stored[e])
+    with pytest.raises(ModelFormatError, match=r"an expert's tensor is \[3, 5\], the model's stack implies \[4, 3\]"):
+        wrong[0]
+
+
+def test_mxfp4_experts_read_one_at_a_time_are_the_whole_stacks_rows(tmp_path):
+    """gpt-oss's packed experts (`<param>_blocks` [E, R, n, 16] and `_scales` [E, R, n], uint8): expert e read alone
+    is row e of the whole stack's dequantization (its parameter [E, n * 32, R])."""
+    from safetensors.numpy import save_file
+
+    from pipelines.safetensors_io import TensorSource
+    from pipelines.streamed_model import read_packed
+    from pipelines.weight_rules import weight_rules
+
+    rng = np.random.default_rng(0)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    save_file({f"{name}_blocks": rng.integers(0, 256, (3, 6, 2, 16), dtype=np.uint8),
+               f"{name}_scales": rng.integers(120, 130, (3, 6, 2), dtype=np.uint8)}, str(tmp_path / "m.safetensors"))
+    with TensorSource([tmp_path / "m.safetensors"]) as source:
+        rule = weight_rules([name], set(source.names()), {})[name]
+        whole = rule.load(lambda n: read_packed(source, n))
+        one = expert_stream.expert_loader(rule, source, lambda n: read_packed(source, n), 3)
+        assert one is not None and tuple(whole.shape) == (3, 64, 6)
+        for e in range(3):
+            assert np.array_equal(one(e).numpy(), whole[e].numpy())

@@ -400,3 +400,11 @@ def test_released_120b_layout_plans_from_headers(tmp_path):
     assert bias.shape == (128, 2880) and bias.qtype == Q.F32
     assert by_name["blk.0.attn_q.weight"].shape == (4096, 2880) and by_name["output.weight"].qtype == Q.F16
     assert len(outputs) == 3 + 36 * 19  # a block: 2 norms, q/k/v/o + biases, sinks, router + bias, experts + biases
+    # the plan's facts: two MXFP4 values a byte (116.8 B weights, scales counted too), and the streamed reference
+    # holds a layer with its 12 GiB of fp32 experts one expert at a time (expert_stream)
+    from pipelines.memory import facts_from_tensors
+    from pipelines.safetensors_io import read_header
+
+    facts = facts_from_tensors(list(read_header(path).tensors.values()), RELEASED_120B)
+    assert 116.8e9 < facts.parameters < 121e9
+    assert facts.largest_streamed_layer * 4 < 1 << 30 < 12 << 30 < facts.largest_layer * 4
