@@ -136,14 +136,21 @@ class ExpertTally:
     def __init__(self):
         self.per_layer: dict[str, int] = {}
         self.per_expert: dict[tuple[str, str], int] = {}  # (layer, expert) -> that expert's weights
+        self.stacked: list[int] = []  # one expert's share of each fused expert tensor
 
     def add(self, layer: str, name: str, shape: tuple[int, ...], n: int) -> None:
         one = _ONE_EXPERT.search(name)
         if not one and not (len(shape) in (3, 4) and _EXPERT_STACK.search(name)):
             return
         self.per_layer[layer] = self.per_layer.get(layer, 0) + n
+        if not one:
+            self.stacked.append(n // shape[0])
         key = (layer, one.group(1) if one else "stack")
         self.per_expert[key] = self.per_expert.get(key, 0) + (n if one else n // shape[0])
+
+    def largest_stacked(self) -> int:
+        """One expert's share of the largest fused expert tensor (what a converter slicing it holds at once)."""
+        return max(self.stacked, default=0)
 
     def streamed_layer(self, layer_sizes: dict[str, int]) -> int:
         """The largest layer as the streamed reference holds it: its experts one at a time where their stacks are

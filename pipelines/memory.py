@@ -113,6 +113,7 @@ class ModelFacts:
     widest_row: int = 0  # the longest last dimension of a matrix (a row of the widest weight)
     vision_parameters: int = 0  # a vision-language model's vision side (tower, projector): held whole when streamed
     largest_streamed_layer: int = 0  # the largest layer with large expert stacks read an expert at a time (0: whole)
+    largest_stacked_expert: int = 0  # one expert's share of a fused expert tensor [E, ...], the largest (0: none)
 
     @property
     def fp32_bytes(self) -> int:
@@ -137,8 +138,7 @@ class ModelFacts:
 
 
 def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    tc = cfg.get("text_config")
-    return tc if isinstance(tc, dict) else cfg
+    return cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
 
 
 def _config_size(cfg: dict[str, Any], name: str, model: str) -> int | None:
@@ -212,8 +212,8 @@ def facts_from_tensors(tensors: Iterable[TensorInfo], config: dict[str, Any] | N
         embedding=embedding, lm_head=lm_head, vocab_size=vocab, hidden_size=hidden, kv_heads=kv_heads,
         head_dim=head_dim, vector_parameters=vectors, kquant_rows_parameters=kquant, q8_rows_parameters=q8,
         float_dtypes=tuple(sorted(floats)), tensor_sizes=tuple(sizes), largest_layer_tensor=largest_in_layer,
-        widest_row=widest, vision_parameters=vision,
-        largest_streamed_layer=experts.streamed_layer(per_layer),
+        widest_row=widest, vision_parameters=vision, largest_streamed_layer=experts.streamed_layer(per_layer),
+        largest_stacked_expert=experts.largest_stacked(),
     )
 
 

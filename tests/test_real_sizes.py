@@ -192,3 +192,17 @@ def _facts(model: Path):
 
     tensors = [t for shard in sorted(model.glob("*.safetensors")) for t in read_header(shard).tensors.values()]
     return facts_from_tensors(tensors, json.loads((model / "config.json").read_text()))
+
+
+
+def test_a_fused_expert_tensor_is_planned_an_expert_at_a_time_in_the_converter(frontier_moe, tmp_path):
+    """Llama 4 keeps its experts fused ([E, H, 2I]): the converter rearranges them an expert at a time (sliced.py),
+    at least one expert a slice (Maverick's gate_up: 5120 x 16384 = 320 MiB of fp32), so the plan counts slices of
+    that size; per-expert checkpoints (DeepSeek-V3) keep the plain 16 MiB row slices."""
+    assert _facts(frontier_moe["llama-4-maverick"]).largest_stacked_expert == 5120 * 16384
+    assert _facts(frontier_moe["deepseek-v3"]).largest_stacked_expert == 0
+    out = hive("plan", str(frontier_moe["llama-4-maverick"]), "--recipe", "gguf-f16", "--model-id", "synthetic/maverick",
+               "--store", str(tmp_path / "store"), "--json", env={"HIVE_AOT_MEMORY_BUDGET": "24G"})
+    (plan,) = json.loads(out.stdout)["plans"]
+    convert = next(s for s in plan["steps"] if s["step"] == "convert")
+    assert "4 row slices of 800.0 MiB" in convert["detail"] and 3 * GIB < convert["memory"] < 4 * GIB

@@ -29,6 +29,7 @@ BASE_LLAMA_EVAL = 96 * MIB
 CONVERT_SLICE_BYTES = 16 * MIB
 CONVERT_SLICES = 4  # slices in flight (encode threads + 1) with their encoded copies, measured
 WHOLE_RULE_COPIES = 2  # a whole-tensor rule's inputs in fp32 and its results
+EXPERT_SLICE_COPIES = 2.5  # one expert of a fused tensor: its fp32 rows, their rearranged copy, the f16 result
 QUANTIZE_TENSOR_COPIES = 2  # libllama dequantizes one tensor to fp32 and writes its quantized copy
 
 # llama.cpp evaluation (validation of a GGUF): KV cache and output buffers at VALIDATE_CTX tokens.
@@ -136,8 +137,11 @@ def plan_steps(env: "PlanEnv") -> list[StepNeed]:
     out = gguf_bytes(facts, ftype or opts.get("outtype", "f16"))
     attention = facts.hidden_size * (facts.hidden_size + 2 * facts.kv_heads * facts.head_dim) * FP32  # a fused QKV
     whole = min(attention, env.largest)
-    mem = BASE_PYTHON + CONVERT_SLICES * CONVERT_SLICE_BYTES + WHOLE_RULE_COPIES * whole
-    detail = (f"python {human_bytes(BASE_PYTHON)} + {CONVERT_SLICES} row slices of {human_bytes(CONVERT_SLICE_BYTES)} + "
+    # a fused expert tensor [E, ...] is rearranged an expert at a time (sliced.py): a slice is at least one expert,
+    # held in fp32 beside its rearranged copy and its encoded bytes
+    slice_bytes = max(CONVERT_SLICE_BYTES, int(facts.largest_stacked_expert * FP32 * EXPERT_SLICE_COPIES))
+    mem = BASE_PYTHON + CONVERT_SLICES * slice_bytes + WHOLE_RULE_COPIES * whole
+    detail = (f"python {human_bytes(BASE_PYTHON)} + {CONVERT_SLICES} row slices of {human_bytes(slice_bytes)} + "
               f"{WHOLE_RULE_COPIES} x an attention projection {human_bytes(whole)} fp32 (rules that transform whole tensors)")
     split = parse_size(str(opts["split_max_size"]), "split_max_size") if opts.get("split_max_size") else 0
     if split:
