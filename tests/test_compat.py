@@ -766,3 +766,15 @@ def test_the_llama_cpp_column_is_what_the_pinned_converter_registers(db, llamacp
         "class Base(TextModel):\n    model_arch = gguf.MODEL_ARCH.QWEN3\n"
         "@ModelBase.register('XForCausalLM')\nclass XVision(MmprojModel):\n    model_arch = gguf.MODEL_ARCH.MMPROJ\n")})
     assert parsed == {"XForCausalLM": {"arch": "qwen3", "mmproj": True}}
+
+
+def test_every_gguf_family_architecture_is_offered_its_gguf_recipes_on_cpu(config, db):
+    """`check --hardware cpu` routes every architecture a GGUF family declares (causal LMs, hybrids, the VLM
+    wrappers) to the llama.cpp tier with the GGUF recipes; LFM2ForCausalLM, a spelling only llama.cpp's converter
+    knows, is not in the database (released LFM2 configs name Lfm2ForCausalLM)."""
+    from pipelines.targets.gguf.families import BY_ARCHITECTURE
+
+    for arch in sorted(a for a in BY_ARCHITECTURE if db.lookup(a) is not None):
+        c = check(config, arch, hardware="cpu")
+        assert (c.runtime_profile_id, sorted(c.recipes)) == ("llm-llamacpp-cpu", GGUF_RECIPES), (arch, c.checks)
+    assert [a for a in BY_ARCHITECTURE if db.lookup(a) is None] == ["LFM2ForCausalLM"]
