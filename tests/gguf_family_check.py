@@ -192,20 +192,28 @@ def check_kquant(model_dir: Path, tmp_path: Path, *, options: dict[str, Any] | N
     return metrics
 
 
-def assert_refused(model_dir: Path, tmp_path: Path, change: dict[str, Any], message: str,
-                   options: dict[str, Any] | None = None) -> None:
-    """A copy of `model_dir` with config.json changed as `change` says is refused in one line matching `message`,
-    and leaves no file behind (a layout llama.cpp cannot run)."""
+def assert_refused(model_dir: Path, tmp_path: Path, change, message: str, options: dict[str, Any] | None = None,
+                   convert=None) -> None:
+    """A copy of `model_dir` with config.json changed as `change` says (keys to set, or a function editing the
+    config dict) is refused in one line matching `message` by `convert(dir, out)` (the f16 conversion unless
+    given), and leaves no file behind (a layout llama.cpp cannot run)."""
+    import json
+
     import pytest
 
     from factories import copy_model, edit_config
     from pipelines.errors import ModelFormatError
 
     d = copy_model(model_dir, tmp_path / model_dir.name)
-    edit_config(d, **change)
+    if callable(change):
+        cfg = json.loads((d / "config.json").read_text())
+        change(cfg)
+        (d / "config.json").write_text(json.dumps(cfg))
+    else:
+        edit_config(d, **change)
     out = tmp_path / "refused.gguf"
     with pytest.raises(ModelFormatError, match=message) as err:
-        convert_only(d, out, options)
+        (convert or (lambda src, dest: convert_only(src, dest, options)))(d, out)
     assert "\n" not in str(err.value)
     assert not out.exists()
 
@@ -239,3 +247,21 @@ def without_keys(*keys: str):
         monkeypatch.setattr(convert_mod, "family_for", lambda arch: dataclasses.replace(
             original(arch), params=tuple(p for p in original(arch).params if p.key not in keys)))
     return apply
+
+
+def calibration_inputs(model, module, ids: list[int]):
+    """What `module` of the transformers `model` receives over the calibration ids, fed in the imatrix's chunks,
+    as one float64 [tokens, hidden] matrix (to recompute an importance matrix by hand)."""
+    import torch
+
+    from pipelines.targets.gguf import imatrix
+
+    captured: list[torch.Tensor] = []
+    handle = module.register_forward_pre_hook(lambda _m, args: captured.append(args[0].reshape(-1, args[0].shape[-1])))
+    try:
+        with torch.no_grad():
+            for lo in range(0, len(ids), imatrix.CHUNK_TOKENS):
+                model(torch.tensor([ids[lo:lo + imatrix.CHUNK_TOKENS]]))
+    finally:
+        handle.remove()
+    return torch.cat(captured).double()

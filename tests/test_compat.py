@@ -753,8 +753,8 @@ def test_the_llama_cpp_column_is_what_the_pinned_converter_registers(db, llamacp
     from pipelines.compat import llama_cpp_archs
     from pipelines.compat.sync import snapshot_path
 
-    sdist = llamacpp_tree.parent / f"llama_cpp_python-{llamacpp_converter.LLAMA_CPP_VERSION}.tar.gz"
-    converted = llama_cpp_archs.from_sdist(sdist)
+    # the sdist's conversion/ modules as `make setup` extracted them (the same files from_sdist reads)
+    converted = llama_cpp_archs.parse({p.name: p.read_text() for p in (llamacpp_tree / "conversion").glob("*.py")})
     recorded = {name: rec["llama_cpp"] for name, rec in json.loads(snapshot_path().read_text())["architectures"].items()
                 if "llama_cpp" in rec}
     assert recorded == {name: converted[name] for name in recorded}
@@ -778,3 +778,31 @@ def test_every_gguf_family_architecture_is_offered_its_gguf_recipes_on_cpu(confi
         c = check(config, arch, hardware="cpu")
         assert (c.runtime_profile_id, sorted(c.recipes)) == ("llm-llamacpp-cpu", GGUF_RECIPES), (arch, c.checks)
     assert [a for a in BY_ARCHITECTURE if db.lookup(a) is None] == ["LFM2ForCausalLM"]
+
+
+def test_the_converter_modules_are_read_from_the_sdist_as_packed(tmp_path):
+    """`registry sync` reads the sdist as pip downloads it: only `vendor/llama.cpp/conversion/*.py`, never run."""
+    import io
+    import tarfile
+
+    from pipelines.compat import llama_cpp_archs
+    from pipelines.errors import HiveError
+
+    sdist = tmp_path / "llama_cpp_python-9.9.9.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tf:
+        for name, text in (("llama_cpp_python-9.9.9/vendor/llama.cpp/conversion/a.py",
+                            "@ModelBase.register('AForCausalLM')\nclass A(TextModel):\n"
+                            "    model_arch = gguf.MODEL_ARCH.LLAMA\n"),
+                           ("llama_cpp_python-9.9.9/vendor/llama.cpp/other/b.py",
+                            "@ModelBase.register('BForCausalLM')\nclass B(TextModel):\n"
+                            "    model_arch = gguf.MODEL_ARCH.LLAMA\n")):
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    assert llama_cpp_archs.from_sdist(sdist) == {"AForCausalLM": {"arch": "llama"}}
+    empty = tmp_path / "empty.tar.gz"
+    with tarfile.open(empty, "w:gz"):
+        pass
+    with pytest.raises(HiveError, match="has no vendor/llama.cpp/conversion/"):
+        llama_cpp_archs.from_sdist(empty)

@@ -34,8 +34,8 @@ import numpy as np
 import pytest
 
 from factories import SMALL_BPE_VOCAB, copy_model, edit_config, make_causal_lm, rewrite_safetensors
-from gguf_family_check import (assert_same_tensors_as_llamacpp, check_family, check_kquant, convert_and_validate,
-                               convert_only, field, replace_transforms, tensors, without_keys)
+from gguf_family_check import (assert_same_tensors_as_llamacpp, calibration_inputs, check_family, check_kquant,
+                               convert_and_validate, convert_only, field, replace_transforms, tensors, without_keys)
 from gguf_reader import FastGGUFReader
 from pipelines.errors import ModelFormatError
 from pipelines.targets.gguf.families import llama4 as llama4_mod
@@ -176,14 +176,8 @@ def test_llama4_imatrix_weighs_each_expert_by_the_tokens_routed_to_it(model, tmp
     stored = {t.name: t.data for t in FastGGUFReader(str(out)).tensors}
     hf = load_model(d)
     ids = encode(load_tokenizer(d), [imatrix.calibration_text()])[0]
-    captured: list[torch.Tensor] = []
     moe = hf.model.layers[1].feed_forward
-    handle = moe.register_forward_pre_hook(lambda _m, args: captured.append(args[0].reshape(-1, args[0].shape[-1])))
-    with torch.no_grad():
-        for lo in range(0, len(ids), imatrix.CHUNK_TOKENS):
-            hf(torch.tensor([ids[lo:lo + imatrix.CHUNK_TOKENS]]))
-    handle.remove()
-    x = torch.cat(captured).double()
+    x = calibration_inputs(hf, moe, ids)
     logits = x @ moe.router.weight.detach().double().T
     top, chosen = logits.max(dim=-1)
     gate_up = moe.experts.gate_up_proj.detach().double()  # [E, H, 2I]

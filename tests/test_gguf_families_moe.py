@@ -27,7 +27,7 @@ import pytest
 
 from factories import SMALL_BPE_VOCAB, make_causal_lm
 from gguf_family_check import (assert_full_vocab_recognised, assert_refused, assert_same_tensors_as_llamacpp,
-                               check_family, convert_and_validate, field, tensors)
+                               calibration_inputs, check_family, convert_and_validate, field, tensors)
 from gguf_reader import FastGGUFReader
 from pipelines.targets.gguf import convert as convert_mod
 
@@ -205,14 +205,8 @@ def test_imatrix_covers_stacked_experts_from_the_tokens_routed_to_each(name, mod
 
     hf = load_model(d)
     ids = encode(load_tokenizer(d), [imatrix.calibration_text()])[0]
-    captured: list[torch.Tensor] = []
     moe = hf.model.layers[1].mlp
-    handle = moe.register_forward_pre_hook(lambda _m, args: captured.append(args[0].reshape(-1, args[0].shape[-1])))
-    with torch.no_grad():
-        for lo in range(0, len(ids), imatrix.CHUNK_TOKENS):
-            hf(torch.tensor([ids[lo:lo + imatrix.CHUNK_TOKENS]]))
-    handle.remove()
-    x = torch.cat(captured).double()
+    x = calibration_inputs(hf, moe, ids)
     router = moe.gate.weight.detach().double()
     chosen = torch.topk(x @ router.T, k, dim=-1).indices
     gate_up, down_in = moe.experts.gate_up_proj.detach().double(), []

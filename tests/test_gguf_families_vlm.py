@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 from factories import SMALL_BPE_VOCAB, copy_model, make_causal_lm, rewrite_safetensors
-from gguf_family_check import (assert_same_tensors_as_llamacpp, check_family, check_kquant, convert_and_validate,
-                               convert_only, field, tensors)
+from gguf_family_check import (assert_refused, assert_same_tensors_as_llamacpp, check_family, check_kquant,
+                               convert_and_validate, convert_only, field, tensors)
 from gguf_reader import FastGGUFReader
 from pipelines.errors import ModelFormatError
 from pipelines.targets.gguf import convert as convert_mod
@@ -420,15 +420,7 @@ REFUSALS = [
 
 @pytest.mark.parametrize("name,edit,message", REFUSALS, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(REFUSALS)])
 def test_layouts_llama_cpp_cannot_run_are_refused(name, edit, message, model, tmp_path):
-    d = copy_model(model(name), tmp_path / name)
-    cfg = json.loads((d / "config.json").read_text())
-    edit(cfg)
-    (d / "config.json").write_text(json.dumps(cfg))
-    out = tmp_path / "refused.gguf"
-    with pytest.raises(ModelFormatError, match=message) as err:
-        convert_only(d, out)
-    assert "\n" not in str(err.value)
-    assert not out.exists()
+    assert_refused(model(name), tmp_path, edit, message)
 
 
 def test_qwen2_5_vl_config_as_released(model, tmp_path):

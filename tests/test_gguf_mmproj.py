@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from factories import copy_model, rewrite_safetensors, write_test_config
-from gguf_family_check import convert_only, tensors
+from gguf_family_check import assert_refused, convert_only, tensors
 from gguf_reader import FastGGUFReader
 from test_gguf_families_vlm import build_vlm, renamed
 from pipelines.errors import ModelFormatError
@@ -272,14 +272,7 @@ REFUSALS = [
 
 @pytest.mark.parametrize("name,edit,message", REFUSALS, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(REFUSALS)])
 def test_projectors_llama_cpp_cannot_run_are_refused(name, edit, message, model, tmp_path):
-    d = copy_model(model(name), tmp_path / name)
-    cfg = json.loads((d / "config.json").read_text())
-    edit(cfg)
-    (d / "config.json").write_text(json.dumps(cfg))
-    out = tmp_path / "refused.gguf"
-    with pytest.raises(ModelFormatError, match=message) as err:
-        write_mmproj(d, out)
-    assert "\n" not in str(err.value) and not out.exists()
+    assert_refused(model(name), tmp_path, edit, message, convert=write_mmproj)
 
 
 def test_an_unmapped_vision_tensor_is_refused(model, tmp_path):
