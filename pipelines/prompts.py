@@ -1,6 +1,10 @@
-"""Fixed texts used for validation. Changing them changes every validation number: bump VERSION."""
+"""Fixed texts used for validation (changing them changes every validation number: bump VERSION), and the
+calibration text that quantizers which learn from activations read (GGUF importance matrices, vLLM GPTQ);
+it never overlaps the validation texts."""
 
 from __future__ import annotations
+
+from importlib import resources
 
 VERSION = 2
 
@@ -55,3 +59,16 @@ GREEDY_PROMPTS = [
     "Once upon a time, in a small village by the sea,",
 ]
 GREEDY_TOKENS = 16
+
+# Calibration: data/calibration.txt (prose, code, dialogue, numbers, several languages), cut into sequences of
+# CALIBRATION_CHUNK_TOKENS tokens, as llama.cpp's imatrix cuts its text into n_ctx chunks.
+CALIBRATION_CHUNK_TOKENS = 256
+
+
+def calibration_text() -> str:
+    return resources.files(__package__).joinpath("data/calibration.txt").read_text(encoding="utf-8")
+
+
+def calibration_chunks(ids: list[int], chunk: int = CALIBRATION_CHUNK_TOKENS) -> list[list[int]]:
+    """The calibration text's token ids as consecutive sequences of `chunk` tokens (the last one shorter)."""
+    return [ids[i:i + chunk] for i in range(0, len(ids), chunk)]

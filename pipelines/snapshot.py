@@ -22,8 +22,9 @@ WANTED_PATTERNS = [
     "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
     "chat_template.json", "model_index.json", "*.safetensors", "model.safetensors.index.json",
     "README.md", "LICENSE", "LICENSE.txt",
-    # a vision-language model's image processor: its projector GGUF records the normalization (gguf/mmproj.py)
-    "preprocessor_config.json", "processor_config.json",
+    # a vision-language model's processor: its projector GGUF records the normalization (gguf/mmproj.py); vLLM and
+    # transformers build the processor from these
+    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
 ]
 # Besides the weights, the files vLLM and transformers read from a model directory, which every kind's artifact
 # carries as they are; licence and model card travel with the weights. Pickles, original/, consolidated* and
@@ -32,6 +33,7 @@ CARRIED_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
     "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
     "chat_template.json", "README.md", "LICENSE", "LICENSE.txt",
+    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
 )
 EXCLUDED_PATTERNS = ["original/*", "consolidated*.safetensors"]
 PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle"]

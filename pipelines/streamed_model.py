@@ -211,13 +211,40 @@ def _tied_names(model, config) -> dict[str, str]:
     return {f"{by_module[id(outp)]}.weight": f"{by_module[id(inp)]}.weight"}
 
 
+def padded_batch(sequences: list[list[int]]):
+    """(ids, attention mask) [sequences x the longest], right-padded: no real position attends to a pad."""
+    import torch
+
+    longest = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), longest, dtype=torch.long)
+    mask = torch.zeros(len(sequences), longest, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, :len(s)] = 1
+    return ids, mask
+
+
+def _first_parameter_owner_outside_decoder(model):
+    """The module owning the model's first parameter when it is not part of the language model (None otherwise)."""
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError):
+        return None
+    first = next((n for n, _ in model.named_parameters()), None)
+    inside = {n for n, m in model.named_modules() if m is decoder}
+    if first is None or any(first.startswith(d + ".") for d in inside):
+        return None
+    return model.get_submodule(first.rpartition(".")[0])
+
+
 class StreamedCausalLM:
     """A causal LM from `model_dir`'s config and safetensors, run with one unit resident at a time."""
 
     def __init__(self, model_dir: Path, files: list[Path], *, resident: bool = False, layers: int | None = None,
-                 transform: Transform | None = None, reader: Reader | None = None):
+                 transform: Transform | None = None, reader: Reader | None = None, source: TensorSource | None = None):
+        """`source`: `files` opened by a TensorSource that names their tensors otherwise (a packed artifact's)."""
         return_freed_memory()  # a unit's tensors, resident or not, go back to the kernel when they are freed
-        self.source = TensorSource(files)
+        self.source = source if source is not None else TensorSource(files)
         try:
             self.model, self.rules = meta_model(model_dir, set(self.source.names()), layers)
         except BaseException:
@@ -247,6 +274,12 @@ class StreamedCausalLM:
         embed_hooks = self._by_module.get(id(self.model.get_input_embeddings()))
         if embed_hooks is not None:
             self.model.register_forward_pre_hook(lambda _module, _args: embed_hooks[0]())
+        # some VLMs move their inputs to `model.device` before calling anything (Idefics3), which is the first
+        # parameter's: where that lies outside the language model (a vision tower's patch embedding, small), its unit
+        # is loaded as the model's forward starts too
+        first_hooks = self._by_module.get(id(_first_parameter_owner_outside_decoder(self.model)))
+        if first_hooks is not None:
+            self.model.register_forward_pre_hook(lambda _module, _args: first_hooks[0]())
 
     def _load_buffers(self) -> None:
         """Persistent floating-point buffers that the checkpoint holds are read as `from_pretrained` reads them: a
@@ -367,12 +400,7 @@ class StreamedCausalLM:
         if self.resident or not sequences:
             return [self.logits(s) for s in sequences]
 
-        longest = max(len(s) for s in sequences)
-        ids = torch.zeros(len(sequences), longest, dtype=torch.long)
-        mask = torch.zeros(len(sequences), longest, dtype=torch.long)
-        for i, s in enumerate(sequences):
-            ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-            mask[i, :len(s)] = 1
+        ids, mask = padded_batch(sequences)
         with torch.inference_mode():
             out = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
         return [out[i, :len(s)].float().numpy().copy() for i, s in enumerate(sequences)]

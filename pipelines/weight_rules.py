@@ -152,9 +152,12 @@ def _rule_for(name: str, checkpoint: set[str], tied: dict[str, str]) -> WeightRu
                 continue
             expert = f"{layer}.{moe}.experts.{{}}.{{}}.weight"
             if which == "down_proj":
-                return WeightRule(tuple(expert.format(e, down) for e in range(n)), _stack)
-            return WeightRule(tuple(expert.format(e, gate) for e in range(n)) + tuple(expert.format(e, up) for e in range(n)),
-                              _stack_gate_up(n))
+                rule = WeightRule(tuple(expert.format(e, down) for e in range(n)), _stack)
+            else:
+                rule = WeightRule(tuple(expert.format(e, gate) for e in range(n)) + tuple(expert.format(e, up) for e in range(n)),
+                                  _stack_gate_up(n))
+            # every expert's every projection, or the parameter is missing (the experts are counted by their gates)
+            return rule if all(src in checkpoint for src in rule.sources) else None
     if name in tied:
         return _rule_for(tied[name], checkpoint, {})
     return None

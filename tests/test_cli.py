@@ -16,6 +16,7 @@ from factories import GGUF_RECIPES, copy_model, edit_config, poison_weights, wri
 REPO = Path.cwd()
 MODEL = "test-org/tiny-llama"
 SLUG = "test-org--tiny-llama"
+VLLM_RECIPES = ["vllm-bf16", "vllm-fp8", "vllm-w4a16", "vllm-w8a8-int8"]  # what a vLLM profile loads of a dense Llama
 
 
 def hive(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -145,15 +146,15 @@ def test_check_exit_codes(models):
     d = doc(ok)
     assert d["status"] == "compatible" and d["runtime_profile_id"] == "vllm-cu121" and d["model_id"] == MODEL
     assert d["revision"].startswith("local-") and d["estimated_requirements"]["parameters"] > 0
-    assert sorted(d["recipes"]) == ["vllm-bf16", "vllm-fp8"]  # what vllm-cu121 loads
+    assert sorted(d["recipes"]) == VLLM_RECIPES  # what vllm-cu121 loads
 
     cpu = hive("check", str(models["good"]), "--model-id", MODEL, "--hardware", "cpu", "--json")
     assert cpu.returncode == 0 and doc(cpu)["runtime_profile_id"] == "llm-llamacpp-cpu"
     assert sorted(doc(cpu)["recipes"]) == GGUF_RECIPES
     # every hardware the README names lists only what its routed profile loads
-    for hw, profile, recipes in (("amd-mi300x", "vllm-rocm", ["vllm-bf16", "vllm-fp8"]),
-                                 ("intel-max-1550", "vllm-xpu", ["vllm-bf16", "vllm-fp8"]),
-                                 ("nvidia-t4", "vllm-cu121", ["vllm-bf16", "vllm-fp8"]),
+    for hw, profile, recipes in (("amd-mi300x", "vllm-rocm", VLLM_RECIPES),
+                                 ("intel-max-1550", "vllm-xpu", VLLM_RECIPES),
+                                 ("nvidia-t4", "vllm-cu121", VLLM_RECIPES),
                                  ("qaic-ai100", "vllm-qaic", ["qaic-export", "qaic-fp16", "qaic-mxfp6"])):
         other = doc(hive("check", str(models["good"]), "--model-id", MODEL, "--hardware", hw, "--json"))
         assert (other["runtime_profile_id"], sorted(other["recipes"])) == (profile, recipes), hw

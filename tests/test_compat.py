@@ -15,6 +15,7 @@ from pipelines.errors import HiveError
 from pipelines.sources import fetch
 from pipelines.kinds import target_for
 from pipelines.targets.qaic.export import FAMILIES as QAIC_FAMILIES
+from pipelines.targets.vllm import QUANTIZED_MOE_ARCHITECTURES
 
 TESTED = {"GPT2LMHeadModel": 150, "MixtralForCausalLM": 120, "PhiForCausalLM": 110, "Phi3ForCausalLM": 105,
           "LlamaForCausalLM": 100, "MistralForCausalLM": 95, "GemmaForCausalLM": 90, "Qwen2ForCausalLM": 90,
@@ -77,9 +78,9 @@ GGUF_ARCHS = {"ApertusForCausalLM", "ArceeForCausalLM", "Cohere2ForCausalLM", "C
               "Qwen2_5_VLForConditionalGeneration", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
               "Qwen3NextForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
               "SeedOssForCausalLM", "SmolLM3ForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM"}
-VLLM_RECIPES = ["vllm-bf16", "vllm-fp8"]
+VLLM_RECIPES = ["vllm-bf16", "vllm-fp8", "vllm-w4a16", "vllm-w8a8-int8"]
 QAIC_RECIPES = ["qaic-export", "qaic-fp16", "qaic-mxfp6"]
-# Dense Llama-lineage families vLLM runs natively get the FP8 tier too; the rest the portable tier only.
+# Dense Llama-lineage families vLLM runs natively get the quantized tiers too; the rest the portable tier only.
 FP8_TESTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GemmaForCausalLM", "Phi3ForCausalLM"}
 SANE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 128, "vocab_size": 1000, "max_position_embeddings": 512}
@@ -165,7 +166,9 @@ def test_tested_rows_are_compatible_on_vllm_cu121(arch, tok_s, config, db):
     assert db.lookup(arch).tested == {"vllm-cu121": tok_s}
     # The recipes listed are those vllm-cu121 loads; the GGUF ones belong to the CPU tier's answer.
     # Qwen 1 has no transformers class (remote code only): no reference to validate a prepared directory against.
-    expected = [] if arch == "QWenLMHeadModel" else VLLM_RECIPES if arch in FP8_TESTED else ["vllm-bf16"]
+    # per-expert MoE families: bf16 and FP8 (experts quantized per expert); the integer tiers are for dense models
+    moe = ["vllm-bf16", "vllm-fp8"] if arch in QUANTIZED_MOE_ARCHITECTURES else ["vllm-bf16"]
+    expected = [] if arch == "QWenLMHeadModel" else VLLM_RECIPES if arch in FP8_TESTED else moe
     assert sorted(c.recipes) == expected
     cpu = check(config, arch, hardware="cpu")
     if arch in GGUF_ARCHS:
@@ -701,6 +704,8 @@ def test_a_causal_lm_released_as_its_base_model_is_an_embedding_model(tiny_llama
         assert c.task == "embedding" and c.recipes == [], (hardware, c.task, c.recipes)
         detail = _check(c, "checkpoint_layout").detail
         assert "base model" in detail and "no lm_head" in detail and "embedding model" in detail
+        assert "specialists backends" in detail and "pooling runner" in detail  # why no vLLM recipe either
+        assert c.runtime_profile_id.startswith("specialist")
     # the causal LM it came from is still a causal LM with its GGUF recipes
     lm = classify_snapshot(fetch(str(tiny_llama), "test-org/lm"), config.recipes.values(), hardware="cpu",
                            registry=config.registry)

@@ -13,7 +13,7 @@ from pipelines.config import Config, load_recipe_file, load_registry
 from pipelines.errors import ConfigError, HiveError
 
 REPO = Path.cwd()
-ALL_RECIPES = {*GGUF_RECIPES, "vllm-bf16", "vllm-fp8", "qaic-export", "qaic-mxfp6", "qaic-fp16", "qaic-embed-mxfp6",
+ALL_RECIPES = {*GGUF_RECIPES, "vllm-bf16", "vllm-fp8", "vllm-w4a16", "vllm-w8a8-int8", "qaic-export", "qaic-mxfp6", "qaic-fp16", "qaic-embed-mxfp6",
                "qaic-whisper-fp16"}
 
 
@@ -41,7 +41,7 @@ def test_project_registry_and_recipes_load(config):
     assert type(config.recipe("vllm-bf16").validation).__name__ == "VllmThresholds"
     assert config.recipe("gguf-q4_k_m").options == {"ftype": "Q4_K_M"}
     for pid in ("vllm-cu121", "vllm-rocm", "vllm-xpu"):
-        assert config.registry.profile(pid).recipe_preference == ["vllm-bf16", "vllm-fp8"]
+        assert config.registry.profile(pid).recipe_preference == ["vllm-bf16", "vllm-fp8", "vllm-w8a8-int8", "vllm-w4a16"]
     m = config.registry.model("HuggingFaceTB/SmolLM2-135M-Instruct")
     assert m is not None and m.recipes == ["gguf-f16", "gguf-q8_0", "gguf-q4_k_m", "vllm-bf16", "qaic-mxfp6"]
     # a relative local source is relative to the registry file, not the working directory

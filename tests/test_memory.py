@@ -186,11 +186,14 @@ def test_plan_of_llama3_8b_from_a_sparse_snapshot(llama3_8b, project_config, ple
     assert near_published(inter, "bf16") and near_published(out, "Q4_K_M")  # the intermediate, then both at once
     assert steps["quantize"].mapped == inter and steps["quantize"].memory < 5 * GIB  # 2 fp32 copies of 1.96 GiB
 
-    for rid in ("vllm-bf16", "vllm-fp8", "qaic-export", "qaic-mxfp6", "qaic-fp16"):
+    for rid in ("vllm-bf16", "vllm-fp8", "vllm-w8a8-int8", "vllm-w4a16", "qaic-export", "qaic-mxfp6", "qaic-fp16"):
         plan = _plan(llama3_8b, project_config, rid)
         assert plan.fits(), (rid, plan.problems())
-        build_step = {"vllm-bf16": "prepare", "vllm-fp8": "prepare", "qaic-export": "export"}.get(rid, "bundle")
+        build_step = "prepare" if rid.startswith("vllm") else {"qaic-export": "export"}.get(rid, "bundle")
         assert next(s for s in plan.steps if s.step == build_step).memory < 2 * GIB  # streamed, whatever the size
+    # GPTQ's pass: one layer (0.9 GiB fp32), its Hessians (14336-wide down_proj: 0.8 GiB each), the calibration
+    calibrate = next(s for s in _plan(llama3_8b, project_config, "vllm-w4a16").steps if s.step == "calibrate")
+    assert 4 * GIB < calibrate.memory < 6 * GIB and "14336^2" in calibrate.detail
     vllm = _plan(llama3_8b, project_config, "vllm-bf16")
     assert "its first 2 layers" in vllm.steps[-1].detail  # 12 GiB cannot hold vLLM's fp32 copy: a slice
 

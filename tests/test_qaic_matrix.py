@@ -207,3 +207,29 @@ def test_gemma2_is_served_without_the_window_its_export_does_not_compute(tmp_pat
                                                                                  "max_position_embeddings": 8192})) == []
     recipe = yaml.safe_load((_ROOT / "recipes" / "qaic-mxfp6.yaml").read_text())
     assert recipe["options"]["ctx_len"] <= 4096  # the shipped shape serves every Gemma-2
+
+
+def test_check_says_in_one_line_why_qwen3_and_llama4_text_need_review(config, db, tmp_path):
+    """Qwen3 and Llama-4 text are exported but outside Qualcomm's list (which validates their MoE and vision forms):
+    check's architecture_known line names what is not validated, what the list validates instead, what hive-aot
+    checked, and what `reviewed: true` means; the text answer and --json carry that same one line."""
+    from test_cli import doc, hive
+
+    for arch in ("Qwen3ForCausalLM", "Llama4ForCausalLM"):
+        c = qaic(config, arch)
+        assert (c.status, c.runtime_profile_id) == ("requires_review", "vllm-qaic") and "qaic-mxfp6" in c.recipes
+        line = _known(c)
+        validated = re.search(r"Qualcomm's AOT list validates (.+) but not (\w+);", line)
+        assert validated and validated.group(2) == arch, line
+        kin = validated.group(1).split(", ")
+        assert all(db.lookup(k).qaic for k in kin) and any(k.startswith(arch[:5]) for k in kin), kin
+        assert "never compiled or run on an AI 100" in line and "`reviewed: true` on this model in registry.yaml" in line
+        assert _known(qaic(config, arch, reviewed=True)).endswith("reviewed: hive-aot's export builds it")
+    assert "Llama4ForConditionalGeneration" in _known(qaic(config, "Llama4ForCausalLM"))
+    model = make_tiny_causal_lm("qwen3", tmp_path / "qwen3")
+    args = ("check", str(model), "--model-id", "test-org/qwen3", "--hardware", "qaic-ai100")
+    text, as_json = hive(*args), hive(*args, "--json")
+    assert (text.returncode, as_json.returncode) == (4, 4), (text.stderr, as_json.stderr)  # requires_review
+    detail = next(c["detail"] for c in doc(as_json)["checks"] if c["name"] == "architecture_known")
+    assert f"  [warn] architecture_known: {detail}" in text.stdout.splitlines()
+    assert "Qualcomm's AOT list validates Qwen3MoeForCausalLM" in detail and "\n" not in detail

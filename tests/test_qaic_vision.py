@@ -23,12 +23,14 @@ from pipelines.targets.qaic.vision.runs import run_language, run_vision
 TEXT = [1, 17, 33, 90, 5, 6, 7, 40]
 
 
-def tiny_llava(model_dir: Path, vocab: int = 256, image_token: int = 255, text_layers: int = 2) -> Path:
+def tiny_llava(model_dir: Path, vocab: int = 256, image_token: int = 255, text_layers: int = 2, **text_sizes) -> Path:
+    """`text_sizes`: the language model's config beyond these (test_qaic_vision_gates.py: SmolLM2's sizes)."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     torch.manual_seed(0)
-    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=text_layers, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=4096, initializer_range=0.1)
+    text = LlamaConfig(**{**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=text_layers,
+                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=vocab,
+                                 max_position_embeddings=4096, initializer_range=0.1), **text_sizes})
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                               image_size=56, patch_size=14, projection_dim=32)
     cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token, vision_feature_layer=-2)

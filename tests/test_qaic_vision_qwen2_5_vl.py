@@ -26,7 +26,8 @@ from pipelines.targets.qaic.vision.qwen2_5_vl import IMAGE_GRID_THW
 MERGED_ROWS = IMAGE_GRID_THW[0] * (IMAGE_GRID_THW[1] // 2) * (IMAGE_GRID_THW[2] // 2)  # spatial_merge_size 2
 
 
-def tiny_qwen2_5_vl(model_dir: Path, vocab: int = 256, image_token: int = 255) -> Path:
+def tiny_qwen2_5_vl(model_dir: Path, vocab: int = 256, image_token: int = 255, **text_sizes) -> Path:
+    """`text_sizes`: the language model's config beyond these (test_qaic_vision_gates.py: SmolLM2's sizes)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(0)
@@ -34,10 +35,11 @@ def tiny_qwen2_5_vl(model_dir: Path, vocab: int = 256, image_token: int = 255) -
                 num_key_value_heads=2, vocab_size=vocab, max_position_embeddings=4096, initializer_range=0.1,
                 bos_token_id=None, eos_token_id=None,  # a random model's ids, not Qwen's vocabulary
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    text.update(text_sizes)
     # window_size 112 (8 patches of 14): the image holds several windows; block 1 attends over the whole image
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64, patch_size=14,
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1],
-                  initializer_range=0.1)
+                  initializer_range=0.1, out_hidden_size=text["hidden_size"])
     cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=image_token,
                            video_token_id=image_token - 1, vision_start_token_id=image_token - 2,
                            vision_end_token_id=image_token - 3)

@@ -29,7 +29,9 @@ LEVELS = 2  # deepstack_visual_indexes of the tiny tower
 CASES = ["Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"]
 
 
-def tiny_qwen3_vl(model_dir: Path, arch: str = CASES[0], vocab: int = 256, image_token: int = 255) -> Path:
+def tiny_qwen3_vl(model_dir: Path, arch: str = CASES[0], vocab: int = 256, image_token: int = 255,
+                  **text_sizes) -> Path:
+    """`text_sizes`: the language model's config beyond these (test_qaic_vision_gates.py: SmolLM2's sizes)."""
     import transformers
 
     torch.manual_seed(0)
@@ -39,10 +41,11 @@ def tiny_qwen3_vl(model_dir: Path, arch: str = CASES[0], vocab: int = 256, image
                 bos_token_id=None, eos_token_id=None,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
                                  "mrope_interleaved": True})
+    text.update(text_sizes)
     if moe:  # layer 1 keeps a dense MLP
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])
-    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64, patch_size=16,
-                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=text["hidden_size"],
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
                   deepstack_visual_indexes=[0, 1], initializer_range=0.1)
     prefix = "Qwen3VLMoe" if moe else "Qwen3VL"
     cfg = getattr(transformers, f"{prefix}Config")(

@@ -22,7 +22,7 @@ from pipelines.synthetic import generate, preset
 
 REPO = Path.cwd()
 GIB = 1 << 30
-RECIPES = ["gguf-f16", "gguf-q4_k_m", "vllm-bf16", "vllm-fp8", "qaic-export", "qaic-mxfp6", "qaic-fp16"]
+RECIPES = ["gguf-f16", "gguf-q4_k_m", "vllm-bf16", "vllm-fp8", "vllm-w4a16", "vllm-w8a8-int8", "qaic-export", "qaic-mxfp6", "qaic-fp16"]
 
 
 @pytest.fixture(scope="module")

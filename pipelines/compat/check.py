@@ -127,12 +127,22 @@ def _answer(status: Status, profile: str | None, level: str, detail: str) -> tup
     return status, profile, Check(name="architecture_known", status=level, detail=detail)
 
 
+def _validated_kin(db, name: str) -> list[str]:
+    """The AI 100 validated matrix's architectures whose class name starts as `name`'s model does (Qwen3ForCausalLM:
+    Qwen3MoeForCausalLM, Qwen3VLForConditionalGeneration, ...): what the platform validated instead of it."""
+    stem = re.sub(r"(For[A-Z]\w*|LMHeadModel|Model)$", "", name)
+    return sorted(a.name for a in db.architectures.values() if a.qaic and a.name != name and stem
+                  and a.name.startswith(stem))
+
+
 def _route(rec: Architecture | None, arch: str | None, task: str, hw: Hardware, profiles: _Profiles,
            auto_map: bool, reviewed: bool, gguf_applies: bool, closest: str | None,
-           unbuilt: Callable[[str], str | None], gguf_after_review: bool = False) -> tuple[Status, str | None, Check]:
+           unbuilt: Callable[[str], str | None], gguf_after_review: bool = False,
+           validated_kin: list[str] | None = None) -> tuple[Status, str | None, Check]:
     """(status, runtime profile, the architecture_known check explaining it). `gguf_after_review`: a GGUF
     recipe converts this remote-code repo with hive-aot's own mapping once a human reviews it. `unbuilt(role)`:
-    why no recipe that the role's profile loads converts the model (None: one does)."""
+    why no recipe that the role's profile loads converts the model (None: one does). `validated_kin`: the AI 100
+    matrix's nearest architectures (_validated_kin)."""
 
     def pick(role: str) -> str | None:
         return profiles.pick(hw, role)
@@ -153,8 +163,14 @@ def _route(rec: Architecture | None, arch: str | None, task: str, hw: Hardware, 
         if reviewed:
             return _answer("compatible", pick("qaic"), "pass", f"{detail}; not in the AI 100 validated matrix, "
                            "reviewed: hive-aot's export builds it")
-        return _answer("requires_review", pick("qaic"), "warn", f"{detail}; not in the AI 100 validated matrix: "
-                       "hive-aot's export builds it once the model is reviewed (reviewed: true in registry.yaml)")
+        # What is unvalidated and what the review means, in the one line that check and a refused build print.
+        name = rec.name if rec is not None else arch
+        kin = f"validates {', '.join(validated_kin)} but not {name}" if validated_kin else f"does not list {name}"
+        return _answer("requires_review", pick("qaic"), "warn", (
+            f"{detail}; not in the AI 100 validated matrix: Qualcomm's AOT list {kin}; hive-aot's export builds it, "
+            "checked against transformers (onnxruntime parity, predicted device quality) but never compiled or run on "
+            "an AI 100 here; `reviewed: true` on this model in registry.yaml records that a person accepts that, and "
+            "then it builds"))
 
     def remote_code(detail: str) -> tuple[Status, str | None, Check]:
         # The seed's universal fallback serves custom modeling_*.py with transformers, after review; a config
@@ -262,7 +278,9 @@ def classify(
     headless = headless_embedding(arch, weights.shapes if weights else ()) if not pipeline else None
     if headless:  # the weights decide what the model is: no recipe that builds a causal LM applies
         task = "embedding"
-        checks.append(Check(name="checkpoint_layout", status="pass", detail=headless))
+        checks.append(Check(name="checkpoint_layout", status="pass", detail=headless + (
+            "; routed as an embedding model (the seed routes embeddings to the specialists backends, so neither "
+            "vLLM's pooling runner nor a generation recipe is offered)")))
     auto_map = "auto_map" in cfg or "auto_map" in text_cfg(cfg)
     quant_method, quant_problem = _quantization(cfg)
     # the sizes and text settings as transformers reads them: a remote-code layout with a native equivalent
@@ -304,7 +322,8 @@ def classify(
             close = difflib.get_close_matches(arch, list(db.architectures), n=1, cutoff=0.6)
             closest = f"{close[0]} ({db.architectures[close[0]].family} family)" if close else None
         status, profile, arch_check = _route(rec, arch, task, hw, profiles, auto_map, reviewed, gguf_applies, closest,
-                                             unbuilt, gguf_after_review=gguf_convertible and not gguf_applies)
+                                             unbuilt, gguf_after_review=gguf_convertible and not gguf_applies,
+                                             validated_kin=_validated_kin(db, rec.name if rec else arch))
         checks.append(arch_check)
         mismatch = _model_type_problem(cfg, rec, arch) if rec is not None and not auto_map else None
         if mismatch:  # remote code brings its own model_type; review covers it
@@ -343,7 +362,10 @@ def classify(
 
     tc = text_cfg(view)
     if tc.get("sliding_window") and tc.get("use_sliding_window", True) is not False:
-        note = " (pass disable_sliding_window under vLLM)" if rec is not None and rec.family == "gemma" else ""
+        # The seed's Gemma note is for AI 100's vLLM, whose export computes full attention; GPU vLLM serves the
+        # window (its disable_sliding_window would cap max_model_len at the window)
+        note = (" (AI 100's vLLM: pass disable_sliding_window; GPU vLLM serves the window as configured)"
+                if rec is not None and rec.family == "gemma" else "")
         checks.append(Check(name="sliding_window", status="warn" if note else "pass",
                             detail=f"sliding_window={tc['sliding_window']}{note}"))
     if quant_problem:

@@ -16,22 +16,18 @@ for down's input. An expert no calibration token reached has count 0; `load` giv
 from __future__ import annotations
 
 import ctypes
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ...errors import HiveError, ModelFormatError
+from ...prompts import CALIBRATION_CHUNK_TOKENS as CHUNK_TOKENS
+from ...prompts import calibration_chunks, calibration_text
 
 # Part of the cache key: bump when what `compute_here` writes changes for the same inputs.
 # 2: stacked experts get their rows (fused transformers 5 experts modules hooked).
 IMATRIX_VERSION = 2
-CHUNK_TOKENS = 256  # tokens per calibration sequence (llama.cpp's imatrix uses n_ctx chunks the same way)
-
-
-def calibration_text() -> str:
-    return resources.files(__package__).joinpath("data/calibration.txt").read_text(encoding="utf-8")
 
 
 def matrix_sources(model_dir: Path, cfg: dict[str, Any], files: list[Path]) -> dict[str, list[str]]:
@@ -200,7 +196,7 @@ def compute(snapshot, out_path: Path, *, text: str | None = None, step: str | No
     ids = encode(tok, [text])[0]
     if len(ids) < 16:
         raise HiveError(f"the calibration text is {len(ids)} tokens: too short for an importance matrix")
-    sequences = [ids[i:i + CHUNK_TOKENS] for i in range(0, len(ids), CHUNK_TOKENS)]
+    sequences = calibration_chunks(ids)
     sources = matrix_sources(snapshot.dir, snapshot.config(), snapshot.safetensors_files())
     key = hashlib.sha256(json.dumps([IMATRIX_VERSION, snapshot.content_digest, sequences, sources,
                                      version("transformers"), version("torch")]).encode()).hexdigest()

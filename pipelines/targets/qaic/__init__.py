@@ -391,7 +391,7 @@ class QaicTarget(Target):
             from .vision.target import quality
 
             q = quality(ctx.snapshot, tok, mxfp6=opts.mxfp6, mxint8=opts.mxint8)
-            metrics = {"predicted_top1": q["top1"], "predicted_kl": q["kl"],
+            metrics = {"predicted_top1": q["top1"], "predicted_kl": q["kl"], "predicted_ppl_delta": q["ppl_delta"],
                        "predicted_max_abs_logit_delta": q["max_abs_logit_delta"]}
             failures = check_thresholds(metrics, ctx.recipe.validation)
             return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details={opts.precision: q})

@@ -2,7 +2,8 @@
 the targets, the bundle writer and the compile of a published bundle all read them."""
 
 # 2: weights streamed into page-aligned external data, matrices fp16 behind a Cast by default (weight_dtype)
-EXPORT_FORMAT_VERSION = 2
+# 3: a vision-language model's processor files travel with its tokenizer (snapshot.CARRIED_FILES)
+EXPORT_FORMAT_VERSION = 3
 BUNDLE_FORMAT_VERSION = 1
 ONNX_DIR = "onnx"
 EXPORT_REPORT = "export.json"

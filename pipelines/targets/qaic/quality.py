@@ -75,8 +75,6 @@ def predict(model_dir: Path, sequences: list[list[int]], *, mxfp6: bool = True, 
     when the caller has them (reference.compute caches them for every artifact kind of a snapshot).
     `resident`: keep every unit after its first load (the model fits with margin); else the decoder runs unit
     by unit, every sequence through a layer before the next one is read (one pass over the weights)."""
-    import numpy as np
-
     from ... import parity
     from ...streamed_model import StreamedCausalLM, trim_heap
     from .decoder import build_decoder
@@ -98,22 +96,31 @@ def predict(model_dir: Path, sequences: list[list[int]], *, mxfp6: bool = True, 
     trim_heap()
     ref = reference_logits
     total = parity.merge([parity.compare(r, g) for r, g in zip(ref, got)])
-
-    def ppl(all_logits: list[np.ndarray]) -> float:
-        nll, n = 0.0, 0
-        for s, lg in zip(sequences, all_logits):
-            lp = parity.log_softmax(lg[:-1])
-            nll -= float(lp[np.arange(len(s) - 1), s[1:]].sum())
-            n += len(s) - 1
-        return math.exp(nll / n)
-
-    p_ref, p_got = ppl(ref), ppl(got)
     return {"positions": total.positions, "top1": round(total.top1_agreement, 6), "kl": float(f"{total.mean_kl:.6g}"),
-            "max_abs_logit_delta": float(f"{total.max_abs_logit_delta:.6g}"), "ppl_fp32": round(p_ref, 4),
-            "ppl": round(p_got, 4), "ppl_delta": float(f"{(p_got - p_ref) / p_ref:.6g}"),
-            "unit_loads": lm.loads, "resident": resident,
+            "max_abs_logit_delta": float(f"{total.max_abs_logit_delta:.6g}"),
+            **perplexity_change(sequences, ref, got), "unit_loads": lm.loads, "resident": resident,
             "emulated": [name for name in ("mxfp6 weights" if mxfp6 else "fp16 weights" if fp16 else None,
                                            "mxint8 kv cache" if mxint8 else "float16 kv cache" if fp16 else None) if name]}
+
+
+def perplexity(sequences: list[list[int]], all_logits: list[Any]) -> float:
+    """exp(mean negative log-likelihood) of each sequence's next tokens under its logits (one row per token)."""
+    import numpy as np
+
+    from ... import parity
+
+    nll, n = 0.0, 0
+    for s, lg in zip(sequences, all_logits):
+        lp = parity.log_softmax(np.asarray(lg)[:len(s) - 1])
+        nll -= float(lp[np.arange(len(s) - 1), s[1:]].sum())
+        n += len(s) - 1
+    return math.exp(nll / n)
+
+
+def perplexity_change(sequences: list[list[int]], reference: list[Any], emulated: list[Any]) -> dict[str, float]:
+    """The perplexity gates' metrics: fp32's, the emulated device's, and the relative change."""
+    p_ref, p_got = perplexity(sequences, reference), perplexity(sequences, emulated)
+    return {"ppl_fp32": round(p_ref, 4), "ppl": round(p_got, 4), "ppl_delta": float(f"{(p_got - p_ref) / p_ref:.6g}")}
 
 
 def run_decoder(lm, decoder, sequences: list[list[int]], images: list[tuple[Any, list]] | None = None,

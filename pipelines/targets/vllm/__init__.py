@@ -4,6 +4,9 @@
   and chat template; unchanged bf16 source shards are carried byte for byte. Also the artifact of the
   transformers fallback, for architectures vLLM does not run natively.
 - `quantization: fp8-dynamic` (recipe vllm-fp8): compressed-tensors FP8 W8A8 dynamic (fp8.py).
+- `quantization: w4a16-gptq` (recipe vllm-w4a16): compressed-tensors INT4 weight-only, groups of 128, GPTQ over
+  the calibration text on the streamed model; `quantization: int8-dynamic` (recipe vllm-w8a8-int8): INT8
+  W8A8, per-channel weights and per-token activations (int_tiers.py).
 
 Validated in transformers and in a real vLLM (validate.py, engine.py); described per runtime profile
 (serving.py) so `pull --target vllm-rocm` prints the exact `vllm serve` command.
@@ -20,13 +23,16 @@ from pydantic import Field
 from ...thresholds import Thresholds, check_thresholds, gate, metric_text
 from .. import BuildContext, BuiltArtifact, Target, ValidationReport
 from .server import VLLM_SERVER
+from .vision import VLM_ARCHITECTURES, language_architecture
 
 if TYPE_CHECKING:
     from ...compat.database import Architecture
 
 # Bump when the bytes this target writes change for the same inputs (part of every build id).
-FORMAT_VERSION = 1
-QUANTIZATIONS = ("none", "fp8-dynamic")
+# 2: the config carries the keys vLLM reads that transformers does not write (LFM2's conv_dim, block_dim); the
+#    processor files travel with a VLM; FP8's `ignore` names stored modules (MoE experts quantized per expert)
+FORMAT_VERSION = 2
+QUANTIZATIONS = ("none", "fp8-dynamic", "w4a16-gptq", "int8-dynamic")
 DEFAULT_MAX_SHARD = "5GB"
 # Families whose every transformers nn.Linear is a vLLM linear layer under the same name (so the FP8
 # `ignore` list can be derived from the transformers class): dense decoders of the Llama lineage.
@@ -34,6 +40,12 @@ FP8_ARCHITECTURES = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
     "Gemma2ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM", "CohereForCausalLM",
     "StableLmForCausalLM",
+})
+# MoE families whose released checkpoints store each expert's projections as their own tensors, which vLLM's
+# compressed-tensors MoE schemes load per expert (fp8.fp8_selection): their attention and experts are quantized,
+# routers stay bf16. Fused-expert releases (gpt-oss, Llama 4) are not here: no per-expert weights to scale.
+QUANTIZED_MOE_ARCHITECTURES = frozenset({
+    "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM",
 })
 
 
@@ -65,6 +77,14 @@ class VllmThresholds(Thresholds):
         json_schema_extra=gate("vllm_reference_top1_agreement", "vLLM vs fp32 reference top-1 agreement"))
     max_weight_rel_error: float | None = Field(
         default=None, ge=0.0, json_schema_extra=gate("max_weight_rel_error", "max weight relative error"))
+    # A vision-language model's image prompt (vision.py), after the image: vLLM against transformers on the same
+    # processor tensors. Gated only where the model reads images.
+    min_vllm_image_top1_agreement: float | None = Field(
+        default=None, ge=0.0, le=1.0,
+        json_schema_extra=gate("vllm_image_top1_agreement", "vLLM vs transformers top-1 agreement after the image"))
+    max_vllm_image_logprob_delta: float | None = Field(
+        default=None, ge=0.0,
+        json_schema_extra=gate("vllm_image_max_logprob_delta", "vLLM vs transformers max |delta logprob| after the image"))
 
 
 class VllmTarget(Target):
@@ -103,11 +123,22 @@ class VllmTarget(Target):
                  options: dict[str, Any]) -> bool:
         """Text causal LMs that transformers can load (the reference and the validation need its class),
         served by vLLM (natively or through its Transformers backend) or the transformers fallback.
-        FP8 only for the dense families of FP8_ARCHITECTURES, natively in vLLM."""
+        Quantized tiers only natively in vLLM: FP8 for the dense families of FP8_ARCHITECTURES and the per-expert
+        MoE families of QUANTIZED_MOE_ARCHITECTURES; W4A16 and INT8 (int_tiers.py) for the dense ones only. The vision-language models of
+        vision.VLM_ARCHITECTURES vLLM runs natively: bf16, and FP8 where their language model is FP8's."""
+        if arch is not None and arch.task == "vision-language" and arch.name in VLM_ARCHITECTURES:
+            # a VLM: the vision side stays bf16; FP8 where its language model's family takes it (vision.py)
+            quantization = options.get("quantization", "none")
+            return arch.vllm_support == "native" and (quantization == "none" or quantization == "fp8-dynamic" and
+                                                      language_architecture(arch.name, config) in FP8_ARCHITECTURES)
         if arch is None or not arch.active or arch.task != "causal-lm" or not arch.transformers_known:
             return False
-        if options.get("quantization", "none") != "none":
+        from .int_tiers import INT_TIERS
+
+        if options.get("quantization", "none") in INT_TIERS:  # W4A16 / INT8: dense only (MoE experts would stay bf16)
             return arch.name in FP8_ARCHITECTURES and arch.vllm_support == "native"
+        if options.get("quantization", "none") != "none":
+            return arch.name in FP8_ARCHITECTURES | QUANTIZED_MOE_ARCHITECTURES and arch.vllm_support == "native"
         return True
 
     def toolchain(self) -> dict[str, str]:
@@ -128,6 +159,7 @@ class VllmTarget(Target):
 
     def validate(self, ctx: BuildContext, artifact_dir: Path, files: dict[str, str]) -> ValidationReport:
         from .validate import validate_prepared
+        from .vision import is_vlm
 
         from ...host import memory_budget
         from ...memory import model_facts
@@ -139,10 +171,15 @@ class VllmTarget(Target):
         how = layout(model_facts(ctx.snapshot), memory_budget()[0])  # what the plan of this budget counted
         metrics, details = validate_prepared(ctx, artifact_dir, digests, quantized,
                                              engine_required=bool(thresholds.require_engine_load), how=how)
-        if not metrics.get("vllm_loaded") and not thresholds.require_engine_load:
+        known_defect = details.get("vllm", {}).get("gating") is False  # engine_defects.py: vLLM's answer is not the model's
+        if (not metrics.get("vllm_loaded") and not thresholds.require_engine_load) or known_defect:
             # The engine could not run this tier here (recorded in details.vllm): its gates wait for a host that can.
             thresholds = thresholds.model_copy(update={f: None for f in type(thresholds).model_fields
                                                        if f.startswith(("min_vllm_", "max_vllm_"))})
+            if known_defect:  # one the engine cannot run at all is not required to load
+                thresholds = thresholds.model_copy(update={"require_engine_load": False})
+        if not is_vlm(ctx.config):  # no image prompt to gate
+            thresholds = thresholds.model_copy(update={f: None for f in type(thresholds).model_fields if "_image_" in f})
         failures = check_thresholds(metrics, thresholds)
         return ValidationReport(passed=not failures, failures=failures, metrics=metrics, details=details)
 
@@ -153,6 +190,11 @@ class VllmTarget(Target):
         if met.get("vllm_loaded"):
             line += (f"; in vLLM: top-1 {metric_text(met.get('vllm_top1_agreement'), '.4f')} vs transformers, "
                      f"greedy {met.get('vllm_greedy_tokens_matched')} tokens")
+            if "vllm_image_top1_agreement" in met:
+                line += f"; with an image: top-1 {metric_text(met['vllm_image_top1_agreement'], '.4f')}"
+            if validation.get("vllm", {}).get("gating") is False:
+                names = ", ".join(d["name"] for d in validation["vllm"]["known_engine_defects"])
+                line += f" (not gating: known engine defect {names})"
         elif "vllm_loaded" in met:
             line += f"; vLLM load not checked here: {validation.get('vllm', {}).get('reason', '')}"
         return line

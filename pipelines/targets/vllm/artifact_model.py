@@ -3,7 +3,9 @@
 What vLLM computes from the artifact, in transformers' own modules: bf16 weights widened to fp32; FP8
 W8A8 weights dequantized from the stored e4m3 bytes and their per-channel scales, with the activations
 in front of every quantized layer quantized per token to e4m3 (vLLM's dynamic W8A8; `quantize_activations
-= False` computes W8A16, what platforms without FP8 kernels run). Each artifact weight is compared with
+= False` computes W8A16, what platforms without FP8 kernels run); the integer tiers' weights dequantized from
+their stored integers and scales (int_artifact.py: INT8 with per-token INT8 activations, W4A16's packed
+nibbles with activations as they are). Each artifact weight is compared with
 the source's tensor of the same name as it streams (relative L2 error, in row chunks), so rounding and
 quantization are measured weight by weight without a second copy of the model.
 
@@ -21,6 +23,9 @@ import numpy as np
 
 from ...safetensors_io import TensorSource
 from ...streamed_model import StreamedCausalLM
+from .fp8 import EXPERT_PROJECTIONS
+from .int_artifact import INT8, PackedSource, dequantize, fake_quant_int8, stored_int
+from .moe_activations import is_experts, quantize_expert_inputs
 
 FP8 = "F8_E4M3"
 ERROR_ROWS = 4096  # rows compared with the source at a time (bounded memory whatever the tensor's size)
@@ -60,7 +65,10 @@ class ArtifactReader:
 
         from ...streamed_model import read_float32
 
-        value = dequantized(src, name) if src.info(name).dtype == FP8 else read_float32(src, name)
+        if src.info(name).dtype == FP8:
+            value = dequantized(src, name)
+        else:  # an integer tier's weight (int_artifact.py), or a float one
+            value = dequantize(src, name) if stored_int(src, name) else read_float32(src, name)
         if self.original is not None and name in self.original and name not in self.errors:
             self.errors[name] = self._error(name, value)
         return value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
@@ -89,33 +97,47 @@ class ArtifactReader:
 
 def open_artifact(model_dir: Path, files: list[Path], source_files: list[Path] | None = None, *,
                   resident: bool = False, layers: int | None = None) -> tuple[StreamedCausalLM, ArtifactReader]:
-    """The artifact as a streamed transformers model. Its FP8 layers (found from the stored dtypes) get the
-    per-token activation quantization vLLM's W8A8 applies; `lm.model.quantize_activations` switches it."""
+    """The artifact as a streamed transformers model. Its FP8 and INT8 layers (found from the stored dtypes) get the
+    per-token activation quantization vLLM's W8A8 applies; `lm.model.quantize_activations` switches it. W4A16's
+    packed weights are read dequantized (int_artifact.py), their activations left as they are."""
     reader = ArtifactReader(source_files)
-    lm = StreamedCausalLM(model_dir, files, resident=resident, layers=layers, reader=reader)
-    quantized_modules = {param[: -len(".weight")] for param, rule in lm.rules.items()
-                         if param.endswith(".weight") and any(lm.source.info(s).dtype == FP8 for s in rule.sources)}
-    install_activation_quantization(lm.model, quantized_modules)
+    # pack-quantized weights (W4A16) under their plain names, so they map onto parameters like any weight
+    lm = StreamedCausalLM(model_dir, files, resident=resident, layers=layers, reader=reader,
+                          source=PackedSource(files))
+    quantizers = {}
+    for param, rule in lm.rules.items():
+        dtypes = {lm.source.info(s).dtype for s in rule.sources}
+        if dtypes & {FP8, INT8} and (param.endswith(".weight") or param.endswith(EXPERT_PROJECTIONS)):
+            # W8A8: activations quantized too (an experts module's: its projections' inputs, moe_activations.py)
+            quantizers[param.rpartition(".")[0]] = fake_quant_e4m3 if FP8 in dtypes else fake_quant_int8
+    install_activation_quantization(lm.model, quantizers)
     return lm, reader
 
 
-def install_activation_quantization(model, module_names: set[str]) -> None:
-    """Per-token dynamic e4m3 quantization of the input of every named module (vLLM's W8A8 dynamic)."""
+def fake_quant_e4m3(x):
+    """x quantized to e4m3 per token and back (vLLM's FP8 W8A8 dynamic)."""
     import torch
 
     from .fp8 import E4M3_MAX
 
-    def fake_quant(_module, args):
-        if not model.quantize_activations:
-            return None
-        x = args[0]
-        scale = (x.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=1e-12)
-        q = (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(x.dtype)
-        return (q * scale,) + tuple(args[1:])
+    scale = (x.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp(min=1e-12)
+    return (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(x.dtype) * scale
+
+
+def install_activation_quantization(model, quantizers: dict) -> None:
+    """Module name -> the per-token dynamic quantization of its input (vLLM's W8A8 dynamic, FP8 or INT8)."""
+    def hook(quantize):
+        def fake_quant(_module, args):
+            if not model.quantize_activations:
+                return None
+            return (quantize(args[0]),) + tuple(args[1:])
+        return fake_quant
 
     for name, module in model.named_modules():
-        if name in module_names:
-            module.register_forward_pre_hook(fake_quant)
+        if name in quantizers and is_experts(module):
+            quantize_expert_inputs(module, lambda x, q=quantizers[name]: q(x) if model.quantize_activations else x)
+        elif name in quantizers:
+            module.register_forward_pre_hook(hook(quantizers[name]))
     model.quantize_activations = True
 
 

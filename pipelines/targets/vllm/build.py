@@ -6,18 +6,17 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from ...errors import ModelFormatError
 from ...paths import link_or_copy
 from ...progress import bar
 from ...safetensors_io import TensorSource
 from ...units import parse_size
 from .. import BuiltArtifact
-from .fp8 import linear_layers, quantization_config, quantize_rows
-from .prepare import (INDEX, OutTensor, PrepareReport, bf16_tensor, carry_files, check_dtypes, check_finite,
-                      normalize_config, plan_shards, reusable_source_shards, row_chunks, shard_names,
-                      tensor_order, write_index, write_shard)
+from .checkpoint_names import map_checkpoint
+from .fp8 import fp8_selection, quantization_config, quantize_rows
+from .int_tiers import INT_TIERS, int_tier_tensors
+from .prepare import (INDEX, OutTensor, PrepareReport, bf16_tensor, carry_files, check_dtypes, normalize_config,
+                      plan_shards, reusable_source_shards, row_quantized, shard_names, tensor_order, write_index,
+                      write_shard)
 
 if TYPE_CHECKING:
     from .. import BuildContext
@@ -25,93 +24,38 @@ if TYPE_CHECKING:
 SHARD_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
 
 
-def meta_model(config_dir: Path):
-    """The transformers class built from config.json on the meta device: shapes and module types, nothing
-    allocated whatever the model's size."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from ...quiet import quiet_transformers
-
-    quiet_transformers()
-    try:
-        cfg = AutoConfig.from_pretrained(str(config_dir), trust_remote_code=False, local_files_only=True)
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(cfg, trust_remote_code=False)
-    except Exception as e:  # noqa: BLE001 - a config transformers cannot build is malformed input
-        raise ModelFormatError(f"transformers cannot build the model from config.json: {type(e).__name__}: {e}") from None
-
-
-def expected_shapes(model) -> tuple[dict[str, tuple[int, ...]], list[set[str]], str]:
-    """Parameter shapes of a (meta) model, groups of tied names (one stored copy suffices), and the class's
-    base-model prefix."""
-    groups: dict[int, set[str]] = {}
-    shapes = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), set()).add(name)
-        shapes[name] = tuple(p.shape)
-    return shapes, [g for g in groups.values() if len(g) > 1], getattr(model, "base_model_prefix", "")
-
-
-def check_weights_match_config(src: TensorSource, model) -> list[str]:
-    """Refuse weights whose shapes do not match config.json, or that lack parameters the model needs
-    (vLLM would fail at load time on the serving host, or worse, load garbage). Returns checkpoint
-    tensors the model class does not know (reported, not refused: e.g. rotary caches)."""
-    shapes, tied, prefix = expected_shapes(model)
-    have = {n: src.info(n).shape for n in src.names()}
-    # Checkpoints saved from the base model (no "model." prefix) name the same parameters.
-    if prefix and not any(n in shapes for n in have):
-        have = {(f"{prefix}.{n}" if f"{prefix}.{n}" in shapes else n): s for n, s in have.items()}
-    for name, shape in have.items():
-        if name in shapes and tuple(shape) != shapes[name]:
-            raise ModelFormatError(f"weights do not match config.json: {name} has shape {list(shape)}, "
-                                   f"the config implies {list(shapes[name])}")
-    tied_names = {n for g in tied for n in g}
-    missing = [n for n in shapes if n not in have
-               and not (n in tied_names and any(m in have for g in tied if n in g for m in g))]
-    # Legacy names transformers renames at load time (GPT-NeoX's embed_out -> lm_head, ...): a missing
-    # parameter is present under another name when an unknown checkpoint tensor has its exact shape.
-    spare = [have[n] for n in have if n not in shapes]
-    for n in list(missing):
-        if shapes[n] in spare:
-            spare.remove(shapes[n])
-            missing.remove(n)
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise ModelFormatError(f"weights lack parameters the config requires: {', '.join(missing[:3])}{more}")
-    return sorted(n for n in have if n not in shapes)
-
-
 def prepare_directory(ctx: "BuildContext", out_dir: Path) -> BuiltArtifact:
     snap, opts = ctx.snapshot, ctx.recipe.options
     cfg = ctx.config
     quantize = opts.get("quantization", "none") == "fp8-dynamic"
+    int_tier = opts.get("quantization", "none") in INT_TIERS  # W4A16 / INT8: int_tiers.py
+    int_info: dict = {}
     max_bytes = parse_size(opts.get("max_shard_size", "5GB"), "max_shard_size")
     names = [f.path for f in snap.files]
     report = PrepareReport()
     with TensorSource(snap.safetensors_files()) as src:
         check_dtypes(src)
-        model = meta_model(snap.dir)
-        unknown = check_weights_match_config(src, model)
+        cmap = map_checkpoint(snap.dir, src)
+        unknown = cmap.unknown
         known_digests: dict[str, str] = {}
         order = tensor_order(src)
         qcfg = None
         if quantize:
-            quantized, kept = linear_layers(model)
-            qset = {f"{m}.weight" for m in quantized}
+            qset, report.ignored = fp8_selection(cmap, src)
             outs = []
             for name in order:
-                if name in qset and len(src.info(name).shape) == 2:
+                if name in qset:
                     outs += _fp8_pair(src, name, report.weight_errors)
                     report.quantized.append(name)
                 else:
                     outs.append(bf16_tensor(src, name))
-            report.ignored = sorted(set(kept) | {"lm_head"})
             qcfg = quantization_config(report.ignored)
+        elif int_tier:
+            outs, qcfg, int_info = int_tier_tensors(ctx, src, cmap, order, out_dir, report)
         else:
             outs = [bf16_tensor(src, n) for n in order]
         weight_map: dict[str, str] = {}
-        if not quantize and reusable_source_shards(src, max_bytes):
+        if not quantize and not int_tier and reusable_source_shards(src, max_bytes):
             # bf16 already: the source's shards are carried byte for byte, with the snapshot's digests.
             by_path = {f.path: f for f in snap.files}
             for t in outs:  # carried unchanged, but never with NaN/Inf in it: read once, a chunk at a time
@@ -154,32 +98,10 @@ def prepare_directory(ctx: "BuildContext", out_dir: Path) -> BuiltArtifact:
         info.update(quantization="fp8-dynamic (compressed-tensors W8A8, per-channel weight scales, per-token activations)",
                     quantized_tensors=len(report.quantized), ignored_layers=report.ignored,
                     max_weight_rel_error=float(f"{max(errs.values(), default=0.0):.6g}"))
+    info.update(int_info)
     return BuiltArtifact(root=out_dir, files=sorted(set(files)), info=info, known_digests=known_digests)
 
 
 def _fp8_pair(src: TensorSource, name: str, errors: dict[str, float]) -> list[OutTensor]:
-    """The e4m3 weight and its per-row scale: the weight quantized a chunk of rows at a time as it is written,
-    the scales gathered meanwhile and written after it."""
-    info = src.info(name)
-    rows, cols = info.shape
-    scales: list = []
-
-    def weight():
-        err = norm = 0.0
-        for lo, hi in row_chunks(src, name):
-            data = src.rows(name, lo, hi)
-            check_finite(name, data)
-            q, scale, e, n = quantize_rows(data)
-            scales.append(scale)
-            err, norm = err + e, norm + n
-            yield q
-            src.release(name)
-        errors[name] = (err / norm) ** 0.5 if norm > 0 else 0.0
-
-    def scale():
-        yield np.concatenate(scales, axis=0) if scales else np.zeros((0, 1), dtype=np.float32)
-        scales.clear()
-
-    prefix = name[: -len(".weight")]
-    return [OutTensor(name, "F8_E4M3", (rows, cols), rows * cols, weight, source=name),
-            OutTensor(f"{prefix}.weight_scale", "F32", (rows, 1), rows * 4, scale)]
+    """The e4m3 weight and its per-row scale, quantized a chunk of rows at a time as it is written."""
+    return row_quantized(src, name, errors, quantize_rows, "F8_E4M3")

@@ -64,9 +64,10 @@ def _cache_key(job: dict[str, Any], artifact_digests: list[tuple[str, str]]) -> 
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
-# vLLM's wrappers around the real error (engine process -> client): they name no cause.
+# vLLM's wrappers around the real error (engine process -> client; its model registry's inspection subprocess ->
+# the engine, e.g. a model module that cannot import): they name no cause.
 _WRAPPERS = re.compile(r"EngineDeadError|Engine core initialization failed|See stack trace|see root cause|"
-                       r"encountered a fatal error")
+                       r"encountered a fatal error|CalledProcessError|Error raised in subprocess")
 
 
 def _error_tail(stderr: str, limit: int = 400) -> str:

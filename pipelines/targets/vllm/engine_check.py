@@ -22,6 +22,7 @@ from ...safetensors_io import TensorSource
 from ...slicing import MIN_LAYERS, in_slice, slice_config
 from ...units import MIB, human_bytes
 from .prepare import ALIGN, CARRIED_FILES, INDEX
+from .vision import VISION_SIDE
 
 if TYPE_CHECKING:
     from ...memory import ModelFacts
@@ -91,7 +92,8 @@ def write_slice(artifact_dir: Path, layers: int, out_dir: Path) -> list[str]:
     shards = sorted(artifact_dir.glob("*.safetensors"))
     written = []
     with TensorSource(shards) as src:
-        names = [n for n in src.names() if in_slice(n, layers)]
+        # a vision-language model's tower keeps all its blocks: the slice cuts the language model's layers only
+        names = [n for n in src.names() if in_slice(n, layers) or VISION_SIDE.search(n)]
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for n in names:

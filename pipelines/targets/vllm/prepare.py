@@ -119,6 +119,34 @@ def bf16_tensor(src: TensorSource, name: str) -> OutTensor:
     return OutTensor(name, info.dtype, info.shape, info.nbytes, lambda: raw_chunks(src, name), source=name)
 
 
+def row_quantized(src: TensorSource, name: str, errors: dict[str, float], quantize_rows: Callable, dtype: str) -> list[OutTensor]:
+    """A 2-D weight stored one byte a value (FP8, INT8) and its per-row scale: `quantize_rows` (float32 rows ->
+    (bytes, float32 scales [rows, 1], squared error, squared norm)) runs a chunk of rows at a time as the weight
+    is written, the scales gathered meanwhile and written after it; `errors[name]` gets the relative L2 error."""
+    rows, cols = src.info(name).shape
+    scales: list[np.ndarray] = []
+
+    def weight() -> Iterator[np.ndarray]:
+        err = norm = 0.0
+        for lo, hi in row_chunks(src, name):
+            data = src.rows(name, lo, hi)
+            check_finite(name, data)
+            q, scale, e, n = quantize_rows(data)
+            scales.append(scale)
+            err, norm = err + e, norm + n
+            yield q
+            src.release(name)
+        errors[name] = (err / norm) ** 0.5 if norm > 0 else 0.0
+
+    def scale() -> Iterator[np.ndarray]:
+        yield np.concatenate(scales, axis=0) if scales else np.zeros((0, 1), dtype=np.float32)
+        scales.clear()
+
+    prefix = name[: -len(".weight")]
+    return [OutTensor(name, dtype, (rows, cols), rows * cols, weight, source=name),
+            OutTensor(f"{prefix}.weight_scale", "F32", (rows, 1), rows * 4, scale)]
+
+
 def plan_shards(tensors: list[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
     shards: list[list[OutTensor]] = [[]]
     size = 0
@@ -177,15 +205,30 @@ def reusable_source_shards(src: TensorSource, max_bytes: int) -> bool:
     return True
 
 
+# Config keys vLLM's model code reads that transformers' config class neither defines nor derives, per model_type:
+# key -> the key whose value it takes. LFM2 (vLLM 0.32's lfm2.py): `conv_dim` (the short convolution's width) and
+# `block_dim` (the MLP's), keys of LiquidAI's released configs that transformers 5 keeps when present but never
+# writes itself; its Lfm2ShortConv and Lfm2MLP are hidden_size wide, so a checkpoint transformers runs has both.
+ENGINE_CONFIG_KEYS: dict[str, dict[str, str]] = {"lfm2": {"conv_dim": "hidden_size", "block_dim": "hidden_size"}}
+
+
+def with_engine_keys(cfg: dict[str, Any]) -> dict[str, Any]:
+    """`cfg` with the ENGINE_CONFIG_KEYS of its model_type that it lacks (a present value is kept)."""
+    keys = ENGINE_CONFIG_KEYS.get(cfg.get("model_type", ""), {})
+    return {**{k: cfg[src] for k, src in keys.items() if k not in cfg and src in cfg}, **cfg}
+
+
 def normalize_config(cfg: dict[str, Any], dtype: str, quantization_config: dict[str, Any] | None) -> dict[str, Any]:
     """dtype recorded under both spellings (transformers 5 reads `dtype`, 4.x and older vLLM `torch_dtype`);
-    a stale quantization_config never survives; ours is added for quantized tiers."""
-    out = {k: v for k, v in cfg.items() if k not in ("quantization_config", "torch_dtype", "dtype")}
+    a stale quantization_config never survives; ours is added for quantized tiers; keys vLLM reads that the
+    checkpoint's config lacks are derived (ENGINE_CONFIG_KEYS)."""
+    out = {k: v for k, v in with_engine_keys(cfg).items() if k not in ("quantization_config", "torch_dtype", "dtype")}
     out["torch_dtype"] = dtype
     out["dtype"] = dtype
     text = out.get("text_config")
     if isinstance(text, dict):
-        out["text_config"] = {k: v for k, v in text.items() if k not in ("torch_dtype", "dtype", "quantization_config")}
+        out["text_config"] = {k: v for k, v in with_engine_keys(text).items()
+                              if k not in ("torch_dtype", "dtype", "quantization_config")}
         out["text_config"]["dtype"] = dtype
     if quantization_config is not None:
         out["quantization_config"] = quantization_config

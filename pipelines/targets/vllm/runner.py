@@ -4,10 +4,12 @@ creates it), never imported by hive-aot: that venv has vLLM and its own torch/tr
     python runner.py JOB.json RESULT.json
 
 JOB: model_dir, dtype, max_model_len, sequences (token ids, scored teacher-forced through
-prompt_logprobs), generation_prompts (token ids, greedy), generation_tokens, tokenizer_texts.
+prompt_logprobs), generation_prompts (token ids, greedy), generation_tokens, tokenizer_texts; for a
+vision-language model image_prompts (text and a picture to draw, vision.py).
 RESULT: per sequence and position [top-1 id, top-1 logprob, logprob of the actual next token];
 greedy token ids with their logprobs; the ids vLLM's tokenizer gives the texts; versions and timings;
-for an FP8 artifact, which FP8 matmul ran (`fp8_matmul`, below).
+for an FP8 artifact, which FP8 matmul ran (`fp8_matmul`, below); per image prompt its text, vLLM's ids and
+rows, and the HF processor's tensors for it.
 
 A script file, not stdin: vLLM's engine start spawns processes that re-import the main module. A warm
 server (pipelines/warm.py) runs it too: `preload()` once, then `main(argv)` in a forked child per job.
@@ -19,11 +21,14 @@ import time
 import weakref
 
 
-def skip_input_embedding_packing() -> None:
+def defer_input_embedding_packing() -> None:
     """vLLM's CPU backend gives every vocab-parallel layer a oneDNN matmul handle holding a packed copy of its
-    weight, the input embedding included, which only ever gathers rows: a vocabulary x hidden copy nothing uses
-    (4 GiB at 70B in fp32). The input embedding keeps its weight and skips that; the head (and a head tied to the
-    embedding) is packed as vLLM does. Where the layout of vLLM's modules differs, nothing is changed."""
+    weight, the input embedding included, which usually only gathers rows: a vocabulary x hidden copy nothing
+    uses (4 GiB at 70B in fp32). The input embedding keeps its weight and is packed on its first matmul instead:
+    a model that computes its logits through the input embedding itself (Cohere, Cohere2, Gemma-2 pass
+    `embed_tokens` to the logits processor) gets the handle vLLM would have made, at the first logits; any other
+    model never builds it. A head (and a head tied to the embedding) is packed as vLLM does. Where the layout of
+    vLLM's modules differs, nothing is changed."""
     try:
         from vllm.model_executor.layers import vocab_parallel_embedding as vpe
     except ImportError:
@@ -34,12 +39,85 @@ def skip_input_embedding_packing() -> None:
         return
 
     def process_weights_after_loading(self, layer):
-        if type(layer) is vpe.VocabParallelEmbedding:  # an input embedding, not a (subclassed) head
-            return None
-        return original(self, layer)
+        if type(layer) is not vpe.VocabParallelEmbedding:  # a (subclassed) head: packed now
+            return original(self, layer)
+        layer.cpu_linear = pack_on_first_matmul(lambda: original(self, layer), layer)
+        return None
 
     process_weights_after_loading._hive_aot = True
     method.process_weights_after_loading = process_weights_after_loading
+
+
+def pack_on_first_matmul(pack, layer):
+    """A stand-in for `layer.cpu_linear` that runs vLLM's packing (`pack`, which sets the real `cpu_linear`) the
+    first time the layer is used as a matmul, then that handle for this call and every later one."""
+
+    def first_matmul(x, weight, bias):
+        pack()
+        if layer.cpu_linear is first_matmul:  # the platform set no handle: the plain matmul vLLM falls back to
+            import torch
+
+            return torch.nn.functional.linear(x, weight, bias)
+        return layer.cpu_linear(x, weight, bias)
+
+    return first_matmul
+
+
+def flatten_rope_heads() -> None:
+    """engine_defects.py `cpu_rope_three_dimensional_query`: vLLM 0.32's CPU rotary kernel reads a query given as
+    [tokens, heads, head_dim] as tokens x heads rows of one head, row r rotated by positions[r]. The same values as
+    [tokens, heads x head_dim] are rotated per head and position; the caller gets its own shape back."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    original = RotaryEmbedding.forward_cpu
+    if getattr(original, "_hive_aot", False):
+        return
+
+    def forward_cpu(self, positions, query, key=None):
+        if query.dim() != 3:
+            return original(self, positions, query, key)
+        flat_key = None if key is None else key.reshape(key.shape[0], -1)
+        q, k = original(self, positions, query.reshape(query.shape[0], -1), flat_key)
+        return q.view(query.shape), None if k is None else k.view(key.shape)
+
+    forward_cpu._hive_aot = True
+    RotaryEmbedding.forward_cpu = forward_cpu
+
+
+def route_with_correction_bias() -> None:
+    """engine_defects.py `cpu_router_drops_correction_bias`: vLLM 0.32's CPU MoE router (CPURouter) handles an
+    expert-score correction bias only inside grouped top-k; ungrouped softmax routing (ERNIE-4.5-MoE) takes the
+    top-k of the raw logits without it, and ungrouped sigmoid routing (MiniMax-M2) stops at an assert. GPU vLLM
+    passes the bias to its top-k kernel: experts chosen by score + bias, weighted by the unbiased scores,
+    renormalized, times routed_scaling_factor. The CPU router does the same here; every other case is unchanged."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+
+    original = CPURouter._compute_routing
+    if getattr(original, "_hive_aot", False):
+        return
+
+    def _compute_routing(self, hidden_states, router_logits, indices_type, *, input_ids=None):
+        if (self.use_grouped_topk or self.e_score_correction_bias is None or self.custom_routing_function is not None
+                or self.scoring_func not in ("softmax", "sigmoid")):
+            return original(self, hidden_states, router_logits, indices_type, input_ids=input_ids)
+        logits = router_logits.float()
+        scores = torch.softmax(logits, dim=-1) if self.scoring_func == "softmax" else logits.sigmoid()
+        ids = torch.topk(scores + self.e_score_correction_bias.float().unsqueeze(0), self.top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
+        # cpu_fused_moe reads routing tensors as contiguous float32 / int32 buffers
+        return weights.to(torch.float32).contiguous(), ids.to(torch.int32).contiguous()
+
+    _compute_routing._hive_aot = True
+    CPURouter._compute_routing = _compute_routing
+
+
+# Workarounds a job asks for by name (its `runner_patches`, from engine_defects.py for that engine build)
+PATCHES = {"flatten_rope_heads": flatten_rope_heads, "route_with_correction_bias": route_with_correction_bias}
 
 
 # FP8 matmul on CPU. vLLM's CPU backend runs a channel-wise FP8 artifact (per-channel weight scales, per-token
@@ -149,6 +227,22 @@ def _cpu_engine() -> bool:
     return bool(current_platform.is_cpu())
 
 
+def fp32_attention(dtype: str) -> dict:
+    """vLLM 0.32's CPU platform picks its AMX MLA backend on any AMX host whatever the model's dtype, and that
+    backend packs bf16/fp16 weights only (fp32: "expect weight to be bfloat16, float16, int8, ..." at load, an
+    engine bug); the validation runs fp32, so it asks for the reference CPU MLA backend, which non-MLA models
+    ignore (they keep CPU attention)."""
+    if dtype != "float32" or not _cpu_engine():
+        return {}
+    return {"attention_config": {"backend": "CPU_MLA"}}
+
+
+# Prefix caching off: each parity sequence is scored from scratch, and vLLM 0.32's CPU Mamba-2 kernel returns only
+# the final state where prefix caching asks for chunk checkpoints (Nemotron-H: "IndexError: index 8 is out of
+# bounds for dimension 0 with size 1" on any prompt longer than a chunk).
+VALIDATION_ENGINE_ARGS = {"enable_prefix_caching": False}
+
+
 def choose_fp8_matmul(requested: str) -> dict:
     """`requested`: "auto" (probe, emulate where that is faster), "native" or "emulated". What ran, and why, goes
     into the result."""
@@ -173,13 +267,74 @@ def choose_fp8_matmul(requested: str) -> dict:
             "reason": why}
 
 
+def prompt_rows(ids: list, prompt_logprobs) -> list:
+    """[top-1 id, its logprob, the logprob of the actual next token] for each prompt position that predicts one."""
+    rows = []
+    for pos, entry in enumerate(prompt_logprobs or []):
+        if entry is None:  # the first position has no prediction
+            continue
+        top = min(entry.items(), key=lambda kv: kv[1].rank)
+        rows.append([int(top[0]), float(top[1].logprob), float(entry[ids[pos]].logprob)])
+    return rows
+
+
+def synthetic_image(spec: dict):
+    """The image check's picture (vision.IMAGE_PROMPTS): colour gradients under seeded noise, so every region and
+    channel differs and a processor's resizing, cropping and normalization all show in what the model reads."""
+    import numpy as np
+    from PIL import Image
+
+    h, w = spec["height"], spec["width"]
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    base = np.stack([x * 255 / max(w - 1, 1), y * 255 / max(h - 1, 1), (x + y) * 255 / max(w + h - 2, 1)], axis=-1)
+    noise = np.random.default_rng(spec["seed"]).normal(0.0, 24.0, base.shape)
+    return Image.fromarray(np.clip(base + noise, 0, 255).astype(np.uint8), "RGB")
+
+
+def encode_array(a) -> dict:
+    import base64
+
+    import numpy as np
+
+    a = np.ascontiguousarray(a)
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode()}
+
+
+def score_image_prompts(llm, job: dict, SamplingParams) -> list:
+    """Each of the job's image prompts (vision.py): the model's image placeholder as vLLM's chat front end writes it
+    for this model class, then the text; scored teacher-forced with the picture as `multi_modal_data`. Beside vLLM's
+    ids and rows: what the model's HF processor (the one vLLM runs) makes of the same prompt and picture, every
+    tensor, so that transformers runs exactly these inputs."""
+    if not job.get("image_prompts"):
+        return []
+    from transformers import AutoProcessor
+    from vllm.model_executor.models import ModelRegistry
+
+    config = llm.llm_engine.model_config
+    model_class, _arch = ModelRegistry.resolve_model_cls(config.architectures, config)
+    placeholder = model_class.get_placeholder_str("image", 0)
+    processor = AutoProcessor.from_pretrained(job["model_dir"], trust_remote_code=False, local_files_only=True)
+    out = []
+    for entry in job["image_prompts"]:
+        image = synthetic_image(entry["image"])
+        prompt = f"{placeholder}\n{entry['text']}"
+        processed = processor(text=[prompt], images=[image], return_tensors="np")
+        scored = llm.generate([{"prompt": prompt, "multi_modal_data": {"image": image}}],
+                              SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+        ids = [int(t) for t in scored.prompt_token_ids]
+        out.append({"prompt": prompt, "ids": ids, "rows": prompt_rows(ids, scored.prompt_logprobs),
+                    "processor": type(processor).__name__,
+                    "inputs": {k: encode_array(v) for k, v in processed.items() if hasattr(v, "shape")}})
+    return out
+
+
 def preload() -> None:
     """What every job imports first (most of an engine start on CPU): a warm server does it once."""
     import vllm  # noqa: F401
     from vllm import LLM, SamplingParams  # noqa: F401
     from vllm.inputs import TokensPrompt  # noqa: F401
 
-    skip_input_embedding_packing()
+    defer_input_embedding_packing()
 
 
 def main(argv: list[str]) -> int:
@@ -192,12 +347,14 @@ def main(argv: list[str]) -> int:
     from vllm.inputs import TokensPrompt
 
     preload()
+    for name in job.get("runner_patches", []):
+        PATCHES[name]()
     fp8_matmul = choose_fp8_matmul(job["fp8_matmul"]) if job.get("fp8_matmul") else None
 
     llm = LLM(model=job["model_dir"], dtype=job["dtype"], max_model_len=job["max_model_len"], enforce_eager=True,
               seed=0, gpu_memory_utilization=job.get("memory_fraction", 0.25), trust_remote_code=False,
               distributed_executor_backend="uni",
-              **job.get("engine_args", {}))
+              **{**VALIDATION_ENGINE_ARGS, **fp32_attention(job["dtype"]), **job.get("engine_args", {})})
     t_load = time.time()
 
     # One sequence at a time: prompt logprobs cost [tokens x vocab] per sequence in flight (a 128k vocabulary's
@@ -205,16 +362,8 @@ def main(argv: list[str]) -> int:
     scored = [llm.generate([TokensPrompt(prompt_token_ids=ids)],
                            SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
               for ids in job["sequences"]]
-    sequences = []
-    for ids, out in zip(job["sequences"], scored):
-        rows = []
-        for pos, entry in enumerate(out.prompt_logprobs or []):
-            if entry is None:  # the first position has no prediction
-                continue
-            actual = ids[pos]
-            top = min(entry.items(), key=lambda kv: kv[1].rank)
-            rows.append([int(top[0]), float(top[1].logprob), float(entry[actual].logprob)])
-        sequences.append(rows)
+    sequences = [prompt_rows(ids, out.prompt_logprobs) for ids, out in zip(job["sequences"], scored)]
+    images = score_image_prompts(llm, job, SamplingParams)
 
     generated = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in job["generation_prompts"]],
                              SamplingParams(temperature=0.0, max_tokens=job["generation_tokens"], logprobs=1,
@@ -228,6 +377,7 @@ def main(argv: list[str]) -> int:
     tok = llm.get_tokenizer()
     tokenized = [list(tok(text).input_ids) for text in job["tokenizer_texts"]]
     result = {"sequences": sequences, "greedy": greedy, "tokenized": tokenized, "vllm": vllm.__version__,
+              **({"image_prompts": images} if images else {}),
               "load_seconds": round(t_load - t0, 1), "total_seconds": round(time.time() - t0, 1),
               **({"fp8_matmul": fp8_matmul} if fp8_matmul else {})}
     with open(result_path + ".tmp", "w") as f:

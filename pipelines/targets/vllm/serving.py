@@ -4,7 +4,9 @@ Mechanism here, platform facts in registry.yaml (each profile's `serving:` holds
 how that platform loads each tier). Engine arguments come from the compatibility estimate for the
 platform's default device (max_model_len, max_num_seqs, tensor_parallel_size); architectures vLLM runs
 through its Transformers backend get `--model-impl transformers`; architectures vLLM does not run at
-all are described for the transformers fallback profile instead.
+all are described for the transformers fallback profile instead. Sliding windows are served as configured:
+`--disable-sliding-window` would make vLLM cap `max_model_len` at the window (Gemma 3: 512 or 1024 tokens),
+so a GPU profile never passes it (the seed's Gemma note is for AI 100's vLLM: pipelines/targets/qaic/serving.py).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ if TYPE_CHECKING:
     from ...config import RuntimeProfile
     from .. import BuildContext
 
-TIER_OF = {"none": "bf16", "fp8-dynamic": "fp8-dynamic"}
+TIER_OF = {"none": "bf16", "fp8-dynamic": "fp8-dynamic", "w4a16-gptq": "w4a16", "int8-dynamic": "w8a8-int8"}
 
 def _flags(args: dict[str, Any]) -> list[str]:
     out = []
@@ -34,7 +36,6 @@ def _flags(args: dict[str, Any]) -> list[str]:
 def _vllm(ctx: "BuildContext", prof: "RuntimeProfile", compat, tier: str) -> dict[str, Any]:
     rec = database.cached(ctx.registry).lookup(compat.architecture or "")
     rc = compat.estimated_requirements.get("recommended_config") or {}
-    gemma_window = any(c.name == "sliding_window" and "disable_sliding_window" in c.detail for c in compat.checks)
     args = {
         "served_model_name": ctx.model_id,
         # auto: bf16 where the device has it; vLLM itself casts to float16 where it does not (T4, Arc A770)
@@ -47,7 +48,6 @@ def _vllm(ctx: "BuildContext", prof: "RuntimeProfile", compat, tier: str) -> dic
         "quantization": "compressed-tensors" if tier != "bf16" else None,
         "model_impl": "transformers" if rec is not None and rec.vllm_support == "transformers-backend" else None,
         "trust_remote_code": ctx.trust_remote_code,
-        "disable_sliding_window": gemma_window,
         "generation_config": "auto",
     }
     return {

@@ -11,7 +11,8 @@
    token, and the ids vLLM's tokenizer gives. Both sides in fp32, so differences are the engine's, not the
    precision's. The whole artifact when vLLM's process fits the budget, else a layer slice of the real files
    (engine_check.py), compared with transformers and the source's reference on the same slice; the record
-   says which (`engine_check`).
+   says which (`engine_check`). A vision-language model's engine check adds an image prompt, compared with
+   transformers on the processor's own tensors after the image (vision.py).
 3. **Tokenizer**: the artifact's tokenizer gives the source's ids.
 
 A greedy divergence where the reference's two best tokens are within `TIE_MARGIN` (log-probability)
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ... import parity, prompts, reference, settings
+from ... import parity, prompts, reference, router_gaps, settings
 from ...errors import EngineFailed, HiveError
 from ...memory import model_facts
 from ...paths import work_dir
@@ -35,12 +36,20 @@ from .engine import NoEngine
 from .engine import run as run_engine
 from .engine import version as engine_version
 from .engine_check import kv_cache_bytes, write_slice
+from .engine_defects import matching as matching_defects
+from .engine_defects import record as defects_record
+from .int_tiers import INT_TIERS
+from .vision import IMAGE_CHECK_TOKENS, IMAGE_PROMPTS, check_images, is_vlm
 
 if TYPE_CHECKING:
     from .. import BuildContext
     from .plan import ValidationLayout
 
 TIE_MARGIN = 1e-3
+
+
+class UncheckableHere(HiveError):
+    """A known defect of this engine build stops it from running the model (engine_defects.py: `runs=False`)."""
 
 
 def evaluate(model_dir: Path, files: list[Path], source_files: list[Path] | None, sequences: list[list[int]],
@@ -137,6 +146,9 @@ def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tup
     on the whole artifact or a slice, the slice's layers resident or streamed."""
     check, resident = how.check, how.resident
     snapshot = ctx.snapshot
+    int_tier = INT_TIERS.get(ctx.recipe.options.get("quantization", "none"))  # W4A16 / INT8 (int_tiers.py)
+    fp8 = quantized and int_tier is None
+    engine_dtype = int_tier.engine_dtype if int_tier else "float32"
     src_tok, art_tok = CachedTokenizer(snapshot.dir), CachedTokenizer(artifact_dir)
     ids = reference.encode(src_tok, prompts.PARITY_TEXTS)
     gen_prompt = reference.encode(src_tok, [prompts.GENERATION_PROMPT])[0]
@@ -156,11 +168,13 @@ def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tup
         # identical shards only for the greedy continuations, their logits being the reference's.
         # W8A16 (informational, not gated) costs a second pass over the weights: only when they are resident.
         art = evaluate(artifact_dir, shards, snapshot.safetensors_files(), [] if identical else ids,
-                       greedy_prompts if whole else [], resident=resident, weight_only=quantized and resident,
+                       greedy_prompts if whole else [], resident=resident, weight_only=fp8 and resident,
                        step=f"the prepared directory of {ctx.model_id} in transformers")
         if identical:
             art["logits"] = list(ref.logits)
-    per_prompt = [parity.compare(r, a) for r, a in zip(ref.logits, art["logits"])]
+    # MoE positions the reference routes on a near-tie (router_gaps.py) are reported apart, as GGUF's validation does
+    ties = [None] * len(ids) if ref.router_gaps is None else [g < router_gaps.TIE_BOUND for g in ref.router_gaps]
+    per_prompt = [parity.compare(r, a, t) for r, a, t in zip(ref.logits, art["logits"], ties)]
     total = parity.merge(per_prompt)
 
     src_ids = [list(src_tok(t).input_ids) for t in prompts.TOKENIZER_TEXTS]
@@ -173,15 +187,21 @@ def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tup
         "max_kl": parity.round6(total.max_kl), "max_abs_logit_delta": parity.round6(total.max_abs_logit_delta), "finite": total.finite,
         "max_weight_rel_error": parity.round6(max(errors.values(), default=0.0)),
     }
+    if ref.router_gaps is not None:  # an MoE model: the near-tie positions, apart from the gated metrics
+        metrics["router_near_ties"] = total.near_ties
+        if total.near_ties:
+            metrics["router_near_tie_top1"] = parity.round6(total.near_tie_top1)
+            metrics["router_near_tie_max_kl"] = parity.round6(total.near_tie_max_kl)
     worst = max(errors, key=errors.get) if errors else None
     details: dict[str, Any] = {
         **how.to_json(), "reference": "transformers fp32 of the source", "prompt_set_version": prompts.VERSION,
-        "artifact_in_transformers": "fp32" + (", FP8 weights dequantized, activations quantized per token" if quantized else ""),
+        "artifact_in_transformers": "fp32" + (int_tier.simulated if int_tier else
+                                              ", FP8 weights dequantized, activations quantized per token" if fp8 else ""),
         "artifact_run": _artifact_run(identical, whole, resident, art.get("unit_loads")),
         "weights_compared": len(errors), "worst_weight": worst,
         "per_prompt": [p.rounded() for p in per_prompt],
     }
-    if quantized:
+    if fp8:
         # Where a platform has no FP8 activation kernels (CUDA sm75-sm86, XPU by default) vLLM runs W8A16:
         # weights dequantized, activations 16-bit. Reported beside the W8A8 numbers the gate uses.
         details["w8a16"] = (parity.merge([parity.compare(r, a) for r, a in zip(ref.logits, art["w8a16_logits"])]).rounded()
@@ -212,19 +232,33 @@ def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tup
                 resident=how.slice_resident, keep=work / "ref",
                 step=f"the reference of the first {check.layers} layers of {ctx.model_id}")["logits"]
             job_digests = sorted(digests) + [("slice_layers", str(check.layers))]
-        max_len = max(len(s) for s in ids + greedy_prompts) + prompts.GREEDY_TOKENS + 8
-        job = {"model_dir": str(engine_dir), "dtype": "float32", "max_model_len": max_len, "sequences": ids,
+        vlm = is_vlm(ctx.config)  # an image prompt too (vision.py), within a longer context
+        max_len = max(len(s) for s in ids + greedy_prompts) + prompts.GREEDY_TOKENS + 8 + (IMAGE_CHECK_TOKENS if vlm else 0)
+        job = {"model_dir": str(engine_dir), "dtype": engine_dtype, "max_model_len": max_len, "sequences": ids,
                "generation_prompts": greedy_prompts, "generation_tokens": prompts.GREEDY_TOKENS,
                "tokenizer_texts": prompts.TOKENIZER_TEXTS,
                "engine_args": {"kv_cache_memory_bytes": kv_cache_bytes(model_facts(snapshot), check.layers, max_len)}}
-        if quantized:  # which FP8 GEMM the CPU engine runs (runner.choose_fp8_matmul): part of the job, so of its cache key
+        if fp8:  # which FP8 GEMM the CPU engine runs (runner.choose_fp8_matmul): part of the job, so of its cache key
             job["fp8_matmul"] = settings.VLLM_FP8_MATMUL.choice(("auto", "native", "emulated"))
-        if ctx.config.get("sliding_window") and ctx.compatibility.family == "gemma":
-            job["engine_args"]["disable_sliding_window"] = True
+        if vlm:  # one picture a prompt: vLLM sizes its multimodal profiling and encoder cache by these limits
+            job["image_prompts"] = list(IMAGE_PROMPTS)
+            job["engine_args"]["limit_mm_per_prompt"] = {"image": 1, "video": 0}
+        # this engine build's known defects for this model (engine_defects.py): a workaround the job names, or a record
+        longest = max([len(s) for s in ids] + [len(g) + prompts.GREEDY_TOKENS for g in greedy_prompts])
+        defects = matching_defects(engine_version(), ctx.compatibility.architecture, ctx.config, longest)
+        if any(d.patch for d in defects):
+            job["runner_patches"] = sorted({d.patch for d in defects if d.patch})
         try:
+            if any(not d.runs for d in defects):  # this engine build cannot run the model at all: not started
+                raise UncheckableHere("; ".join(d.reason for d in defects if not d.runs))
             result = run_engine(job, job_digests, step)
         except NoEngine:
             raise
+        except UncheckableHere as e:  # named in the record, its gates not applied (engine_defects.py)
+            metrics["vllm_loaded"] = 0.0
+            details["vllm"] = {"status": "not checked: this engine build cannot run it", "engine": engine_version(),
+                               "reason": str(e), "check_on": "a GPU host: bench/gpu_vllm.sh", **defects_record(defects)}
+            vllm_ids = None
         except HiveError as e:  # EngineFailed / EngineCrashed: one line already
             if engine_required:
                 raise
@@ -234,9 +268,15 @@ def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tup
             vllm_ids = None
         else:
             em, ed = compare_engine(tf_logits, ids, tf_greedy, result, ref_logits)
+            if vlm:  # transformers on the processor's own tensors of each image prompt, on the files vLLM loaded
+                im, ed["image_prompts"] = check_images(result, engine_dir, check.layers,
+                                                       resident if whole else how.slice_resident, ctx.config,
+                                                       work / "images", step)
+                em.update(im)
             metrics.update(em)
-            details["vllm"] = {"status": "loaded", "dtype": "float32", "checked": check.mode,
-                               **({"layers": check.layers} if check.layers else {}), **ed}
+            details["vllm"] = {"status": "loaded", "dtype": engine_dtype, "checked": check.mode,
+                               **({"dtype_reason": int_tier.engine_dtype_reason} if int_tier else {}),
+                               **({"layers": check.layers} if check.layers else {}), **ed, **defects_record(defects)}
             if ed.get("engine"):  # the engine this artifact was checked in: pull compares it with a serving container's
                 details["engines"] = {"vllm": str(ed["engine"]).split("+")[0]}
             vllm_ids = result["tokenized"]

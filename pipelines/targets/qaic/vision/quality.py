@@ -3,9 +3,10 @@ torch against transformers fp32 on the same synthetic image and ids.
 - vision QPC: never MXFP6 (QEfficient's rule), `-convert-to-fp16`: the vision module's weights rounded to fp16;
 - language QPC: MXFP6 E2M3 on every constant MatMul weight of the language model (or fp16), MXINT8 (or fp16)
   on the K/V written to the cache, the image rows as the vision emulation gives them.
-Every text position after the image is scored (top-1, KL, max |delta logit|). Compute stays fp32, as in
-quality.py. Memory: the model streamed from the checkpoint twice in turn (reference, then emulation), each
-resident when it fits, else unit by unit with the vision side held (vision/streamed.py).
+Every text position after the image is scored (top-1, KL, max |delta logit|, and the perplexity of the text's next
+tokens, as quality.py scores a decoder's). Compute stays fp32, as in quality.py. Memory: the model streamed from
+the checkpoint twice in turn (reference, then emulation), each resident when it fits, else unit by unit with the
+vision side held (vision/streamed.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def predict_vlm(family: VisionFamily, model_dir: Path, files: list[Path], text_i
     from .... import parity
     from ....streamed_model import StreamedCausalLM, trim_heap
     from ..mx import fake_mxfp6, fake_mxint8
-    from ..quality import fake_fp16, mx_transform
+    from ..quality import fake_fp16, mx_transform, perplexity_change
     from .export import language_decoder, language_shim
     from .parity import _reference, image_prompt
     from .streamed import split_transform, vision_side
@@ -52,8 +53,11 @@ def predict_vlm(family: VisionFamily, model_dir: Path, files: list[Path], text_i
     trim_heap()
     first_text = max(i for i, t in enumerate(prompt) if t == token) + 1  # the text the image conditions
     total = parity.compare(ref[first_text:], got[first_text:])
+    # the text path's perplexity, on the same positions: each one's next token of the prompt's text
+    text = [prompt[first_text:]]
     return {"positions": total.positions, "top1": round(total.top1_agreement, 6), "kl": float(f"{total.mean_kl:.6g}"),
             "max_abs_logit_delta": float(f"{total.max_abs_logit_delta:.6g}"),
+            **perplexity_change(text, [ref[first_text:]], [got[first_text:]]),
             "finite": bool(np.isfinite(got).all()), "resident": resident,
             "emulated": ["fp16 vision weights", "mxfp6 language weights" if mxfp6 else "fp16 language weights",
                          "mxint8 kv cache" if mxint8 else "float16 kv cache"]}
