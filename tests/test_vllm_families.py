@@ -200,3 +200,27 @@ def test_gemma3_serves_its_sliding_window_at_the_profiles_context(published):
            "engine_args": {"kv_cache_memory_bytes": 64 << 20, "max_num_seqs": args.get("max_num_seqs", 1)}}
     out = engine.run(job, [("serving-args", json.dumps(args, sort_keys=True))], "Gemma 3 at the profile's context")
     assert len(out["sequences"][0]) == 4
+
+
+def test_kimi_k2_as_released_is_refused_in_one_line(published, tmp_path):
+    """Kimi-K2 declares DeepseekV3ForCausalLM with model_type kimi_k2 and auto_map: remote code, which hive-aot never
+    runs. Unreviewed it needs review; reviewed, transformers has no kimi_k2 model to build the reference from (its
+    tokenizer is remote code too). One line each; once a native equivalent exists, the DeepSeek defect record covers it."""
+    import shutil
+
+    from pipelines.errors import HiveError
+
+    published("deepseek_v3")
+    d = tmp_path / "kimi-k2"
+    shutil.copytree(published.root / "deepseek_v3", d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                                               "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    (d / "config.json").write_text(json.dumps(cfg))
+    model_id = "moonshotai/Kimi-K2-Instruct"
+    for reviewed, message in ((False, "requires review"), (True, "transformers cannot build the reference model")):
+        models = [{"id": model_id, "recipes": ["vllm-bf16"], "reviewed": True}] if reviewed else []
+        config = Config.load(write_test_config(tmp_path / f"cfg-{reviewed}", REPO, gates={}, models=models))
+        with pytest.raises(HiveError, match=message) as err:
+            build_and_publish(str(d), "vllm-bf16", config, str(tmp_path / "store"), model_id)
+        assert "\n" not in str(err.value)
