@@ -93,3 +93,34 @@ def test_shapes_are_checked_through_the_rule_without_reading_data(qwen3_moe, tmp
     zeros = copy_model(qwen3_moe, tmp_path / "zeros")
     rewrite_safetensors(zeros, lambda t: t.update({k: np.zeros_like(v) for k, v in t.items()}))
     assert _map(zeros)[0].rules.keys() == _map(qwen3_moe)[0].rules.keys()
+
+
+def test_expert_input_quantization_is_only_on_inside_the_experts_forward(qwen3_moe):
+    """moe_activations: while an experts module runs, each expert GEMM's input is quantized; outside it (and after
+    a forward that raised) nn.functional.linear is untouched."""
+    import torch
+
+    from pipelines.streamed_model import StreamedCausalLM
+    from pipelines.targets.vllm.moe_activations import quantize_expert_inputs
+
+    lm = StreamedCausalLM(qwen3_moe, sorted(qwen3_moe.glob("*.safetensors")), resident=True)
+    try:
+        experts = lm.model.get_submodule("model.layers.0.mlp.experts")
+        seen = []
+        quantize_expert_inputs(experts, lambda x: (seen.append(tuple(x.shape)), torch.zeros_like(x))[1])
+        ids = list(range(10, 30))
+        zeroed = lm.logits(ids)
+        # two GEMMs per expert reached: the hidden state (64) in front of gate_up, act(gate) * up (moe 64) in front of down
+        assert seen and len(seen) % 2 == 0 and {s[-1] for s in seen} == {64}
+        w, x = torch.ones(3, 4), torch.ones(2, 4)
+        assert torch.equal(torch.nn.functional.linear(x, w), torch.full((2, 3), 4.0))  # outside: untouched
+        with pytest.raises(RuntimeError):
+            experts(torch.ones(2, 5), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2))  # a wrong width raises
+        assert torch.equal(torch.nn.functional.linear(x, w), torch.full((2, 3), 4.0))  # and left switched off
+        plain = StreamedCausalLM(qwen3_moe, sorted(qwen3_moe.glob("*.safetensors")), resident=True)
+        try:
+            assert not np.allclose(zeroed, plain.logits(ids))  # the quantizer did act on layer 0's experts
+        finally:
+            plain.close()
+    finally:
+        lm.close()

@@ -47,4 +47,4 @@ def quantize_expert_inputs(module, quantize: Callable) -> None:
     # loop, expert by expert (what a streamed experts module runs anyway), is the one whose inputs are seen
     module.config._experts_implementation = "eager"
     module.register_forward_pre_hook(enter)
-    module.register_forward_hook(leave)
+    module.register_forward_hook(leave, always_call=True)  # also when the forward raises: never left switched on
