@@ -28,7 +28,7 @@ from ...errors import ModelFormatError
 from ...progress import bar
 from ...safetensors_io import TensorSource
 from .convert import Output, Step, _add, _general_metadata, _write_step, text_config
-from .families.spec import HParams, Param, Rule, accept, derived, param
+from .families.spec import HParams, Param, Rule, accept, derived, located, param
 
 Q = gguf.GGMLQuantizationType
 C, V = gguf.Keys.Clip, gguf.Keys.ClipVision
@@ -115,12 +115,7 @@ class Projector:
     divergence: str | None = None  # why llama.cpp's graph cannot match transformers (then not gated)
 
     def located(self, name: str, present: Callable[[str], bool]) -> str:
-        if present(name):
-            return name
-        for prefix, moved in self.renames:
-            if name.startswith(prefix) and present(moved + name[len(prefix):]):
-                return moved + name[len(prefix):]
-        return name
+        return located(name, self.renames, present)
 
     def key_values(self, hp: HParams) -> dict[str, tuple[Any, type]]:
         out: dict[str, tuple[Any, type]] = {}

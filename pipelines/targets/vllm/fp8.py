@@ -28,7 +28,6 @@ E4M3_MAX = 448.0
 # sensitive), vision towers and projectors (Idefics3's is its `connector`).
 KEEP_HIGH_PRECISION = re.compile(
     r"(^|\.)(lm_head|gate|router|shared_expert_gate)$|(^|\.)(vision_tower|visual|vision_model|multi_modal_projector|connector)(\.|$)")
-COMPRESSED_TENSORS_VERSION = "0.17.0"  # the format version vLLM 0.33 pins; recorded in the config
 
 
 def fp8_selection(cmap: "CheckpointMap", src: "TensorSource") -> tuple[set[str], list[str]]:
@@ -102,23 +101,7 @@ def dequantize(q_bytes: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 def quantization_config(ignore: list[str]) -> dict[str, Any]:
     """config.json's quantization_config for FP8 W8A8 dynamic (per-channel weights, per-token activations)."""
-    def args(strategy: str, dynamic: bool, observer: str | None) -> dict[str, Any]:
-        return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": dynamic,
-                "group_size": None, "block_structure": None, "actorder": None, "observer": observer,
-                "observer_kwargs": {}}
+    from .pack import compressed_tensors_config, quantization_args
 
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "float-quantized",
-        "quantization_status": "compressed",
-        "version": COMPRESSED_TENSORS_VERSION,
-        "config_groups": {"group_0": {"targets": ["Linear"], "format": "float-quantized",
-                                      "weights": args("channel", False, "minmax"),
-                                      "input_activations": args("token", True, None),
-                                      "output_activations": None}},
-        "ignore": sorted(set(ignore)),
-        "kv_cache_scheme": None,
-        "sparsity_config": {},
-        "transform_config": {},
-        "global_compression_ratio": None,
-    }
+    return compressed_tensors_config("float-quantized", quantization_args(8, "float", "channel"),
+                                     quantization_args(8, "float", "token", dynamic=True, observer=None), ignore)

@@ -26,7 +26,7 @@ INT4_MIN, INT4_MAX = -8, 7
 INT8_MIN, INT8_MAX = -128, 127
 NIBBLES_PER_WORD = 8  # 32 bits / 4
 ACTORDER = "weight"  # GPTQ's static act-order (gptq.py): recorded, changes nothing in the stored layout
-COMPRESSED_TENSORS_VERSION = "0.17.0"  # the format version vLLM 0.32-0.33 pin (fp8.py records the same)
+COMPRESSED_TENSORS_VERSION = "0.17.0"  # the format version vLLM 0.32-0.33 pin, recorded in every config
 
 
 def group_size_for(cols: int) -> int | None:

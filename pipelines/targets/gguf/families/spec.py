@@ -353,6 +353,12 @@ def accept(hp: HParams) -> None:
     return None
 
 
+def located(name: str, renames, present: Callable[[str], bool]) -> str:
+    """The checkpoint's name of the tensor rules call `name` (a family's or a projector's `renames` applied)."""
+    moved = (to + name[len(prefix):] for prefix, to in renames if name.startswith(prefix))
+    return name if present(name) else next((m for m in moved if present(m)), name)
+
+
 @dataclass(frozen=True)
 class Family:
     """One llama.cpp architecture and the HF architectures converted to it."""
@@ -397,13 +403,7 @@ class Family:
         return (self.variant(hp) if self.variant is not None else None) or self
 
     def located(self, name: str, present: Callable[[str], bool]) -> str:
-        """The checkpoint's name of the tensor the rules call `name` (itself when no rename finds it)."""
-        if present(name):
-            return name
-        for prefix, moved in self.renames:
-            if name.startswith(prefix) and present(moved + name[len(prefix):]):
-                return moved + name[len(prefix):]
-        return name
+        return located(name, self.renames, present)
 
     def key_tensors(self, hp: HParams, present: Callable[[str], bool]) -> dict[str, list[str]]:
         """GGUF key -> the checkpoint scalars (one per block) its per-layer values are read from (`tensor_keys`)."""
