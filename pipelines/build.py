@@ -23,7 +23,8 @@ from .config import Config
 from .errors import DiskFull, HiveError, IntegrityError, StoreError, ValidationFailed
 from .host import disk_full_cause, disk_full_error
 from .manifest import FileEntry, Manifest, ModelInfo, RecipeInfo
-from .memory import MemoryPlan, plan_build
+from .memory import MemoryPlan, model_facts, plan_build
+from .model_description import describe_build
 from .paths import reclaim_work, work_dir
 from .planning import Plan, plan, recipe_hardware  # noqa: F401 - re-exported: the engine's entry points
 from .store import Store, blob_key, manifest_key, open_store, staging_key
@@ -177,6 +178,7 @@ def stage(p: Plan, store: Store) -> BuildResult:
         recipe=RecipeInfo(id=p.recipe.id, kind=p.recipe.kind, digest=p.recipe.digest, options=p.recipe.options),
         runtime_profiles=list(serving), format=art.format or p.target.artifact_format(p.recipe.options), files=entries,
         toolchain=p.target.toolchain(), build=art.info, serving=serving,
+        describe=describe_build(s.config(), (resources.facts or model_facts(s)).parameters, p.target, p.recipe.options),
     )
     try:
         store.write_bytes(staging_key(p.build_id), json.dumps({"state": "staged", "manifest": manifest.model_dump(mode="json")}).encode())

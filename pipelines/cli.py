@@ -25,8 +25,8 @@ from .errors import HiveError
 
 from .cli_output import (EXIT_ERROR, EXIT_INCOMPATIBLE, EXIT_OK, EXIT_REJECTED, EXIT_RESOURCES,  # noqa: F401
                          EXIT_REVIEW, EXIT_USAGE, emit as _emit, size as _size)
-from .cli_store import (cmd_gc, cmd_ls, cmd_profiles, cmd_pull, cmd_retire, cmd_serve, cmd_tag, modelcar_parser,
-                        verify_parser)
+from .cli_store import cmd_gc, cmd_ls, cmd_retire, cmd_tag, modelcar_parser, pull_parsers, verify_parser
+from .cli_copy import copy_parser
 
 # Import names that differ from the distribution that provides them.
 _DIST_OF_MODULE = {"llama_cpp": "llama_cpp_python", "google": "protobuf"}
@@ -196,12 +196,17 @@ def cmd_compile(args) -> int:
     """Finish published artifacts with their kind's hardware step (the AI 100 compile) on this host."""
     from .config import Config
     from .kinds import target_for
+    from .build_ids import resolve_build_id
+    from .paths import model_slug
     from .pull import parse_model
     from .store import open_store
 
     config = Config.load(args.registry, args.recipes)
     model_id, input_build = parse_model(args.model)
     store = open_store(args.store)
+    if input_build is not None:  # a prefix names one published build (of --recipe, where given)
+        input_build = resolve_build_id(input_build, store.list(f"manifests/{model_slug(model_id)}/"),
+                                       model_id=model_id, where=store.uri, recipe=args.recipe)
     if args.recipe is not None:
         step = target_for(config.recipe(args.recipe).kind).hardware_step
         if step is None:
@@ -284,43 +289,9 @@ def parser() -> argparse.ArgumentParser:
     common(sp)
     sp.set_defaults(func=cmd_compile)
 
-    sp = sub.add_parser("pull", help="fetch a published artifact into a directory")
-    sp.add_argument("model", help="org/name[@build_id]")
-    sp.add_argument("--target", required=True, help="runtime profile id, or 'auto'")
-    sp.add_argument("--dest", required=True)
-    sp.add_argument("--recipe")
-    sp.add_argument("--tag", default="latest")
-    sp.add_argument("--strict", action="store_true",
-                    help="fail when this container's engine version differs from the one the artifact was validated with")
-    sp.add_argument("--trusted-keys", help="Ed25519 public key PEM file(s), comma-separated: require the manifest to "
-                                           "be signed by one (default: $HIVE_AOT_TRUSTED_KEYS)")
-    sp.add_argument("--allow-stand-in", action="store_true", help="accept an artifact a stand-in toolchain made (tests)")
-    common(sp)
-    sp.set_defaults(func=cmd_pull)
-
-    sp = sub.add_parser("serve", help="a serving container's entrypoint: pull, then exec the manifest's server "
-                                      "(arguments after -- are appended to the server's)")
-    sp.add_argument("model", help="org/name[@build_id]")
-    sp.add_argument("--target", default="auto", help="runtime profile id, or 'auto' (default)")
-    sp.add_argument("--dest", required=True)
-    sp.add_argument("--recipe")
-    sp.add_argument("--tag", default="latest")
-    sp.add_argument("--strict", action="store_true", help="refuse an engine version other than the validated one")
-    sp.add_argument("--trusted-keys", help="Ed25519 public key PEM file(s): require a signed manifest")
-    sp.add_argument("--allow-stand-in", action="store_true", help="accept an artifact a stand-in toolchain made (tests)")
-    sp.add_argument("--dry-run", action="store_true", help="pull, then print the command instead of running it")
-    sp.add_argument("--allow-remote-code", action="store_true",
-                    help="run --trust-remote-code servers from an unsigned manifest (a signed one needs no flag)")
-    common(sp)
-    sp.set_defaults(func=cmd_serve)
-
-    sp = sub.add_parser("profiles", help="what is published for a model, per runtime profile, and what --target auto picks")
-    sp.add_argument("model", help="org/name[@build_id]")
-    sp.add_argument("--tag", default="latest")
-    common(sp)
-    sp.set_defaults(func=cmd_profiles)
-
+    pull_parsers(sub, common)
     modelcar_parser(sub)
+    copy_parser(sub)
     verify_parser(sub)
 
     sp = sub.add_parser("tag", help="point a tag at a published build (promote it, or roll a tag back to it)")

@@ -13,6 +13,11 @@ from .errors import HiveError, IntegrityError
 def cmd_pull(args) -> int:
     from .pull import pull
 
+    if args.model.startswith("oci://"):
+        return _cmd_pull_artifact(args)
+    if not args.target:  # a usage error (exit 2, with the usage line), as argparse's own required flags are
+        args.usage_error("the following arguments are required for a model of the store: --target (a runtime "
+                         "profile id, or 'auto'); only an oci://HOST/REPOSITORY:TAG reference is pulled without it")
     res = pull(args.model, args.target, _dest(args.dest), recipe=args.recipe, tag=args.tag, store_uri=args.store,
                registry=args.registry, strict=args.strict, trusted=args.trusted_keys, allow_stand_in=args.allow_stand_in)
     for w in res.get("warnings", []):
@@ -38,6 +43,29 @@ def cmd_pull(args) -> int:
         human += f"\n  serve: {res['serve']}"
     if res.get("serve_refused"):
         human += f"\n  hive-aot serve would refuse it: {res['serve_refused']}"
+    emit(args, res, human)
+    return EXIT_OK
+
+
+def _cmd_pull_artifact(args) -> int:
+    """`pull oci://HOST/REPOSITORY:TAG|@sha256:...`: any ModelPack artifact (foreign_pull.py)."""
+    from .foreign_pull import pull_foreign
+
+    given = [flag for flag, value in (("--target", args.target), ("--recipe", args.recipe), ("--store", args.store),
+                                      ("--tag", args.tag != "latest"), ("--strict", args.strict),
+                                      ("--allow-stand-in", args.allow_stand_in)) if value]
+    if given:
+        raise HiveError(f"{', '.join(given)}: not for an oci:// artifact reference, which names its registry, "
+                        f"repository and tag (or digest) itself and carries no runtime profile")
+    res = pull_foreign(args.model, _dest(args.dest), trusted=args.trusted_keys)
+    human = (f"{'already present' if res['already_present'] else 'pulled'} {res['reference']} ({res['digest'][:19]}, "
+             f"{len(res['files'])} file(s), {size(res['size'])}) into {res['dest']}")
+    if res["signed_by"]:
+        human += f"\n  signed by {res['signed_by']}"
+    moved = res.get("transfer")
+    if moved and (moved["resumed_bytes"] or moved["cached_blobs"]):
+        human += (f"\n  fetched {size(moved['fetched_bytes'])}; resumed {size(moved['resumed_bytes'])}; "
+                  f"{moved['cached_blobs']} layer(s) already in the cache")
     emit(args, res, human)
     return EXIT_OK
 
@@ -151,6 +179,48 @@ def cmd_modelcar(args) -> int:
     return EXIT_OK
 
 
+def pull_parsers(sub, common) -> None:
+    """pull, serve and profiles: the serving container's commands."""
+    sp = sub.add_parser("pull", help="fetch a published artifact (or any ModelPack artifact: oci://...) into a directory")
+    sp.add_argument("model", help="org/name[@build_id], or oci://HOST[:PORT]/REPOSITORY:TAG (or @sha256:<hex>): any "
+                                  "CNCF ModelPack artifact in a registry")
+    sp.add_argument("--target", help="runtime profile id, or 'auto' (required, except for an oci:// artifact)")
+    sp.add_argument("--dest", required=True)
+    sp.add_argument("--recipe")
+    sp.add_argument("--tag", default="latest")
+    sp.add_argument("--strict", action="store_true",
+                    help="fail when this container's engine version differs from the one the artifact was validated with")
+    sp.add_argument("--trusted-keys", help="ECDSA public key PEM file(s) (Ed25519: stores signed before OMS), "
+                                           "comma-separated: require the manifest to be signed by one (default: "
+                                           "$HIVE_AOT_TRUSTED_KEYS)")
+    sp.add_argument("--allow-stand-in", action="store_true", help="accept an artifact a stand-in toolchain made (tests)")
+    common(sp)
+    sp.set_defaults(func=cmd_pull, usage_error=sp.error)
+
+    sp = sub.add_parser("serve", help="a serving container's entrypoint: pull, then exec the manifest's server "
+                                      "(arguments after -- are appended to the server's)")
+    sp.add_argument("model", help="org/name[@build_id]")
+    sp.add_argument("--target", default="auto", help="runtime profile id, or 'auto' (default)")
+    sp.add_argument("--dest", required=True)
+    sp.add_argument("--recipe")
+    sp.add_argument("--tag", default="latest")
+    sp.add_argument("--strict", action="store_true", help="refuse an engine version other than the validated one")
+    sp.add_argument("--trusted-keys", help="ECDSA public key PEM file(s) (Ed25519: stores signed before OMS): "
+                                           "require a signed manifest")
+    sp.add_argument("--allow-stand-in", action="store_true", help="accept an artifact a stand-in toolchain made (tests)")
+    sp.add_argument("--dry-run", action="store_true", help="pull, then print the command instead of running it")
+    sp.add_argument("--allow-remote-code", action="store_true",
+                    help="run --trust-remote-code servers from an unsigned manifest (a signed one needs no flag)")
+    common(sp)
+    sp.set_defaults(func=cmd_serve)
+
+    sp = sub.add_parser("profiles", help="what is published for a model, per runtime profile, and what --target auto picks")
+    sp.add_argument("model", help="org/name[@build_id]")
+    sp.add_argument("--tag", default="latest")
+    common(sp)
+    sp.set_defaults(func=cmd_profiles)
+
+
 def modelcar_parser(sub) -> None:
     sp = sub.add_parser("modelcar", help="push a Modelcar image of a published artifact (its files under /models) "
                                          "to the artifact's repository in an oci:// store",
@@ -164,7 +234,7 @@ def modelcar_parser(sub) -> None:
                                     "--base a runnable image such as busybox.")
     sp.add_argument("model", help="org/name[@build_id]")
     sp.add_argument("--recipe", help="the recipe (default: the only one published with --tag)")
-    sp.add_argument("--build", help="a build id instead of a tag")
+    sp.add_argument("--build", help="a build id (or a unique prefix of 8+ of its hex digits) instead of a tag")
     sp.add_argument("--tag", default="latest", help="the ref tag whose build is imaged (default latest)")
     sp.add_argument("--image-tag", help="the image's tag (default <recipe>.<tag>-modelcar); not one of the store's "
                                         "own <recipe>.<tag> tags")
@@ -208,8 +278,8 @@ def verify_parser(sub) -> None:
     sp.add_argument("--recipe", help="only this recipe (default: every recipe the tag names)")
     sp.add_argument("--tag", default="latest", help="the ref tag to check (default latest)")
     sp.add_argument("--deep", action="store_true", help="read and hash every blob from the store")
-    sp.add_argument("--trusted-keys", help="Ed25519 public key PEM file(s): also require a trusted signature "
-                                           "(default: $HIVE_AOT_TRUSTED_KEYS)")
+    sp.add_argument("--trusted-keys", help="ECDSA public key PEM file(s) (Ed25519: stores signed before OMS): also "
+                                           "require a trusted signature (default: $HIVE_AOT_TRUSTED_KEYS)")
     sp.add_argument("--json", action="store_true", help="print the report as one JSON document on stdout")
     sp.add_argument("--store", help="the store (default: $HIVE_AOT_STORE)")
     sp.set_defaults(func=cmd_verify)

@@ -57,6 +57,11 @@ class Manifest(BaseModel):
     # args, env, `command` (argv with "{model_dir}" for the pulled directory). Manifests written before
     # per-profile descriptions hold one flat description here; pull still reads them.
     serving: dict[str, Any] = Field(default_factory=dict)
+    # What the published model is, for readers that do not know hive-aot (the OCI store's ModelPack config shows
+    # it): family (config.json's model_type), architecture (its class), parameters (the source model's count),
+    # precision and quantization (its kind's `describe_weights`). A function of what defines the build id, so
+    # every host writes the same one. Empty in manifests written before it, whose bytes to_bytes keeps.
+    describe: dict[str, Any] = Field(default_factory=dict)
 
     @property
     def pending_needs(self) -> str:
@@ -82,7 +87,12 @@ class Manifest(BaseModel):
             raise IntegrityError(f"{where} is not a valid manifest ({loc}: {first['msg']}): the store is damaged") from None
 
     def to_bytes(self) -> bytes:
-        return canonical_json(self.model_dump(mode="json")) + b"\n"
+        doc = self.model_dump(mode="json")
+        if not doc["describe"]:
+            # A manifest read back is written again (a ref names its sha256; `tag`, the repair of a commit): one
+            # written before `describe` existed must give its stored bytes, or every new ref would name other bytes.
+            del doc["describe"]
+        return canonical_json(doc) + b"\n"
 
     @property
     def total_size(self) -> int:

@@ -32,7 +32,7 @@ def modelcar(model: str, *, store_uri: str | None, recipe: str | None = None, bu
     store = open_store(uri)
     if build_id is not None:
         recipe_id, m = find_build(store, model_id, build_id, recipe)
-        name = build_id
+        name = m.build_id  # the full id, whatever prefix named it
     else:
         recipe_id = recipe or _only_recipe(store, model_id, tag)
         ref = store.read_ref(ref_key(model_id, recipe_id, tag))

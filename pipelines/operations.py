@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .build_ids import resolve_build_id
 from .errors import HiveError
 from .manifest import Manifest
 from .paths import model_slug
@@ -18,9 +19,11 @@ from .store.layout import BUNDLE_TAG_PREFIX, check_binding, check_recipe_id, ref
 
 
 def find_build(store, model_id: str, build_id: str, recipe: str | None = None) -> tuple[str, Manifest]:
-    """(recipe, manifest) of a published build of the model; one line when there is none (or it is ambiguous)."""
-    prefix = f"manifests/{model_slug(model_id)}/"
-    found = [k for k in store.list(prefix) if k.endswith(f"/{build_id}.json")
+    """(recipe, manifest) of a published build of the model (`build_id`: a full id or a unique prefix); one line
+    when there is none (or it is ambiguous)."""
+    keys = store.list(f"manifests/{model_slug(model_id)}/")
+    build_id = resolve_build_id(build_id, keys, model_id=model_id, where=store.uri, recipe=recipe)
+    found = [k for k in keys if k.endswith(f"/{build_id}.json")
              and (recipe is None or k == manifest_key(model_id, recipe, build_id))]
     if not found:
         raise HiveError(f"{model_id}: no published build {build_id}" + (f" of {recipe}" if recipe else "")
@@ -51,13 +54,13 @@ def tag(model: str, tag_name: str, *, recipe: str | None = None, store_uri: str 
     recipe_id, m = find_build(store, model_id, build_id, recipe)
     pending = m.build.get("state") == "compile_pending"
     if pending != tag_name.startswith(BUNDLE_TAG_PREFIX):
-        raise HiveError(f"{model_id}@{build_id[:12]} is " + (
+        raise HiveError(f"{model_id}@{m.build_id[:12]} is " + (
             f"an export bundle (compile pending): it takes only {BUNDLE_TAG_PREFIX}* tags" if pending else
             f"a servable artifact: {BUNDLE_TAG_PREFIX}* tags are for export bundles"))
     key = ref_key(model_id, recipe_id, tag_name)
     before = store.read_ref(key)
     store.write_bytes(key, ref_document(model_id, recipe_id, m))
-    return {"model_id": model_id, "recipe": recipe_id, "tag": tag_name, "build_id": build_id,
+    return {"model_id": model_id, "recipe": recipe_id, "tag": tag_name, "build_id": m.build_id,
             "previous_build_id": before.get("build_id") if before else None, "store": store.uri}
 
 

@@ -16,15 +16,16 @@ from typing import Any
 from .blob_batch import fetch_blobs
 from .blob_cache import TransferStats, check_cache_dirs, missing_bytes
 from .blob_leftovers import reclaim_partials
+from .build_ids import check_build_ref, resolve_build_id
 from .errors import HiveError, IntegrityError, ResourceError
 from .manifest import Manifest
 from .paths import check_model_id, exclusive_lock, model_slug, safe_relpath
 from .progress import bar
 from .pulled_dir import FILE_MODE, MARKER, assemble, present  # noqa: F401 - MARKER: pull's public name for it
-from .signing import trusted_keys, verify
+from .signing import signature_key, trusted_keys, verify_signature
 from .store import Store, manifest_key, open_store, ref_key
 from .store.documents import load_manifest
-from .store.layout import BUNDLE_TAG_PREFIX, PROFILES_KEY, is_digest
+from .store.layout import BUNDLE_TAG_PREFIX, PROFILES_KEY
 from .engine_versions import engine_check
 from .serve_policy import serving_summary
 
@@ -38,30 +39,33 @@ class Candidate:
 
 
 def parse_model(spec: str) -> tuple[str, str | None]:
+    """(model id, build id or a prefix of one, else None); `candidates` resolves a prefix against the store."""
     model, at, build = spec.partition("@")
     check_model_id(model, hint=" (pull takes org/name[@build_id])")
-    if at and not is_digest(build):
-        shown = build if len(build) <= 80 else build[:77] + "..."
-        raise HiveError(f"{shown!r} is not a build id (64 lowercase hex digits; pull takes org/name[@build_id])")
+    if at:
+        check_build_ref(build, hint="; pull takes org/name[@build_id]")
     return model, build or None
 
 
-def candidates(store: Store, model_id: str, tag: str, build_id: str | None) -> list[Candidate]:
+def candidates(store: Store, model_id: str, tag: str, build_id: str | None,
+               recipe: str | None = None) -> list[Candidate]:
+    """The published builds `tag` names (one per recipe), or those of `build_id` (a full id or a unique prefix;
+    `recipe` only settles which build a prefix names: the caller still chooses among the recipes)."""
     slug = model_slug(model_id)
     out = []
     if build_id:
-        for key in store.list(f"manifests/{slug}/"):
+        keys = store.list(f"manifests/{slug}/")
+        build_id = resolve_build_id(build_id, keys, model_id=model_id, where=store.uri, recipe=recipe)
+        for key in keys:
             if key.endswith(f"/{build_id}.json"):
-                recipe = key.split("/")[2]
-                out.append(Candidate(recipe, load_manifest(store, key, None, model_id), None))
+                out.append(Candidate(key.split("/")[2], load_manifest(store, key, None, model_id), None))
         return out
-    recipes = sorted({k.split("/")[2] for k in store.list(f"refs/{slug}/")})
-    for recipe in recipes:
-        ref = store.read_ref(ref_key(model_id, recipe, tag))
+    for recipe_id in sorted({k.split("/")[2] for k in store.list(f"refs/{slug}/")}):
+        ref = store.read_ref(ref_key(model_id, recipe_id, tag))
         if ref is None:
             continue
-        out.append(Candidate(recipe, load_manifest(store, manifest_key(model_id, recipe, ref["build_id"]),
-                                                    ref.get("manifest_sha256"), model_id), ref))
+        out.append(Candidate(recipe_id, load_manifest(store, manifest_key(model_id, recipe_id, ref["build_id"]),
+                                                       ref.get("manifest_sha256"), model_id), ref))
     return out
 
 
@@ -179,7 +183,7 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
     model_id, build_id = parse_model(model)
     store.check_exists()
     profiles = _profiles(store, registry)
-    cands = candidates(store, model_id, tag, build_id)
+    cands = candidates(store, model_id, tag, build_id, recipe)
     auto = None
     if target == "auto":
         from .accelerators import choose_profile, detect
@@ -211,14 +215,14 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
                         f"toolchain ({str(m.build['stand_in'])[:120]}): refusing to hand it to a server "
                         f"(--allow-stand-in pulls it for tests)")
     keys = trusted_keys(trusted)
-    if keys:  # tampering, not only damage: the manifest's exact bytes must carry a trusted signature
-        mkey = manifest_key(model_id, chosen.recipe, m.build_id)
-        raw = store.read_bytes(mkey) or b""
-        if Manifest.parse(raw, f"{store.uri}: manifest {mkey}") != m:  # what is verified is what is served
-            raise IntegrityError(f"{store.uri}: manifest {mkey} changed while pulling")
-        signed_by = verify(store, mkey, raw, keys)
-    else:
-        signed_by = None
+    mkey = manifest_key(model_id, chosen.recipe, m.build_id)
+    raw = store.read_bytes(mkey) or b""
+    if Manifest.parse(raw, f"{store.uri}: manifest {mkey}") != m:  # what is verified is what is served
+        raise IntegrityError(f"{store.uri}: manifest {mkey} changed while pulling")
+    # tampering, not only damage: with trusted keys, the manifest and its files must carry a trusted signature
+    signature = store.read_bytes(signature_key(mkey))  # read once: the bytes verified are the bytes DIR keeps
+    signed_by = verify_signature(signature, raw, keys, f"{store.uri}: {mkey}") if keys else None
+    beside = _beside(store, mkey, raw, m, signature)
     engines = engine_check(m)
     differs = [e for e in engines if e["status"] == "differs"]
     if strict and differs:
@@ -236,11 +240,11 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
                   "manifest": m.model_dump(mode="json")}
     if not fetch:
         return {**serving_summary(marker_doc, dest, m, signed=signed_by is not None), "fetched": False,
-                "already_present": present(dest, m), "auto_target": auto, "engines": engines, "warnings": warnings,
+                "already_present": present(dest, m, beside), "auto_target": auto, "engines": engines, "warnings": warnings,
                 "signed_by": signed_by}
     # Held from the "already present" check to the swap: a second pull of DIR waits, then finds it complete.
-    with _dest_lock(dest):
-        if present(dest, m):
+    with dest_lock(dest):
+        if present(dest, m, beside):
             return {**serving_summary(marker_doc, dest, m, signed=signed_by is not None), "already_present": True, "auto_target": auto,
                     "engines": engines, "warnings": warnings, "signed_by": signed_by}
         check_cache_dirs({f.sha256 for f in m.files})
@@ -249,15 +253,31 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
         check_disk_for_pull(m, dest)
         stats = TransferStats()
         with bar(m.total_size, f"pull {chosen.recipe}") as pb:
-            blobs = fetch_blobs(store, {f.sha256: f.size for f in m.files}, pb, stats=stats)
+            blobs = fetch_blobs(store.blobs_for(mkey), {f.sha256: f.size for f in m.files}, pb, stats=stats)
         try:
-            assemble(dest, m, blobs, marker_doc)
+            assemble(dest, m, blobs, marker_doc, beside)
         except OSError as e:
             raise _cannot_write(dest, e) from None
     return {**serving_summary(marker_doc, dest, m, signed=signed_by is not None), "already_present": False, "auto_target": auto,
             "engines": engines, "warnings": warnings, "signed_by": signed_by,
             "transfer": {"fetched_bytes": stats.fetched, "resumed_bytes": stats.resumed,
                          "cached_blobs": stats.cached_blobs}}
+
+
+def _beside(store: Store, mkey: str, raw: bytes, m: Manifest, signature: bytes | None) -> dict[str, bytes]:
+    """What DIR holds besides the build's files: the manifest's exact bytes and, for a signed build, its OMS
+    bundle as the standard signature file (`model_signing verify key --signature DIR/model.sig ... DIR` checks a
+    pulled directory as it is). A legacy Ed25519 signature is not an OMS bundle: not written."""
+    from .oms import MANIFEST_FILE, SIGNATURE_FILE, is_bundle
+
+    beside = {MANIFEST_FILE: raw}
+    if signature is not None and is_bundle(signature):
+        beside[SIGNATURE_FILE] = signature
+    clash = sorted({f.path for f in m.files} & {MANIFEST_FILE, SIGNATURE_FILE, MARKER})
+    if clash:
+        raise IntegrityError(f"{store.uri}: manifest {mkey} lists {clash[0]!r}, a name hive-aot keeps for itself in a "
+                             "pulled directory: refusing it")
+    return beside
 
 
 def check_disk_for_pull(m: Manifest, dest: Path) -> None:
@@ -294,7 +314,7 @@ def _cannot_write(dest: Path, e: OSError) -> HiveError:
 
 
 @contextmanager
-def _dest_lock(dest: Path):
+def dest_lock(dest: Path):
     """An exclusive flock on `<parent>/.<name>.lock` for the block (paths.exclusive_lock); a directory that
     cannot hold it is one line."""
     lock = dest.with_name(f".{dest.name}.lock")

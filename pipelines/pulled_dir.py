@@ -79,7 +79,9 @@ def _not_ours(dest: Path) -> list[str]:
     marker's manifest lists and their directories (only the marker when that is unreadable)."""
     owned = {MARKER}
     try:
-        for f in json.loads((dest / MARKER).read_text())["manifest"]["files"]:
+        doc = json.loads((dest / MARKER).read_text())
+        owned.update(n for n in doc.get("beside", []) if isinstance(n, str) and "/" not in n)
+        for f in doc["manifest"]["files"]:
             parts = f["path"].split("/")
             owned.update("/".join(parts[:i]) for i in range(1, len(parts) + 1))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
@@ -115,19 +117,25 @@ def _swap_into_place(tmp: Path, dest: Path) -> None:
         os.replace(tmp, dest)
 
 
-def assemble(dest: Path, m: Manifest, blobs: dict[str, CachedBlob], marker_doc: dict[str, Any]) -> None:
+def assemble(dest: Path, m: Manifest, blobs: dict[str, CachedBlob], marker_doc: dict[str, Any],
+             beside: dict[str, bytes] | None = None) -> None:
+    """`beside`: small files DIR holds besides the build's (the manifest's exact bytes, the OMS signature),
+    name -> content."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
     try:
         for f in m.files:
             out = tmp / f.path
             _mkdirs(tmp, Path(f.path).parent)
             place(blobs[f.sha256], out)
+        for name, data in (beside or {}).items():
+            (tmp / name).write_bytes(data)
+            os.chmod(tmp / name, FILE_MODE)
         # Linking moved the blobs' ctimes: their cache stamps follow (the inodes this pull verified), so the next
         # pull into another DIR is not a re-hash.
         for blob in blobs.values():
             blob_stamps.restamp(*blob)
         # Renaming DIR into place moves no file's stat, so the stamps taken here describe DIR's files.
-        _write_marker(tmp, {**marker_doc, "stamps": {f.path: blob_stamps.identity((tmp / f.path).lstat())
+        _write_marker(tmp, {**marker_doc, "beside": sorted(beside or {}), "stamps": {f.path: blob_stamps.identity((tmp / f.path).lstat())
                                                      for f in m.files}})
         os.chmod(tmp, DIR_MODE)
         _swap_into_place(tmp, dest)
@@ -149,7 +157,7 @@ def _write_marker(directory: Path, doc: dict[str, Any]) -> None:
             os.unlink(tmp)
 
 
-def present(dest: Path, m: Manifest) -> bool:
+def present(dest: Path, m: Manifest, beside: dict[str, bytes] | None = None) -> bool:
     """DIR already holds build m: every file a regular file at its size and served mode, and unmodified.
 
     Policy for "unmodified" (issue 7 item 5, issue 39 item 1): a file whose (device, inode, size, mtime, ctime)
@@ -162,6 +170,8 @@ def present(dest: Path, m: Manifest) -> bool:
     so the next check is cheap again. HIVE_AOT_CACHE_VERIFY=rehash re-hashes every file every time."""
     rehash = blob_stamps.rehash_always()
     try:
+        if any((dest / name).read_bytes() != data for name, data in (beside or {}).items()):
+            return False  # small: compared whole (a DIR pulled before they were kept, or another signature)
         doc = json.loads((dest / MARKER).read_text())
         if not isinstance(doc, dict) or doc.get("build_id") != m.build_id:
             return False

@@ -100,8 +100,8 @@ def redact_uri(uri: str) -> str:
 REGISTRY = Setting("HIVE_AOT_REGISTRY", "deployment registry YAML (models, profiles, policies); else ./registry.yaml "
                    "if present, else the embedded defaults")
 RECIPES = Setting("HIVE_AOT_RECIPES", "directory of the deployment's own recipes; else the registry's recipes_dir")
-STORE = Setting("HIVE_AOT_STORE", "artifact store URI: a directory, file://, s3://bucket/prefix or "
-                "oci://host[:port]/repository", "./artifacts", uri=True)
+STORE = Setting("HIVE_AOT_STORE", "artifact store URI: a directory, file://, s3://bucket/prefix, "
+                "oci://host[:port]/repository or oci-layout:///dir/name", "./artifacts", uri=True)
 CACHE = Setting("HIVE_AOT_CACHE", "local cache: snapshots, reference logits, pulled blobs, downloads "
                 "(default ~/.cache/hive-aot)")
 PULL_PART_SIZE = Setting("HIVE_AOT_PULL_PART_SIZE", "size of one ranged GET of a pull (e.g. 16M): smaller parts "
@@ -129,7 +129,8 @@ WARM_IDLE = Setting("HIVE_AOT_WARM_IDLE", "seconds a warm step server waits for 
 PROGRESS = Setting("HIVE_AOT_PROGRESS", "any value: progress bars even when stderr is not a terminal")
 
 # --- trust -------------------------------------------------------------------------------------------------------
-SIGNING_KEY = Setting("HIVE_AOT_SIGNING_KEY", "Ed25519 private key (PEM) that signs every manifest published")
+SIGNING_KEY = Setting("HIVE_AOT_SIGNING_KEY", "ECDSA P-256/384/521 private key (PEM) that signs every manifest "
+                      "published (an OpenSSF Model Signing bundle)")
 TRUSTED_KEYS = Setting("HIVE_AOT_TRUSTED_KEYS", "public keys (comma-separated PEM paths): pull and serve require "
                        "a signature by one of them")
 SERVE_PROGRAMS = Setting("HIVE_AOT_SERVE_PROGRAMS", "serving programs pinned to absolute paths, e.g. "

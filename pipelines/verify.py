@@ -34,7 +34,7 @@ def verify_published(model: str, *, recipe: str | None = None, tag: str = "lates
     store = open_store(store_uri)
     model_id, build_id = parse_model(model)
     store.check_exists()
-    found = [c for c in candidates(store, model_id, tag, build_id) if recipe is None or c.recipe == recipe]
+    found = [c for c in candidates(store, model_id, tag, build_id, recipe) if recipe is None or c.recipe == recipe]
     if not found:
         what = f"build {build_id}" if build_id else f"tag {tag!r}"
         raise HiveError(f"{model_id}: nothing published with {what}" + (f" for {recipe}" if recipe else "")

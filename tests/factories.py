@@ -454,17 +454,45 @@ def store_contract(store, ref: str) -> None:
     assert store.list("refs/") == [ref] and store.modified(ref) > 0
 
 
-def ed25519_keypair(d: Path, name: str) -> tuple[Path, Path]:
-    """(private PEM, public PEM) of a fresh Ed25519 key written under `d`: a publisher's signing key and what a
-    puller trusts."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ed25519
+def ecdsa_keypair(d: Path, name: str, curve: str = "P-256") -> tuple[Path, Path]:
+    """(private PEM, public PEM) of a fresh ECDSA key (P-256, P-384 or P-521) written under `d`: a publisher's
+    OpenSSF Model Signing key and what a puller trusts."""
+    from cryptography.hazmat.primitives.asymmetric import ec
 
-    key = ed25519.Ed25519PrivateKey.generate()
+    key = ec.generate_private_key({"P-256": ec.SECP256R1(), "P-384": ec.SECP384R1(), "P-521": ec.SECP521R1()}[curve])
+    return _write_keypair(key, d, name)
+
+
+def _write_keypair(key, d: Path, name: str) -> tuple[Path, Path]:
+    """`key` as `<name>.pem` (PKCS#8, unencrypted) and its public key as `<name>.pub` (SubjectPublicKeyInfo)."""
+    from cryptography.hazmat.primitives import serialization
+
     priv, pub = d / f"{name}.pem", d / f"{name}.pub"
     priv.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                        serialization.NoEncryption()))
     pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
                                                   serialization.PublicFormat.SubjectPublicKeyInfo))
     return priv, pub
+
+
+def legacy_ed25519_signature(manifest_bytes: bytes, private_pem: Path) -> bytes:
+    """The signature document hive-aot wrote before OpenSSF Model Signing (Ed25519 over the manifest's bytes):
+    what stores signed then still hold, and pull still verifies with the Ed25519 public key."""
+    import base64
+    import hashlib
+
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(private_pem.read_bytes(), password=None)
+    raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return json.dumps({"algorithm": "ed25519", "key_id": hashlib.sha256(raw).hexdigest()[:16],
+                       "signature": base64.b64encode(key.sign(manifest_bytes)).decode()}, indent=1).encode()
+
+
+def ed25519_keypair(d: Path, name: str) -> tuple[Path, Path]:
+    """(private PEM, public PEM) of a fresh Ed25519 key written under `d`: the key of stores signed before OpenSSF
+    Model Signing (legacy_ed25519_signature), and what hive-aot now refuses as a signing key."""
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    return _write_keypair(ed25519.Ed25519PrivateKey.generate(), d, name)
 

@@ -441,12 +441,12 @@ def test_an_unusable_blob_cache_is_one_line_in_pull(cache, published, cli, tmp_p
 
 def _sign(published: dict, tmp_path: Path, monkeypatch) -> tuple[Path, Path, Path]:
     """A copy of the store whose manifest carries a signature; (store, signature file, public key file)."""
-    from factories import ed25519_keypair
+    from factories import ecdsa_keypair
     from pipelines.signing import signature_key, write_signature
     from pipelines.store import open_store
 
     store = _copy(published, tmp_path)
-    key, public = ed25519_keypair(tmp_path, "publisher")
+    key, public = ecdsa_keypair(tmp_path, "publisher")
     monkeypatch.setenv("HIVE_AOT_SIGNING_KEY", str(key))
     mkey = str(_manifest(store).relative_to(store))
     assert write_signature(open_store(str(store)), mkey, _manifest(store).read_bytes())
@@ -457,18 +457,19 @@ def _sign(published: dict, tmp_path: Path, monkeypatch) -> tuple[Path, Path, Pat
 @pytest.mark.parametrize("damage", ["key-id-a-list", "key-id-an-object", "a-directory", "a-fifo"])
 def test_a_damaged_signature_is_one_line_in_pull(damage, published, cli, tmp_path, monkeypatch):
     """Item 13: a key id that is a list or an object was `TypeError: unhashable type`, a signature path that is a
-    directory `IsADirectoryError` (a FIFO would block the read forever)."""
+    directory `IsADirectoryError` (a FIFO would block the read forever). The key id is now the OMS bundle's hint."""
     import os
 
     store, sig, public = _sign(published, tmp_path, monkeypatch)
     if damage.startswith("key-id"):
         doc = json.loads(sig.read_text())
-        doc["key_id"] = [doc["key_id"]] if damage == "key-id-a-list" else {"id": doc["key_id"]}
+        hint = doc["verificationMaterial"]["publicKey"]["hint"]
+        doc["verificationMaterial"]["publicKey"]["hint"] = [hint] if damage == "key-id-a-list" else {"id": hint}
         sig.write_text(json.dumps(doc))
     else:
         sig.unlink()
         sig.mkdir() if damage == "a-directory" else os.mkfifo(sig)
     r = cli("pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "d"), "--store", str(store),
             "--trusted-keys", str(public))
-    assert r.rc == 1 and ("signature file is malformed" in r.error_line() or "not a regular file" in r.error_line())
+    assert r.rc == 1 and ("signature is malformed" in r.error_line() or "not a regular file" in r.error_line())
     assert not (tmp_path / "d").exists()

@@ -3,7 +3,7 @@
 - `[build]`: `check` and a tiny `build` work from any directory with no registry: the registry
   profiles, architecture facts and recipes ship in the package.
 - the base package alone (the serving containers' pull client): `pull` works, and `check` /
-  `build` / `onboard` each say in one line which extra they need.
+  `build` / `onboard` each say in one line which extra they need, as an s3:// store does without `[s3]`.
 The venvs reuse the pinned wheels: the compiled llama-cpp-python from `make setup`'s cache
 ($HIVE_AOT_LLAMA_WHEELS), everything else through pip's cache and requirements/constraints.txt.
 Each venv is fresh and gets the wheel by pip, but its dependencies (for `[build]`, torch and the rest:
@@ -160,12 +160,21 @@ def published_store(tiny_llama, tmp_path_factory) -> Path:
     return root / "store"
 
 
-HEAVY = ("torch", "transformers", "numpy", "dagster")
+# boto3 and botocore (about 30 MB) only with the [s3] extra: a pull from a directory or oci:// needs neither.
+HEAVY = ("torch", "transformers", "numpy", "dagster", "boto3", "botocore")
 
 
-def test_base_install_pulls_and_names_the_missing_extra(wheel, outside, published_store, tiny_llama, tmp_path):
+@pytest.fixture(scope="module")
+def base_client(wheel, outside, tmp_path_factory) -> tuple[Path, Path]:
+    """The base install (no extra): its hive-aot, and the site-packages of the dependencies it sees."""
+    _, env = outside
+    dependencies = _dependencies(wheel, None, env)
+    return _venv(tmp_path_factory.mktemp("base"), "client", str(wheel), env, dependencies=dependencies), dependencies
+
+
+def test_base_install_pulls_and_names_the_missing_extra(base_client, outside, published_store, tiny_llama):
     cwd, env = outside
-    hive = _venv(tmp_path, "client", str(wheel), env, dependencies=_dependencies(wheel, None, env))
+    hive, _ = base_client
     for heavy in HEAVY:  # the light client really has none of them
         site = subprocess.run([str(hive.parent / "python"), "-c", f"import {heavy}"], capture_output=True)
         assert site.returncode != 0, heavy
@@ -199,6 +208,30 @@ def test_base_install_pulls_and_names_the_missing_extra(wheel, outside, publishe
         assert len(lines) == 1, proc.stderr
         assert lines[0].startswith(f"hive-aot: error: `hive-aot {args[0]}` needs the '{extra}' extra (module ")
         assert lines[0].endswith(f"is not installed): pip install 'hive-aot[{extra}]'")
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def test_base_install_names_the_s3_extra_and_stays_small(base_client, outside, tmp_path):
+    """An s3:// store without boto3 is one line naming the extra, for pull and for the store commands; the base
+    install (hive-aot and what it requires, over a bare venv's pip) stays small: the README says its size."""
+    cwd, env = outside
+    hive, dependencies = base_client
+    for args in (["pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(cwd / "s3m")],
+                 ["ls"], ["profiles", MODEL]):
+        proc = _run([str(hive), *args, "--store", "s3://models/hive-aot"], cwd=cwd, env=env)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1, (args, proc.stderr)
+        assert lines[0] == ("hive-aot: error: s3://models/hive-aot needs boto3, which the base install leaves out (boto3 is "
+                            "missing): pip install 'hive-aot[s3]'"), lines[0]
+    assert not (cwd / "s3m").exists()
+    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "bare")], check=True, timeout=300)
+    bare = _tree_bytes(_site_packages(tmp_path / "bare"))
+    installed = _tree_bytes(_site_packages(hive.parent.parent)) + _tree_bytes(dependencies) - 2 * bare
+    print(f"base install: {installed / 1e6:.1f} MB over a bare venv")
+    assert 5e6 < installed < 25e6, installed  # boto3 alone would add about 30 MB
 
 
 def test_build_extra_checks_and_builds_outside_the_checkout(wheel, outside, tiny_llama, tmp_path):

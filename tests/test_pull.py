@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from factories import CPU_PREFERENCE, write_test_config
+from factories import CPU_PREFERENCE, rewrite_published_manifest, write_test_config
 from pipelines.build import build_and_publish
 from pipelines.config import Config
 from pipelines.errors import HiveError, IntegrityError, StoreError
@@ -37,6 +37,7 @@ def env(tiny_llama, tmp_path_factory):
     builds = {r: build_and_publish(str(tiny_llama), r, config, str(store), MODEL) for r in ("gguf-f16", "gguf-q4_k_m")}
     assert {r: b.state for r, b in builds.items()} == {"gguf-f16": "published", "gguf-q4_k_m": "published"}
     return {"store": store, "registry": reg, "builds": builds, "config": config}
+KEPT = "hive-aot.manifest.json"  # the manifest's exact bytes, which every pulled DIR holds beside its files
 
 
 def _siblings(dest: Path) -> list[str]:
@@ -75,7 +76,10 @@ def test_dest_holds_manifest_files_and_marker(env, tmp_path):
     dest = tmp_path / "srv" / "model"
     pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]), registry=str(env["registry"]))
     f16 = env["builds"]["gguf-f16"]
-    assert sorted(p.name for p in dest.iterdir()) == sorted([f16.files[0]["path"], MARKER])
+    # the build's files, the marker, and the manifest's exact bytes (unsigned build: no model.sig)
+    assert sorted(p.name for p in dest.iterdir()) == sorted([f16.files[0]["path"], MARKER, KEPT])
+    assert (dest / "hive-aot.manifest.json").read_bytes() == (
+        env["store"] / f"manifests/{SLUG}/gguf-f16/{f16.build_id}.json").read_bytes()
     assert _siblings(dest) == ["model"]  # no temporaries next to it
     blob = env["store"] / f"blobs/sha256/{f16.files[0]['sha256'][:2]}/{f16.files[0]['sha256']}"
     assert (dest / f16.files[0]["path"]).read_bytes() == blob.read_bytes()
@@ -99,7 +103,7 @@ def test_repull_is_a_noop_and_switching_recipe_replaces(env, tmp_path):
 
     other = pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))
     assert other["already_present"] is False and other["recipe"] == "gguf-f16"
-    assert sorted(p.name for p in dest.iterdir()) == sorted(["tiny-llama-F16.gguf", MARKER])
+    assert sorted(p.name for p in dest.iterdir()) == sorted(["tiny-llama-F16.gguf", MARKER, KEPT])
     assert _siblings(dest) == ["model"]
 
     # a DIR whose files were damaged is not "already present": it is pulled again
@@ -271,7 +275,7 @@ def test_pulled_files_are_readable_by_other_users(env, tmp_path, monkeypatch):
         os.umask(old_umask)
     mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
     assert mode(dest) == 0o755
-    assert {p.name: mode(p) for p in dest.iterdir()} == {Path(res["files"][0]).name: 0o644, MARKER: 0o644}
+    assert {p.name: mode(p) for p in dest.iterdir()} == {Path(res["files"][0]).name: 0o644, MARKER: 0o644, KEPT: 0o644}
     # the cache's blob is shared by both pulls (one inode) and keeps the served mode
     f = Path(res["files"][0])
     blob = next((cache / "blobs").rglob(env["builds"]["gguf-f16"].files[0]["sha256"]))
@@ -479,7 +483,7 @@ def test_replacing_an_earlier_pull_never_deletes_user_files(env, tmp_path):
                                         r"refusing to replace it") as ei:
         pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))
     assert "\n" not in str(ei.value)
-    assert sorted(p.name for p in dest.iterdir()) == sorted(["extra", "notes.txt", MARKER, "tiny-llama-Q4_K_M.gguf"])
+    assert sorted(p.name for p in dest.iterdir()) == sorted(["extra", "notes.txt", MARKER, KEPT, "tiny-llama-Q4_K_M.gguf"])
     assert (dest / "notes.txt").read_text() == "mine" and (dest / "extra" / "lora.bin").read_bytes() == b"mine too"
     assert json.loads((dest / MARKER).read_text())["build_id"] == q4["build_id"]
     assert _siblings(dest) == ["model"]
@@ -490,7 +494,7 @@ def test_replacing_an_earlier_pull_never_deletes_user_files(env, tmp_path):
     (dest / "notes.txt").unlink()
     shutil.rmtree(dest / "extra")
     assert pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))["recipe"] == "gguf-f16"
-    assert sorted(p.name for p in dest.iterdir()) == sorted(["tiny-llama-F16.gguf", MARKER])
+    assert sorted(p.name for p in dest.iterdir()) == sorted(["tiny-llama-F16.gguf", MARKER, KEPT])
 
 
 @pytest.mark.parametrize("recipes", [["gguf-q4_k_m"] * 6, ["gguf-f16", "gguf-q4_k_m"] * 3], ids=["same", "mixed"])
@@ -525,7 +529,7 @@ def test_concurrent_pulls_into_one_dest(env, tmp_path, recipes):
     marker = json.loads((dest / MARKER).read_text())
     assert marker["build_id"] in builds.values()
     files = marker["manifest"]["files"]
-    assert sorted(p.name for p in dest.iterdir()) == sorted([f["path"] for f in files] + [MARKER])
+    assert sorted(p.name for p in dest.iterdir()) == sorted([f["path"] for f in files] + [MARKER, KEPT])
     assert all(hashlib.sha256((dest / f["path"]).read_bytes()).hexdigest() == f["sha256"] for f in files)
     assert _siblings(dest) == ["model"]  # no partial DIR, no .old DIR, and the lock file is gone too
     if len(builds) == 1:
@@ -591,7 +595,7 @@ def test_a_pull_of_another_build_waits_for_the_one_in_progress(env, tmp_path, mo
     assert results["gguf-f16"]["build_id"] == env["builds"]["gguf-f16"].build_id, results
     assert results["gguf-q4_k_m"]["build_id"] == env["builds"]["gguf-q4_k_m"].build_id, results
     assert json.loads((dest / MARKER).read_text())["recipe"] == "gguf-q4_k_m"
-    assert sorted(p.name for p in dest.iterdir()) == sorted(["tiny-llama-Q4_K_M.gguf", MARKER])
+    assert sorted(p.name for p in dest.iterdir()) == sorted(["tiny-llama-Q4_K_M.gguf", MARKER, KEPT])
     assert _siblings(dest) == ["model"]
 
 
@@ -694,3 +698,20 @@ def test_every_built_in_kind_loads_in_the_light_client():
     proc = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == repr(sorted(BUILTIN))
+
+
+@pytest.mark.parametrize("reserved", ["hive-aot.json", "hive-aot.manifest.json", "model.sig"])
+def test_a_manifest_listing_a_name_pull_keeps_for_itself_is_refused(env, tmp_path, reserved):
+    """The marker, the manifest's copy and the signature file are hive-aot's in a pulled DIR: a rewritten manifest
+    that lists a file under one of those names (to shadow the signature a verifier reads) is one line, nothing
+    in DIR."""
+    store = tmp_path / "store"
+    shutil.copytree(env["store"], store)
+
+    def rename(doc):
+        doc["files"][0]["path"] = reserved
+
+    rewrite_published_manifest(store, "gguf-f16", rename)
+    with pytest.raises(IntegrityError, match=f"lists '{reserved}', a name hive-aot keeps for itself"):
+        pull(MODEL, CPU, tmp_path / "d", recipe="gguf-f16", store_uri=str(store), registry=str(env["registry"]))
+    assert not (tmp_path / "d").exists()

@@ -328,7 +328,7 @@ def test_plan_names_the_hardware_step_and_whether_this_host_has_it(pending, tmp_
 def test_an_interrupted_compile_publish_is_repaired_signature_first(pending, tmp_path):
     """The compile commits through the engine's sequence: a rerun after a kill between manifest and refs (or
     before a signing key existed) signs the manifest, then writes the missing refs, moving no tag."""
-    from factories import ed25519_keypair
+    from factories import ecdsa_keypair
 
     store = _qpc_store(pending, tmp_path)
     env = {"HIVE_AOT_QAIC_SDK": str(make_sdk(tmp_path / "sdk", "1.22.0"))}
@@ -337,7 +337,7 @@ def test_an_interrupted_compile_publish_is_repaired_signature_first(pending, tmp
     signatures = store / "signatures" / SLUG / "qaic-tiny"
     assert (refs / "latest").is_file() and not signatures.exists()  # no key: unsigned
     (refs / "latest").unlink()
-    private, public = ed25519_keypair(tmp_path, "k")
+    private, public = ecdsa_keypair(tmp_path, "k")
     proc = hive("compile", MODEL, "--registry", str(pending["reg"]), "--store", str(store), "--json",
                 env={**env, "HIVE_AOT_SIGNING_KEY": str(private)})
     again = doc(proc)[0]

@@ -128,7 +128,9 @@ def test_publish_pull_with_cli_and_check_with_skopeo(published, tmp_path):
     assert raw["mediaType"] == "application/vnd.oci.image.manifest.v1+json"
     assert raw["artifactType"] == MODEL_ARTIFACT and raw["config"]["mediaType"] == MODEL_CONFIG
     pulled = {f["path"]: f for f in json.loads((dest / "hive-aot.json").read_text())["manifest"]["files"]}
-    assert len(raw["layers"]) == len(pulled) >= 1
+    # the build's files, then its manifest (the exact bytes the pulled DIR holds): OMS signs both
+    assert [x["annotations"]["org.cncf.model.filepath"] for x in raw["layers"]] == [*pulled, "hive-aot.manifest.json"]
+    assert json.loads((dest / "hive-aot.manifest.json").read_bytes())["build_id"] == res.build_id
     for layer in raw["layers"]:
         path = layer["annotations"]["org.cncf.model.filepath"]
         assert layer["annotations"]["org.opencontainers.image.title"] == path
@@ -137,7 +139,7 @@ def test_publish_pull_with_cli_and_check_with_skopeo(published, tmp_path):
                                       "application/vnd.cncf.model.weight.config.v1.raw")
     config = json.loads(_skopeo("inspect", "--raw", "--config", "--tls-verify=false",
                                 f"docker://{repo}:gguf-f16.latest"))
-    assert set(config) == {"descriptor", "config", "modelfs"} and config["config"] == {"format": "gguf"}
+    assert set(config) == {"descriptor", "config", "modelfs"} and config["config"]["format"] == "gguf"
     assert config["modelfs"] == {"type": "layers", "diffIds": [layer["digest"] for layer in raw["layers"]]}
     assert config["descriptor"]["name"] == MODEL
     notes = raw["annotations"]

@@ -94,6 +94,11 @@ class Store(ABC):
         only, with `dry_run`). Nothing in stores that keep no such things."""
         return []
 
+    def blobs_for(self, manifest_key: str) -> "Store":
+        """Where to read the blobs the build under `manifest_key` names: this store, except where a build's blobs
+        sit beside its manifest (an OCI store reads them from the model's own repository, oci.py)."""
+        return self
+
     def local_path(self, key: str) -> Path | None:
         """A path readers can use in place, for stores on the local file system."""
         return None

@@ -22,14 +22,21 @@ from .layout import PROFILES_KEY, blob_key, check_binding, manifest_key, publish
 
 
 def load_manifest(store: Store, key: str, expected_sha: str | None, model_id: str) -> Manifest:
+    return read_manifest(store, key, expected_sha, model_id)[1]
+
+
+def read_manifest(store: Store, key: str, expected_sha: str | None, model_id: str,
+                  consequence: str = "") -> tuple[bytes, Manifest]:
+    """(exact bytes, parsed) of the manifest under `key`, checked against the sha256 its ref records and against
+    the key (model, recipe, build id); `consequence` ends the mismatch line (" (nothing copied)")."""
     raw = store.read_bytes(key)
     if raw is None:
         raise StoreError(f"{store.uri}: manifest {key} is missing")
     if expected_sha and hashlib.sha256(raw).hexdigest() != expected_sha:
-        raise IntegrityError(f"{store.uri}: manifest {key} does not match the sha256 its ref records")
+        raise IntegrityError(f"{store.uri}: manifest {key} does not match the sha256 its ref records{consequence}")
     m = Manifest.parse(raw, f"{store.uri}: manifest {key}")
     check_binding(m, key, model_id, store.uri)
-    return m
+    return raw, m
 
 
 def materialize_blobs(store: Store, files: list[FileEntry], dest: Path) -> None:

@@ -27,40 +27,28 @@ import hashlib
 import threading
 import time
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import Iterator
 
 from ..errors import HiveError, IntegrityError, StoreError
 from ..paths import safe_relpath
 from .base import Entry, Store
 from .faults import store_event
 from .oci_client import Registry
+from .oci_signed import SignedArtifacts, named_manifest_key
+from .oci_streams import HashingReader, BytesReader, ModelBlobs
 from .oci_layout import META, MODELCAR_OF, POOL, Place, area_of, check_repository, json_object, key_of, place
-from .oci_modelpack import (EMPTY, EMPTY_BYTES, MODEL_CONFIG, build_of, check_view, compose, config_bytes, holder,
-                            read_document)
+from .oci_modelpack import (EMPTY, EMPTY_BYTES, build_of, check_view, compose, config_bytes,
+                            config_descriptor, created_at, holder, read_document)
 
 
-class _HashingReader:
-    """A file read by the upload, hashed on the way: a registry that failed to check the digest is caught."""
-
-    def __init__(self, f: BinaryIO):
-        self.f, self.h, self.n = f, hashlib.sha256(), 0
-
-    def read(self, size: int = -1) -> bytes:
-        chunk = self.f.read(size)
-        self.h.update(chunk)
-        self.n += len(chunk)
-        return chunk
-
-    def close(self) -> None:
-        self.f.close()
-
-
-class OciStore(Store):
-    def __init__(self, host: str, repository: str):
+class OciStore(SignedArtifacts, Store):
+    def __init__(self, host: str, repository: str, registry=None):
+        """`registry`: what holds the repositories, by default a Registry of `host`; an oci_dir.LayoutRegistry keeps
+        them as OCI image layouts under the directory `host` (its `scheme` names the store's URI)."""
         self.host, self.repository = host, repository.strip("/")
-        self.uri = f"oci://{host}/{self.repository}"
+        self.registry = registry if registry is not None else Registry(host)
+        self.uri = f"{getattr(self.registry, 'scheme', 'oci')}://{host}/{self.repository}"
         check_repository(self.repository, self.uri)
-        self.registry = Registry(host)
         self._present: set[tuple[str, str]] = set()  # (repository, digest) known to be there
         self._slugs: dict[str, str] = {}  # model repository -> the slug as its keys spell it
         self._lock = threading.Lock()
@@ -140,8 +128,23 @@ class OciStore(Store):
             if size is None:
                 return None
             return b"".join(self.registry.blob_stream(self._repo(POOL), p.digest, at_most=size))
+        return self._document_bytes(p, key)
+
+    def _document_bytes(self, p: Place, key: str) -> bytes | None:
+        """A document's bytes: a signature as its bundle is attached, a build's manifest from its own tag or, in a
+        mirror that copied only refs, from a ref artifact carrying it (oci_signed.py)."""
+        if p.kind == "signature":
+            return None if self._other_spelling(p) is not None else self.read_signature(p, key)
         doc = self._document(p, key)
+        if doc is None and p.kind == "manifest" and self._other_spelling(p) is None:
+            return self.carried_manifest(p, key)
         return None if doc is None else doc.data
+
+    def blobs_for(self, manifest_key: str) -> "ModelBlobs":
+        """Reads of the blobs a build's artifact names from the model's own repository, not the pool: what pull
+        uses, so a model repository copied anywhere on its own (a mirror) pulls."""
+        p = self._place(manifest_key)
+        return ModelBlobs(self, self._repo(p.repo)) if p is not None and p.kind == "manifest" else self
 
     def exists(self, key: str) -> bool:
         p = self._place(key)
@@ -151,7 +154,11 @@ class OciStore(Store):
             return self.registry.blob_size(self._repo(POOL), p.digest) is not None
         if self._other_spelling(p) is not None:
             return False
-        return self.registry.head_manifest(self._repo(p.repo), p.tag) is not None
+        if p.kind == "signature":
+            return self._document_bytes(p, key) is not None
+        if self.registry.head_manifest(self._repo(p.repo), p.tag) is not None:
+            return True
+        return p.kind == "manifest" and self._document_bytes(p, key) is not None
 
     def size(self, key: str) -> int | None:
         p = self._place(key)
@@ -159,8 +166,8 @@ class OciStore(Store):
             return None
         if p.kind == "blob":
             return self.registry.blob_size(self._repo(POOL), p.digest)
-        doc = self._document(p, key)
-        return None if doc is None else len(doc.data)
+        data = self._document_bytes(p, key)
+        return None if data is None else len(data)
 
     def modified(self, key: str) -> float | None:
         p = self._place(key)
@@ -247,6 +254,11 @@ class OciStore(Store):
         return out
 
     # --- writes ---------------------------------------------------------------------------------------------
+    def reclaim_temporaries(self, min_age_s: float, dry_run: bool = False) -> list[str]:
+        """A registry purges its own abandoned uploads; an image layout directory leaves them to gc (oci_dir.py)."""
+        reclaim = getattr(self.registry, "reclaim_temporaries", None)
+        return [] if reclaim is None else reclaim(min_age_s, dry_run)
+
     def check_writable(self) -> None:
         try:
             self.registry.start_and_cancel_upload(self._repo(POOL))
@@ -291,8 +303,11 @@ class OciStore(Store):
             return compose(key, data, written=written)
         for f in build["files"]:
             self._ensure_blob(repo, f.digest, f.size, path=f.path)
-        cfg = config_bytes(build)
-        config = {"mediaType": MODEL_CONFIG, "digest": "sha256:" + hashlib.sha256(cfg).hexdigest(), "size": len(cfg)}
+        # the manifest is a layer too: a reader with only this repository (a mirror, oras) has every file OMS signs
+        m = build["manifest"]
+        self._ensure_blob(repo, m.digest, m.size, data if manifest_doc is None else manifest_doc, path=m.path)
+        cfg = config_bytes(build, created_at(data) if p.kind == "ref" else None)
+        config = config_descriptor(cfg)
         self._ensure_blob(repo, config["digest"], len(cfg), cfg)
         return compose(key, data, build=build, config=config, manifest_doc=manifest_doc, written=written)
 
@@ -326,11 +341,16 @@ class OciStore(Store):
             raise StoreError(f"{self.uri}: cannot write {key}: model {p.slug.replace('--', '/')!r} differs only in "
                              f"case from {owner.replace('--', '/')!r}, which holds repository {self._repo(p.repo)} "
                              "(OCI repository names are lowercase): publish it under another id or to another store")
+        if p.kind == "signature" and self.write_signature(p, key, data):
+            store_event("done", key)
+            return
         body = self._artifact(p, key, data)
         repo = self._repo(p.repo)
         # by digest first (the registry checks what it names), then the tag: the one request that makes it visible
         self.registry.put_manifest(repo, "sha256:" + hashlib.sha256(body).hexdigest(), body)
         store_event("temp", key)
+        if p.kind == "ref":  # signed before it is visible, as the build's manifest is
+            self.sign_ref(p, body, named_manifest_key(data))
         self.registry.put_manifest(repo, p.tag, body)
         store_event("done", key)
 
@@ -339,11 +359,11 @@ class OciStore(Store):
         store_event("temp", key)
         held = self.registry.blob_size(pool, p.digest)
         if held != size:
-            readers: list[_HashingReader] = []
+            readers: list[HashingReader] = []
 
             def body():
                 src = opener()
-                readers.append(_HashingReader(src if hasattr(src, "read") else _BytesReader(src)))
+                readers.append(HashingReader(src if hasattr(src, "read") else BytesReader(src)))
                 return readers[-1]
 
             self.registry.upload_blob(pool, p.digest, size, body)
@@ -371,8 +391,12 @@ class OciStore(Store):
         if p is None or self._other_spelling(p) is not None:  # another model's tag: nothing of this key's
             return
         repo = self._repo(p.repo)
+        if p.kind == "signature":
+            self.delete_signature(p, key)
         digest = self.registry.head_manifest(repo, p.tag)
         if digest:
+            if p.kind in ("manifest", "ref"):
+                self.detach(repo, digest)
             self.registry.delete_manifest(repo, digest)
         if p.kind == "blob":
             self.registry.delete_blob(repo, p.digest)
@@ -407,16 +431,3 @@ def _annotations(raw: bytes) -> dict:
     except StoreError:  # not a manifest of ours: nothing to match
         return {}
     return notes if isinstance(notes, dict) else {}
-
-
-class _BytesReader:
-    def __init__(self, data: bytes):
-        import io
-
-        self._f = io.BytesIO(data)
-
-    def read(self, size: int = -1) -> bytes:
-        return self._f.read(size)
-
-    def close(self) -> None:
-        pass

@@ -1,4 +1,4 @@
-"""A small client of the OCI distribution API (v1.1) on urllib3, which the base install has through botocore.
+"""A small client of the OCI distribution API (v1.1) on urllib3 (a base dependency: no boto3 needed).
 
 Only what the OCI store needs: blobs (HEAD, ranged GET, monolithic and chunked upload, cross-repository mount,
 DELETE),
@@ -29,6 +29,7 @@ from .oci_http import (BODY_LIMITS, TRANSIENT, Answer, Lost, Stalled, Streamed, 
                        is_loopback, origin, pool_manager, progress_body, read_body, send, shown)
 
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
+INDEX_TYPE = "application/vnd.oci.image.index.v1+json"
 READ_CHUNK = 1 << 20
 PUT_TRIES = 4
 # A listing that names more pages than this is refused: each page is a request, and a registry that links page
@@ -364,21 +365,31 @@ class Registry:
                             scope=self.scope(repo), headers={"Accept": MANIFEST_TYPE}, missing_ok=True)
         return None if resp is None else resp.headers.get("Docker-Content-Digest", "")
 
-    def put_manifest(self, repo: str, reference: str, data: bytes) -> None:
+    def put_manifest(self, repo: str, reference: str, data: bytes, media_type: str = MANIFEST_TYPE) -> bool:
         """PUT the exact bytes (idempotent: the same bytes under the same reference), retried on a transient
-        answer (TRANSIENT, or DIGEST_INVALID for bytes whose digest we computed ourselves)."""
+        answer (TRANSIENT, or DIGEST_INVALID for bytes whose digest we computed ourselves). True when the registry
+        answered `OCI-Subject` (it keeps the referrers of a manifest with a `subject` itself)."""
         shown = f"{repo}@{reference[:19]}" if reference.startswith("sha256:") else f"{repo}:{reference}"
         for attempt in range(PUT_TRIES):
             try:
-                self.request("PUT", f"/v2/{repo}/manifests/{reference}", f"write {shown}",
-                             scope=self.scope(repo, True), body=data, ok=(201,),
-                             headers={"Content-Type": MANIFEST_TYPE, "Content-Length": str(len(data))})
-                return
+                answer = self.request("PUT", f"/v2/{repo}/manifests/{reference}", f"write {shown}",
+                                      scope=self.scope(repo, True), body=data, ok=(201,),
+                                      headers={"Content-Type": media_type, "Content-Length": str(len(data))})
+                return bool(answer.headers.get("OCI-Subject"))
             except StoreError as e:
                 status, code = getattr(e, "status", 0), getattr(e, "code", "")
                 if attempt == PUT_TRIES - 1 or not (status in TRANSIENT or code.startswith("DIGEST_INVALID")):
                     raise
                 time.sleep(0.2 * (attempt + 1))
+
+    def referrers(self, repo: str, digest: str) -> bytes | None:
+        """The referrers API's index of the manifests whose subject is `digest`; None where the registry has no
+        such API (404: Distribution 2.x), and then clients keep the referrers tag themselves (oci_referrers.py)."""
+        resp = self.request("GET", f"/v2/{repo}/referrers/{digest}", f"list the referrers of {repo}@{digest[7:19]}",
+                            scope=self.scope(repo), headers={"Accept": INDEX_TYPE}, missing_ok=True, kind="manifest")
+        if resp is None or not resp.headers.get("Content-Type", "").startswith(INDEX_TYPE):
+            return None  # a registry answering something else at that path has no referrers API either
+        return resp.data
 
     def delete_manifest(self, repo: str, digest: str) -> None:
         self.request("DELETE", f"/v2/{repo}/manifests/{digest}", f"delete {repo}@{digest[7:19]}",

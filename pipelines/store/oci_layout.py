@@ -5,11 +5,15 @@
                                                registry's own garbage collection keeps it, and `gc` can list it
     refs/<slug>/<recipe>/<tag>                 REPOSITORY/<slug>:<recipe>.<tag>       a ModelPack artifact
     manifests/<slug>/<recipe>/<build>.json     REPOSITORY/<slug>:_m.<recipe>.<build>  a ModelPack artifact
-    signatures/<slug>/<recipe>/<build>.json.sig REPOSITORY/<slug>:_s.<recipe>.<build> a document artifact
+    signatures/<slug>/<recipe>/<build>.json.sig an OMS bundle attached as an OCI referrer to the build's `_m.`
+                                               artifact and to each ref artifact naming it (oci_signed.py); stores
+                                               signed before OMS: REPOSITORY/<slug>:_s.<recipe>.<build>
     staging/<build>.json                       REPOSITORY/hive-aot:staging.<build>    a document artifact
     profiles.json                              REPOSITORY/hive-aot:profiles.json      a document artifact
 
-Modelcar images (`hive-aot modelcar`, oci_modelcar.py) sit beside them in the model's repository under tags that
+Every blob a model's artifacts name is also in the model's repository (mounted from the pool when its artifact is
+pushed), so that repository alone, copied to any registry and name, pulls and verifies. Modelcar images
+(`hive-aot modelcar`, oci_modelcar.py) sit beside them in the model's repository under tags that
 are no store key: `<recipe>.<tag>-modelcar` for a ref, `<recipe>.<build>-modelcar` for a build (a ref tag
 ending in `-modelcar` is refused, so the two never meet), or a tag the operator names that maps onto no key.
 

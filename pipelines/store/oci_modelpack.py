@@ -44,7 +44,7 @@ A_KEY, A_DOC, A_DOC64 = "io.hive-aot.key", "io.hive-aot.document", "io.hive-aot.
 A_MANIFEST, A_WRITTEN = "io.hive-aot.manifest", "io.hive-aot.written"
 A_PATH, A_TITLE = "org.cncf.model.filepath", "org.opencontainers.image.title"
 FORMATS = {"safetensors", "gguf", "onnx", "pt"}  # ModelPack's config.format values
-_CONFIG_NAMES = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+_CONFIG_NAMES = {"hive-aot.manifest.json", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model", "preprocessor_config.json",
                  "chat_template.jinja", "hive-aot.json"}
 _CODE_SUFFIXES = {".py", ".sh"}
@@ -79,9 +79,14 @@ def layer_type(path: str) -> str:
     return f"application/vnd.cncf.model.{kind}.v1.raw"
 
 
+MANIFEST_FILE = "hive-aot.manifest.json"  # the build's manifest as a file of the artifact (what OMS signs with it)
+_PARAM_UNITS = ((10**15, "Q"), (10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K"))
+
+
 def build_of(raw: bytes | None) -> dict[str, Any] | None:
-    """The parts of a hive-aot manifest a ModelPack artifact shows ({files, model, format}); None for bytes
-    that are not one (any document may sit under any key: the store does not judge what it is given)."""
+    """The parts of a hive-aot manifest a ModelPack artifact shows ({files, the manifest as a file, what the config
+    describes}); None for bytes that are not one (any document may sit under any key: the store does not judge what
+    it is given)."""
     try:
         doc = json.loads(raw) if raw else None
         files = [File(str(f["path"]), "sha256:" + f["sha256"], int(f["size"])) for f in doc["files"]]
@@ -90,16 +95,62 @@ def build_of(raw: bytes | None) -> dict[str, Any] | None:
     if not files or any(len(f.digest) != 71 or f.size < 0 for f in files):
         return None
     model = doc.get("model") if isinstance(doc.get("model"), dict) else {}
+    described = doc.get("describe") if isinstance(doc.get("describe"), dict) else {}
     return {"files": files, "name": str(model.get("id", "")), "version": str(model.get("revision", "")),
-            "format": str(doc.get("format", ""))}
+            "format": str(doc.get("format", "")), "manifest": File(MANIFEST_FILE, "sha256:" + hashlib.sha256(raw).hexdigest(), len(raw)),
+            "model": model, "describe": described}
 
 
-def config_bytes(build: dict[str, Any]) -> bytes:
-    descriptor = {k: build[k] for k in ("name", "version") if build.get(k)}
-    config = {"format": build["format"]} if build.get("format") in FORMATS else {}
+def param_size(count: Any) -> str:
+    """ModelPack's paramSize (`<count><Q|T|B|M|K>`, the count with at most one digit after the point, the spec
+    says) of a parameter count: 134515008 -> "135M", 7615616512 -> "7.6B", 70553706496 -> "70.6B"; "" below
+    1000 (no such count can say it)."""
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1000:
+        return ""
+    bigger = ""
+    for scale, unit in _PARAM_UNITS:  # the largest unit the count reaches
+        if count >= scale:
+            value = count / scale
+            text = f"{value:.0f}" if value >= 99.95 else f"{value:.1f}".removesuffix(".0")
+            return f"1{bigger}" if text == "1000" and bigger else text + unit  # 999.96M rounds to 1B
+        bigger = unit
+    return ""
+
+
+def config_bytes(build: dict[str, Any], created_at: str | None = None, *, legacy: bool = False) -> bytes:
+    """The ModelPack config of a build: what the build knows of the model (name, family, source revision,
+    licences, architecture, parameter count, precision, quantization, format) and the diffIds of its layers,
+    the manifest's own layer included. `created_at` (RFC 3339): when the document was written (a ref's time; a
+    build's manifest has none, its bytes being deterministic). `legacy`: the thin config of artifacts written
+    before the manifest became a layer (name, version, format, the files' diffIds), which readers still accept."""
+    if legacy:
+        descriptor: dict[str, Any] = {k: build[k] for k in ("name", "version") if build.get(k)}
+        config: dict[str, Any] = {"format": build["format"]} if build.get("format") in FORMATS else {}
+        diff_ids = [f.digest for f in build["files"]]
+    else:
+        model, described = build.get("model") or {}, build.get("describe") or {}
+        descriptor = {"name": build.get("name"), "family": described.get("family"),
+                      "revision": model.get("commit"), "createdAt": created_at}
+        if isinstance(model.get("license"), str) and model["license"].strip():
+            descriptor["licenses"] = [model["license"].strip()]
+        config = {"architecture": described.get("architecture"), "paramSize": param_size(described.get("parameters")),
+                  "precision": described.get("precision"), "quantization": described.get("quantization"),
+                  "format": build["format"] if build.get("format") in FORMATS else None}
+        descriptor = {k: v for k, v in descriptor.items() if isinstance(v, (str, list)) and v}
+        config = {k: v for k, v in config.items() if isinstance(v, str) and v}
+        diff_ids = [f.digest for f in [*build["files"], build["manifest"]]]
     return json.dumps({"descriptor": descriptor, "config": config,
-                       "modelfs": {"type": "layers", "diffIds": [f.digest for f in build["files"]]}},
+                       "modelfs": {"type": "layers", "diffIds": diff_ids}},
                       sort_keys=True, separators=(",", ":")).encode()
+
+
+def config_descriptor(cfg: bytes) -> dict[str, Any]:
+    return {"mediaType": MODEL_CONFIG, "digest": "sha256:" + hashlib.sha256(cfg).hexdigest(), "size": len(cfg)}
+
+
+def artifact_files(build: dict[str, Any], *, legacy: bool = False) -> list[File]:
+    """The files an artifact of the build holds as layers: the build's, then (since format 2) its manifest."""
+    return list(build["files"]) if legacy else [*build["files"], build["manifest"]]
 
 
 def _layers(files: list[File]) -> list[dict[str, Any]]:
@@ -132,7 +183,7 @@ def compose(key: str, data: bytes, *, build: dict[str, Any] | None = None, confi
         annotations[A_WRITTEN] = f"{written:.3f}"
     if build is not None and config is not None:
         return _serialize({"schemaVersion": 2, "mediaType": MANIFEST_TYPE, "artifactType": MODEL_ARTIFACT,
-                           "config": config, "layers": _layers(build["files"]), "annotations": annotations})
+                           "config": config, "layers": _layers(artifact_files(build)), "annotations": annotations})
     return _serialize({"schemaVersion": 2, "mediaType": MANIFEST_TYPE, "artifactType": DOC_ARTIFACT,
                        "config": EMPTY, "layers": [EMPTY], "annotations": annotations})
 
@@ -161,6 +212,15 @@ def read_document(raw: bytes, where: str) -> Document:
         raise IntegrityError(f"{where} is not an artifact hive-aot wrote (no {A_KEY} annotation): the store is "
                              "damaged or shared with another tool") from None
     return Document(key, data if data is not None else b"", written, layers)
+
+
+def created_at(ref: bytes) -> str | None:
+    """A ref document's created_at (RFC 3339), which its artifact's config records as createdAt."""
+    try:
+        value = json.loads(ref).get("created_at")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def _annotation(notes: dict[str, Any], name: str) -> bytes | None:
@@ -208,14 +268,16 @@ def check_view(raw: bytes, doc: Document, kind: str, where: str, digest: str = "
             if named is not None and isinstance(want, str) and hashlib.sha256(named).hexdigest() != want:
                 problem = "the manifest it carries is not the one its document names"
         if build is None:
-            expected, config = [EMPTY], EMPTY
+            views = [([EMPTY], EMPTY)]
         else:
-            cfg = config_bytes(build)
-            expected = _layers(build["files"])
-            config = {"mediaType": MODEL_CONFIG, "digest": "sha256:" + hashlib.sha256(cfg).hexdigest(), "size": len(cfg)}
-        if layers is None or [_seen(x) for x in layers] != [_seen(x) for x in expected]:
+            created = created_at(doc.data) if kind == "ref" else None
+            views = [(_layers(artifact_files(build, legacy=old)), config_descriptor(config_bytes(build, created, legacy=old)))
+                     for old in (False, True)]
+        seen_layers = None if layers is None else [_seen(x) for x in layers]
+        match = [config for expected, config in views if seen_layers == [_seen(x) for x in expected]]
+        if not match:
             problem = problem or "its layers are not the files its document names"
-        elif _seen(manifest.get("config")) != _seen(config):
+        elif _seen(manifest.get("config")) != _seen(match[0]):
             problem = problem or "its config is not the one its document makes"
     if problem:
         raise IntegrityError(f"{where}: {problem}: another OCI client would pull something else than hive-aot "

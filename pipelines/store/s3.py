@@ -37,12 +37,15 @@ def _b64(hex_digest: str) -> str:
 
 class S3Store(Store):
     def __init__(self, bucket: str, prefix: str = ""):
-        import boto3
-        from boto3.s3.transfer import TransferConfig
-        from botocore.config import Config
-
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.uri = f"s3://{bucket}" + (f"/{self.prefix}" if self.prefix else "")
+        try:  # not in the base install: a container pulling from oci:// or a directory does without it
+            import boto3
+            from boto3.s3.transfer import TransferConfig
+            from botocore.config import Config
+        except ModuleNotFoundError as e:
+            raise StoreError(f"{self.uri} needs boto3, which the base install leaves out ({e.name} is missing): "
+                             "pip install 'hive-aot[s3]'") from None
         self.client = boto3.client("s3", config=Config(retries={"max_attempts": 5, "mode": "standard"}))
         self.transfer = TransferConfig(multipart_threshold=CHUNK, multipart_chunksize=CHUNK, max_concurrency=8)
         self._ranges: RangeReader | None = None

@@ -21,7 +21,8 @@ Derived builds: a target with `input_kinds` is built from the published artifact
 it over as `BuildContext.input`. A target with `intermediate = True` writes an artifact that only other
 recipes read (no runtime profile loads it). Hooks with a default in `Target`: `plan_problems(ctx)` refuses
 a build before any work; `input_problems(options, input_options)` checks a recipe against its input's at
-config load; `summary(validation)` is the CLI's line of numbers. A target with a `hardware_step` publishes
+config load; `summary(validation)` is the CLI's line of numbers; `describe_weights(options, config)` is what the
+manifest's `describe` says of the artifact's weights (precision, quantization). A target with a `hardware_step` publishes
 its build short of its format (an AI 100 export bundle) and the step finishes it where a host has the
 hardware (the compile, given the SDK), else the result is reported pending with the reason.
 """
@@ -146,6 +147,21 @@ class Target:
     @staticmethod
     def artifact_format(options: dict[str, Any]) -> str:
         raise NotImplementedError
+
+    @staticmethod
+    def describe_weights(options: dict[str, Any], config: dict[str, Any]) -> dict[str, str]:
+        """What the artifact's weights are, in the words of CNCF ModelPack's config (the manifest's `describe`
+        records it; the OCI store's config shows it), from the recipe's options and the source's config.json:
+        - `precision`: the element type of the bulk of its weight matrices, as ModelPack names types ("float32",
+          "float16", "bfloat16", "float8_e4m3", "int8", ...; "int<N>" for N-bit integer codes with block or
+          channel scales, "float6_e2m3" for MX elements); one value, not the comma list ModelPack allows for mixed
+          models: every quantized artifact keeps norms and heads wider, which `quantization` already implies. ""
+          where the elements are no such type (codebook indices) or the kind does not say.
+        - `quantization`: the scheme that made them ("gguf-q4_k_m", "fp8", "gptq", "w8a8-int8", "mxfp6"), "" for
+          none.
+        Part of the manifest, so a function of what the build id covers: a kind that changes what it says bumps
+        its format version. Default: nothing said."""
+        return {"precision": "", "quantization": ""}
 
     def supports(self, arch: "Architecture | None", architecture: str, config: dict[str, Any],
                  options: dict[str, Any]) -> bool:

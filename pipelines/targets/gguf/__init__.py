@@ -80,6 +80,22 @@ class GgufTarget(Target):
         return "gguf"
 
     @staticmethod
+    def describe_weights(options: dict[str, Any], config: dict[str, Any]) -> dict[str, str]:
+        """The file type's weights ("gguf-q4_k_m": int4); a lossless file is not quantized, unless the family wrote
+        its checkpoint's quantized tensors as stored (gpt-oss's MXFP4 experts, the bulk of it): that method then."""
+        from .ftypes import WEIGHT_PRECISION
+
+        name = str(options.get("ftype") or options.get("outtype") or "f16").upper()
+        if name not in LOSSLESS:
+            return {"precision": WEIGHT_PRECISION.get(name, ""), "quantization": f"gguf-{name.lower()}"}
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+        quant = config.get("quantization_config") or text.get("quantization_config")
+        kept = quant.get("quant_method") if isinstance(quant, dict) else None
+        if isinstance(kept, str) and kept:  # only a family that reads it builds a pre-quantized checkpoint
+            return {"precision": "", "quantization": kept.lower()}
+        return {"precision": WEIGHT_PRECISION[name], "quantization": ""}
+
+    @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]:
         """What is wrong with a recipe's options for this target (checked when recipes load)."""
         from .quantize import FTYPES, NEEDS_IMATRIX

@@ -26,13 +26,13 @@ from ...errors import NotApplicableError
 from ...tokenizer_cache import CachedTokenizer
 from ...thresholds import Thresholds, check_thresholds, gate, metric_text
 from .. import BuildContext, BuiltArtifact, Target, ValidationReport
-from .compile import COMPILE_DIR, NOT_A_TARGET_LM, CompileOptions
+from .compile import COMPILE_DIR, NOT_A_TARGET_LM, CompileOptions, compiled_weights
 from .families import architecture as config_architecture, positions_served, window_served_full
 from .layout import BUNDLE_FORMAT, BUNDLE_FORMAT_VERSION, EXPORT_FORMAT_VERSION, EXPORT_REPORT, ONNX_DIR
 from .qpc import QpcCompile
 from .server import QAIC_SERVER
-from .support import (encoder_archs, export_archs, exported, generate_archs, is_encoder, is_speech, is_vision, refusal,
-                      speech_archs)
+from .support import (encoder_archs, export_archs, export_weights, exported, generate_archs, is_encoder, is_speech,
+                      is_vision, refusal, speech_archs)
 
 from .export_parity import PARITY_DECODE_STEPS, WHISPER_PARITY_CTX, decoder_parity, speech_parity
 EXPORT_OPTIONS = ("batch_index", "weight_dtype", "target_lm")
@@ -157,6 +157,12 @@ class QaicExportTarget(Target):
     @staticmethod
     def artifact_format(options: dict[str, Any]) -> str:
         return "onnx"
+
+    @staticmethod
+    def describe_weights(options: dict[str, Any], config: dict[str, Any]) -> dict[str, str]:
+        from ...native import native_dict
+
+        return export_weights(options, native_dict(config))
 
     def supports(self, arch, architecture: str, config: dict[str, Any], options: dict[str, Any]) -> bool:
         return exported(arch, architecture, export_archs(), config)
@@ -315,6 +321,10 @@ class QaicTarget(Target):
     @staticmethod
     def artifact_format(options: dict[str, Any]) -> str:
         return "qpc"
+
+    @staticmethod
+    def describe_weights(options: dict[str, Any], config: dict[str, Any]) -> dict[str, str]:
+        return compiled_weights(options)
 
     @staticmethod
     def _compiled(options: dict[str, Any]) -> frozenset[str]:

@@ -155,6 +155,15 @@ class CompileOptions(BaseModel):
         return "mxint8" if self.mxint8 else "float16"
 
 
+def compiled_weights(options: dict[str, Any]) -> dict[str, str]:
+    """What a QPC's MatMul weights are (the kind's describe_weights): MXFP6 elements (FP6 E2M3 under a shared
+    scale per block of 32), else the fp16 the device computes in (whatever the export stored). The KV cache's
+    MXINT8 is state, not weights: not said here."""
+    if options.get("mxfp6", CompileOptions.model_fields["mxfp6"].default):
+        return {"precision": "float6_e2m3", "quantization": "mxfp6"}
+    return {"precision": "float16", "quantization": ""}
+
+
 def named_specializations(sdk_version: str) -> bool:
     return _version_tuple(sdk_version) >= NAMED_SPECIALIZATIONS_FROM
 

@@ -161,6 +161,7 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
                **({"stand_in": f"compiled by a stand-in for {sdk.compiler.name}: not a QPC a device can load"}
                   if stand_in else {})},
         validation=validation, serving=serving,
+        describe=bundle.describe,  # the bundle's build described the model its compile makes
     )
     commit_manifest(store, m, pending=False)
     if config is not None:

@@ -127,3 +127,11 @@ def is_vision(config: dict[str, Any]) -> bool:
 def is_encoder(config: dict[str, Any]) -> bool:
     archs = config.get("architectures") or []
     return bool(archs) and archs[0] in encoder_archs()
+
+
+def export_weights(options: dict[str, Any], config: dict[str, Any]) -> dict[str, str]:
+    """What an export's weights are stored as (the kind's describe_weights; `config` in its native form): an
+    encoder's and Whisper's in float32 (their exports ignore weight_dtype), a decoder's and a vision-language
+    model's in the recipe's weight_dtype. Never quantized: the compile recipes quantize."""
+    whole = is_encoder(config) or is_speech(config)
+    return {"precision": "float32" if whole else str(options.get("weight_dtype", "float16")), "quantization": ""}

@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 #    processor files travel with a VLM; FP8's `ignore` names stored modules (MoE experts quantized per expert)
 FORMAT_VERSION = 2
 QUANTIZATIONS = ("none", "fp8-dynamic", "w4a16-gptq", "int8-dynamic")
+# Each tier's weights in CNCF ModelPack's words (describe_weights): (precision, quantization). The bf16 tier converts
+# every source to bf16; FP8 is e4m3fn weights rounded per channel; W4A16 INT4 made by GPTQ; W8A8 INT8 rounded.
+TIER_WEIGHTS = {"none": ("bfloat16", ""), "fp8-dynamic": ("float8_e4m3", "fp8"), "w4a16-gptq": ("int4", "gptq"),
+                "int8-dynamic": ("int8", "w8a8-int8")}
 DEFAULT_MAX_SHARD = "5GB"
 # Families whose every transformers nn.Linear is a vLLM linear layer under the same name (so the FP8
 # `ignore` list can be derived from the transformers class): dense decoders of the Llama lineage.
@@ -118,6 +122,11 @@ class VllmTarget(Target):
     @staticmethod
     def artifact_format(options: dict[str, Any]) -> str:
         return "compressed-tensors" if options.get("quantization", "none") != "none" else "hf-safetensors"
+
+    @staticmethod
+    def describe_weights(options: dict[str, Any], config: dict[str, Any]) -> dict[str, str]:
+        precision, quantization = TIER_WEIGHTS[options.get("quantization", "none")]
+        return {"precision": precision, "quantization": quantization}
 
     def supports(self, arch: "Architecture | None", architecture: str, config: dict[str, Any],
                  options: dict[str, Any]) -> bool:

@@ -58,6 +58,10 @@ class ToyTarget(Target):
     def artifact_format(options: dict[str, Any]) -> str:
         return FORMAT
 
+    @staticmethod
+    def describe_weights(options: dict[str, Any], config: dict[str, Any]) -> dict[str, str]:
+        return {"precision": "float16", "quantization": ""}
+
     def supports(self, arch, architecture: str, config: dict[str, Any], options: dict[str, Any]) -> bool:
         return arch is not None and arch.active and arch.task == "causal-lm" and arch.transformers_known
 
