@@ -142,11 +142,13 @@ def test_a_layout_copy_is_what_skopeo_reads_and_pushes(published, oci_registry, 
     for src_name, t in ((name, tag), (f"{RECIPE}.latest", f"{RECIPE}.latest")):
         skopeo("copy", "--preserve-digests", "--dest-tls-verify=false", f"oci:{layout_dir}/{repo}:{src_name}",
                f"docker://{mirror}/{repo}:{t}")
-    # the signature: the referrers tag of the ref's artifact. skopeo 1.9 rewrites a referrers index (it drops the
-    # entries' artifactType), so it refuses --preserve-digests there; copied without, hive-aot still reads it
-    latest = hashlib.sha256(skopeo("inspect", "--raw", f"oci:{layout_dir}/{repo}:{RECIPE}.latest").encode()).hexdigest()
-    skopeo("copy", "--all", "--dest-tls-verify=false", f"oci:{layout_dir}/{repo}:sha256-{latest}",
-           f"docker://{mirror}/{repo}:sha256-{latest}")
+    # the signature travels with each artifact it is attached to: the referrers tag of each copied one. skopeo 1.9
+    # rewrites a referrers index (it drops the entries' artifactType), so it refuses --preserve-digests there;
+    # copied without, hive-aot still reads it
+    for src_name in (name, f"{RECIPE}.latest"):
+        digest = hashlib.sha256(skopeo("inspect", "--raw", f"oci:{layout_dir}/{repo}:{src_name}").encode()).hexdigest()
+        skopeo("copy", "--all", "--dest-tls-verify=false", f"oci:{layout_dir}/{repo}:sha256-{digest}",
+               f"docker://{mirror}/{repo}:sha256-{digest}")
     got = pull(MODEL, CPU, tmp_path / "mirrored", recipe=RECIPE, store_uri=f"oci://{mirror}",
                trusted=str(published["pub"]))
     assert got["build_id"] == published["build_id"] and got["signed_by"]

@@ -156,9 +156,9 @@ class OciStore(SignedArtifacts, Store):
             return False
         if p.kind == "signature":
             return self._document_bytes(p, key) is not None
-        if self.registry.head_manifest(self._repo(p.repo), p.tag) is not None:
-            return True
-        return p.kind == "manifest" and self._document_bytes(p, key) is not None
+        # a tag's existence only: the manifest a mirror's ref carries is found by reads (pull, copy), so a publish's
+        # existence checks never walk a model's ref history
+        return self.registry.head_manifest(self._repo(p.repo), p.tag) is not None
 
     def size(self, key: str) -> int | None:
         p = self._place(key)

@@ -87,9 +87,14 @@ class SignedArtifacts:
         return ([digest] if digest else []) + [descriptor(raw)["digest"] for raw in self._refs_naming(p.repo, manifest_key)]
 
     def read_signature(self, p: Place, key: str) -> bytes | None:
+        """The bundle attached to the build's manifest artifact, which is authoritative where it exists (a ref is
+        signed from it); only where its tag is absent (a mirror that copied refs alone) the refs naming the build."""
         repo = self._repo(p.repo)
-        for digest in self._signed_subjects(p, key):
-            bundle = find_bundle(self.registry, repo, digest)
+        digest = self.registry.head_manifest(repo, manifest_tag(p))
+        subjects = [digest] if digest else [descriptor(raw)["digest"] for raw in
+                                            self._refs_naming(p.repo, "manifests/" + key[len("signatures/"):-len(".sig")])]
+        for subject in subjects:
+            bundle = find_bundle(self.registry, repo, subject)
             if bundle is not None:
                 return bundle
         doc = self._document(p, key)  # the Ed25519 format of stores signed before OMS
