@@ -34,11 +34,11 @@ from ..paths import safe_relpath
 from .base import Entry, Store
 from .faults import store_event
 from .oci_client import Registry
-from .oci_signed import SignedArtifacts, named_manifest_key
+from .oci_signed import SignedArtifacts
 from .oci_streams import HashingReader, BytesReader, ModelBlobs
 from .oci_layout import META, MODELCAR_OF, POOL, Place, area_of, check_repository, json_object, key_of, place
 from .oci_modelpack import (EMPTY, EMPTY_BYTES, build_of, check_view, compose, config_bytes,
-                            config_descriptor, created_at, holder, read_document)
+                            config_descriptor, holder, read_document, ref_field)
 
 
 class OciStore(SignedArtifacts, Store):
@@ -306,20 +306,15 @@ class OciStore(SignedArtifacts, Store):
         # the manifest is a layer too: a reader with only this repository (a mirror, oras) has every file OMS signs
         m = build["manifest"]
         self._ensure_blob(repo, m.digest, m.size, data if manifest_doc is None else manifest_doc, path=m.path)
-        cfg = config_bytes(build, created_at(data) if p.kind == "ref" else None)
+        cfg = config_bytes(build, ref_field(data, "created_at") if p.kind == "ref" else None)
         config = config_descriptor(cfg)
         self._ensure_blob(repo, config["digest"], len(cfg), cfg)
         return compose(key, data, build=build, config=config, manifest_doc=manifest_doc, written=written)
 
     def _named_build(self, ref: bytes):
         """(build, manifest bytes) of the manifest a ref document names; (None, None) for a ref that names none."""
-        import json
-
-        try:
-            mkey = json.loads(ref).get("manifest")
-        except (ValueError, AttributeError, RecursionError):
-            return None, None
-        mp = self._place(mkey) if isinstance(mkey, str) and mkey else None
+        mkey = ref_field(ref, "manifest")
+        mp = self._place(mkey) if mkey else None
         if mp is None or mp.kind != "manifest":
             return None, None
         doc = self._document(mp, mkey)
@@ -350,7 +345,7 @@ class OciStore(SignedArtifacts, Store):
         self.registry.put_manifest(repo, "sha256:" + hashlib.sha256(body).hexdigest(), body)
         store_event("temp", key)
         if p.kind == "ref":  # signed before it is visible, as the build's manifest is
-            self.sign_ref(p, body, named_manifest_key(data))
+            self.sign_ref(p, body, ref_field(data, "manifest"))
         self.registry.put_manifest(repo, p.tag, body)
         store_event("done", key)
 

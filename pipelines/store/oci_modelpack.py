@@ -214,16 +214,17 @@ def read_document(raw: bytes, where: str) -> Document:
     return Document(key, data if data is not None else b"", written, layers)
 
 
-def created_at(ref: bytes) -> str | None:
-    """A ref document's created_at (RFC 3339), which its artifact's config records as createdAt."""
+def ref_field(ref: bytes, name: str) -> str | None:
+    """A string field of a ref document (`manifest`: the key it names, `manifest_sha256`, `created_at`: what its
+    artifact's config records as createdAt); None when absent or not a ref document."""
     try:
-        value = json.loads(ref).get("created_at")
+        value = json.loads(ref).get(name)
     except (ValueError, AttributeError, RecursionError):
         return None
     return value if isinstance(value, str) else None
 
 
-def _annotation(notes: dict[str, Any], name: str) -> bytes | None:
+def annotation(notes: dict[str, Any], name: str) -> bytes | None:
     try:
         if isinstance(notes.get(name), str):
             return notes[name].encode("utf-8")
@@ -259,18 +260,15 @@ def check_view(raw: bytes, doc: Document, kind: str, where: str, digest: str = "
         if kind == "manifest":
             build = build_of(doc.data)
         elif kind == "ref":
-            named = _annotation(notes, A_MANIFEST)
+            named = annotation(notes, A_MANIFEST)
             build = build_of(named)
-            try:
-                want = json.loads(doc.data).get("manifest_sha256")
-            except (ValueError, AttributeError, RecursionError):
-                want = None
-            if named is not None and isinstance(want, str) and hashlib.sha256(named).hexdigest() != want:
+            want = ref_field(doc.data, "manifest_sha256")
+            if named is not None and want is not None and hashlib.sha256(named).hexdigest() != want:
                 problem = "the manifest it carries is not the one its document names"
         if build is None:
             views = [([EMPTY], EMPTY)]
         else:
-            created = created_at(doc.data) if kind == "ref" else None
+            created = ref_field(doc.data, "created_at") if kind == "ref" else None
             views = [(_layers(artifact_files(build, legacy=old)), config_descriptor(config_bytes(build, created, legacy=old)))
                      for old in (False, True)]
         seen_layers = None if layers is None else [_seen(x) for x in layers]

@@ -21,7 +21,7 @@ from typing import Iterator
 
 from .oci_client import MANIFEST_TYPE
 from .oci_layout import Place, key_of
-from .oci_modelpack import A_MANIFEST, read_document
+from .oci_modelpack import A_MANIFEST, annotation, read_document, ref_field
 from ..errors import IntegrityError, StoreError
 from ..oms import is_bundle
 from .oci_referrers import attach_bundle, detach_all, find_bundle
@@ -34,14 +34,6 @@ def descriptor(raw: bytes) -> dict:
 def manifest_tag(p: Place) -> str:
     """The build manifest's tag of a signature's place (`_s.<recipe>.<build>` -> `_m.<recipe>.<build>`)."""
     return "_m." + p.tag[3:]
-
-
-def named_manifest_key(ref: bytes) -> str | None:
-    try:
-        named = json.loads(ref).get("manifest")
-    except (ValueError, AttributeError, RecursionError):
-        return None
-    return named if isinstance(named, str) else None
 
 
 class SignedArtifacts:
@@ -58,8 +50,8 @@ class SignedArtifacts:
             got = self.registry.get_manifest(repo, tag)
             try:
                 doc = read_document(got[0], f"{repo}:{tag}") if got else None
-                named = json.loads(doc.data).get("manifest") if doc else None
-            except (IntegrityError, ValueError, AttributeError, RecursionError):
+                named = ref_field(doc.data, "manifest") if doc else None
+            except IntegrityError:
                 continue  # another tool's artifact under a ref-like tag: not a ref of this build
             if named == manifest_key:
                 yield got[0]
@@ -69,14 +61,10 @@ class SignedArtifacts:
         refs still has. The ref artifact itself is checked on read (check_view: the carried manifest is the one
         the ref's document names, by sha256)."""
         for raw in self._refs_naming(p.repo, key):
-            notes = json.loads(raw).get("annotations") or {}
-            carried = notes.get(A_MANIFEST)
-            if isinstance(carried, str):
-                ref_doc = read_document(raw, f"{self._repo(p.repo)}")
-                want = json.loads(ref_doc.data).get("manifest_sha256")
-                data = carried.encode("utf-8")
-                if hashlib.sha256(data).hexdigest() == want:
-                    return data
+            carried = annotation(json.loads(raw).get("annotations") or {}, A_MANIFEST)
+            want = ref_field(read_document(raw, self._repo(p.repo)).data, "manifest_sha256")
+            if carried is not None and hashlib.sha256(carried).hexdigest() == want:
+                return carried
         return None
 
     def _signed_subjects(self, p: Place, key: str) -> list[str]:
