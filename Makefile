@@ -179,7 +179,7 @@ bench-compare: setup
 
 # The same comparison on a ~1B-parameter synthetic model with Llama-3.2-1B's shapes (2.5 GB of bf16, generated
 # once into the cache): f16 only, timing, peak RSS and tensor identity (random weights: no validation).
-# Both comparisons keep their JSON in bench/results/ (`--markdown` prints the README table's rows instead).
+# Both comparisons keep their JSON in bench/results/ (`--markdown` prints the rows of docs/benchmarks.md's table instead).
 BENCH_1B := $(CACHE)/bench/llama3-1b
 .PHONY: bench-compare-1b
 bench-compare-1b: setup

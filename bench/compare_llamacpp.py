@@ -275,7 +275,7 @@ def main() -> int:
                     help="interpreter for the comparison venv")
     ap.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     ap.add_argument("--json-out", type=Path, help="also write the JSON document to this file")
-    ap.add_argument("--markdown", action="store_true", help="print the README's table rows instead of the report")
+    ap.add_argument("--markdown", action="store_true", help="print docs/benchmarks.md's table rows instead of the report")
     ap.add_argument("--keep", action="store_true", help="keep the work directory with the GGUF files")
     args = ap.parse_args()
     variants = tuple(v for v in VARIANTS if v in args.variants.split(","))

@@ -13,11 +13,12 @@ anyway is the same kind of line (`DiskFull`), naming the step; the work dir goes
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
-from . import meter, staging_lease
+from . import meter, progress, staging_lease
 from .build_result import BuildResult  # noqa: F401 - re-exported: what build_and_publish returns
 from .config import Config
 from .errors import DiskFull, HiveError, IntegrityError, StoreError, ValidationFailed
@@ -31,6 +32,27 @@ from .store import Store, blob_key, manifest_key, open_store, staging_key
 from .store.documents import commit_manifest, materialize_blobs, publish_profiles, repair_commit
 from .store.layout import check_binding
 from .targets import InputArtifact, ValidationReport
+
+
+def _reported(engine_step):
+    """An engine entry point whose build steps are named by the recipe in their progress lines (progress.py)."""
+    @functools.wraps(engine_step)
+    def run(p: Plan, *args, **kwargs):
+        with progress.subject(p.recipe.id):
+            return engine_step(p, *args, **kwargs)
+    return run
+
+
+def _measured_as(step: str):
+    """An engine entry point that is a build step of its own (meter.py): measured, and reported wherever it runs
+    (the CLI's build, a Dagster asset)."""
+    def wrap(engine_step):
+        @functools.wraps(engine_step)
+        def run(*args, **kwargs):
+            with meter.step(step):
+                return engine_step(*args, **kwargs)
+        return run
+    return wrap
 
 
 def published_manifest(p: Plan, store: Store) -> Manifest | None:
@@ -116,6 +138,7 @@ def unchanged(p: Plan, store: Store) -> BuildResult | None:
     return res
 
 
+@_reported
 def stage(p: Plan, store: Store) -> BuildResult:
     """Check the memory plan, build the artifact, upload its blobs and write the staging record.
 
@@ -137,7 +160,8 @@ def stage(p: Plan, store: Store) -> BuildResult:
     with work_dir(f"build-{p.build_id[:12]}-") as work:
         try:
             if p.parent is not None:
-                p.context.input = input_artifact(p, store, work / "input")
+                with meter.step(p.target.build_step, label="input"):  # the plan's build step places its input
+                    p.context.input = input_artifact(p, store, work / "input")
                 (work / "out").mkdir()
                 work = work / "out"
             step = p.target.build_step
@@ -145,7 +169,8 @@ def stage(p: Plan, store: Store) -> BuildResult:
                 art = p.target.build(p.context, work)
             step = "publish"
             entries = []
-            with meter.step(step):
+            total = sum((art.root / rel).stat().st_size for rel in art.files)
+            with meter.step(step, label="upload"), progress.bar(total, "upload") as uploaded:
                 for rel in art.files:
                     path = art.root / rel
                     # Files copied unchanged from the source come with the digest the snapshot recorded (checked
@@ -153,6 +178,7 @@ def stage(p: Plan, store: Store) -> BuildResult:
                     # goes right after: a local store may take the file itself.
                     digest = store.put_blob(path, art.known_digests.get(rel), handover=True)
                     entries.append(FileEntry(path=rel, sha256=digest, size=path.stat().st_size))
+                    uploaded.update(entries[-1].size)
         except OSError as e:  # DiskFull (a HiveError) from the store or a child process, or the OS's ENOSPC
             cause = disk_full_cause(e, work)
             if cause is None:
@@ -230,6 +256,7 @@ def integrity_problems(p: Plan, store: Store) -> list[str]:
     return problems
 
 
+@_reported
 def validate_staged(p: Plan, store: Store) -> ValidationReport:
     """Validate the staged candidate numerically; the result is recorded in the staging record.
 
@@ -269,6 +296,8 @@ def validation_record(p: Plan, report: ValidationReport) -> dict[str, Any]:
             "thresholds": p.recipe.validation.model_dump(mode="json"), **report.details}
 
 
+@_reported
+@_measured_as("publish")
 def publish_staged(p: Plan, store: Store, config: Config | None = None) -> BuildResult:
     """Manifest, then refs: the `latest` ref write is the commit point."""
     existing = published_manifest(p, store)
@@ -353,11 +382,10 @@ def _build_one(p: Plan, store: Store, config: Config) -> BuildResult:
                            state="rejected", validation=validation_record(p, report), files=staged.files,
                            memory_plan=staged.memory_plan, memory_measured=meter.measured(),
                            step_seconds=meter.seconds())
-    with meter.step("publish"):
-        try:
-            res = publish_staged(p, store, config)
-        except StoreError as e:
-            return _published_meanwhile(p, store, e)
+    try:
+        res = publish_staged(p, store, config)  # a step of its own (measured and reported)
+    except StoreError as e:
+        return _published_meanwhile(p, store, e)
     res.memory_plan = staged.memory_plan
     res.memory_measured = meter.measured()
     res.step_seconds = meter.seconds()

@@ -24,8 +24,9 @@ from . import settings
 from .errors import HiveError
 
 from .cli_output import (EXIT_ERROR, EXIT_INCOMPATIBLE, EXIT_OK, EXIT_REJECTED, EXIT_RESOURCES,  # noqa: F401
-                         EXIT_REVIEW, EXIT_USAGE, emit as _emit, size as _size)
-from .cli_store import cmd_gc, cmd_ls, cmd_retire, cmd_tag, modelcar_parser, pull_parsers, verify_parser
+                         EXIT_REVIEW, EXIT_USAGE, HelpFormatter, emit as _emit, size as _size, table)
+from .cli_version import VersionAction, cmd_version
+from .cli_store import modelcar_parser, pull_parsers, store_parsers, verify_parser
 from .cli_copy import copy_parser
 
 # Import names that differ from the distribution that provides them.
@@ -73,9 +74,9 @@ def cmd_check(args) -> int:
 
 def cmd_settings(args) -> int:
     rows = settings.describe()
-    human = "\n".join(f"{r['name']:30} {'set' if r['set'] else '-':4} {r['value'] if r['value'] is not None else '':24} "
-                      f"{r['meaning']}" for r in rows)
-    _emit(args, rows, human)
+    _emit(args, rows, table(("variable", "set", "value", "meaning"),
+                            [(r["name"], "set" if r["set"] else "-", "-" if r["value"] is None else r["value"], r["meaning"])
+                             for r in rows]))
     return EXIT_OK
 
 
@@ -99,9 +100,9 @@ def cmd_registry(args) -> int:
     config = Config.load(args.registry, args.recipes)
     if args.registry_command == "backends":
         rows = [p.model_dump(mode="json") for p in config.registry.runtime_profiles]
-        human = "\n".join(f"{p['id']:26} {p['vendor']:9} {p['role']:13} {'active' if p['active'] else 'INACTIVE':9} "
-                          f"{','.join(p['loads']):32} {p['image']}" for p in rows)
-        _emit(args, rows, human)
+        _emit(args, rows, table(("profile", "vendor", "role", "state", "loads", "image"),
+                                [(p["id"], p["vendor"], p["role"], "active" if p["active"] else "INACTIVE",
+                                  ",".join(p["loads"]), p["image"]) for p in rows]))
         return EXIT_OK
     from .compat import database
 
@@ -111,10 +112,9 @@ def cmd_registry(args) -> int:
         active = sum(1 for r in rows if r["active"])
         print(f"{len(rows)} architectures, {active} active (vLLM {db.sources.get('vllm')}, "
               f"transformers {db.sources.get('transformers')})")
-        for r in rows:
-            tested = ",".join(r["tested"]) if r["tested"] else ""
-            print(f"{r['name']:48} {r['family']:16} {r['task']:17} {'active' if r['active'] else 'inactive':8} "
-                  f"{str(r['vllm_support'] or '-'):20} {tested}")
+        print(table(("architecture", "family", "task", "state", "vllm", "tested"),
+                    [(r["name"], r["family"], r["task"], "active" if r["active"] else "inactive",
+                      str(r["vllm_support"] or "-"), ",".join(r["tested"] or ())) for r in rows]))
         return EXIT_OK
     _emit(args, {"sources": db.sources, "aliases": db.aliases, "architectures": rows}, "")
     return EXIT_OK
@@ -234,8 +234,8 @@ def cmd_onboard(args) -> int:
     if args.json:
         _emit(args, res, "")
     else:
-        for r in res["results"]:
-            print(f"{r['model_id']:40} {r['recipe']:14} {r['state']:10} {r.get('build_id', '')[:12]}")
+        print(table(("model", "recipe", "state", "build"),
+                    [(r["model_id"], r["recipe"], r["state"], r.get("build_id", "")[:12]) for r in res["results"]]))
     # One line per failed step on stderr, with the run to open in the UI (`make ui`); the tracebacks are there.
     for r in res["results"]:
         if r["state"] in ("failed", "rejected"):
@@ -245,12 +245,16 @@ def cmd_onboard(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hive-aot", description="Ahead-of-time model artifact factory.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="hive-aot", description="Ahead-of-time model artifact factory.",
+                                formatter_class=HelpFormatter)
+    p.add_argument("--version", action=VersionAction, help="print the package's and the engines' versions and the "
+                   "CPU level llama.cpp was compiled for, then exit (`hive-aot --version --json`: as JSON)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help="`hive-aot COMMAND --help` for its options")
     add_parser = sub.add_parser
 
     def described(name, **kw):  # `hive-aot CMD --help` shows the command's help line, not only its usage
         kw.setdefault("description", kw.get("help"))
+        kw.setdefault("formatter_class", HelpFormatter)  # every option's default in its help line
         return add_parser(name, **kw)
 
     sub.add_parser = described
@@ -263,11 +267,13 @@ def parser() -> argparse.ArgumentParser:
                                           "(default: $HIVE_AOT_RECIPES, else the registry's recipes_dir)")
         if store:
             sp.add_argument("--store", help="store URI (default: $HIVE_AOT_STORE or ./artifacts)")
+        sp.add_argument("--quiet", action="store_true", help="no progress bars and no step lines on stderr, only "
+                                                             "errors (sets $HIVE_AOT_QUIET for what it runs)")
 
     sp = sub.add_parser("check", help="classify a model: status, runtime profile, checks, requirements")
     sp.add_argument("source", help="hf://owner/repo[@rev], owner/repo[@rev] or a local directory")
     sp.add_argument("--hardware", default="nvidia",
-                    help="vendor[-model][-<N>gb]: nvidia (default), nvidia-a100-80gb, amd-mi300x-192gb, intel-max-1550, cpu, qaic-ai100")
+                    help="vendor[-model][-<N>gb]: nvidia, nvidia-a100-80gb, amd-mi300x-192gb, intel-max-1550, cpu, qaic-ai100")
     sp.add_argument("--model-id", help="model id for a local directory source")
     common(sp, store=False)
     sp.set_defaults(func=cmd_check)
@@ -275,8 +281,9 @@ def parser() -> argparse.ArgumentParser:
     for name, func, text in (("build", cmd_build, "build, validate and publish one recipe for one model"),
                              ("plan", cmd_plan, "each step's estimated memory and disk for a build, against this host")):
         sp = sub.add_parser(name, help=text)
-        sp.add_argument("source")
-        sp.add_argument("--recipe", required=True)
+        sp.add_argument("source", help="hf://owner/repo[@rev], owner/repo[@rev] or a local directory")
+        sp.add_argument("--recipe", required=True, help="the recipe id (e.g. gguf-q8_0, vllm-fp8; the packaged ones "
+                                                         "are in pipelines/defaults/recipes)")
         sp.add_argument("--model-id", help="model id (org/name) for a local directory source")
         common(sp)
         sp.set_defaults(func=func)
@@ -284,7 +291,8 @@ def parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("compile", aliases=["qaic-compile"],
                         help="finish published artifacts on this host's hardware (AI 100 export bundles into QPCs, "
                              "with the Cloud AI SDK)")
-    sp.add_argument("model", metavar="MODEL_ID[@INPUT_BUILD_ID]")
+    sp.add_argument("model", metavar="MODEL_ID[@INPUT_BUILD_ID]",
+                    help="the model, and optionally the published input build (a full id or 8+ hex digits) to finish")
     sp.add_argument("--recipe", help="one recipe (default: every recipe of the model with a published artifact waiting)")
     common(sp)
     sp.set_defaults(func=cmd_compile)
@@ -294,56 +302,27 @@ def parser() -> argparse.ArgumentParser:
     copy_parser(sub)
     verify_parser(sub)
 
-    sp = sub.add_parser("tag", help="point a tag at a published build (promote it, or roll a tag back to it)")
-    sp.add_argument("model", metavar="MODEL_ID@BUILD_ID")
-    sp.add_argument("tag", help="e.g. latest, stable, canary")
-    sp.add_argument("--recipe", help="the build's recipe, when one build id is published for several")
-    sp.add_argument("--json", action="store_true")
-    sp.add_argument("--store")
-    sp.set_defaults(func=cmd_tag)
-
-    sp = sub.add_parser("retire", help="remove a model's refs and manifests (licence takedown); gc removes its blobs")
-    sp.add_argument("model", metavar="MODEL_ID")
-    sp.add_argument("--recipe", help="only this recipe of the model")
-    sp.add_argument("--dry-run", action="store_true")
-    sp.add_argument("--json", action="store_true")
-    sp.add_argument("--store")
-    sp.set_defaults(func=cmd_retire)
-
-    sp = sub.add_parser("ls", help="list published artifacts")
-    sp.add_argument("--json", action="store_true")
-    sp.add_argument("--store")
-    sp.set_defaults(func=cmd_ls)
-
-    sp = sub.add_parser("gc", help="remove unreferenced blobs and stale staging records")
-    sp.add_argument("--json", action="store_true")
-    sp.add_argument("--store")
-    sp.add_argument("--dry-run", action="store_true")
-    sp.add_argument("--min-age", type=float, default=3600.0, help="only collect items older than this many seconds")
-    sp.set_defaults(func=cmd_gc)
+    store_parsers(sub)
 
     sp = sub.add_parser("settings", help="every HIVE_AOT_* environment variable: its effective value (secrets "
                                          "masked) and meaning")
-    sp.add_argument("--json", action="store_true")
+    sp.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     sp.set_defaults(func=cmd_settings)
 
     sp = sub.add_parser("registry", help="the architecture database and runtime profiles")
-    rsub = sp.add_subparsers(dest="registry_command", required=True)
+    rsub = sp.add_subparsers(dest="registry_command", required=True, metavar="SUBCOMMAND",
+                             help="`hive-aot registry SUBCOMMAND --help` for its options")
     for name, text in (("architectures", "one record per architecture"), ("backends", "the runtime profiles")):
-        r = rsub.add_parser(name, help=text)
-        r.add_argument("--json", action="store_true")
-        r.add_argument("--registry")
-        r.add_argument("--recipes")
-    r = rsub.add_parser("sync", help="regenerate the architecture snapshot from vLLM's registry, transformers and "
-                        "llama.cpp's converter")
+        r = rsub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
+        common(r, store=False)
+    text = "regenerate the architecture snapshot from vLLM's registry, transformers and llama.cpp's converter"
+    r = rsub.add_parser("sync", help=text, description=text, formatter_class=HelpFormatter)
     r.add_argument("--vllm-version", default="0.33.0", help="the vLLM release the serving images pin")
     r.add_argument("--wheel", help="a local vllm wheel instead of downloading one")
     r.add_argument("--llama-cpp-version", default="0.3.36", help="the llama-cpp-python release the CPU tier pins")
     r.add_argument("--llama-cpp-sdist", help="a local llama-cpp-python sdist instead of downloading one")
     r.add_argument("--output", help="where to write (default: the packaged snapshot)")
-    r.add_argument("--json", action="store_true")
-    r.add_argument("--registry")
-    r.add_argument("--recipes")
+    common(r, store=False)
     sp.set_defaults(func=cmd_registry)
 
     sp = sub.add_parser("onboard", help="run the Dagster onboarding job headless for registry models",
@@ -393,9 +372,16 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["serve"] and "--" in argv:
         cut = argv.index("--")
         argv, server_args = argv[:cut], argv[cut + 1:]
+    if argv[:1] == ["--version"]:  # before the parser, which asks for a command: `--version --json` has its own
+        return cmd_version(argv[1:])
     args = parser().parse_args(argv)
     args.server_args = server_args
     try:
+        if getattr(args, "quiet", False):
+            from .progress import silenced
+
+            with silenced():  # through the environment: isolated engine children are quiet too
+                return args.func(args)
         return args.func(args)
     except ModuleNotFoundError as e:
         return _fail(args, _missing_extra(args.command, e))

@@ -3,10 +3,11 @@ ls, gc (no torch, no Dagster: serving containers run them)."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
-from .cli_output import EXIT_OK, emit, size
+from .cli_output import EXIT_OK, emit, size, table
 from .errors import HiveError, IntegrityError
 
 
@@ -77,15 +78,23 @@ def _dest(given: str) -> Path:
 
 
 def cmd_serve(args) -> int:
-    from .serve import serve
+    from .serve import PLACEHOLDER_DEST, serve
 
-    res = serve(args.model, args.target, _dest(args.dest), extra_args=args.server_args, dry_run=args.dry_run,
+    if args.dest is None and not args.dry_run:  # a usage error (exit 2), as argparse's own required flags are
+        args.usage_error("the following arguments are required: --dest (only --dry-run, which downloads nothing, "
+                         "goes without it)")
+    dest = _dest(args.dest) if args.dest is not None else PLACEHOLDER_DEST
+    res = serve(args.model, args.target, dest, extra_args=args.server_args, dry_run=args.dry_run,
                 allow_remote_code=args.allow_remote_code, recipe=args.recipe, tag=args.tag, store_uri=args.store,
                 registry=args.registry, strict=args.strict, trusted=args.trusted_keys, allow_stand_in=args.allow_stand_in)
     import shlex
 
     env = "".join(f"{k}={shlex.quote(v)} " for k, v in sorted(res["exec_env"].items()))
-    emit(args, res, f"would exec: {env}{shlex.join(res['exec'])}")  # only reached with --dry-run
+    where = ""
+    if args.dest is None:
+        res["dest_placeholder"] = True  # for a JSON reader: "dest" is not a directory anyone named
+        where = f"\n  (no --dest: {PLACEHOLDER_DEST} stands for the directory it would pull into)"
+    emit(args, res, f"would exec: {env}{shlex.join(res['exec'])}{where}")  # only reached with --dry-run
     return EXIT_OK
 
 
@@ -94,14 +103,12 @@ def cmd_profiles(args) -> int:
 
     res = profiles_report(args.model, tag=args.tag, store_uri=args.store, registry=args.registry)
     lines = [f"{res['model_id']} ({res['tag']}) in {res['store']}:"]
-    vendor = None
-    for row in sorted(res["profiles"], key=lambda r: (str(r["vendor"]), str(r["role"]), r["profile"])):
-        if row["vendor"] != vendor:  # grouped by vendor, then role
-            vendor = row["vendor"]
-            lines.append(f"  {vendor}:")
-        arts = ", ".join(f"{a['recipe']} ({a['build_id'][:12]}, {size(a['size'])})" for a in row["artifacts"]) or "-"
-        lines.append(f"    {row['profile']:22} {str(row['role']):13} {arts}" + (f"; pull takes {row['pull_picks']}"
-                                                                                if row["pull_picks"] else ""))
+    rows = sorted(res["profiles"], key=lambda r: (str(r["vendor"]), str(r["role"]), r["profile"]))  # by vendor, role
+    lines += ["  " + line for line in table(
+        ("vendor", "profile", "role", "pull takes", "published"),
+        [(str(r["vendor"]), r["profile"], str(r["role"]), r["pull_picks"] or "-",
+          ", ".join(f"{a['recipe']} ({a['build_id'][:12]}, {size(a['size'])})" for a in r["artifacts"]) or "-")
+         for r in rows]).splitlines()]
     for b in res["pending_bundles"]:
         lines.append(f"  pending: {b['recipe']} export bundle {b['build_id'][:12]} ({b['format']}): compile it on a host "
                      f"with {b['needs']} (hive-aot compile {res['model_id']} --recipe {b['recipe']})")
@@ -133,8 +140,28 @@ def cmd_retire(args) -> int:
     return EXIT_OK
 
 
+# A hex run this long is an id (a build id, a source's hash or commit in a tag): `ls` shows its first 12 digits,
+# as every other command prints a build id; `--json` has it whole.
+_LONG_HEX = re.compile(r"[0-9a-f]{40,}")
+
+
+def short_ids(text: str) -> str:
+    return _LONG_HEX.sub(lambda m: m.group(0)[:12], text)
+
+
+def _minute_utc(stamp: str) -> str:
+    """A ref's ISO 8601 time as `2026-05-01 12:34` in UTC (what a table has room for); as it is when unreadable."""
+    from datetime import datetime, timezone
+
+    try:
+        when = datetime.fromisoformat(stamp)
+    except ValueError:
+        return stamp
+    return (when.astimezone(timezone.utc) if when.tzinfo else when).strftime("%Y-%m-%d %H:%M")
+
+
 def cmd_ls(args) -> int:
-    from .inventory import list_published
+    from .inventory import list_published, published_builds
 
     rows = list_published(args.store)
     if args.json:
@@ -142,13 +169,9 @@ def cmd_ls(args) -> int:
     elif not rows:
         print("(store is empty)")
     else:
-        # columns as wide as their widest value: a tag is never cut (bundle-latest vs bundle-<commit>)
-        table = [(r["model_id"], r["recipe"], r["tag"], r["build_id"][:12], size(r["size"]), r["created_at"])
-                 for r in rows]
-        header = ("model", "recipe", "tag", "build", "size", "created")
-        widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
-        for row in [header, *table]:
-            print("  ".join(v.rjust(w) if i == 4 else v.ljust(w) for i, (v, w) in enumerate(zip(row, widths))).rstrip())
+        print(table(("model", "recipe", "build", "tags", "size", "created (UTC)"),
+                    [(r["model_id"], r["recipe"], short_ids(r["build_id"]), short_ids(", ".join(r["tags"])),
+                      size(r["size"]), _minute_utc(r["created_at"])) for r in published_builds(rows)], right=(4,)))
     return EXIT_OK
 
 
@@ -179,15 +202,38 @@ def cmd_modelcar(args) -> int:
     return EXIT_OK
 
 
+class ProfileIds:
+    """The runtime profile ids `--target` takes, read when a help text is printed (not at every parse): the packaged
+    registry's, extended by the deployment's ($HIVE_AOT_REGISTRY or ./registry.yaml)."""
+
+    def __str__(self) -> str:
+        from .config import load_registry
+        from .errors import ConfigError
+
+        try:
+            registry, _ = load_registry()
+        except ConfigError:  # a broken deployment registry: --help still answers, with the packaged profiles
+            from .config import packaged_defaults_dir
+
+            registry, _ = load_registry(packaged_defaults_dir() / "registry.yaml")
+        return ", ".join(p.id for p in registry.runtime_profiles)
+
+
+def target_option(sp, text: str, **kw) -> None:
+    """`--target`, its help naming every runtime profile (%(profiles)s: filled in when help is printed)."""
+    action = sp.add_argument("--target", metavar="PROFILE", help=text + "; the profiles: %(profiles)s", **kw)
+    action.profiles = ProfileIds()
+
+
 def pull_parsers(sub, common) -> None:
     """pull, serve and profiles: the serving container's commands."""
     sp = sub.add_parser("pull", help="fetch a published artifact (or any ModelPack artifact: oci://...) into a directory")
     sp.add_argument("model", help="org/name[@build_id], or oci://HOST[:PORT]/REPOSITORY:TAG (or @sha256:<hex>): any "
                                   "CNCF ModelPack artifact in a registry")
-    sp.add_argument("--target", help="runtime profile id, or 'auto' (required, except for an oci:// artifact)")
-    sp.add_argument("--dest", required=True)
-    sp.add_argument("--recipe")
-    sp.add_argument("--tag", default="latest")
+    target_option(sp, "runtime profile id, or 'auto' (required, except for an oci:// artifact)")
+    sp.add_argument("--dest", required=True, metavar="DIR", help="the directory to pull into (replaced as a whole)")
+    sp.add_argument("--recipe", help="this recipe's artifact (default: the profile's preferred one published)")
+    sp.add_argument("--tag", default="latest", help="the ref tag to pull")
     sp.add_argument("--strict", action="store_true",
                     help="fail when this container's engine version differs from the one the artifact was validated with")
     sp.add_argument("--trusted-keys", help="ECDSA public key PEM file(s) (Ed25519: stores signed before OMS), "
@@ -200,23 +246,24 @@ def pull_parsers(sub, common) -> None:
     sp = sub.add_parser("serve", help="a serving container's entrypoint: pull, then exec the manifest's server "
                                       "(arguments after -- are appended to the server's)")
     sp.add_argument("model", help="org/name[@build_id]")
-    sp.add_argument("--target", default="auto", help="runtime profile id, or 'auto' (default)")
-    sp.add_argument("--dest", required=True)
-    sp.add_argument("--recipe")
-    sp.add_argument("--tag", default="latest")
+    target_option(sp, "runtime profile id, or 'auto' (this host's accelerator decides)", default="auto")
+    sp.add_argument("--dest", metavar="DIR", help="the directory to pull into (required, except with --dry-run)")
+    sp.add_argument("--recipe", help="this recipe's artifact (default: the profile's preferred one published)")
+    sp.add_argument("--tag", default="latest", help="the ref tag to serve")
     sp.add_argument("--strict", action="store_true", help="refuse an engine version other than the validated one")
     sp.add_argument("--trusted-keys", help="ECDSA public key PEM file(s) (Ed25519: stores signed before OMS): "
                                            "require a signed manifest")
     sp.add_argument("--allow-stand-in", action="store_true", help="accept an artifact a stand-in toolchain made (tests)")
-    sp.add_argument("--dry-run", action="store_true", help="pull, then print the command instead of running it")
+    sp.add_argument("--dry-run", action="store_true", help="print the server command and its environment instead of "
+                                                            "running it; downloads nothing (--dest optional)")
     sp.add_argument("--allow-remote-code", action="store_true",
                     help="run --trust-remote-code servers from an unsigned manifest (a signed one needs no flag)")
     common(sp)
-    sp.set_defaults(func=cmd_serve)
+    sp.set_defaults(func=cmd_serve, usage_error=sp.error)
 
     sp = sub.add_parser("profiles", help="what is published for a model, per runtime profile, and what --target auto picks")
     sp.add_argument("model", help="org/name[@build_id]")
-    sp.add_argument("--tag", default="latest")
+    sp.add_argument("--tag", default="latest", help="the ref tag to report on")
     common(sp)
     sp.set_defaults(func=cmd_profiles)
 
@@ -235,7 +282,7 @@ def modelcar_parser(sub) -> None:
     sp.add_argument("model", help="org/name[@build_id]")
     sp.add_argument("--recipe", help="the recipe (default: the only one published with --tag)")
     sp.add_argument("--build", help="a build id (or a unique prefix of 8+ of its hex digits) instead of a tag")
-    sp.add_argument("--tag", default="latest", help="the ref tag whose build is imaged (default latest)")
+    sp.add_argument("--tag", default="latest", help="the ref tag whose build is imaged")
     sp.add_argument("--image-tag", help="the image's tag (default <recipe>.<tag>-modelcar); not one of the store's "
                                         "own <recipe>.<tag> tags")
     sp.add_argument("--base", metavar="IMAGE_REF", help="a base image: oci://host[:port]/repository[:tag] or a "
@@ -276,10 +323,49 @@ def verify_parser(sub) -> None:
                                     "(nothing is written). Exit 0 when everything is intact, 1 otherwise.")
     sp.add_argument("model", help="org/name[@build_id]")
     sp.add_argument("--recipe", help="only this recipe (default: every recipe the tag names)")
-    sp.add_argument("--tag", default="latest", help="the ref tag to check (default latest)")
+    sp.add_argument("--tag", default="latest", help="the ref tag to check")
     sp.add_argument("--deep", action="store_true", help="read and hash every blob from the store")
     sp.add_argument("--trusted-keys", help="ECDSA public key PEM file(s) (Ed25519: stores signed before OMS): also "
                                            "require a trusted signature (default: $HIVE_AOT_TRUSTED_KEYS)")
     sp.add_argument("--json", action="store_true", help="print the report as one JSON document on stdout")
     sp.add_argument("--store", help="the store (default: $HIVE_AOT_STORE)")
     sp.set_defaults(func=cmd_verify)
+
+
+STORE_HELP = "store URI: a directory, file://, s3://, oci:// or oci-layout:// (default: $HIVE_AOT_STORE, else ./artifacts)"
+JSON_HELP = "print one JSON document on stdout"
+
+
+def store_parsers(sub) -> None:
+    """tag, retire, ls and gc: what an operator does to a store's refs and blobs."""
+    sp = sub.add_parser("tag", help="point a tag at a published build (promote it, or roll a tag back to it)")
+    sp.add_argument("model", metavar="MODEL_ID@BUILD_ID",
+                    help="the model and the build to tag (a full build id or a unique prefix of 8+ hex digits)")
+    sp.add_argument("tag", help="e.g. latest, stable, canary (an export bundle takes only bundle-* tags)")
+    sp.add_argument("--recipe", help="the build's recipe, when one build id is published for several")
+    sp.add_argument("--json", action="store_true", help=JSON_HELP)
+    sp.add_argument("--store", help=STORE_HELP)
+    sp.set_defaults(func=cmd_tag)
+
+    sp = sub.add_parser("retire", help="remove a model's refs and manifests (licence takedown); gc removes its blobs")
+    sp.add_argument("model", metavar="MODEL_ID", help="the model to retire (org/name)")
+    sp.add_argument("--recipe", help="only this recipe of the model (default: every recipe)")
+    sp.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    sp.add_argument("--json", action="store_true", help=JSON_HELP)
+    sp.add_argument("--store", help=STORE_HELP)
+    sp.set_defaults(func=cmd_retire)
+
+    sp = sub.add_parser("ls", help="list published artifacts: one row per build, its tags joined (long ids cut to 12 "
+                                   "characters; --json has them whole, one record per tag)")
+    sp.add_argument("--json", action="store_true", help=JSON_HELP + ": one record per tag, ids in full")
+    sp.add_argument("--store", help=STORE_HELP)
+    sp.set_defaults(func=cmd_ls)
+
+    sp = sub.add_parser("gc", help="remove unreferenced blobs and stale staging records")
+    sp.add_argument("--json", action="store_true", help=JSON_HELP)
+    sp.add_argument("--store", help=STORE_HELP)
+    sp.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    sp.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",
+                    help="only collect blobs, staging records and temporary files older than this many seconds "
+                         "(a build in flight uploads blobs before its manifest)")
+    sp.set_defaults(func=cmd_gc)

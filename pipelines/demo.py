@@ -30,25 +30,12 @@ def greedy_completion(model_path: str, prompt: str, max_tokens: int) -> str:
         llm.close()
 
 
-def _engine_column(chk: dict) -> str:
-    """The engine-side validation in one cell: vLLM for prepared weights, the predicted device quality
-    (MXFP6 / MXINT8 emulated) for AI 100 compiles, "-" for the others."""
-    if "predicted_kl" in chk:
-        return (f"AI 100 predicted: top-1 {chk['predicted_top1']:.3f}, KL {chk['predicted_kl']:.3f}, "
-                f"ppl {chk['predicted_ppl_delta']:+.1%}")
-    if "vllm_loaded" not in chk:
-        return "-"
-    if not chk["vllm_loaded"]:
-        return "not loaded here (needs a GPU host)"
-    return (f"top-1 {chk['vllm_top1_agreement']:.4f}, greedy {chk['vllm_greedy_agreement']:.0%}, "
-            f"dlogp {chk['vllm_max_logprob_delta']:.0e}")
-
-
 def main() -> int:
     from .errors import HiveError
     from .isolation import run_isolated
     from .orchestration.onboard import onboard
     from .pull import pull
+    from .quality_view import engine_check
     from .store import default_store_uri
 
     print(f"demo: store {default_store_uri()}, Dagster instance {os.environ.get('DAGSTER_HOME', './.dagster')}",
@@ -63,7 +50,7 @@ def main() -> int:
         kl = f"{chk['mean_kl']:.5f}" if "mean_kl" in chk else "-"
         size = human_bytes(r["size"]) if "size" in r else "-"  # the units every command prints
         skipped = "yes" if r.get("skipped") or r["state"] == "skipped" else "no"
-        print(f"{r['recipe']:14} {size:>10} {top1:>7} {kl:>9} {_engine_column(chk):38} {r.get('build_id', '')[:12]:14} "
+        print(f"{r['recipe']:14} {size:>10} {top1:>7} {kl:>9} {engine_check(chk):38} {r.get('build_id', '')[:12]:14} "
               f"{skipped:8} {r['state']}" + (f" ({r['error']})" if r.get("error") else ""))
     if not report["success"]:
         print("demo: onboarding failed (see above)", file=sys.stderr)

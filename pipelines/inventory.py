@@ -35,6 +35,20 @@ def list_published(store_uri: str | None = None) -> list[dict[str, Any]]:
     return rows
 
 
+def published_builds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`list_published`'s rows (one per tag) as one row per build, with its tags in their order (latest first) and
+    the earliest time a tag was written for it; builds in the order of their first row."""
+    builds: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for r in rows:
+        key = (r["model_id"], r["recipe"], r["build_id"])
+        b = builds.setdefault(key, {"model_id": r["model_id"], "recipe": r["recipe"], "build_id": r["build_id"],
+                                    "tags": [], "size": r["size"], "created_at": r["created_at"]})
+        b["tags"].append(r["tag"])
+        if r["created_at"] and (not b["created_at"] or r["created_at"] < b["created_at"]):
+            b["created_at"] = r["created_at"]
+    return list(builds.values())
+
+
 def _staged_blobs(store, key: str) -> set[str]:
     doc = store.read_json(key)
     if doc is None:

@@ -15,6 +15,10 @@ is kept per step the same way (exclusive of the steps nested in it).
 The build records `{step: bytes}` next to its plan (`BuildResult.memory_measured`), so every build checks
 its plan and a test can hold the plan to within a factor of what was measured. Where /proc cannot be
 read or reset (not Linux), nothing is recorded.
+
+Each step is also reported as it starts and ends (progress.py: a line on stderr and in the run log), with its
+own elapsed time and peak, nested steps included. A step may be shown under another `label` than the plan step
+it is measured as: the blob upload is part of the plan's `publish` step, and shown as `upload`.
 """
 
 from __future__ import annotations
@@ -22,10 +26,23 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
+from . import progress
+
+
+@dataclass
+class _Entered:
+    """One step while it runs: what its report says when it ends (the steps nested in it included)."""
+    name: str
+    label: str
+    started: float
+    peak: int = 0
+
+
 _lock = threading.Lock()
-_stack: list[str] = []
+_stack: list[_Entered] = []
 _own: dict[str, int] = {}  # step -> this process's peak over its segments
 _children: dict[str, int] = {}  # step -> the largest (child's peak + this process's resident set meanwhile)
 _seconds: dict[str, float] = {}  # step -> wall time of its own segments
@@ -48,9 +65,11 @@ def _close_segment() -> None:
     peak = _status_bytes("VmHWM")
     now = time.monotonic()
     if _stack:
-        _seconds[_stack[-1]] = _seconds.get(_stack[-1], 0.0) + now - _segment_start[0]
+        top = _stack[-1].name
+        _seconds[top] = _seconds.get(top, 0.0) + now - _segment_start[0]
         if peak is not None:
-            _own[_stack[-1]] = max(_own.get(_stack[-1], 0), peak)
+            _own[top] = max(_own.get(top, 0), peak)
+            _raise_reported_peaks(peak)
     _segment_start[0] = now
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -59,17 +78,28 @@ def _close_segment() -> None:
         pass
 
 
+def _raise_reported_peaks(held: int) -> None:
+    for entered in _stack:  # a report covers the steps nested in it
+        entered.peak = max(entered.peak, held)
+
+
 @contextmanager
-def step(name: str) -> Iterator[None]:
+def step(name: str, label: str | None = None) -> Iterator[None]:
+    """Measure what runs inside as plan step `name`, and report it (as `label`, else `name`)."""
+    entered = _Entered(name, label or name, time.monotonic())
     with _lock:
         _close_segment()
-        _stack.append(name)
+        _stack.append(entered)
+    progress.step_started(entered.label)
+    failed = True
     try:
         yield
+        failed = False
     finally:
         with _lock:
             _close_segment()
             _stack.pop()
+        progress.step_ended(entered.label, time.monotonic() - entered.started, entered.peak or None, failed)
 
 
 def child(peak_bytes: int | None) -> None:
@@ -79,7 +109,9 @@ def child(peak_bytes: int | None) -> None:
     waiting = _status_bytes("VmRSS") or 0
     with _lock:
         if _stack:
-            _children[_stack[-1]] = max(_children.get(_stack[-1], 0), int(peak_bytes) + waiting)
+            top = _stack[-1].name
+            _children[top] = max(_children.get(top, 0), int(peak_bytes) + waiting)
+            _raise_reported_peaks(int(peak_bytes) + waiting)
 
 
 def reset() -> None:

@@ -123,28 +123,3 @@ def merge(parts: list[Parity]) -> Parity:
         near_tie_top1=sum(p.near_tie_top1 * p.near_ties for p in ties) / n_ties if ties else None,
         near_tie_max_kl=max(p.near_tie_max_kl for p in ties) if ties else None,
     )
-
-
-SPARK = "▁▂▃▄▅▆▇█"
-
-
-def sparkline(values: list[float], top: float) -> str:
-    """One character per value on a linear scale from 0 (▁) to `top` (█): a plot that fits a table cell."""
-    if top <= 0:
-        return SPARK[0] * len(values)
-    return "".join(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1) + 0.5))] for v in values)
-
-
-def profile_markdown(per_prompt: list[dict]) -> str | None:
-    """The per-position KL of each parity prompt as a markdown table of sparklines on one shared scale, or None
-    when the validation recorded no profile (a manifest from before profiles were recorded)."""
-    rows = [(i, p) for i, p in enumerate(per_prompt) if p.get("kl_profile")]
-    if not rows:
-        return None
-    top = max(max(p["kl_profile"]) for _, p in rows)
-    lines = [f"KL(reference || artifact) at each position of each parity prompt; one scale: ▁ = 0, █ = {top:.3g}",
-             "", "| prompt | positions | mean KL | max KL | KL by position |", "| ---: | ---: | ---: | ---: | --- |"]
-    for i, p in rows:
-        lines.append(f"| {i} | {p['positions']} | {p['mean_kl']:.3g} | {p['max_kl']:.3g} | "
-                     f"`{sparkline(p['kl_profile'], top)}` |")
-    return "\n".join(lines)

@@ -157,10 +157,13 @@ def compute_into(model_dir: str, files: list[str], ids: list[list[int]], gen_ids
     """The child's side of `compute`: one .npy of logits per sequence, then done.json (written last)."""
     from . import router_gaps
     from .isolation import peak_memory
+    from .progress import unit_runs
     from .streamed_model import StreamedCausalLM
 
     out = Path(out_dir)
-    with StreamedCausalLM(Path(model_dir), [Path(f) for f in files], resident=resident) as lm:
+    passes = (len(ids) if resident else 1) + n_gen  # the logits (one batch when streamed), then a token a pass
+    with StreamedCausalLM(Path(model_dir), [Path(f) for f in files], resident=resident) as lm, \
+            unit_runs([module for _name, module, _r in lm.units], passes, "reference"):
         with router_gaps.recording(lm.model) as routing:
             for i, logits in enumerate(lm.logits_batch(ids)):  # one pass over the weights when streamed
                 np.save(out / f"l{i}.npy", logits)

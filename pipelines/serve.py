@@ -19,6 +19,9 @@ from typing import Any, Sequence
 
 from .errors import HiveError
 
+# What `serve --dry-run` without --dest shows in the server's command line where the pulled directory would be.
+PLACEHOLDER_DEST = Path("/DEST")
+
 
 def serve(model: str, target: str, dest: Path, *, extra_args: Sequence[str] = (), dry_run: bool = False,
           allow_remote_code: bool = False, **pull_options: Any) -> dict[str, Any]:
@@ -80,4 +83,4 @@ def _default_signals() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
 
 
-__all__ = ["serve"]
+__all__ = ["PLACEHOLDER_DEST", "serve"]

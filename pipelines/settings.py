@@ -1,7 +1,7 @@
 """Every `HIVE_AOT_*` environment variable hive-aot reads, declared once: its name, default, audience and meaning.
 
 No other module reads one from the environment (tests/test_settings.py holds the package to that), so this
-file, `hive-aot settings` and the README's table are the whole list. Values are read when asked for, never
+file, `hive-aot settings` and docs/settings.md's table are the whole list. Values are read when asked for, never
 cached at import: a parent that sets one before starting a step, or a test that sets one, is seen. An empty
 value counts as unset everywhere (`HIVE_AOT_STORE= hive-aot ls` falls back to the default, as shells expect).
 
@@ -127,6 +127,8 @@ WARM_DIR = Setting("HIVE_AOT_WARM_DIR", "directory (0700, yours) for warm step s
                    "from a server that has its imports done; unset: every child is a fresh interpreter")
 WARM_IDLE = Setting("HIVE_AOT_WARM_IDLE", "seconds a warm step server waits for a job before it exits", "600")
 PROGRESS = Setting("HIVE_AOT_PROGRESS", "any value: progress bars even when stderr is not a terminal")
+QUIET = Setting("HIVE_AOT_QUIET", "any value: no progress bars and no step lines on stderr (what `--quiet` sets; "
+                "errors are still said)")
 
 # --- trust -------------------------------------------------------------------------------------------------------
 SIGNING_KEY = Setting("HIVE_AOT_SIGNING_KEY", "ECDSA P-256/384/521 private key (PEM) that signs every manifest "
@@ -151,6 +153,8 @@ CELERY_BROKER = Setting("HIVE_AOT_CELERY_BROKER", "Celery broker URL: every Dags
 CELERY_BACKEND = Setting("HIVE_AOT_CELERY_BACKEND", "Celery result backend URL; else the broker", secret=True)
 REVISION_CRON = Setting("HIVE_AOT_REVISION_CRON", "cron of the upstream-revision sensor's observation job",
                         "0 3 * * *")
+DAGSTER_RECIPES = Setting("HIVE_AOT_DAGSTER_RECIPES", "which recipes get Dagster assets: `used` (those a registry "
+                          "model lists, and their inputs) or `all` (every recipe file)", "used")
 
 # --- fault injection (the test suite's) --------------------------------------------------------------------------
 FAULT = Setting("HIVE_AOT_FAULT", "<step>:<SIGNAL>: that step's isolated child kills itself with the signal",

@@ -13,8 +13,11 @@ import os
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Iterator
 
+from . import meter, progress
 from .errors import SourceError
 from .hashing import DigestCache, sha256_file, sha256_json
 from .paths import cache_root, check_model_id, confined, model_slug, safe_relpath
@@ -30,7 +33,9 @@ def _hash_files(root: Path, names: list[str], cache: DigestCache | None = None,
     the others get no digest (nothing is read)."""
     total = sum(confined(root, n, within).stat().st_size for n in names)
     out = []
-    with bar(total if hashed else 0, "sha256") as pb:
+    # A step (a line at its start and end) only where bytes are read: digests the cache knows cost nothing.
+    reads = hashed and (cache is None or any(cache.get(confined(root, n, within)) is None for n in names))
+    with meter.step("fetch", label="hash source") if reads else nullcontext(), bar(total if hashed else 0, "sha256") as pb:
         for n in names:
             p = confined(root, n, within)  # through a symlink: the blob's bytes, cached by its real path
             if not p.is_file():  # confined() already refused links leading outside
@@ -192,6 +197,22 @@ def fetch_hf_offline(spec: SourceSpec) -> Snapshot:
     return snap
 
 
+@contextmanager
+def _hub_bars(shown: bool) -> Iterator[None]:
+    """huggingface_hub's download bars as hive-aot's own are: drawn on a terminal, never into a log or when quiet
+    (the Hub client draws them wherever stderr goes)."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    if shown or are_progress_bars_disabled():
+        yield
+        return
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        enable_progress_bars()
+
+
 def fetch_hf(spec: SourceSpec, model_id: str | None) -> Snapshot:
     from huggingface_hub import HfApi, snapshot_download
 
@@ -225,7 +246,8 @@ def fetch_hf(spec: SourceSpec, model_id: str | None) -> Snapshot:
     # Download into a private directory and rename: a crash never leaves a snapshot that looks complete.
     tmp = Path(tempfile.mkdtemp(prefix=f".{commit}.", dir=dest.parent))
     try:
-        snapshot_download(repo, revision=commit, allow_patterns=wanted, local_dir=str(tmp))
+        with meter.step("fetch", label="download source"), _hub_bars(progress.bars_shown()):
+            snapshot_download(repo, revision=commit, allow_patterns=wanted, local_dir=str(tmp))
         shutil.rmtree(tmp / ".cache", ignore_errors=True)
         for n in wanted:
             if not confined(tmp, n).is_file():

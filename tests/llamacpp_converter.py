@@ -26,34 +26,15 @@ from pathlib import Path
 
 import numpy as np
 
+from pipelines import warm
+
 LLAMA_CPP_VERSION = "0.3.36"  # the Makefile's LLAMA_CPP_VERSION: the library that runs the files
 VENDOR = f"llama_cpp_python-{LLAMA_CPP_VERSION}/vendor/llama.cpp/"
 VENDOR_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 
-# Runs in the child: argv = tree, converter arguments.
-_CHILD = """
-import os, runpy, sys
-tree = sys.argv[1]
-sys.path[:0] = [tree, tree + "/gguf-py"]
-import conversion.base as base
-known = base.TextModel.get_vocab_base_pre
-def named_or_smollm(self, tokenizer):
-    try:
-        return known(self, tokenizer)
-    except NotImplementedError:  # the cut test vocabulary: SmolLM2's pre-tokenizer, as the tests name it
-        return "smollm"
-base.TextModel.get_vocab_base_pre = named_or_smollm
-if os.environ.get("HIVE_AOT_TENSORS_ONLY"):  # the tensors are compared; the vocabulary is tested on its own
-    import conversion
-    conversion.load_all_models()
-    todo = [base.TextModel]
-    while todo:
-        cls = todo.pop()
-        cls.set_vocab = lambda self: None
-        todo += cls.__subclasses__()
-sys.argv = [tree + "/convert_hf_to_gguf.py", *sys.argv[2:]]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
+# llama.cpp's converter runs in a child: this script, forked by a warm server where the tests have one (torch and
+# transformers imported once: a tiny model's conversion took 3-7 s in a fresh interpreter, under 1 s warm).
+CHILD = Path(__file__).with_name("llamacpp_convert_child.py")
 
 
 def cache_root() -> Path:
@@ -109,10 +90,16 @@ def convert(tree: Path, model_dir: Path, out: Path, outtype: str = "f16", *extra
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "NO_LOCAL_GGUF", "HIVE_AOT_TENSORS_ONLY")}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                **({"HIVE_AOT_TENSORS_ONLY": "1"} if tensors_only else {}))
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(tree), str(model_dir), "--outtype", outtype,
-                           "--outfile", str(out), *extra], capture_output=True, text=True, env=env, cwd=tree)
-    if proc.returncode != 0:
-        raise AssertionError(f"llama.cpp's converter failed on {model_dir.name}:\n{proc.stderr[-4000:]}")
+    argv = [str(CHILD), str(tree), str(model_dir), "--outtype", outtype, "--outfile", str(out), *extra]
+    with tempfile.TemporaryFile() as log:
+        done = warm.run(sys.executable, str(CHILD), argv, cwd=tree, env=env, timeout=None, output=log.fileno())
+        # -P: tests/ stays off the fresh interpreter's path, as it was off the warm server's
+        rc = subprocess.run([sys.executable, "-P", *argv], stdout=log, stderr=log, env=env, cwd=tree).returncode \
+            if done is None else done[0]
+        if rc != 0:
+            log.seek(0)
+            said = log.read().decode(errors="replace")
+            raise AssertionError(f"llama.cpp's converter failed on {model_dir.name}:\n{said[-4000:]}")
     return out
 
 

@@ -101,7 +101,7 @@ def test_an_edit_with_its_mtime_set_back_is_rehashed(cached, monkeypatch):
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a second member of the cache's group")
 def test_a_group_member_renaming_blob_and_stamp_onto_another_digest_is_caught(tmp_path, monkeypatch):
-    """Issue 39 item 2: a shared cache (group-writable, setgid, as the README's recipe makes it); another member of
+    """Issue 39 item 2: a shared cache (group-writable, setgid, as docs/operations.md's recipe makes it); another member of
     the group renames the victim's blob of model A and its stamp onto the names of model B's blob of the same size.
     The victim's pull of B re-hashes (the stamp names A's digest, and the renames moved the ctime) and fetches B."""
     shared = Path(tempfile.mkdtemp(prefix="hive-aot-shared-cache-"))  # traversable: pytest's tmp dirs are 0700

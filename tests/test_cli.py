@@ -30,7 +30,8 @@ def doc(proc: subprocess.CompletedProcess):
 
 
 def one_error_line(proc: subprocess.CompletedProcess) -> str:
-    lines = proc.stderr.strip().splitlines()
+    """The one error line; a build's step lines (`hive-aot: [convert] start`, progress.py) may come before it."""
+    lines = [line for line in proc.stderr.strip().splitlines() if not line.startswith("hive-aot: [")]
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("hive-aot: error: "), proc.stderr
     return lines[0]
@@ -151,7 +152,7 @@ def test_check_exit_codes(models):
     cpu = hive("check", str(models["good"]), "--model-id", MODEL, "--hardware", "cpu", "--json")
     assert cpu.returncode == 0 and doc(cpu)["runtime_profile_id"] == "llm-llamacpp-cpu"
     assert sorted(doc(cpu)["recipes"]) == GGUF_RECIPES
-    # every hardware the README names lists only what its routed profile loads
+    # every hardware docs/compatibility.md names lists only what its routed profile loads
     for hw, profile, recipes in (("amd-mi300x", "vllm-rocm", VLLM_RECIPES),
                                  ("intel-max-1550", "vllm-xpu", VLLM_RECIPES),
                                  ("nvidia-t4", "vllm-cu121", VLLM_RECIPES),
@@ -210,13 +211,39 @@ def test_ls(built, tmp_path):
     rows = doc(proc)
     bid = doc(built["first"])["build_id"]
     assert [(r["model_id"], r["recipe"], r["build_id"]) for r in rows] == [(MODEL, "gguf-f16", bid)] * 2
-    assert rows[0]["tag"] == "latest" and rows[1]["tag"].startswith("local-")
+    assert rows[0]["tag"] == "latest" and re.fullmatch(r"local-[0-9a-f]{64}", rows[1]["tag"])  # --json: ids whole
     assert rows[0]["size"] == doc(built["first"])["files"][0]["size"]
     human = hive("ls", "--store", str(built["store"]))
-    assert human.returncode == 0 and MODEL in human.stdout and bid[:12] in human.stdout
+    assert human.returncode == 0, human.stderr
+    # one row per build under a header, its tags joined, long ids cut to 12 hex digits: it fits a terminal
+    header, *body = human.stdout.splitlines()
+    assert header.split() == ["model", "recipe", "build", "tags", "size", "created", "(UTC)"]
+    assert len(body) == 1 and body[0].split()[:5] == [MODEL, "gguf-f16", bid[:12], "latest,", rows[1]["tag"][:18]]
+    assert not re.search(r"[0-9a-f]{13,}", human.stdout) and max(map(len, human.stdout.splitlines())) <= 120
     (tmp_path / "empty").mkdir()
     empty = hive("ls", "--store", str(tmp_path / "empty"), "--json")
     assert empty.returncode == 0 and doc(empty) == []
+
+
+def test_serve_dry_run_needs_no_dest(built, capsys):
+    """It downloads nothing, so it needs no directory; without --dry-run, --dest is a usage error (exit 2)."""
+    from pipelines.cli import main
+
+    common = [MODEL, "--target", "llm-llamacpp-cpu", "--store", str(built["store"])]
+    assert main(["serve", *common, "--dry-run", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["dest"] == "/DEST" and d["dest_placeholder"] is True and d["files"][0].startswith("/DEST/")
+    assert d["exec"][:3] == ["llama-server", "-m", d["files"][0]]
+    assert main(["serve", *common, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("would exec: ") and "(no --dest: /DEST stands for the directory it would pull into)" in out
+    assert not Path("/DEST").exists()
+    with pytest.raises(SystemExit) as e:
+        main(["serve", *common])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "hive-aot serve: error: the following arguments are required: --dest (only --dry-run, which downloads nothing, "
+        "goes without it)")
 
 
 @pytest.mark.parametrize("command", ["ls", "gc"])

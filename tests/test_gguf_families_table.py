@@ -1,4 +1,4 @@
-"""The README's GGUF family table is the one the family modules generate (pipelines/targets/gguf/family_table.py)."""
+"""docs/gguf.md's GGUF family table is the one the family modules generate (pipelines/targets/gguf/family_table.py)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from pathlib import Path
 from pipelines.targets.gguf import family_table
 from pipelines.targets.gguf.families import BY_ARCHITECTURE, FAMILIES
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "gguf.md"
 
 
-def test_the_readme_table_is_generated_from_the_family_modules():
-    text = README.read_text(encoding="utf-8")
-    assert family_table.replaced(text) == text, ("the README's GGUF family table is stale: run "
-                                                 "python -m pipelines.targets.gguf.family_table --write README.md")
+def test_the_docs_table_is_generated_from_the_family_modules():
+    text = PAGE.read_text(encoding="utf-8")
+    assert family_table.replaced(text) == text, ("docs/gguf.md's GGUF family table is stale: run "
+                                                 "python -m pipelines.targets.gguf.family_table --write docs/gguf.md")
 
 
 def test_every_family_and_architecture_has_a_row():

@@ -31,8 +31,8 @@ class Run:
     err: str
 
     def error_line(self) -> str:
-        # exactly the one line: no traceback, and no library warnings around it
-        lines = self.err.strip().splitlines()
+        # exactly the one line: no traceback, and no library warnings around it (a build's step lines aside)
+        lines = [line for line in self.err.strip().splitlines() if not line.startswith("hive-aot: [")]
         assert len(lines) == 1 and lines[0].startswith("hive-aot: error: "), self.err
         return lines[0]
 

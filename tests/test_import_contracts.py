@@ -62,12 +62,13 @@ def test_a_forbidden_import_breaks_the_contract_it_crosses(broken_copy):
     assert "pipelines.store is not allowed to import pipelines.build:\n\n- pipelines.store.base -> pipelines.build" in out, out
 
 
-def test_the_readme_layout_names_every_module():
-    """README's layout block names each module of pipelines/ (a family module is covered by `families/`)."""
+def test_the_docs_layout_names_every_module():
+    """docs/development.md's layout block names each module of pipelines/ (a family module is covered by
+    `families/`)."""
     import re
 
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Layout"):]
+    page = (ROOT / "docs" / "development.md").read_text()
+    section = page[page.index("## Layout"):]
     block = section[section.index("```") + 3:section.index("```", section.index("```") + 3)]
     named = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", block))
     modules = [p for p in (ROOT / "pipelines").rglob("*.py") if p.name != "__init__.py" and p.parent.name != "families"]

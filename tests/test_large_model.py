@@ -10,7 +10,7 @@ Each build records, beside its memory plan, what every step really used (all its
 the reference's and the streamed artifact's children, the vLLM engine). The tests hold every step under the
 budget, the plan within 1.5x of what was measured (either way), and the checks to what the budget forces: the
 reference and the artifact streamed unit by unit, vLLM and onnxruntime on a two-layer slice of the published
-files. The 8B run is bench/large_model.py (its numbers are in the README).
+files. The 8B run is bench/large_model.py (its numbers are in docs/benchmarks.md).
 """
 
 from __future__ import annotations

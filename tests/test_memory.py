@@ -344,7 +344,7 @@ def test_over_budget_build_is_refused_before_work_and_publishes_nothing(tiny_lla
     proc = hive("build", str(tiny_llama), "--model-id", MODEL, "--recipe", "gguf-f16", "--store", str(store),
                 "--registry", str(registry), env={"HIVE_AOT_MEMORY_BUDGET": "1M"})
     assert proc.returncode == 7, proc.stderr
-    lines = proc.stderr.strip().splitlines()
+    lines = [line for line in proc.stderr.strip().splitlines() if not line.startswith("hive-aot: [")]  # step lines
     assert len(lines) == 1 and lines[0].startswith(f"hive-aot: error: gguf-f16 of {MODEL}: step '")
     named = re.findall(r"'(\w+)' (?:needs )?\d", lines[0])  # the largest step first, then the others over it
     assert named[0] in ("reference", "validate") and {"reference", "validate"} <= set(named), lines[0]
@@ -612,7 +612,8 @@ def test_file_size_limit_is_treated_as_disk_full(tiny_llama, registry, tmp_path)
     proc = hive("build", str(tiny_llama), "--model-id", MODEL, "--recipe", "gguf-f16", "--store", str(store),
                 "--registry", str(registry), preexec=limited, env={"HIVE_AOT_CACHE": str(tmp_path / "cache")})
     assert proc.returncode == 7, proc.stderr
-    (line,) = proc.stderr.strip().splitlines()
+    *steps, line = proc.stderr.strip().splitlines()
+    assert steps[-1].startswith("hive-aot: [gguf-f16: convert] failed after "), proc.stderr  # progress.py's step lines
     assert line.startswith(f"hive-aot: error: gguf-f16 of {MODEL}: disk full during step 'convert' (file size limit "
                            "exceeded (EFBIG")
     assert line.endswith("partial files removed, nothing was published")

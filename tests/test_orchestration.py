@@ -5,21 +5,24 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import dagster as dg
+import pytest
 import yaml
 from factories import copy_model, write_test_config
 
 from pipelines.config import Config
 from pipelines.orchestration.automation import onboard_job, registry_sensor
-from pipelines.orchestration.factories import (INTEGRITY_CHECK, PARITY_CHECK, all_recipe_assets, model_asset_keys, published_key,
-                                               source_assets)
+from pipelines.orchestration.factories import (INTEGRITY_CHECK, PARITY_CHECK, all_recipe_assets, artifact_key,
+                                               model_asset_keys, published_key, source_assets)
+from pipelines.orchestration.quality import INLINE_MARKDOWN, KL_BINS, full_build_id
 from pipelines.orchestration.resources import HiveResource
-from pipelines.parity import PROFILE_POINTS
+from pipelines.orchestration.summary import SUMMARY_KEY, summary_asset
 
 REPO = Path.cwd()
 
@@ -117,7 +120,14 @@ def test_snapshot_invariants():
     from the config under test): every recipe's publish sits behind its blocking parity check."""
     snap = json.loads(SNAPSHOT.read_text())
     recipes = sorted(k.split("/", 1)[1] for k in snap["assets"] if k.startswith("artifact/"))
-    assert len(recipes) >= 20
+    # assets for the recipes registry.yaml's models list and the inputs those are built from, and no other
+    # (HIVE_AOT_DAGSTER_RECIPES=used): "Materialize all" offers nothing no model uses
+    listed = {r for m in yaml.safe_load((REPO / "registry.yaml").read_text())["models"] for r in m["recipes"]}
+    inputs = {yaml.safe_load((REPO / "recipes" / f"{r}.yaml").read_text()).get("input") for r in listed} - {None}
+    assert set(recipes) == listed | inputs and listed, (recipes, listed, inputs)
+    # the model's summary comes after every publish (and compile) step
+    assert snap["assets"]["summary"]["deps"] == sorted(
+        k for k in snap["assets"] if k.startswith(("published/", "qpc/")))
     for r in recipes:
         check = snap["checks"][f"artifact/{r}:{PARITY_CHECK}"]
         assert check == {"blocking": True, "pool": "validate_large", "partitions": "models"}
@@ -133,6 +143,24 @@ def test_snapshot_invariants():
     assert {a["pools"][0] for k, a in snap["assets"].items() if k.startswith("qpc/")} == {"ai100_compile"}
 
 
+def test_recipes_get_assets_where_a_model_uses_them_unless_all_are_asked_for(tmp_path, monkeypatch):
+    """HIVE_AOT_DAGSTER_RECIPES: `used` (the default) makes assets for the recipes the registry's models list and
+    the inputs those are built from; `all` for every recipe file; anything else is one line naming the choices."""
+    from pipelines.orchestration.recipe_selection import recipes_in_code_location
+    from pipelines.settings import SettingError
+
+    reg = _registry(tmp_path, [{"id": "test/a", "source": str(tmp_path), "recipes": ["gguf-f32", "qaic-mxfp6"]},
+                               {"id": "test/b", "source": str(tmp_path), "recipes": ["gguf-f32"]}])
+    config = Config.load(reg)
+    assert [r.id for r in recipes_in_code_location(config)] == ["gguf-f32", "qaic-export", "qaic-mxfp6"]
+    monkeypatch.setenv("HIVE_AOT_DAGSTER_RECIPES", "all")
+    assert [r.id for r in recipes_in_code_location(config)] == sorted(config.recipes) and len(config.recipes) > 20
+    monkeypatch.setenv("HIVE_AOT_DAGSTER_RECIPES", "some")
+    with pytest.raises(SettingError) as refused:
+        recipes_in_code_location(config)
+    assert str(refused.value) == "HIVE_AOT_DAGSTER_RECIPES='some': expected one of used, all"
+
+
 def test_registry_sensor_adds_new_models_as_partitions(tmp_path, tiny_llama):
     reg = _registry(tmp_path, [{"id": "test/tiny", "source": str(tiny_llama), "recipes": ["gguf-f16"]}])
     instance = dg.DagsterInstance.ephemeral()
@@ -146,18 +174,40 @@ def test_registry_sensor_adds_new_models_as_partitions(tmp_path, tiny_llama):
     assert again.skip_reason.skip_message == f"no new models in {reg}"
 
 
-def _run(reg: Path, store: Path, model_id: str, everything: bool = False, instance: dg.DagsterInstance | None = None):
+def _run(reg: Path, store: Path, model_id: str, everything: bool = False, instance: dg.DagsterInstance | None = None,
+         summary_only: bool = False):
     """One onboarding run of a model: the assets of its recipes, as the CLI and sensors request them (or every
-    asset, as a launch of the whole job from the UI does)."""
+    asset, as a launch of the whole job from the UI does; or its summary alone)."""
     config = Config.load(reg)
-    recipe_assets, checks = all_recipe_assets(config.recipes.values())
-    defs = dg.Definitions(assets=source_assets() + recipe_assets, asset_checks=checks, jobs=[onboard_job],
+    recipes = list(config.recipes.values())
+    recipe_assets, checks = all_recipe_assets(recipes)
+    defs = dg.Definitions(assets=source_assets() + recipe_assets + [summary_asset(recipes)], asset_checks=checks,
+                          jobs=[onboard_job],
                           resources={"hive": HiveResource(registry=str(reg), store=str(store))})
     instance = instance or dg.DagsterInstance.ephemeral()
-    instance.add_dynamic_partitions("models", [model_id])
-    selection = None if everything else model_asset_keys(config, config.registry.model(model_id))
+    if model_id not in instance.get_dynamic_partitions("models"):
+        instance.add_dynamic_partitions("models", [model_id])
+    selection = [SUMMARY_KEY] if summary_only else (
+        None if everything else model_asset_keys(config, config.registry.model(model_id)))
     return defs.resolve_job_def("onboard").execute_in_process(partition_key=model_id, instance=instance,
                                                               raise_on_error=False, asset_selection=selection)
+
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def _chart(value: str, alt: str):
+    """The SVG document a Markdown chart entry embeds as a data: image (parsed: it must be well-formed XML)."""
+    import urllib.parse
+    import xml.etree.ElementTree as ET
+
+    prefix = f"![{alt}](<data:image/svg+xml,"
+    assert value.startswith(prefix) and value.endswith(">)"), value[:80]
+    escaped = value[len(prefix):-2]  # the angle-bracket destination's \< \> \\ escapes, then the URI's %-escapes
+    svg = urllib.parse.unquote(re.sub(r"\\(.)", r"\1", escaped))
+    root = ET.fromstring(svg)
+    assert root.tag == f"{SVG}svg"
+    return root
 
 
 def _warnings(instance: dg.DagsterInstance, result, caplog) -> list[str]:
@@ -180,21 +230,45 @@ def test_materialize_whole_slice_publishes_and_checks(tmp_path, tiny_llama, capl
     assert intact == {"gguf-f16": True, "gguf-f32": True}
     assert set(evals) == {"gguf-f16", "gguf-f32"}
     assert all(e.passed for e in evals.values())
-    assert evals["gguf-f16"].metadata["top1_agreement"].value >= 0.99
-    # the per-position KL plot: one sparkline row per parity prompt, as many points as the prompt has positions
-    plot = evals["gguf-f16"].metadata["kl_by_position"].value
-    prompts = evals["gguf-f16"].metadata["parity"].value.records  # the parity table: one record per prompt
-    rows = [line for line in plot.splitlines() if line.startswith("| ") and "`" in line]
-    assert len(rows) == len(prompts) > 0
-    assert all(len(row.split("`")[1]) == min(int(row.split("|")[2]), PROFILE_POINTS) for row in rows)
+    f16 = evals["gguf-f16"].metadata
+    assert f16["top1_agreement"].value >= 0.99
+    # each gate's value against its threshold, as visible text (gguf-f16: top-1 >= 0.99, mean KL <= 0.001)
+    assert f16["gate: top-1 agreement"].value == f"{f16['top1_agreement'].value:.4f} ≥ 0.99: pass"
+    assert f16["gate: mean KL"].value == f"{f16['mean_kl'].value:.5f} ≤ 0.001: pass"
+    # the per-position KL chart: an SVG image small enough for the UI to show in place, two curves (the mean and
+    # the worst of the parity prompts at each run of positions)
+    prompts = f16["parity"].value.records  # the parity table: one record per prompt
+    assert len(f16["kl_by_position"].value) < INLINE_MARKDOWN
+    chart = _chart(f16["kl_by_position"].value, "KL by position")
+    assert {f"mean of {len(prompts)} prompts", "worst"} <= {t.text for t in chart.iter(f"{SVG}text")}
+    curves = [p for p in chart.iter(f"{SVG}path") if p.get("stroke") != "gray"]
+    assert len(curves) == 2 and all(1 < len(c.get("d").split()) + 1 <= max(KL_BINS) for c in curves)  # points
+    # the same measurement recorded on the artifact's partition, with the thresholds beside the values
+    (seen,) = [e for e in instance.get_records_for_run(result.run_id, of_type=dg.DagsterEventType.ASSET_OBSERVATION
+                                                         ).records
+               if e.event_log_entry.dagster_event.asset_key == artifact_key("gguf-f16")]
+    observed = seen.event_log_entry.asset_observation.metadata
+    assert observed["validation"].value == "passed: within thresholds"
+    gates = {r.data["metric"]: r.data for r in observed["quality"].value.records}
+    assert gates["top-1 agreement"] == {"metric": "top-1 agreement", "value": f"{f16['top1_agreement'].value:.4f}",
+                                        "threshold": "≥ 0.99", "pass": True}
+    assert observed["mean_kl"].value == f16["mean_kl"].value
     mats = {e.asset_key.to_user_string(): e.materialization.metadata for e in result.get_asset_materialization_events()}
+    # the model's summary: one row per recipe it lists, in its order, and size against quality
+    rows = [r.data for r in mats["summary"]["recipes"].value.records]
+    assert [(r["recipe"], r["state"]) for r in rows] == [("gguf-f16", "published"), ("gguf-f32", "published")]
+    assert rows[0]["top1"] == f"{f16['top1_agreement'].value:.4f}" and rows[0]["size"].endswith("MiB")
+    scatter = _chart(mats["summary"]["size_vs_quality"].value, "size against mean KL")
+    (passed,) = [p.get("d") for p in scatter.iter(f"{SVG}path") if p.get("stroke-linecap") == "round"]
+    assert passed.count("M") == 2 and {"gguf-f16", "gguf-f32"} <= {t.text for t in scatter.iter(f"{SVG}text")}
+    assert mats["summary"]["published"].value == "2 of 2 recipes"
     # q4_k_m is not requested for this model: no step of it is even scheduled, so no blocking check of it
     # "emitted no result" and Dagster warns of nothing
     assert "artifact/gguf-q4_k_m" not in mats and "published/gguf-q4_k_m" not in mats
     steps = {e.step_key for e in result.all_events if e.event_type_value == "STEP_SUCCESS"}
     assert steps == {"snapshot", "compatibility", "artifact__gguf_f16", "artifact__gguf_f32", "published__gguf_f16",
                      "published__gguf_f32", "artifact__gguf_f16_numerical_parity", "artifact__gguf_f32_numerical_parity",
-                     "artifact__gguf_f16_integrity", "artifact__gguf_f32_integrity"}
+                     "artifact__gguf_f16_integrity", "artifact__gguf_f32_integrity", "summary"}
     assert _warnings(instance, result, caplog) == []
     assert mats["published/gguf-f16"]["size"].value.endswith("MiB")
     assert mats["published/gguf-f16"]["serving_command"].value.startswith("hive-aot serve test/tiny@")
@@ -204,7 +278,12 @@ def test_materialize_whole_slice_publishes_and_checks(tmp_path, tiny_llama, capl
         assert md["state"].value == "published"
         manifest_path = Path(md["manifest"].value.removeprefix("file://"))
         doc = json.loads(manifest_path.read_text())
-        assert doc["build_id"] == md["build_id"].value == mats[f"artifact/{rid}"]["build_id"].value
+        assert doc["build_id"] == md["build_id"].value == full_build_id(mats[f"artifact/{rid}"])
+        # the artifact shows the id cut to 12 hex digits, its files as a table
+        assert mats[f"artifact/{rid}"]["build_id"].value == doc["build_id"][:12]
+        (gguf,) = [r.data for r in mats[f"artifact/{rid}"]["files"].value.records]
+        assert (gguf["path"], gguf["bytes"], gguf["sha256"]) == (doc["files"][0]["path"], doc["files"][0]["size"],
+                                                                 doc["files"][0]["sha256"][:12])
         assert doc["validation"]["passed"] is True
         assert (store / "refs" / "test--tiny" / rid / "latest").is_file()
     # a second run rebuilds nothing
@@ -221,7 +300,8 @@ def test_failing_check_blocks_publish(tmp_path, tiny_llama):
         "id": "gguf-impossible", "kind": "gguf", "options": {"outtype": "f16"}, "runtime_profiles": ["llm-llamacpp-cpu"],
         "validation": {"min_top1_agreement": 1.0, "max_mean_kl": 0.0, "max_abs_logit_delta": 0.0}}))
     store = tmp_path / "store"
-    result = _run(reg, store, "test/strict")
+    instance = dg.DagsterInstance.ephemeral()
+    result = _run(reg, store, "test/strict", instance=instance)
     evals = {e.check_name: e for e in result.get_asset_check_evaluations()}
     assert set(evals) == {PARITY_CHECK, INTEGRITY_CHECK} and evals[INTEGRITY_CHECK].passed
     assert not evals[PARITY_CHECK].passed and "mean KL" in (evals[PARITY_CHECK].description or "")
@@ -229,6 +309,12 @@ def test_failing_check_blocks_publish(tmp_path, tiny_llama):
     assert published == []
     assert not (store / "manifests").exists() or not any((store / "manifests").rglob("*.json"))
     assert not (store / "refs").exists()
+    # the run skipped the summary (downstream of the blocked publish); alone, it reads the rejection recorded
+    assert SUMMARY_KEY not in {e.asset_key for e in result.get_asset_materialization_events()}
+    alone = _run(reg, store, "test/strict", instance=instance, summary_only=True)
+    (summary,) = alone.get_asset_materialization_events()
+    (row,) = [r.data for r in summary.materialization.metadata["recipes"].value.records]
+    assert row["state"] == "rejected" and row["note"] == evals[PARITY_CHECK].description
 
 
 def test_nan_weights_fail_the_artifact_step_with_one_line(tmp_path, tiny_llama):
@@ -242,11 +328,16 @@ def test_nan_weights_fail_the_artifact_step_with_one_line(tmp_path, tiny_llama):
     save_file(weights, str(bad / "model.safetensors"), metadata={"format": "pt"})
     reg = _registry(tmp_path, [{"id": "test/nan", "source": str(bad), "recipes": ["gguf-f16"]}])
     store = tmp_path / "store"
-    result = _run(reg, store, "test/nan")
+    instance = dg.DagsterInstance.ephemeral()
+    result = _run(reg, store, "test/nan", instance=instance)
     assert not result.success
     failures = [e.event_specific_data.error.message for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
     assert len(failures) == 1 and f"tensor {name} has 1 non-finite value(s)" in failures[0]
     assert not (store / "refs").exists() and not (store / "manifests").exists()
+    # the model's summary, materialized alone after the failed run, says which step failed and why
+    (summary,) = _run(reg, store, "test/nan", instance=instance, summary_only=True).get_asset_materialization_events()
+    (row,) = [r.data for r in summary.materialization.metadata["recipes"].value.records]
+    assert row["state"] == "failed" and f"tensor {name} has 1 non-finite value(s)" in row["note"], row
 
 
 def test_engine_crash_fails_the_check_with_one_line_and_publishes_nothing(tmp_path, tiny_llama, monkeypatch):
@@ -282,7 +373,8 @@ def test_memory_plan_refusal_fails_the_artifact_step_with_its_line_and_metadata(
                                                  f"step '{peak}' needs ")
     assert plan["fits"] is False and plan["budget"] == 1 << 20 and plan["model_id"] == "test/toolarge"
     assert [s["step"] for s in plan["steps"]] == ["convert", "publish", "reference", "validate"]
-    assert md["peak_memory_estimate"].value == plan["peak_memory"] > 1 << 20
+    assert plan["peak_memory"] > 1 << 20 and "peak_memory_estimate" not in md  # the peak once, in binary units:
+    assert md["peak_memory"].value.startswith(f"{plan['peak_memory_human']} (step {peak}, budget 1.0 MiB")
     assert not (store / "blobs").exists() or not any((store / "blobs").rglob("*.*"))
     assert not (store / "refs").exists() and not (store / "manifests").exists()
     assert not any((store / "staging").glob("*")) if (store / "staging").exists() else True

@@ -21,6 +21,7 @@ from pipelines.orchestration.automation import (observe_revisions_job, onboard_j
                                                 revision_sensor, revisions_schedule)
 from pipelines.orchestration.factories import SNAPSHOT_KEY, UPSTREAM_KEY, all_recipe_assets, source_assets
 from pipelines.orchestration.resources import HiveResource
+from pipelines.orchestration.summary import summary_asset
 
 REPO = Path.cwd()
 F32 = {"id": "gguf-f32", "kind": "gguf", "options": {"outtype": "f32"}, "runtime_profiles": ["llm-llamacpp-cpu"],
@@ -62,7 +63,8 @@ def sensor_context(instance, reg: Path, store: Path | None = None):
 def definitions(reg: Path, store: Path) -> dg.Definitions:
     config = Config.load(reg)
     recipe_assets, checks = all_recipe_assets(config.recipes.values())
-    return dg.Definitions(assets=source_assets() + recipe_assets, asset_checks=checks,
+    return dg.Definitions(assets=source_assets() + recipe_assets + [summary_asset(list(config.recipes.values()))],
+                          asset_checks=checks,
                           jobs=[onboard_job, observe_revisions_job],
                           resources={"hive": HiveResource(registry=str(reg), store=str(store))})
 
@@ -106,11 +108,11 @@ def test_new_models_are_requested_with_only_their_recipes(tmp_path, tiny_llama):
     assert result.dynamic_partitions_requests[0].partition_keys == ["test/a", "test/b"]
     by_key = {r.partition_key: r for r in result.run_requests}
     assert [k.to_user_string() for k in by_key["test/a"].asset_selection] == [
-        "snapshot", "compatibility", "artifact/gguf-f16", "published/gguf-f16"]
+        "snapshot", "compatibility", "artifact/gguf-f16", "published/gguf-f16", "summary"]
     # a compile recipe brings the export it is built from, and its QPC step
     assert [k.to_user_string() for k in by_key["test/b"].asset_selection] == [
         "snapshot", "compatibility", "artifact/qaic-export", "published/qaic-export", "artifact/qaic-mxfp6",
-        "published/qaic-mxfp6", "qpc/qaic-mxfp6"]
+        "published/qaic-mxfp6", "qpc/qaic-mxfp6", "summary"]
     assert by_key["test/a"].run_key == "onboard:test/a" and by_key["test/a"].tags["hive-aot/trigger"] == "registry"
 
 
@@ -288,8 +290,8 @@ def test_onboard_failure_is_one_line_per_step_with_the_run_id(tmp_path, tiny_lla
     # the fresh home got the committed settings: run retries for dead workers, a default limit on every pool
     assert instance.run_retries_enabled and not instance.run_retries_retry_on_asset_or_op_failure
     assert instance.get_concurrency_config().pool_config.default_pool_limit == 2
-    rows = [line.split() for line in proc.stdout.splitlines()]
-    assert ["test/strict", "gguf-f32", "published"] == rows[0][:3]
+    rows = [line.split()[:3] for line in proc.stdout.splitlines()]
+    assert ["test/strict", "gguf-f32", "published"] in rows, proc.stdout
 
 
 def test_adding_a_model_to_the_registry_builds_only_that_model(tmp_path, tiny_llama, monkeypatch):
@@ -331,6 +333,9 @@ def test_a_broken_recipe_file_leaves_the_code_location_loading_and_is_reported(t
     assert proc.returncode == 0, proc.stderr[-3000:]
     assets = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "artifact/gguf-f32" in assets and "artifact/gguf-bad" not in assets and "artifact/gguf-typo" not in assets
+    # the packaged recipes no model lists have no assets (HIVE_AOT_DAGSTER_RECIPES=used); the model has its summary
+    assert not any(k.startswith(("artifact/gguf-f16", "artifact/vllm-", "artifact/qaic-")) for k in assets), assets
+    assert "summary" in assets
     assert assets["broken_recipe/gguf-bad"].startswith("Recipe gguf-bad is broken and was left out: recipe gguf-bad: ")
     assert "q9_9" in assets["broken_recipe/gguf-bad"]
     assert str(tmp_path / "recipes" / "gguf-typo.yaml") in assets["broken_recipe/gguf-typo"]
@@ -340,7 +345,34 @@ def test_a_broken_recipe_file_leaves_the_code_location_loading_and_is_reported(t
     ctx = sensor_context(instance, reg)
     (request,) = registry_sensor(ctx).run_requests
     assert [k.to_user_string() for k in request.asset_selection] == [
-        "snapshot", "compatibility", "artifact/gguf-f32", "published/gguf-f32"]
+        "snapshot", "compatibility", "artifact/gguf-f32", "published/gguf-f32", "summary"]
+
+
+def test_a_model_listing_a_recipe_the_code_location_has_no_assets_for_waits_for_its_reload(tmp_path, tiny_llama):
+    """The code location made assets for the recipes its registry's models used when it loaded; a model added since
+    that lists another recipe is neither requested nor added as a partition (the request would name assets that do
+    not exist) until a reload defines them, and the sensor says why."""
+    from pipelines.orchestration.recipe_selection import recipes_in_code_location
+    from pipelines.orchestration.summary import summary_asset
+
+    first = [{"id": "test/a", "source": str(tiny_llama), "recipes": ["gguf-f32"]}]
+    loaded = Config.load(write_registry(tmp_path, first))
+    recipes = recipes_in_code_location(loaded)
+    assert [r.id for r in recipes] == ["gguf-f32"]
+    recipe_assets, checks = all_recipe_assets(recipes)
+    reg = write_registry(tmp_path, first + [{"id": "test/b", "source": str(tiny_llama), "recipes": ["gguf-f16"]}])
+    repo = dg.Definitions(assets=source_assets() + recipe_assets + [summary_asset(recipes)], asset_checks=checks,
+                          jobs=[onboard_job], sensors=[registry_sensor],
+                          resources={"hive": HiveResource(registry=str(reg))}).get_repository_def()
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions("models", ["test/a"])
+    ctx = dg.build_sensor_context(instance=instance, repository_def=repo,
+                                  resources={"hive": HiveResource(registry=str(reg))})
+    result = registry_sensor(ctx)
+    assert not result.run_requests and not result.dynamic_partitions_requests
+    assert result.skip_reason.skip_message == (
+        "test/b waits for a reload of the code location, which has no artifact/gguf-f16, published/gguf-f16 yet "
+        "(Deployment > Reload, or restart `make ui`)")
 
 
 def test_a_changed_recipe_rebuilds_the_models_that_list_it(tmp_path, tiny_llama):

@@ -26,8 +26,6 @@ def test_the_profile_locates_drift_at_its_positions():
     assert max(p.kl_profile[:15]) < 1e-9 and min(p.kl_profile[15:]) > 1e-3
     # the profile is the per-position KL the mean is made of
     assert np.mean(p.kl_profile) == pytest.approx(p.mean_kl, rel=1e-9)
-    line = parity.sparkline(p.kl_profile, max(p.kl_profile))
-    assert set(line[:15]) == {"▁"} and "█" in line[15:]
 
 
 def test_long_prompts_are_bucketed_to_a_bounded_profile():
@@ -37,13 +35,3 @@ def test_long_prompts_are_bucketed_to_a_bounded_profile():
     assert len(p.kl_profile) == parity.PROFILE_POINTS
     assert np.mean(p.kl_profile) == pytest.approx(p.mean_kl, rel=1e-2)  # equal-sized buckets: same mean
     assert parity.merge([p, p]).kl_profile == []  # an aggregate has no single sequence to profile
-
-
-def test_profile_markdown_has_one_row_per_prompt_on_one_scale():
-    per_prompt = [{"positions": 3, "mean_kl": 0.1, "max_kl": 0.2, "kl_profile": [0.0, 0.1, 0.2]},
-                  {"positions": 2, "mean_kl": 0.4, "max_kl": 0.8, "kl_profile": [0.0, 0.8]}]
-    md = parity.profile_markdown(per_prompt)
-    rows = [line for line in md.splitlines() if line.startswith("| ") and "`" in line]
-    assert [r.split("`")[1] for r in rows] == ["▁▂▃", "▁█"]  # 0.2 of 0.8 is a low bar, not a full one
-    assert "█ = 0.8" in md
-    assert parity.profile_markdown([{"positions": 3, "mean_kl": 0.1, "max_kl": 0.2}]) is None  # old manifests

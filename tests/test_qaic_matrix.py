@@ -1,7 +1,7 @@
 """The Cloud AI 100 matrix as `check --hardware qaic-ai100` answers it (issue 25, items 4 and 6).
 
 Every row of the seed (ai100-aot-supported-models.txt) either gets the qaic recipes, with the test that exports a
-tiny random model of it and runs it in onnxruntime against transformers named here (and in the README's table),
+tiny random model of it and runs it in onnxruntime against transformers named here (and in docs/ai100.md's table),
 or says that hive-aot has no exporter for it. Nothing is ever "compatible -> vllm-qaic" with no recipe, no other
 task is routed to vllm-qaic, `reviewed: true` builds an exported architecture outside the matrix, and Gemma-2 is
 served with the sliding window disabled, as its export computes it.
@@ -143,8 +143,8 @@ def test_whisper_gets_its_own_compile_and_no_other(config):
         assert "qaic-whisper-fp16" not in qaic(config, other).recipes
 
 
-def test_the_readme_matrix_names_each_row_and_its_test(db):
-    text = (_ROOT / "README.md").read_text()
+def test_the_docs_matrix_names_each_row_and_its_test(db):
+    text = (_ROOT / "docs" / "ai100.md").read_text()
     rows = dict(re.findall(r"^\| `(\w+)` \| .*\| `tests/(test_qaic_\w+\.py::[\w\[\]]+)` \|$", text, re.M))
     assert rows == COVERED
     missing = re.findall(r"^\| `(\w+)` \| .*\| (no hive-aot exporter for [^|]*?) \|$", text, re.M)

@@ -10,6 +10,11 @@
   built it before would), and 6 pullers on one cache at once: all succeed, the manifest is written once in
   identical bytes, the blob is downloaded once.
 - wrong credentials, a missing bucket, an unknown model or tag: one line each, and no secret in it.
+
+Every build starts from a cache holding the model's transformers reference (computed once per module, as a host
+that built the model before holds it): the loops spend their time on the store, not on the reference. Every CLI
+run is forked by a warm server that has imported hive-aot (tests/warm_cli.py): each is still a process of its own,
+in a session of its own, killed whole, and the six publishers (and pullers) start within milliseconds of each other.
 """
 
 from __future__ import annotations
@@ -20,12 +25,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from factories import make_spm_llama, write_test_config
+from warm_cli import run_cli
 from pipelines.manifest import Manifest
 from pipelines.store import blob_key, open_store
 from pipelines.store.faults import EVENTS_ENV, KILL_ENV
@@ -64,24 +70,42 @@ def check_store(uri: str) -> dict[str, int]:
     return {"refs": len(refs), "manifests": len(manifests)}
 
 
-def _build_cmd(model: dict, uri: str, recipe: str = "gguf-f16") -> list[str]:
-    return [sys.executable, "-m", "pipelines.cli", "build", str(model["model"]), "--recipe", recipe, "--model-id",
-            MODEL, "--store", uri, "--registry", str(model["registry"]), "--json"]
+def _build_args(model: dict, uri: str, recipe: str = "gguf-f16") -> list[str]:
+    return ["build", str(model["model"]), "--recipe", recipe, "--model-id", MODEL, "--store", uri, "--registry",
+            str(model["registry"]), "--json"]
 
 
 def _events_of_a_build(model: dict, env: dict[str, str], store: str, tmp_path: Path) -> list[str]:
     """The store events (`pipelines/store/faults.py`) of one whole build into an empty store, in order."""
     record = tmp_path / "events.txt"
-    full = subprocess.run(_build_cmd(model, store), env={**env, EVENTS_ENV: str(record)}, capture_output=True,
-                          text=True, timeout=300)
+    full = run_cli(_build_args(model, store), {**env, EVENTS_ENV: str(record)}, timeout=300)
     assert full.returncode == 0, full.stderr
     return record.read_text().split()
 
 
+@pytest.fixture(scope="module")
+def warm_cache(model, tmp_path_factory) -> Path:
+    """A cache holding the model's transformers reference and tokenizer answers, from one build into a scratch
+    store. Each test's builds start from a copy, as a host that built this model before would: the fault loops
+    and the six concurrent publishers contend for the store, not for two cores computing references."""
+    root = tmp_path_factory.mktemp("warm")
+    env = {**os.environ, "HIVE_AOT_CACHE": str(root / "cache")}
+    built = run_cli(_build_args(model, str(root / "store")), env, timeout=300)
+    assert built.returncode == 0, built.stderr
+    assert {p.name for p in (root / "cache").iterdir()} >= {"reference", "tokenizer-answers"}
+    return root / "cache"
+
+
+def _cache_copy(warm: Path, dest: Path) -> Path:
+    for part in ("reference", "tokenizer-answers"):
+        shutil.copytree(warm / part, dest / part)
+    return dest
+
+
 @pytest.mark.parametrize("kind", ["local", "s3", "oci"])
-def test_killed_publishers_never_leave_a_ref_to_nothing(kind, model, tmp_path, request, record_property):
+def test_killed_publishers_never_leave_a_ref_to_nothing(kind, model, warm_cache, tmp_path, request, record_property):
     uri = _store_uri(kind, tmp_path, request)  # first: the S3 server's AWS_* variables go into env below
-    cache = tmp_path / "cache"
+    cache = _cache_copy(warm_cache, tmp_path / "cache")
     env = {**os.environ, "HIVE_AOT_CACHE": str(cache)}
     events = _events_of_a_build(model, env, f"{uri}-calibration", tmp_path)
     areas = {e.split(":", 1)[1].split("#")[0] for e in events}
@@ -96,8 +120,7 @@ def test_killed_publishers_never_leave_a_ref_to_nothing(kind, model, tmp_path, r
     while kills < PUBLISHER_KILLS:
         event = events[at % len(events)]
         at += 1
-        proc = subprocess.run(_build_cmd(model, stores[-1]), env={**env, KILL_ENV: event}, capture_output=True,
-                              text=True, timeout=300, start_new_session=True)
+        proc = run_cli(_build_args(model, stores[-1]), {**env, KILL_ENV: event}, timeout=300)
         if proc.returncode == -signal.SIGKILL:
             kills += 1
             killed_at.append(event)
@@ -109,12 +132,11 @@ def test_killed_publishers_never_leave_a_ref_to_nothing(kind, model, tmp_path, r
         check_store(stores[-1])
         assert at < 3 * PUBLISHER_KILLS, f"only {kills} of {at} trials were killed: {killed_at}"
     for s in stores:  # a last build of every store completes, from whatever the kills left
-        done = subprocess.run(_build_cmd(model, s), env=env, capture_output=True, text=True, timeout=300)
+        done = run_cli(_build_args(model, s), env, timeout=300)
         assert done.returncode == 0, done.stderr
         assert json.loads(done.stdout)["state"] in ("published", "skipped")
         assert check_store(s) == {"refs": 2, "manifests": 1}  # latest + the revision tag
-    gc = subprocess.run([sys.executable, "-m", "pipelines.cli", "gc", "--min-age", "0", "--store", stores[-1]],
-                        env=env, capture_output=True, text=True, timeout=120)
+    gc = run_cli(["gc", "--min-age", "0", "--store", stores[-1]], env, timeout=120)
     assert gc.returncode == 0, gc.stderr
     work = cache / "work"
     left_work = [p.name for p in work.iterdir() if p.is_dir()] if work.exists() else []
@@ -131,24 +153,11 @@ def test_killed_publishers_never_leave_a_ref_to_nothing(kind, model, tmp_path, r
     print(summary)
 
 
-@pytest.fixture(scope="module")
-def warm_cache(model, tmp_path_factory) -> Path:
-    """A cache holding the model's transformers reference and tokenizer answers, from one build into a scratch
-    store: each concurrent publisher starts from a copy, as a host that built this model before would, so the
-    six of them contend for the store, not for two cores computing six references."""
-    root = tmp_path_factory.mktemp("warm")
-    env = {**os.environ, "HIVE_AOT_CACHE": str(root / "cache")}
-    built = subprocess.run(_build_cmd(model, str(root / "store")), env=env, capture_output=True, text=True,
-                           timeout=300)
-    assert built.returncode == 0, built.stderr
-    assert {p.name for p in (root / "cache").iterdir()} >= {"reference", "tokenizer-answers"}
-    return root / "cache"
-
-
-def _cache_copy(warm: Path, dest: Path) -> Path:
-    for part in ("reference", "tokenizer-answers"):
-        shutil.copytree(warm / part, dest / part)
-    return dest
+def _at_once(runs: list[tuple[list[str], dict[str, str]]], timeout: float) -> list[tuple[int, str, str]]:
+    """CLI runs (arguments, environment) started together, each a process of its own: (status, stdout, stderr)."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        done = list(pool.map(lambda run: run_cli(*run, timeout=timeout), runs))
+    return [(p.returncode, p.stdout, p.stderr) for p in done]
 
 
 @pytest.mark.parametrize("kind", ["local", "s3", "oci"])
@@ -156,18 +165,14 @@ def test_six_publishers_of_one_build_and_six_pullers_of_one_blob(kind, model, wa
     uri = _store_uri(kind, tmp_path, request)
     env = {**os.environ, "HIVE_AOT_CACHE": str(tmp_path / "cache")}
     caches = [_cache_copy(warm_cache, tmp_path / f"cache-{i}") for i in range(6)]
-    procs = [subprocess.Popen(_build_cmd(model, uri), env={**env, "HIVE_AOT_CACHE": str(cache)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for cache in caches]
-    results = [(p.wait(timeout=600), p.stdout.read(), p.stderr.read()) for p in procs]
+    results = _at_once([(_build_args(model, uri), {**env, "HIVE_AOT_CACHE": str(cache)}) for cache in caches], 600)
     assert all(rc == 0 for rc, _, _ in results), [err[-500:] for rc, _, err in results if rc]
     docs = [json.loads(out) for _, out, _ in results]
     assert len({d["build_id"] for d in docs}) == 1 and {d["state"] for d in docs} <= {"published", "skipped"}
     assert check_store(uri) == {"refs": 2, "manifests": 1}
     pull_env = {**env, "HIVE_AOT_CACHE": str(tmp_path / "pull-cache")}
-    pulls = [subprocess.Popen([sys.executable, "-m", "pipelines.cli", "pull", MODEL, "--target", "llm-llamacpp-cpu",
-                               "--dest", str(tmp_path / f"dest-{i}"), "--store", uri, "--json"], env=pull_env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(6)]
-    outs = [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for p in pulls]
+    outs = _at_once([(["pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / f"dest-{i}"), "--store",
+                       uri, "--json"], pull_env) for i in range(6)], 300)
     assert all(rc == 0 for rc, _, _ in outs), [err[-500:] for rc, _, err in outs if rc]
     moved = [json.loads(out)["transfer"] for _, out, _ in outs]
     size = json.loads(outs[0][1])["size"]
@@ -184,16 +189,15 @@ def _one_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
     return lines[0]
 
 
-def test_wrong_credentials_missing_bucket_unknown_model_and_tag_are_one_line(model, s3_uri, tmp_path):
+def test_wrong_credentials_missing_bucket_unknown_model_and_tag_are_one_line(model, warm_cache, s3_uri, tmp_path):
     from s3_server import SECRET_KEY
 
-    env = {**os.environ, "HIVE_AOT_CACHE": str(tmp_path / "cache")}
-    built = subprocess.run(_build_cmd(model, s3_uri), env=env, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "HIVE_AOT_CACHE": str(_cache_copy(warm_cache, tmp_path / "cache"))}
+    built = run_cli(_build_args(model, s3_uri), env, timeout=300)
     assert built.returncode == 0, built.stderr
 
     def cli(*args: str, **extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], env={**env, **extra},
-                              capture_output=True, text=True, timeout=120)
+        return run_cli(list(args), {**env, **extra}, timeout=120)
 
     pull = ("pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "m"), "--store", s3_uri)
     wrong = "wrong-secret-5d0e"

@@ -2,7 +2,7 @@
 alike), and the accelerator memory it needs on a given hardware at the recommended context and batch, with the
 configuration that fits (tensor parallelism on GPUs, devices on AI 100).
 
-VRAM = weights + KV cache at the recommended context and batch + overhead (README: the formula).
+VRAM = weights + KV cache at the recommended context and batch + overhead (docs/compatibility.md: the formula).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class WeightsSummary:
 
 
 def serving_requirements(cfg: dict[str, Any], weights: WeightsSummary, task: str, hw: Hardware) -> tuple[dict[str, Any], Check | None]:
-    """VRAM = weights + KV cache at the recommended context and batch + overhead (README: the formula)."""
+    """VRAM = weights + KV cache at the recommended context and batch + overhead (docs/compatibility.md)."""
     tc = text_cfg(cfg)
     quantized = isinstance(cfg.get("quantization_config"), dict)
     dtype = "float16" if set(weights.bytes_by_dtype) <= {"F16"} else "bfloat16"

@@ -48,6 +48,24 @@ def onboard_request(config, entry, run_key: str | None, reason: str) -> dg.RunRe
                          asset_selection=model_asset_keys(config, entry), tags={"hive-aot/trigger": reason})
 
 
+def not_loaded(context, config, entry) -> list[str]:
+    """The assets onboarding `entry` needs that the running code location does not define: it made assets for the
+    recipes the registry's models used when it loaded (recipe_selection.py), and a model added since may list
+    another. Empty for a context built without a code location (nothing to compare with)."""
+    repo = context.repository_def
+    if repo is None:
+        return []
+    defined = repo.asset_graph.get_all_asset_keys()
+    return [k.to_user_string() for k in model_asset_keys(config, entry) if k not in defined]
+
+
+def _wait_for_reload(context, entry, missing: list[str]) -> str:
+    line = (f"{entry.id} waits for a reload of the code location, which has no {', '.join(missing)} yet "
+            "(Deployment > Reload, or restart `make ui`)")
+    context.log.warning(line)
+    return line
+
+
 @dg.sensor(job=onboard_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.STOPPED,
            description="Adds models listed in registry.yaml as partitions and onboards each new one; a model "
                        "removed from the registry keeps its partition and history and is reported retired.")
@@ -60,12 +78,20 @@ def registry_sensor(context: dg.SensorEvaluationContext, hive: HiveResource) -> 
     except ValueError as e:
         return dg.SensorResult(skip_reason=f"registry not read: {config.origin}: {e}")
     existing = set(context.instance.get_dynamic_partitions(models_partitions.name))
-    new = [k for k in wanted if k not in existing]
+    new, waiting = [], []
+    for k, entry in wanted.items():
+        if k in existing:
+            continue
+        missing = not_loaded(context, config, entry)
+        if missing:  # not added as a partition yet: the first tick after the reload finds it new and onboards it
+            waiting.append(_wait_for_reload(context, entry, missing))
+        else:
+            new.append(k)
     retired = sorted(existing - set(wanted))
     if retired:
         context.log.info(f"retired (not in {config.origin}; partitions and history kept): {', '.join(retired)}")
     if not new:
-        return dg.SensorResult(skip_reason=f"no new models in {config.origin}"
+        return dg.SensorResult(skip_reason=("; ".join(waiting) or f"no new models in {config.origin}")
                                            + (f"; retired: {', '.join(retired)}" if retired else ""))
     return dg.SensorResult(
         run_requests=[onboard_request(config, wanted[k], f"onboard:{k}", "registry") for k in new],
@@ -120,8 +146,13 @@ def _rebuilds(context: dg.SensorEvaluationContext, hive: HiveResource, change, t
         if key not in known:
             continue  # the registry sensor onboards new models
         stamp = change(context.instance, config, entry, key)
-        if stamp is not None:
-            requests.append(onboard_request(config, entry, f"{trigger}:{key}:{stamp}", trigger))
+        if stamp is None:
+            continue
+        missing = not_loaded(context, config, entry)
+        if missing:  # no run key spent: the first tick after the reload requests it
+            _wait_for_reload(context, entry, missing)
+            continue
+        requests.append(onboard_request(config, entry, f"{trigger}:{key}:{stamp}", trigger))
     return dg.SensorResult(run_requests=requests) if requests else dg.SensorResult(skip_reason=unchanged)
 
 

@@ -17,12 +17,13 @@ from ..config import Config, ModelEntry, Recipe
 from ..errors import HiveError, ResourceError
 from ..kinds import target_for
 from ..units import human_bytes
-from ..parity import profile_markdown
 from ..sources import fetch, resolve_revision
 from .executors import CELERY_QUEUE_TAG
 from .partitions import models_partitions
 from .pools import LARGE_MEMORY_POOL
+from .quality import build_entries, check_metadata, files_table, gated_numbers, quality_observation
 from .resources import HiveResource
+from .step_log import forward_step_lines
 
 # Partition-aware asset checks are what gate publishing per model; Dagster 1.13 labels them
 # "preview". We depend on them deliberately, so the warning is noise at every definitions load.
@@ -33,9 +34,12 @@ warnings.filterwarnings("ignore", category=dg.BetaWarning, message=".*data_versi
 # makes a snapshot stale when the upstream commit moves, without downloading anything.
 warnings.filterwarnings("ignore", category=dg.BetaWarning, message=".*observable_source_asset.*")
 
+forward_step_lines()  # each build step's start and end lines into the log of the run that builds
+
 UPSTREAM_KEY = dg.AssetKey(["upstream_revision"])
 SNAPSHOT_KEY = dg.AssetKey(["snapshot"])
 COMPAT_KEY = dg.AssetKey(["compatibility"])
+SUMMARY_KEY = dg.AssetKey(["summary"])  # the per-model table of its recipes (summary.py)
 PARITY_CHECK = "numerical_parity"
 INTEGRITY_CHECK = "integrity"
 
@@ -55,15 +59,16 @@ def hardware_key(recipe: Recipe) -> dg.AssetKey | None:
 
 
 def model_asset_keys(config: Config, entry: ModelEntry) -> list[dg.AssetKey]:
-    """What onboarding one model materializes: its sources, and the artifact, publish (and compile) assets of the
-    recipes it lists and the inputs they are built from. A run of these schedules no step that builds nothing."""
+    """What onboarding one model materializes: its sources, the artifact, publish (and compile) assets of the
+    recipes it lists and the inputs they are built from, and its summary last. A run of these schedules no step
+    that builds nothing."""
     keys = [SNAPSHOT_KEY, COMPAT_KEY]
     for rid in sorted(config.requested_recipes(entry)):
         keys += [artifact_key(rid), published_key(rid)]
         finished = hardware_key(config.recipe(rid))
         if finished is not None:
             keys.append(finished)
-    return keys
+    return keys + [SUMMARY_KEY]
 
 
 def _sizes(files: list[dict]) -> dict[str, Any]:
@@ -88,21 +93,12 @@ def _failure(e: HiveError) -> dg.Failure:
 
 
 def _memory_metadata(plan: dict[str, Any] | None) -> dict[str, Any]:
-    """The memory plan as asset metadata: the whole plan (JSON) and the peak as a number of bytes."""
+    """The memory plan as asset metadata: the whole plan (JSON) and its peak once, in binary units."""
     if not plan:
         return {}
     return {"memory_plan": dg.MetadataValue.json(plan),
-            "peak_memory_estimate": dg.MetadataValue.int(int(plan["peak_memory"])),
             "peak_memory": dg.MetadataValue.text(f"{plan['peak_memory_human']} (step {plan['peak_step']}, budget "
                                                  f"{plan['budget_human']}: {plan['budget_source']})")}
-
-
-def _parity_table(validation: dict[str, Any]) -> dg.TableMetadataValue:
-    rows = [dg.TableRecord({"prompt": i, **{k: float(v) for k, v in p.items() if k in ("top1_agreement", "mean_kl", "max_abs_logit_delta")}})
-            for i, p in enumerate(validation.get("per_prompt", []))]
-    return dg.MetadataValue.table(rows, schema=dg.TableSchema(columns=[
-        dg.TableColumn("prompt", "int"), dg.TableColumn("top1_agreement", "float"),
-        dg.TableColumn("mean_kl", "float"), dg.TableColumn("max_abs_logit_delta", "float")]))
 
 
 def source_assets() -> list[dg.AssetsDefinition]:
@@ -194,9 +190,9 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
             {"model_id": model_id, "recipe": rid, "source": snapshot["source"], "build_id": res.build_id,
              "store": hive.store_uri(), "state": res.state},
             data_version=dg.DataVersion(res.build_id[:16]),
-            metadata={"build_id": res.build_id, "state": res.state, "skipped": res.skipped, "store_uri": hive.store_uri(),
-                      "candidate": res.manifest, **_sizes(res.files),
-                      "files": dg.MetadataValue.json(res.files), **_memory_metadata(res.memory_plan)},
+            metadata={**build_entries(res.build_id, candidate=res.manifest), "state": res.state, "skipped": res.skipped,
+                      "store_uri": hive.store_uri(), **_sizes(res.files), "files": files_table(res.files),
+                      **_memory_metadata(res.memory_plan)},
         )
 
     # Every validation holds a reference and an engine with the model: the large-memory pool (limit 1, see
@@ -218,18 +214,13 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
         except HiveError as e:
             return dg.AssetCheckResult(passed=False, description=str(e),
                                        metadata=_memory_metadata(e.plan) if isinstance(e, ResourceError) else {})
-        metrics = validation.get("metrics", {})
-        # Per-target detail sections: the AI 100 quality prediction (mxfp6 / fp16), onnxruntime parity runs.
-        sections = {k: dg.MetadataValue.json(validation[k]) for k in ("mxfp6", "fp16", "ort") if k in validation}
-        profile = profile_markdown(validation.get("per_prompt", []))
-        if profile:  # where along each prompt the artifact drifts from the reference
-            sections["kl_by_position"] = dg.MetadataValue.md(profile)
-        return dg.AssetCheckResult(
-            passed=passed, description="; ".join(failures) or "within thresholds",
-            metadata={**{k: v for k, v in metrics.items() if isinstance(v, (int, float, bool))},
-                      "parity": _parity_table(validation), "thresholds": dg.MetadataValue.json(validation.get("thresholds", {})),
-                      "generation": dg.MetadataValue.json(validation.get("generation", {})), **sections},
-        )
+        description = "; ".join(failures) or "within thresholds"
+        # what was measured, also on the artifact's own page: its partition lists this beside the build's metadata
+        context.op_execution_context.log_event(quality_observation(
+            akey, context.partition_key, validation, plan.recipe.validation,
+            "passed: " + description if passed else "rejected: " + description))
+        return dg.AssetCheckResult(passed=passed, description=description,
+                                   metadata=check_metadata(validation, plan.recipe.validation))
 
     # Cheap (sizes and recorded digests, no model in memory): no pool, so it never waits behind a validation.
     @dg.asset_check(asset=akey, name=INTEGRITY_CHECK, blocking=True, partitions_def=models_partitions,
@@ -262,6 +253,8 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
             # bundle is never served: its compiled form gets another build id and the recipe's `latest` tag.
             "serving_command": serving_command(artifact["model_id"], rid, None if pending else res.build_id,
                                                plan.recipe.runtime_profiles[0], hive.store_uri()),
+            # the gated numbers of its validation: the asset's plots compare them across models (its partitions)
+            **gated_numbers((res.validation or {}).get("metrics", {}), plan.recipe.validation),
         }, data_version=dg.DataVersion(res.build_id[:16]))
 
     assets = [artifact, published]

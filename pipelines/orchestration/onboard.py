@@ -18,10 +18,13 @@ import dagster as dg
 from ..config import Config
 from ..errors import ConfigError
 from ..store import open_store
-from .factories import INTEGRITY_CHECK, PARITY_CHECK, artifact_key, model_asset_keys, published_key, hardware_key
+from .factories import (INTEGRITY_CHECK, PARITY_CHECK, SUMMARY_KEY, artifact_key, hardware_key, model_asset_keys,
+                        published_key)
 from .partitions import models_partitions, partition_key
 from .pools import apply_pool_limits, process_tags, release_dead_claims
+from .quality import full_build_id
 from .resources import HiveResource
+from .summary import failure_line
 
 if TYPE_CHECKING:
     from ..planning import Plan
@@ -58,10 +61,14 @@ def _definitions(config: Config, store: str | None, recipes: str | None = None) 
     # The same factories the code location uses (assets/ instantiates them from the ambient registry).
     from .automation import observe_revisions_job, onboard_job
     from .factories import all_recipe_assets, source_assets
+    from .recipe_selection import recipes_in_code_location
+    from .summary import summary_asset
 
-    recipe_assets, checks = all_recipe_assets(config.recipes.values())
+    defined = recipes_in_code_location(config)
+    recipe_assets, checks = all_recipe_assets(defined)
     return dg.Definitions(
-        assets=source_assets() + recipe_assets, asset_checks=checks, jobs=[onboard_job, observe_revisions_job],
+        assets=source_assets() + recipe_assets + [summary_asset(defined)], asset_checks=checks,
+        jobs=[onboard_job, observe_revisions_job],
         resources={"hive": HiveResource(registry=str(config.registry_file or ""), recipes=recipes or "",
                                         store=store or "")},
     )
@@ -70,13 +77,6 @@ def _definitions(config: Config, store: str | None, recipes: str | None = None) 
 def step_name(recipe_id: str) -> str:
     """The part of a step key Dagster derives from a recipe id (artifact/gguf-f16 -> artifact__gguf_f16)."""
     return re.sub(r"\W", "_", recipe_id)
-
-
-def failure_line(error) -> str:
-    """The first line of a step's error without the exception's module path: a Failure raised from a HiveError
-    is the engine's one line; anything else keeps its exception name (`ValueError: ...`)."""
-    first = (error.message.strip().splitlines() or [""])[0]
-    return re.sub(r"^dagster\._core\.definitions\.events\.Failure: ", "", first)
 
 
 def _summarize(result: dg.ExecuteInProcessResult, config: Config, model_id: str, recipes: list[str]) -> list[dict[str, Any]]:
@@ -106,7 +106,7 @@ def _summarize(result: dg.ExecuteInProcessResult, config: Config, model_id: str,
                 row["bundle_build_id"] = pub.metadata["build_id"].value
         elif (chk is not None and not chk.passed) or artifact_key(rid) in broken:
             failed = chk if chk is not None and not chk.passed else broken[artifact_key(rid)]
-            row.update(state="rejected", build_id=art.metadata["build_id"].value if art else "",
+            row.update(state="rejected", build_id=full_build_id(art.metadata) if art else "",
                        error=failed.description)
         else:
             # its own step's error, else the first failure upstream of it (snapshot, compatibility, its input)
@@ -194,6 +194,12 @@ def onboard(registry: str | None = None, store: str | None = None, models: list[
                                      asset_selection=model_asset_keys(config, entry),
                                      tags={"hive-aot/trigger": "cli-onboard", **process_tags()}, run_config=QUIET)
         rows = _summarize(res, config, entry.id, entry.recipes)
+        if not any(e.asset_key == SUMMARY_KEY for e in res.get_asset_materialization_events()):
+            # a failed recipe made the run skip the model's summary: it reads what the instance recorded, so a
+            # run of it alone shows the failure in the UI's table too
+            job.execute_in_process(partition_key=key, instance=instance, raise_on_error=False,
+                                   asset_selection=[SUMMARY_KEY], tags={"hive-aot/trigger": "cli-onboard-summary",
+                                                                        **process_tags()}, run_config=QUIET)
         # compile_pending: the AI 100 export bundle is published and waits for a host with the SDK.
         success &= res.success and all(r["state"] in ("published", "skipped", "compile_pending") for r in rows)
         results += [{**r, "run_id": res.run_id} for r in rows]

@@ -90,7 +90,7 @@ class OciStore(SignedArtifacts, Store):
         repository. Local and S3 stores keep them apart; here the first spelling owns the repository and a write
         under another is refused in one line (write_bytes), reads and lists of another find nothing. Refused rather
         than mapped injectively (say, case encoded in the name): the repository a user pulls with skopeo, KServe
-        or oras stays `<org>--<name>` lowercased, as the README's table says, and stores already published keep
+        or oras stays `<org>--<name>` lowercased, as docs/stores.md's table says, and stores already published keep
         their names."""
         with self._lock:
             if repo in self._slugs:

@@ -1,8 +1,8 @@
-"""The README's table of GGUF families, generated from the family modules (`python -m
-pipelines.targets.gguf.family_table` prints it; `--write README.md` replaces the table between its markers).
+"""The table of GGUF families in docs/gguf.md, generated from the family modules (`python -m
+pipelines.targets.gguf.family_table` prints it; `--write docs/gguf.md` replaces the table between its markers).
 
 One row per family: the llama.cpp architecture it writes, the HF architectures it converts and the first line
-of its module's docstring (what it is). tests/test_gguf_families_table.py holds the README to it.
+of its module's docstring (what it is). tests/test_gguf_families_table.py holds docs/gguf.md to it.
 """
 
 from __future__ import annotations
@@ -38,18 +38,18 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def replaced(readme: str) -> str:
-    """`readme` with the text between the markers replaced by the current table."""
-    head, sep, rest = readme.partition(START)
+def replaced(page: str) -> str:
+    """`page` with the text between the markers replaced by the current table."""
+    head, sep, rest = page.partition(START)
     _, sep2, tail = rest.partition(END)
     if not sep or not sep2:
-        raise SystemExit(f"the README has no {START} ... {END} section")
+        raise SystemExit(f"the page has no {START} ... {END} section")
     return f"{head}{START}\n{table()}\n{END}{tail}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--write", metavar="README", help="replace the table in this file")
+    parser.add_argument("--write", metavar="PAGE", help="replace the table in this file (docs/gguf.md)")
     args = parser.parse_args(argv)
     if args.write:
         path = Path(args.write)

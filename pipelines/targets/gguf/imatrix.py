@@ -86,8 +86,11 @@ def compute_here(model_dir: str, files: list[str], out_path: str, sources: dict[
             if rule is None or len(rule.sources) != 1 or rule.sources[0] not in wanted:
                 continue
             module.register_forward_pre_hook(lambda _m, args, hf=rule.sources[0]: add(hf, args[0]))
-        for seq in sequences:
-            lm.logits(seq)
+        from ...progress import unit_runs
+
+        with unit_runs([module for _name, module, _r in lm.units], len(sequences), "imatrix"):
+            for seq in sequences:
+                lm.logits(seq)
     writer = gguf.GGUFWriter(out_path, arch="imatrix")
     writer.add_type("imatrix")
     writer.add_array(gguf.Keys.IMatrix.DATASETS, [dataset])

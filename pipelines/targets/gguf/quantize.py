@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import HiveError
+from ...progress import bar
 from .ftypes import FTYPES
 from .tensor_quant import type_overrides
 
@@ -29,6 +30,7 @@ NEEDS_IMATRIX = {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M", "IQ3_X
 _FALLBACK = re.compile(r"warning: (\S+)\s+- ncols\s+\d+ not divisible by\s+\d+ \(required for type\s+(\S+)\)\s*"
                        r"(?:\(WARNING: must use F16 due to unusual shape\)\s*)?-> falling back to\s+(\S+)")
 _TOTAL = re.compile(r"(\d+) of (\d+) tensor\(s\) required fallback quantization")
+_TENSOR = re.compile(r"\[\s*(\d+)/\s*(\d+)\]")  # "[  12/ 201] blk.0.attn_q.weight - ...": one line per tensor
 GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT = 4, 5
 
 
@@ -80,6 +82,7 @@ def quantize_here(src: str, dst: str, name: str, threads: int, imatrix: str | No
     pieces: list[str] = []
     errors: list[str] = []
     last_level = 0
+    tensors = bar(None, "quantize", unit="tensor")  # its total comes with the first tensor's line
 
     @llama_cpp.llama_log_callback
     def collect(level: int, text: bytes, _user_data) -> None:
@@ -90,6 +93,10 @@ def quantize_here(src: str, dst: str, name: str, threads: int, imatrix: str | No
         pieces.append(msg)
         if level == GGML_LOG_LEVEL_ERROR:
             errors.append(msg)
+        counted = _TENSOR.match(msg)
+        if counted:
+            tensors.total = int(counted.group(2))
+            tensors.update(int(counted.group(1)) - tensors.n)
 
     llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
     params = llama_cpp.llama_model_quantize_default_params()
@@ -106,7 +113,8 @@ def quantize_here(src: str, dst: str, name: str, threads: int, imatrix: str | No
 
         entries, _keep = as_quantize_param(load(Path(imatrix)))  # _keep: the arrays the entries point into
         params.imatrix = entries
-    rc = llama_cpp.llama_model_quantize(src.encode(), target.encode(), ctypes.byref(params))
+    with tensors:
+        rc = llama_cpp.llama_model_quantize(src.encode(), target.encode(), ctypes.byref(params))
     written = sorted(Path(dst).parent.glob(Path(dst).stem + "-*-of-*.gguf")) if keep_split else [Path(dst)]
     if errors:
         sys.stderr.write("".join(errors))

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ... import parity, prompts, reference, router_gaps
+from ... import meter, parity, prompts, reference, router_gaps
+from ...progress import bar
 from ...tokenizer_cache import CachedTokenizer
 from .llama_log import capture_errors, reason
 
@@ -105,14 +106,17 @@ def run_llama_cpp(gguf_path: str, sequences: list[list[int]], texts: list[str], 
     except ValueError:  # "Failed to load model from file": say what libllama said
         raise ValueError(f"llama.cpp cannot load {Path(gguf_path).name}: {reason(errors)}"
                          f"{name_hint(gguf_path, errors)}") from None
+    evals = bar(len(sequences) + 1 + generation_tokens, "llama.cpp check", unit="eval")
     try:
         for i, seq in enumerate(sequences):
             llm.reset()
             llm.eval(seq)
             np.save(Path(logits_dir) / f"l{i}.npy", np.asarray(llm.scores[: len(seq)], dtype=np.float32))
+            evals.update()
         tokenized = [llm.tokenize(text.encode("utf-8"), add_bos=True, special=True) for text in texts]
         llm.reset()
         llm.eval(generation_prompt)
+        evals.update()
         generated: list[int] = []
         for _ in range(generation_tokens):
             nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
@@ -120,7 +124,9 @@ def run_llama_cpp(gguf_path: str, sequences: list[list[int]], texts: list[str], 
             if nxt == llm.token_eos():
                 break
             llm.eval([nxt])
+            evals.update()
     finally:
+        evals.close()
         llm.close()
     return {"tokenized": tokenized, "generated": generated}
 
@@ -142,7 +148,7 @@ def validate_gguf(snapshot: "Snapshot", gguf_path: Path, step: str | None = None
     ref = reference.compute(snapshot.dir, snapshot.content_digest, ids, gen_prompt, prompts.GENERATION_TOKENS,
                             files=snapshot.safetensors_files(), step=f"the transformers reference of {snapshot.model_id}")
 
-    with work_dir("llama-logits-") as tmp:
+    with work_dir("llama-logits-") as tmp, meter.step("validate", label="llama.cpp check"):
         out = run_isolated("pipelines.targets.gguf.validate:run_llama_cpp", engine="llama.cpp",
                            step=step or f"GGUF validation of {snapshot.model_id}", gguf_path=str(gguf_path),
                            sequences=ids, texts=prompts.TOKENIZER_TEXTS, generation_prompt=gen_prompt,

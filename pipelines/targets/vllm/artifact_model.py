@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ...progress import unit_runs
 from ...safetensors_io import TensorSource
 from ...streamed_model import StreamedCausalLM
 from .fp8 import EXPERT_PROJECTIONS
@@ -153,19 +154,22 @@ def evaluate_into(model_dir: str, files: list[str], source_files: list[str] | No
     lm, reader = open_artifact(Path(model_dir), [Path(f) for f in files],
                                [Path(f) for f in source_files] if source_files else None,
                                resident=resident, layers=layers)
+    batch = len(sequences) if resident else min(len(sequences), 1)  # the passes of one logits_batch
+    passes = batch * (2 if weight_only else 1) + len(greedy_prompts) * greedy_tokens
     try:
-        for i, logits in enumerate(lm.logits_batch(sequences)):
-            np.save(out / f"l{i}.npy", logits)
-        if weight_only:
-            lm.model.quantize_activations = False
+        with unit_runs([module for _name, module, _r in lm.units], passes, "artifact in transformers"):
             for i, logits in enumerate(lm.logits_batch(sequences)):
-                np.save(out / f"w{i}.npy", logits)
-            lm.model.quantize_activations = True
-        greedy = []
-        for prompt in greedy_prompts:
-            scored = lm.greedy_scored(prompt, greedy_tokens)
-            greedy.append({"ids": [t for t, _, _ in scored], "logprobs": [lp for _, lp, _ in scored],
-                           "gaps": [g for _, _, g in scored]})
+                np.save(out / f"l{i}.npy", logits)
+            if weight_only:
+                lm.model.quantize_activations = False
+                for i, logits in enumerate(lm.logits_batch(sequences)):
+                    np.save(out / f"w{i}.npy", logits)
+                lm.model.quantize_activations = True
+            greedy = []
+            for prompt in greedy_prompts:
+                scored = lm.greedy_scored(prompt, greedy_tokens)
+                greedy.append({"ids": [t for t, _, _ in scored], "logprobs": [lp for _, lp, _ in scored],
+                               "gaps": [g for _, _, g in scored]})
         result = {"greedy": greedy, "weight_errors": reader.errors, "unit_loads": lm.loads}
     finally:
         lm.close()

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ModelFormatError
+from ...progress import bar
 from .gptq import Grid, Hessian, gptq_quantize
 from .pack import INT4_MAX, INT4_MIN, INT8_MAX, INT8_MIN, dequantize_groups, group_size_for, pack_int4
 
@@ -79,13 +80,14 @@ def calibrate_here(model_dir: str, files: list[str], out_dir: str, weights: list
         units = [(i, module, [(n, linears[id(m)]) for n, m in module.named_modules() if id(m) in linears])
                  for i, (_name, module, recurse) in enumerate(lm.units) if recurse or id(module) in linears]
         units = [u for u in units if u[2]]
+        calibrated = bar(len(units), "calibrate", unit="unit")
         for index, module, members in units:
-            module.register_forward_pre_hook(_unit_hook(index, members, valid, scheme, out, summary),
+            module.register_forward_pre_hook(_unit_hook(index, members, valid, scheme, out, summary, calibrated),
                                              with_kwargs=True)
         if units:
             units[-1][1].register_forward_hook(_stop)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), calibrated:
                 lm.model(input_ids=ids, attention_mask=mask, use_cache=False)
         except _Stop:
             pass
@@ -115,7 +117,7 @@ def _stop(_module, _args, _output):
 
 
 def _unit_hook(index: int, members: list[tuple[str, tuple[Any, str]]], valid, scheme: Scheme, out: Path,
-               summary: dict[str, Any]):
+               summary: dict[str, Any], calibrated):
     """The pre-hook of one unit (after the streamed model's own, which loads it): calibrate, quantize, write."""
     def hook(module, args, kwargs):
         hessians = _collect(module, args, kwargs, [lin for _n, (lin, _s) in members], valid)
@@ -125,6 +127,7 @@ def _unit_hook(index: int, members: list[tuple[str, tuple[Any, str]]], valid, sc
             stored.update(_quantize(linear, source, hessians, scheme, summary))
         _save(stored, out / UNIT_FILE.format(index))
         summary["units"] += 1
+        calibrated.update()
         return None
     return hook
 

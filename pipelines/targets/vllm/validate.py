@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ... import parity, prompts, reference, router_gaps, settings
+from ... import meter, parity, prompts, reference, router_gaps, settings
 from ...errors import EngineFailed, HiveError
 from ...memory import model_facts
 from ...paths import work_dir
@@ -54,7 +54,8 @@ class UncheckableHere(HiveError):
 
 def evaluate(model_dir: Path, files: list[Path], source_files: list[Path] | None, sequences: list[list[int]],
              greedy_prompts: list[list[int]], *, resident: bool, layers: int | None = None,
-             weight_only: bool = False, step: str, keep: Path | None = None) -> dict[str, Any]:
+             weight_only: bool = False, step: str, keep: Path | None = None,
+             label: str = "artifact in transformers") -> dict[str, Any]:
     """The artifact (or its first `layers` layers) in transformers: logits of `sequences` (and W8A16 ones with
     `weight_only`), greedy continuations, weight errors. The whole artifact resident runs in this process (it
     fits with margin); anything else in a child, whose memory goes back when it ends, so the parent stays at
@@ -64,7 +65,7 @@ def evaluate(model_dir: Path, files: list[Path], source_files: list[Path] | None
     from ...streamed_model import trim_heap
     from .artifact_model import evaluate_into
 
-    with work_dir("vllm-eval-") as tmp:
+    with work_dir("vllm-eval-") as tmp, meter.step("validate", label=label):  # reported as a step of its own
         work = keep or tmp
         args = dict(model_dir=str(model_dir), files=[str(f) for f in files],
                     source_files=[str(f) for f in source_files] if source_files else None, sequences=sequences,
@@ -224,12 +225,12 @@ def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tup
             (work / "tf").mkdir()
             (work / "ref").mkdir()
             sl = evaluate(engine_dir, [engine_dir / "model.safetensors"], None, ids, greedy_prompts, layers=check.layers,
-                          resident=how.slice_resident, keep=work / "tf",
+                          resident=how.slice_resident, keep=work / "tf", label="slice in transformers",
                           step=f"a {check.layers}-layer slice of {ctx.model_id} in transformers")
             tf_logits, tf_greedy = sl["logits"], sl["greedy"]
             ref_logits = tf_logits if identical else evaluate(  # identical files: the same slice
                 snapshot.dir, snapshot.safetensors_files(), None, ids, [], layers=check.layers,
-                resident=how.slice_resident, keep=work / "ref",
+                resident=how.slice_resident, keep=work / "ref", label="reference slice",
                 step=f"the reference of the first {check.layers} layers of {ctx.model_id}")["logits"]
             job_digests = sorted(digests) + [("slice_layers", str(check.layers))]
         vlm = is_vlm(ctx.config)  # an image prompt too (vision.py), within a longer context
@@ -251,7 +252,8 @@ def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tup
         try:
             if any(not d.runs for d in defects):  # this engine build cannot run the model at all: not started
                 raise UncheckableHere("; ".join(d.reason for d in defects if not d.runs))
-            result = run_engine(job, job_digests, step)
+            with meter.step("validate", label="vllm check"):
+                result = run_engine(job, job_digests, step)
         except NoEngine:
             raise
         except UncheckableHere as e:  # named in the record, its gates not applied (engine_defects.py)

@@ -20,7 +20,7 @@ from .spec import Family, HParams, Rule
 _NOT_FAMILIES = {"shared", "spec"}  # the vocabulary and the shared declarations, not families
 
 
-MODULE_OF: dict[str, str] = {}  # family name -> the module that declares it (the README's table reads its docstring)
+MODULE_OF: dict[str, str] = {}  # family name -> the module that declares it (docs/gguf.md's table reads its docstring)
 
 
 def _discover() -> tuple[Family, ...]:
