@@ -24,7 +24,7 @@ from . import settings
 from .errors import HiveError
 
 from .cli_output import (EXIT_ERROR, EXIT_INCOMPATIBLE, EXIT_OK, EXIT_REJECTED, EXIT_RESOURCES,  # noqa: F401
-                         EXIT_REVIEW, EXIT_USAGE, HelpFormatter, emit as _emit, size as _size, table)
+                         EXIT_REVIEW, EXIT_USAGE, QUIET_HELP, HelpFormatter, emit as _emit, size as _size, table)
 from .cli_version import VersionAction, cmd_version
 from .cli_store import modelcar_parser, pull_parsers, store_parsers, verify_parser
 from .cli_copy import copy_parser
@@ -267,8 +267,7 @@ def parser() -> argparse.ArgumentParser:
                                           "(default: $HIVE_AOT_RECIPES, else the registry's recipes_dir)")
         if store:
             sp.add_argument("--store", help="store URI (default: $HIVE_AOT_STORE or ./artifacts)")
-        sp.add_argument("--quiet", action="store_true", help="no progress bars and no step lines on stderr, only "
-                                                             "errors (sets $HIVE_AOT_QUIET for what it runs)")
+        sp.add_argument("--quiet", action="store_true", help=QUIET_HELP)
 
     sp = sub.add_parser("check", help="classify a model: status, runtime profile, checks, requirements")
     sp.add_argument("source", help="hf://owner/repo[@rev], owner/repo[@rev] or a local directory")

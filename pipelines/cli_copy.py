@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .cli_output import EXIT_OK, emit, size
+from .cli_output import EXIT_OK, QUIET_HELP, emit, size
 
 
 def cmd_copy(args) -> int:
@@ -35,4 +35,5 @@ def copy_parser(sub) -> None:
     sp.add_argument("--to", dest="dest", required=True, metavar="STORE", help="the store to copy to")
     sp.add_argument("--recipe", help="only this recipe's build")
     sp.add_argument("--json", action="store_true", help="print the report as one JSON document on stdout")
+    sp.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     sp.set_defaults(func=cmd_copy)

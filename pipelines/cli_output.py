@@ -12,6 +12,8 @@ from typing import Any, Iterable, Sequence
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_REJECTED, EXIT_REVIEW, EXIT_INCOMPATIBLE = 0, 1, 2, 3, 4, 5
 EXIT_RESOURCES = 7  # = errors.ResourceError.exit_code
 
+QUIET_HELP = "no progress bars and no step lines on stderr, only errors (sets $HIVE_AOT_QUIET for what it runs)"
+
 
 def emit(args: argparse.Namespace, doc: Any, human: str) -> None:
     if getattr(args, "json", False):

@@ -7,7 +7,7 @@ import re
 import sys
 from pathlib import Path
 
-from .cli_output import EXIT_OK, emit, size, table
+from .cli_output import EXIT_OK, QUIET_HELP, emit, size, table
 from .errors import HiveError, IntegrityError
 
 
@@ -289,6 +289,7 @@ def modelcar_parser(sub) -> None:
                                                         "repository[:tag] of the store's registry")
     sp.add_argument("--json", action="store_true", help="print one JSON document on stdout")
     sp.add_argument("--store", help="an oci://host[:port]/repository store (default: $HIVE_AOT_STORE)")
+    sp.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     sp.set_defaults(func=cmd_modelcar)
 
 
@@ -329,6 +330,7 @@ def verify_parser(sub) -> None:
                                            "require a trusted signature (default: $HIVE_AOT_TRUSTED_KEYS)")
     sp.add_argument("--json", action="store_true", help="print the report as one JSON document on stdout")
     sp.add_argument("--store", help="the store (default: $HIVE_AOT_STORE)")
+    sp.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     sp.set_defaults(func=cmd_verify)
 
 

@@ -257,3 +257,18 @@ def test_bad_requests_are_one_line(published, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and needle in err, (args, err)
     assert not (tmp_path / "d").exists()
+
+
+def test_quiet_silences_the_bars_of_copy_and_verify(published, tmp_path, capsys, monkeypatch):
+    """Bars forced on (HIVE_AOT_PROGRESS, as a terminal would have them): copy and verify --deep draw them, and
+    --quiet leaves stderr empty."""
+    monkeypatch.setenv("HIVE_AOT_PROGRESS", "1")
+    src = str(published["store"])
+    for quiet in ((), ("--quiet",)):
+        dst = str(tmp_path / f"dst{len(quiet)}")
+        assert main(["copy", MODEL, "--from", src, "--to", dst, *quiet]) == 0
+        assert main(["verify", MODEL, "--deep", "--store", dst, *quiet]) == 0
+        err = capsys.readouterr().err
+        assert ("%|" in err) is not bool(quiet), err  # tqdm's bar: `copy ...:  40%|####  |`
+        if quiet:
+            assert err == ""
