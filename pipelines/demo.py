@@ -60,7 +60,7 @@ def main() -> int:
     res = pull(DEMO_MODEL, "llm-llamacpp-cpu", dest, recipe=DEMO_RECIPE)
     print(f"\npulled {res['recipe']} build {res['build_id'][:12]} into {res['dest']}")
     try:
-        text = run_isolated("pipelines.demo:greedy_completion", engine="llama.cpp", step="the demo's generation",
+        text = run_isolated(greedy_completion, engine="llama.cpp", step="the demo's generation",
                             model_path=res["files"][0], prompt=PROMPT, max_tokens=16)
     except HiveError as e:
         print(f"demo: {e}", file=sys.stderr)

@@ -25,7 +25,7 @@ import subprocess
 import sys
 from importlib import import_module
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from . import errors, meter, warm
 from .errors import EngineCrashed, EngineFailed, HiveError
@@ -42,9 +42,24 @@ _SIGNAL_MEANING = {
 }
 
 
-def run_isolated(function: str, *, engine: str, step: str, usage: dict[str, int] | None = None, needs_torch: bool = False,
-                 **kwargs: Any) -> Any:
-    """Call `package.module:function(**kwargs)` in a child Python and return its JSON result.
+def importable_name(function: Callable[..., Any]) -> str:
+    """`package.module:name` of a module-level function, which the child imports. Callers pass the function itself,
+    so the import graph (and a module's move) sees the edge a string would hide."""
+    where = sys.modules.get(function.__module__)
+    if getattr(where, function.__qualname__, None) is not function:
+        raise TypeError(f"run_isolated runs module-level functions only, not {function.__module__}."
+                        f"{function.__qualname__}")
+    module = function.__module__
+    if module == "__main__":  # `python -m pipelines.demo`: the child imports the module by its own name
+        module = getattr(getattr(where, "__spec__", None), "name", None) or ""
+        if not module:
+            raise TypeError(f"run_isolated cannot import {function.__qualname__} from a script run by path")
+    return f"{module}:{function.__qualname__}"
+
+
+def run_isolated(function: Callable[..., Any], *, engine: str, step: str, usage: dict[str, int] | None = None,
+                 needs_torch: bool = False, **kwargs: Any) -> Any:
+    """Call the module-level `function(**kwargs)` in a child Python and return its JSON result.
 
     `engine` and `step` only name things in the error line, e.g. engine "llama.cpp", step
     "GGUF validation of org/name (gguf-q4_k_m)". `usage`, when given, receives the child's peak
@@ -55,7 +70,7 @@ def run_isolated(function: str, *, engine: str, step: str, usage: dict[str, int]
     """
     with work_dir("isolated-") as work:
         request_path, result_path = work / "request.json", work / "result.json"
-        request_path.write_text(json.dumps({"function": function, "kwargs": kwargs, "result": str(result_path),
+        request_path.write_text(json.dumps({"function": importable_name(function), "kwargs": kwargs, "result": str(result_path),
                                             "step": step}))
         returncode = _run_child(request_path, needs_torch)
         try:

@@ -134,7 +134,7 @@ def compute(model_dir: Path, content_digest: str, ids: list[list[int]], gen_ids:
                     compute_into(**args)
                     trim_heap()
                 else:  # streamed: in a child, whose memory goes back when it ends and whose OOM kill is one line
-                    run_isolated("pipelines.reference:compute_into", engine="transformers", needs_torch=True,
+                    run_isolated(compute_into, engine="transformers", needs_torch=True,
                                  step=step or f"the transformers reference of {model_dir.name}", **args)
                 publish_cache_entry(tmp, root, "done.json")
     done = json.loads((root / "done.json").read_text())

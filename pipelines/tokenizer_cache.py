@@ -119,7 +119,7 @@ class CachedTokenizer:
         else:
             from .isolation import run_isolated
 
-            got = run_isolated("pipelines.tokenizer_cache:answer_questions", engine="transformers", needs_torch=True,
+            got = run_isolated(answer_questions, engine="transformers", needs_torch=True,
                                step=f"loading the tokenizer of {self.model_dir.name}", model_dir=str(self.model_dir),
                                **questions)
             self.children += 1

@@ -228,7 +228,7 @@ def _mtmd_rows(d: Path, tmp_path: Path) -> np.ndarray:
     from pipelines.isolation import run_isolated
 
     np.save(tmp_path / "image.npy", mmproj_check.synthetic_image(56))
-    run_isolated("pipelines.targets.gguf.mmproj_check:run_mtmd", engine="llama.cpp", step="test",
+    run_isolated(mmproj_check.run_mtmd, engine="llama.cpp", step="test",
                  model_path=str(tmp_path / "lm.gguf"), mmproj_path=str(tmp_path / "mmproj.gguf"),
                  image=str(tmp_path / "image.npy"), out=str(tmp_path / "rows.npy"))
     return np.load(tmp_path / "rows.npy")

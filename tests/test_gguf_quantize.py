@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
+import child_helpers
 from gguf_reader import FastGGUFReader
 from pipelines.errors import HiveError
 from pipelines.sources import fetch
 from pipelines.targets.gguf.convert import convert
 from pipelines.targets.gguf.quantize import quantize
+from pipelines.targets.gguf.validate import run_llama_cpp
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,7 @@ def test_validation_of_a_large_gguf_skips_the_repacked_copy(f32_gguf, tmp_path, 
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # child_helpers.py
     capfd.readouterr()
     for repack in (True, False):
-        run_isolated("child_helpers:load_gguf_verbosely", engine="llama.cpp", step="load", path=str(q4), repack=repack)
+        run_isolated(child_helpers.load_gguf_verbosely, engine="llama.cpp", step="load", path=str(q4), repack=repack)
         log = capfd.readouterr().err
         assert "model buffer size" in log
         assert ("CPU_REPACK" in log) == repack, log[-2000:]
@@ -83,7 +85,7 @@ def test_validation_of_a_large_gguf_skips_the_repacked_copy(f32_gguf, tmp_path, 
     for repack in (True, False):
         out_dir = tmp_path / f"logits-{repack}"
         out_dir.mkdir()
-        run_isolated("pipelines.targets.gguf.validate:run_llama_cpp", engine="llama.cpp", step="eval",
+        run_isolated(run_llama_cpp, engine="llama.cpp", step="eval",
                      gguf_path=str(q4), sequences=ids, texts=["hello"], generation_prompt=ids[0][:4],
                      generation_tokens=2, logits_dir=str(out_dir), repack=repack)
         logits[repack] = np.load(out_dir / "l0.npy")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import child_helpers
 from factories import write_test_config
 from pipelines.errors import EngineCrashed, EngineFailed, ModelFormatError
 from pipelines.isolation import run_isolated
@@ -30,14 +31,14 @@ def child_start(request, monkeypatch):
 def test_result_and_errors_cross_as_json(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # child_helpers.py
     # os.path.relpath runs in the child: a real function, a JSON result
-    assert run_isolated("os.path:relpath", engine="e", step="s", path="x/y", start="x") == "y"
+    assert run_isolated(os.path.relpath, engine="e", step="s", path="x/y", start="x") == "y"
     # a HiveError comes back as the same class with the same line
     with pytest.raises(ModelFormatError, match=r"^config.json is not valid JSON \(x\)$"):
-        run_isolated("child_helpers:raise_exception", engine="e", step="s",
+        run_isolated(child_helpers.raise_exception, engine="e", step="s",
                      kind="ModelFormatError", message="config.json is not valid JSON (x)")
     # anything else becomes EngineFailed naming the engine, the step and the type
     with pytest.raises(EngineFailed, match=r"^llama.cpp failed during the step: ValueError: bad\s*value$"):
-        run_isolated("child_helpers:raise_exception", engine="llama.cpp", step="the step",
+        run_isolated(child_helpers.raise_exception, engine="llama.cpp", step="the step",
                      kind="ValueError", message="bad\nvalue")
 
 
@@ -48,7 +49,7 @@ def test_a_full_disk_in_the_child_is_the_disk_full_line(monkeypatch, tmp_path):
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
     with pytest.raises(DiskFull, match=r"^llama logits: disk full \(no space left on device\) writing under "
                                        + str(tmp_path).replace(".", r"\.") + r" \(.* free\); partial files removed"):
-        run_isolated("child_helpers:fill_the_disk", engine="llama.cpp", step="llama logits", path=str(tmp_path / "l0.npy"))
+        run_isolated(child_helpers.fill_the_disk, engine="llama.cpp", step="llama logits", path=str(tmp_path / "l0.npy"))
 
 
 @pytest.mark.usefixtures("child_start")
@@ -56,19 +57,19 @@ def test_a_full_disk_in_the_child_is_the_disk_full_line(monkeypatch, tmp_path):
 def test_native_crash_becomes_one_line(monkeypatch, fault, signame):
     monkeypatch.setenv("HIVE_AOT_FAULT", f"GGUF validation:{fault}")
     with pytest.raises(EngineCrashed) as ei:
-        run_isolated("os.path:relpath", engine="llama.cpp", step="GGUF validation of a/b (gguf-f16)", path="x")
+        run_isolated(os.path.relpath, engine="llama.cpp", step="GGUF validation of a/b (gguf-f16)", path="x")
     msg = str(ei.value)
     assert "\n" not in msg and ei.value.exit_code == 6
     assert msg.startswith(f"llama.cpp crashed with {signame} (")
     assert msg.endswith("during GGUF validation of a/b (gguf-f16); nothing was published")
     # the fault is scoped to the named step: others run normally
-    assert run_isolated("os.path:relpath", engine="llama.cpp", step="Q4_K_M quantization", path="x") == "x"
+    assert run_isolated(os.path.relpath, engine="llama.cpp", step="Q4_K_M quantization", path="x") == "x"
 
 
 @pytest.mark.usefixtures("child_start")
 def test_child_exit_without_result_is_reported(monkeypatch):
     with pytest.raises(EngineCrashed, match=r"^eng exited with status 3 during st without a result"):
-        run_isolated("os:_exit", engine="eng", step="st", status=3)
+        run_isolated(os._exit, engine="eng", step="st", status=3)
 
 
 def test_build_whose_validation_crashes_publishes_nothing(tiny_llama, tmp_path):
@@ -91,3 +92,17 @@ def test_build_whose_validation_crashes_publishes_nothing(tiny_llama, tmp_path):
     assert list((store / "staging").glob("*.json")) == []
     # and no scratch directory of the build, the validation or the child stays behind
     assert [p.name for p in (Path(env["HIVE_AOT_CACHE"]) / "work").iterdir()] == []
+
+
+def test_only_a_module_level_function_is_run_and_it_is_named_by_its_module():
+    from pipelines.isolation import importable_name
+    from pipelines.reference import compute_into
+
+    assert importable_name(compute_into) == "pipelines.reference:compute_into"
+    assert importable_name(os.path.relpath) == f"{os.path.relpath.__module__}:relpath"
+
+    def nested() -> None:
+        pass
+
+    with pytest.raises(TypeError, match="module-level functions only"):
+        run_isolated(nested, engine="e", step="s")

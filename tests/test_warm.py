@@ -182,10 +182,10 @@ def test_isolated_children_are_forked_warm_with_the_same_results(warm_dir, monke
     from pipelines.errors import EngineCrashed
     from pipelines.isolation import run_isolated
 
-    assert run_isolated("os.path:relpath", engine="e", step="s", path="x/y", start="x") == "y"
+    assert run_isolated(os.path.relpath, engine="e", step="s", path="x/y", start="x") == "y"
     monkeypatch.setenv("HIVE_AOT_FAULT", "GGUF validation:segv")
     with pytest.raises(EngineCrashed, match=r"^llama.cpp crashed with SIGSEGV \(segmentation fault\) during GGUF"):
-        run_isolated("os.path:relpath", engine="llama.cpp", step="GGUF validation of a/b", path="x")
+        run_isolated(os.path.relpath, engine="llama.cpp", step="GGUF validation of a/b", path="x")
     assert [p.name.split("-")[1] for p in warm_dir.glob("isolation-*.sock")] == ["preload"]
 
 

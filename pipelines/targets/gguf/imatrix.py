@@ -210,7 +210,7 @@ def compute(snapshot, out_path: Path, *, text: str | None = None, step: str | No
         with work_dir("imatrix-") as work:
             tmp = work / "out"
             tmp.mkdir()
-            summary = run_isolated("pipelines.targets.gguf.imatrix:compute_here", engine="transformers", needs_torch=True,
+            summary = run_isolated(compute_here, engine="transformers", needs_torch=True,
                                    step=step or f"importance matrix of {snapshot.model_id}", model_dir=str(snapshot.dir),
                                    files=[str(f) for f in snapshot.safetensors_files()],
                                    out_path=str(tmp / "imatrix.gguf"), sources=sources, sequences=sequences,

@@ -156,11 +156,11 @@ def validate_mmproj(snapshot: "Snapshot", model_gguf: Path, mmproj_gguf: Path, p
         image = synthetic_image(side)
         np.save(tmp / "image.npy", image)
         np.savez(tmp / "inputs.npz", **pixel_inputs(projector, hp, image))
-        run_isolated("pipelines.targets.gguf.mmproj_check:image_features", engine="transformers", needs_torch=True,
+        run_isolated(image_features, engine="transformers", needs_torch=True,
                      step=f"{step}: transformers' image features", model_dir=str(snapshot.dir),
                      files=[str(f) for f in snapshot.safetensors_files()], inputs=str(tmp / "inputs.npz"),
                      out=str(tmp / "reference.npy"))
-        run_isolated("pipelines.targets.gguf.mmproj_check:run_mtmd", engine="llama.cpp", step=f"{step}: libmtmd",
+        run_isolated(run_mtmd, engine="llama.cpp", step=f"{step}: libmtmd",
                      model_path=str(model_gguf), mmproj_path=str(mmproj_gguf), image=str(tmp / "image.npy"),
                      out=str(tmp / "mtmd.npy"))
         ref, got = np.load(tmp / "reference.npy"), np.load(tmp / "mtmd.npy")

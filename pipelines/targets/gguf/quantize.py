@@ -46,7 +46,7 @@ def quantize(src: Path, dst: Path, ftype: str, *, step: str | None = None, threa
         raise HiveError(f"unknown llama.cpp file type {ftype!r} (known: {', '.join(sorted(FTYPES))})")
     if name in NEEDS_IMATRIX and imatrix is None:
         raise HiveError(f"{name} needs an importance matrix: set the recipe option imatrix: calibration")
-    summary = run_isolated("pipelines.targets.gguf.quantize:quantize_here", engine="llama.cpp",
+    summary = run_isolated(quantize_here, engine="llama.cpp",
                            step=step or f"{name} quantization of {src.name}",
                            src=str(src), dst=str(dst), name=name, threads=threads or os.cpu_count() or 1,
                            imatrix=str(imatrix) if imatrix else None, keep_split=keep_split)

@@ -112,7 +112,7 @@ def assign_types(shape: dict[str, Any], tensors: list[tuple[str, tuple[int, ...]
     """llama.cpp's type for each (name, numpy shape, lossless ggml type) tensor, None where it stays as it is."""
     from ...isolation import run_isolated
 
-    return run_isolated("pipelines.targets.gguf.tensor_quant:assign_types_here", engine="llama.cpp", step=step,
+    return run_isolated(assign_types_here, engine="llama.cpp", step=step,
                         shape=shape, tensors=[[n, list(s), t] for n, s, t in tensors], ftype=ftype)
 
 

@@ -149,7 +149,7 @@ def validate_gguf(snapshot: "Snapshot", gguf_path: Path, step: str | None = None
                             files=snapshot.safetensors_files(), step=f"the transformers reference of {snapshot.model_id}")
 
     with work_dir("llama-logits-") as tmp, meter.step("validate", label="llama.cpp check"):
-        out = run_isolated("pipelines.targets.gguf.validate:run_llama_cpp", engine="llama.cpp",
+        out = run_isolated(run_llama_cpp, engine="llama.cpp",
                            step=step or f"GGUF validation of {snapshot.model_id}", gguf_path=str(gguf_path),
                            sequences=ids, texts=prompts.TOKENIZER_TEXTS, generation_prompt=gen_prompt,
                            generation_tokens=prompts.GENERATION_TOKENS, logits_dir=str(tmp),

@@ -21,7 +21,7 @@ import numpy as np
 
 from ... import meter, prompts, reference
 from ...safetensors_io import TensorSource
-from .calibrate import read_summary, unit_files
+from .calibrate import calibrate_here, read_summary, unit_files
 from .fp8 import fp8_selection
 from .pack import int8_config, quantize_rows_int8, w4a16_config
 from .prepare import OutTensor, bf16_tensor, raw_chunks, row_quantized
@@ -133,7 +133,7 @@ def _calibrate(ctx: "BuildContext", work: Path, weights: list[str], bits: int) -
     work.mkdir(parents=True, exist_ok=True)
     ids = reference.encode(CachedTokenizer(snap.dir), [prompts.calibration_text()])[0]
     with meter.step("calibrate"):
-        run_isolated("pipelines.targets.vllm.calibrate:calibrate_here", engine="transformers", needs_torch=True,
+        run_isolated(calibrate_here, engine="transformers", needs_torch=True,
                      step=f"GPTQ calibration of {ctx.model_id}", model_dir=str(snap.dir),
                      files=[str(f) for f in snap.safetensors_files()], out_dir=str(work), weights=weights,
                      sequences=prompts.calibration_chunks(ids), bits=bits)

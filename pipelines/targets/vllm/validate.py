@@ -75,7 +75,7 @@ def evaluate(model_dir: Path, files: list[Path], source_files: list[Path] | None
             evaluate_into(**args)
             trim_heap()
         else:
-            run_isolated("pipelines.targets.vllm.artifact_model:evaluate_into", engine="transformers", needs_torch=True, step=step, **args)
+            run_isolated(evaluate_into, engine="transformers", needs_torch=True, step=step, **args)
         done = json.loads((work / "done.json").read_text())
         mode = "r" if keep is not None else None
         done["logits"] = [np.load(work / f"l{i}.npy", mmap_mode=mode) for i in range(len(sequences))]

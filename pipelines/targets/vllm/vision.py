@@ -130,7 +130,7 @@ def transformers_side(model_dir: Path, files: list[Path], prompts: list[dict[str
     if resident and layers is None:
         image_logits_into(**args)
     else:
-        run_isolated("pipelines.targets.vllm.vision:image_logits_into", engine="transformers", needs_torch=True,
+        run_isolated(image_logits_into, engine="transformers", needs_torch=True,
                      step=step, **args)
     return [np.load(work / f"i{n}.npy") for n in range(len(prompts))]
 
