@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import struct
 import subprocess
 import sys
 from importlib import metadata
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli_output import EXIT_OK, HelpFormatter, emit, table
+from .elf_code import section
 
 ENGINES = ("llama-cpp-python", "transformers", "torch", "vllm")
 NOT_INSTALLED = "not installed"
@@ -56,22 +56,6 @@ def vllm_validation() -> dict[str, str] | None:
     return None if python is None or version == "absent" else {"python": str(python), "version": version}
 
 
-def _elf_section(path: Path, wanted: str) -> bytes | None:
-    """The bytes of a named section of a little-endian ELF64 file; None when it has none (or is not one)."""
-    data = path.read_bytes()
-    if not data.startswith(b"\x7fELF\x02\x01"):
-        return None
-    shoff = struct.unpack_from("<Q", data, 0x28)[0]
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize) for i in range(shnum)]
-    names_at = headers[shstrndx][4]
-    for name_off, _kind, _flags, _addr, offset, size in headers:
-        start = names_at + name_off
-        if data[start:data.index(b"\0", start)].decode(errors="replace") == wanted:
-            return data[offset:offset + size]
-    return None
-
-
 def level_from_flags(flags: set[str]) -> str:
     """The portable level a set of recorded compiler flags was built for."""
     bound = sorted(f for f in flags if HOST_BOUND.fullmatch(f))
@@ -94,7 +78,7 @@ def llama_cpu_level() -> dict[str, Any]:
         return {"level": "chosen at run time", "source": f"{len(libs)} CPU backends in {lib_dir}: "
                                                          + ", ".join(p.name for p in libs)}
     if libs:
-        recorded = _elf_section(libs[0], ".GCC.command.line")
+        recorded = section(libs[0], ".GCC.command.line")
         flags = set(re.findall(r"(?<!\S)-[^\s\0]+", (recorded or b"").decode(errors="replace")))
         if flags:
             return {"level": level_from_flags(flags), "source": f"compiler flags recorded in {libs[0].name}",

@@ -14,10 +14,37 @@ from __future__ import annotations
 import hashlib
 import struct
 from pathlib import Path
+from typing import Iterator, NamedTuple
 
 SHF_EXECINSTR = 0x4
 SHT_NOBITS = 8
 _ELF64_LE = b"\x7fELF\x02\x01"
+
+
+class Section(NamedTuple):
+    name: bytes
+    kind: int
+    flags: int
+    data: bytes
+
+
+def sections(data: bytes) -> Iterator[Section]:
+    """The sections of a little-endian ELF64 file's bytes, in header order; none when it is not one."""
+    if not data.startswith(_ELF64_LE):
+        return
+    shoff = struct.unpack_from("<Q", data, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names_at = headers[shstrndx][4]
+    for name_off, kind, flags, _addr, offset, size in headers:
+        start = names_at + name_off
+        yield Section(data[start:data.index(b"\0", start)], kind, flags,
+                      b"" if kind == SHT_NOBITS else data[offset:offset + size])
+
+
+def section(path: Path, name: str) -> bytes | None:
+    """The bytes of the named section of a little-endian ELF64 file; None when it has none (or is not one)."""
+    return next((s.data for s in sections(Path(path).read_bytes()) if s.name == name.encode()), None)
 
 
 def code_digest(path: Path) -> str:
@@ -26,18 +53,11 @@ def code_digest(path: Path) -> str:
     data = Path(path).read_bytes()
     if not data.startswith(_ELF64_LE):
         return hashlib.sha256(data).hexdigest()
-    shoff = struct.unpack_from("<Q", data, 0x28)[0]
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize) for i in range(shnum)]
-    names_at = headers[shstrndx][4]
     digest = hashlib.sha256()
-    for name_off, kind, flags, _addr, offset, size in headers:
-        if not flags & SHF_EXECINSTR or kind == SHT_NOBITS:
-            continue
-        start = names_at + name_off
-        name = data[start:data.index(b"\0", start)]
-        digest.update(name + b"\0" + size.to_bytes(8, "little") + data[offset:offset + size])
+    for s in sections(data):
+        if s.flags & SHF_EXECINSTR and s.kind != SHT_NOBITS:
+            digest.update(s.name + b"\0" + len(s.data).to_bytes(8, "little") + s.data)
     return digest.hexdigest()
 
 
-__all__ = ["code_digest"]
+__all__ = ["Section", "code_digest", "section", "sections"]
