@@ -20,6 +20,7 @@ from safetensors import safe_open
 
 from pipelines import prompts, reference
 from pipelines.build import build_and_publish
+from pipelines.memory import BASE_TORCH
 from pipelines.store import blob_key, open_store
 from pipelines.targets.vllm import engine
 from pipelines.targets.vllm.gptq import Grid, Hessian, gptq_quantize, output_error
@@ -202,8 +203,13 @@ def test_demo_w4a16_is_gptq_packed_gated_and_loaded_in_vllm(demo_int_tiers):
     assert m["vllm_reference_top1_agreement"] >= 0.65 and m["vllm_top1_agreement"] >= 0.8
     info = json.loads(Path(res.manifest.removeprefix("file://")).read_text())["build"]
     assert info["calibration"]["tokens"] > 500 and info["group_sizes"] == {"64": 180}  # SmolLM2's 576-wide inputs
-    assert res.memory_measured["calibrate"] < next(s["memory"] for s in res.memory_plan["steps"]
-                                                   if s["step"] == "calibrate")
+    # The plan's calibrate step is the GPTQ child plus the CLI's parent waiting for it (BASE_TORCH). Built in
+    # this process, the waiting parent is a pytest worker holding what earlier tests left, so the step's measured
+    # figure says more about the worker than the plan: the child's own peak is held to the child's share.
+    planned = next(s["memory"] for s in res.memory_plan["steps"] if s["step"] == "calibrate")
+    child_peak = info["calibration"]["usage"]["peak_rss"]
+    print("calibrate child peak", child_peak, "of its share", planned - BASE_TORCH)
+    assert 0.5 * (planned - BASE_TORCH) < child_peak < planned - BASE_TORCH
     cfg = json.loads(_stored(res, store, "config.json").read_text())["quantization_config"]
     assert cfg["format"] == "pack-quantized" and cfg["ignore"] == ["lm_head"]
     with safe_open(str(_stored(res, store, "model.safetensors")), "pt") as f:
