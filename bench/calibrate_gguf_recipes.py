@@ -25,7 +25,7 @@ DEFAULT_TYPES = "q8_0,q4_0,q5_0,Q6_K,Q5_K_M,Q4_K_M,Q4_K_S,IQ4_XS,Q3_K_M,Q2_K,IQ2
 
 
 def main() -> int:
-    from pipelines.sources import fetch
+    from pipelines.source.fetch import fetch
     from pipelines.targets.gguf import imatrix
     from pipelines.targets.gguf.convert import OUTTYPES, convert
     from pipelines.targets.gguf.quantize import NEEDS_IMATRIX, quantize
@@ -66,7 +66,8 @@ def main() -> int:
     else:
         print(f"{'type':8} {'MiB':>7} {'top-1':>7} {'KL':>9} {'max|dl|':>8}")
         for r in rows:
-            print(f"{r['type']:8} {r['size_mib']:7.1f} {r['top1_agreement']:7.4f} {r['mean_kl']:9.5f} {r['max_abs_logit_delta']:8.3f}")
+            print(f"{r['type']:8} {r['size_mib']:7.1f} {r['top1_agreement']:7.4f} {r['mean_kl']:9.5f} "
+                  f"{r['max_abs_logit_delta']:8.3f}")
     return 0
 
 

@@ -2,7 +2,7 @@
 
     python bench/cli_trace.py TRACE_FILE build SOURCE --recipe R ...
 
-Runs `pipelines.cli:main` (the function `.venv/bin/hive-aot` calls) with the same arguments, in a process
+Runs `pipelines.cli.main:main` (the function `.venv/bin/hive-aot` calls) with the same arguments, in a process
 that first wraps a few pipeline functions to write one JSON line per step boundary to TRACE_FILE:
 
     {"t": <time.time()>, "ev": "begin"|"end"|"child"|"exit", "step": <label>, "stack": [...],
@@ -11,7 +11,7 @@ that first wraps a few pipeline functions to write one JSON line per step bounda
 At every line the process reads its own VmHWM (the exact peak RSS of the segment that just ended) and
 resets it (`/proc/self/clear_refs` = 5), and, when `HIVE_BENCH_CGROUP` names a memory cgroup (v1),
 reads and resets its `memory.max_usage_in_bytes` the same way. The native engines' child processes
-(pipelines/isolation.py) are waited for with `os.wait4`, whose rusage gives each child's exact peak
+(pipelines/process/isolation.py) are waited for with `os.wait4`, whose rusage gives each child's exact peak
 RSS ("child" lines). A wrapped function that no longer exists (the pipeline changed) is reported in
 the first line and its time counts towards the enclosing step.
 """
@@ -97,7 +97,7 @@ def _wrap(module: str, attr: str, label, missing: list[str]) -> None:
 
 
 def child_step(function: str) -> str:
-    """The step a native child belongs to, from the `module:function` pipelines.isolation runs in it."""
+    """The step a native child belongs to, from the `module:function` pipelines.process.isolation runs in it."""
     if "quantize" in function:
         return "quantize"
     if "reference" in function:
@@ -112,7 +112,7 @@ def _isolated_label(args, kwargs) -> str:
 
 
 class _SubprocessShim:
-    """`subprocess` for pipelines.isolation, whose `run` waits with os.wait4 to get the child's rusage."""
+    """`subprocess` for pipelines.process.isolation, whose `run` waits with os.wait4 to get the child's rusage."""
 
     def __getattr__(self, name):
         return getattr(subprocess, name)
@@ -143,24 +143,24 @@ class _SubprocessShim:
 
 def install() -> list[str]:
     missing: list[str] = []
-    _wrap("pipelines.build", "fetch", "fetch + sha256", missing)
-    _wrap("pipelines.build", "stage", "stage: hash + store upload", missing)
+    _wrap("pipelines.engine.build", "fetch", "fetch + sha256", missing)
+    _wrap("pipelines.engine.build", "stage", "stage: hash + store upload", missing)
     _wrap("pipelines.targets.gguf.convert", "convert", "convert", missing)
     _wrap("pipelines.targets.gguf.quantize", "quantize", "quantize", missing)
-    _wrap("pipelines.build", "validate_staged", "validate: compare + other", missing)
-    _wrap("pipelines.build", "materialize_blobs", "validate: materialize", missing)
-    _wrap("pipelines.reference", "load_tokenizer", "load tokenizer", missing)
-    _wrap("pipelines.reference", "compute", "reference", missing)
-    _wrap("pipelines.isolation", "run_isolated", _isolated_label, missing)
-    _wrap("pipelines.build", "publish_staged", "publish", missing)
+    _wrap("pipelines.engine.build", "validate_staged", "validate: compare + other", missing)
+    _wrap("pipelines.engine.build", "materialize_blobs", "validate: materialize", missing)
+    _wrap("pipelines.validation.reference", "load_tokenizer", "load tokenizer", missing)
+    _wrap("pipelines.validation.reference", "compute", "reference", missing)
+    _wrap("pipelines.process.isolation", "run_isolated", _isolated_label, missing)
+    _wrap("pipelines.engine.build", "publish_staged", "publish", missing)
     try:
-        iso = importlib.import_module("pipelines.isolation")
+        iso = importlib.import_module("pipelines.process.isolation")
         if getattr(iso, "subprocess", None) is subprocess:
             iso.subprocess = _SubprocessShim()
         else:
-            missing.append("pipelines.isolation.subprocess")
+            missing.append("pipelines.process.isolation.subprocess")
     except ImportError:
-        missing.append("pipelines.isolation")
+        missing.append("pipelines.process.isolation")
     return missing
 
 
@@ -171,7 +171,7 @@ def main() -> int:
     event("start", "cli", argv=argv)
     missing = install()
     event("hooks", "cli", missing=missing)
-    from pipelines.cli import main as cli_main
+    from pipelines.cli.main import main as cli_main
 
     rc = 1
     try:

@@ -20,7 +20,7 @@ symlinked copy of the model with tokenizer_class "PreTrainedTokenizerFast".
         [--no-validate] [--json] [--json-out FILE] [--keep]
 
     # the ~1B synthetic Llama (Llama-3.2-1B's shapes):
-    .venv/bin/python -m pipelines.synthetic --preset llama3-1b --out /tmp/llama3-1b
+    .venv/bin/python -m pipelines.model.synthetic --preset llama3-1b --out /tmp/llama3-1b
     .venv/bin/python bench/compare_llamacpp.py /tmp/llama3-1b --model-id bench/llama3-1b --variants f16 --no-validate
 """
 
@@ -56,8 +56,8 @@ RECIPES = {"f16": "gguf-f16", "q8_0": "gguf-q8_0", "q4_k_m": "gguf-q4_k_m"}
 OURS_CHILD = """
 import json, sys
 from pathlib import Path
-from pipelines.config import Config
-from pipelines.sources import Snapshot
+from pipelines.config.registry import Config
+from pipelines.source.fetch import Snapshot
 from pipelines.targets import BuildContext
 from pipelines.targets.gguf import GgufTarget
 snap = Snapshot.from_dict(json.loads(Path(sys.argv[1]).read_text()))
@@ -282,7 +282,7 @@ def main() -> int:
     if not variants or set(args.variants.split(",")) - set(VARIANTS):
         ap.error(f"--variants takes a comma-separated subset of {','.join(VARIANTS)}")
 
-    from pipelines.sources import fetch
+    from pipelines.source.fetch import fetch
 
     model = Path(args.model_dir).resolve()
     cache = cache_root()
@@ -424,13 +424,14 @@ def markdown_rows(doc: dict[str, Any]) -> list[str]:
         rows.append(f"| {name} {variant} | {o['wall_s']:.2f} s / {o['peak_rss_mib']:.0f} MiB | "
                     f"{t['wall_s']:.2f} s / {t['peak_rss_mib']:.0f} MiB | **{q['wall_s']:.2f}x / {q['peak_rss_mib']:.2f}x** | "
                     f"{cp['wall_s']:.2f} s / {cp['peak_rss_mib']:.0f} MiB | "
-                    f"{'all ' + str(td['identical']) + ' identical' if same else str(td['identical']) + ' of ' + str(td['n_tensors']['ours']) + ' identical'} | "
+                    f"{'all ' if same else ''}{td['identical']}"
+                    f"{'' if same else ' of ' + str(td['n_tensors']['ours'])} identical | "
                     f"{quality} |")
     return rows
 
 
 def snapshot_parameters(shards: list[str]) -> int:
-    from pipelines.safetensors_io import read_header
+    from pipelines.source.safetensors_io import read_header
 
     return sum(t.numel for p in shards for t in read_header(Path(p)).tensors.values())
 

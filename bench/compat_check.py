@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO / "tests"))  # the test factories and the olah mirro
 
 def classify_all() -> dict:
     from pipelines.compat import classify, database
-    from pipelines.config import Config
+    from pipelines.config.registry import Config
 
     config = Config.load(REPO / "registry.yaml")
     db = database.build(config.registry)

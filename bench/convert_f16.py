@@ -66,7 +66,8 @@ def main() -> int:
                for name, rs in results.items()}
     conv, cp = summary["hive-aot convert f16"], summary["cp safetensors"]
     ratios = {"wall": conv["wall_s"] / cp["wall_s"], "peak_rss": conv["peak_rss_mib"] / cp["peak_rss_mib"]}
-    doc = {"model": str(model), "weights_mib": size / 2**20, "runs": args.runs, "results": summary, "ratios_convert_over_cp": ratios}
+    doc = {"model": str(model), "weights_mib": size / 2**20, "runs": args.runs, "results": summary,
+           "ratios_convert_over_cp": ratios}
     if args.json:
         print(json.dumps(doc, indent=1))
         return 0

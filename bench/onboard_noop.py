@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/onboard_noop.py [--models 5,10,20] [--json-out FILE]
 
-Each model is its own copy of one tiny synthetic Llama (`pipelines.synthetic --preset tiny`, with its own
+Each model is its own copy of one tiny synthetic Llama (`pipelines.model.synthetic --preset tiny`, with its own
 SentencePiece tokenizer) under its own id, so every (model, recipe) is a distinct build id. The store is
 filled once by `hive-aot onboard` of all models (not timed); then, for each N, `hive-aot onboard` of a
 registry listing N of them is timed as a child process (wall: Python start-up, definitions, one Dagster run
@@ -72,7 +72,7 @@ def main() -> int:
     env.pop("HIVE_AOT_REGISTRY", None)
     try:
         base = work / "models" / "base"
-        subprocess.run([sys.executable, "-m", "pipelines.synthetic", "--preset", "tiny", "--out", str(base)],
+        subprocess.run([sys.executable, "-m", "pipelines.model.synthetic", "--preset", "tiny", "--out", str(base)],
                        cwd=ROOT, check=True, capture_output=True)
         ids = [f"bench/m{i:02d}" for i in range(max(sizes))]
         for m in ids:

@@ -125,8 +125,8 @@ def write_random(path: Path, size: int) -> str:
 
 def publish_manifest(store, digest: str, size: int) -> None:
     """A manifest naming the blob and its `latest` ref, so `hive-aot pull` can fetch it as a served artifact."""
-    from pipelines.manifest import FileEntry, Manifest, ModelInfo, RecipeInfo
     from pipelines.store.layout import manifest_key, ref_document, ref_key
+    from pipelines.store.manifest import FileEntry, Manifest, ModelInfo, RecipeInfo
 
     m = Manifest(build_id=hashlib.sha256(digest.encode()).hexdigest(),
                  model=ModelInfo(id=MODEL, revision="bench", commit="bench", source="bench", content_digest=digest),
@@ -138,10 +138,11 @@ def publish_manifest(store, digest: str, size: int) -> None:
 
 
 def main() -> int:
-    from pipelines.units import human_bytes, parse_size
-    from pipelines.paths import cache_root
-    from pipelines.store import blob_key, open_store
     from s3_server import BUCKET, seaweedfs
+
+    from pipelines.core.paths import cache_root
+    from pipelines.core.units import human_bytes, parse_size
+    from pipelines.store import blob_key, open_store
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="1G", help="artifact size (default 1G = 1 GiB)")

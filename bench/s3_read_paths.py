@@ -92,11 +92,11 @@ def http_client_path(client, bucket: str, key: str, fd: int, parts: list[tuple[i
 
 def main() -> int:
     import boto3
-
-    from pipelines.paths import cache_root
-    from pipelines.units import parse_size
     from pull_s3 import s5cmd_binary, write_random
     from s3_server import BUCKET, seaweedfs
+
+    from pipelines.core.paths import cache_root
+    from pipelines.core.units import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="1G")

@@ -34,8 +34,8 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-vllm-int-") as tmp:
         os.environ["HIVE_AOT_CACHE"] = str(Path(tmp) / "cache")  # a fresh cache: nothing from earlier runs
-        from pipelines.build import build_and_publish
-        from pipelines.config import Config
+        from pipelines.config.registry import Config
+        from pipelines.engine.build import build_and_publish
 
         config = Config.load(REPO / "registry.yaml")
         rows = {}

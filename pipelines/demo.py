@@ -8,11 +8,11 @@ rebuilds nothing (every build id is already published).
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-from .units import human_bytes
+from .core import settings
+from .core.units import human_bytes
 
 DEMO_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEMO_RECIPE = "gguf-q4_k_m"
@@ -20,7 +20,7 @@ PROMPT = "The capital of France is"
 
 
 def greedy_completion(model_path: str, prompt: str, max_tokens: int) -> str:
-    """llama.cpp greedy decoding; runs in a child process (pipelines.isolation)."""
+    """llama.cpp greedy decoding; runs in a child process (pipelines.process.isolation)."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=model_path, n_ctx=256, verbose=False, seed=0)
@@ -31,14 +31,14 @@ def greedy_completion(model_path: str, prompt: str, max_tokens: int) -> str:
 
 
 def main() -> int:
-    from .errors import HiveError
-    from .isolation import run_isolated
+    from .client.pull import pull
+    from .core.errors import HiveError
     from .orchestration.onboard import onboard
-    from .pull import pull
-    from .quality_view import engine_check
+    from .process.isolation import run_isolated
     from .store import default_store_uri
+    from .validation.quality_view import engine_check
 
-    print(f"demo: store {default_store_uri()}, Dagster instance {os.environ.get('DAGSTER_HOME', './.dagster')}",
+    print(f"demo: store {default_store_uri()}, Dagster instance {settings.DAGSTER_HOME.get() or './.dagster'}",
           file=sys.stderr)
     report = onboard(models=[DEMO_MODEL])
     rows = report["results"]

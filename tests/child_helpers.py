@@ -1,10 +1,10 @@
-"""Functions tests run in child processes through pipelines.isolation (importable via PYTHONPATH)."""
+"""Functions tests run in child processes through pipelines.process.isolation (importable via PYTHONPATH)."""
 
 from __future__ import annotations
 
 import builtins
 
-from pipelines import errors
+from pipelines.core import errors
 
 
 def raise_exception(kind: str, message: str) -> None:

@@ -13,10 +13,10 @@ from processes import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/factories.py and friends
 
-from durations import known_durations  # noqa: E402
-from factories import make_llama  # noqa: E402
+from durations import known_durations
+from factories import make_llama
 
-from pipelines import warm  # noqa: E402
+from pipelines.process import warm
 
 pytest_plugins = ["hf_mirror", "s3_server", "oci_registry"]  # olah HF mirror, SeaweedFS S3, docker-registry (tests/*.py)
 
@@ -39,7 +39,7 @@ def hermetic_env(tmp_path_factory):
     os.environ.pop("HIVE_AOT_FAULT", None)
     # Never the shell's Dagster instance (it may be someone's real one).
     os.environ["DAGSTER_HOME"] = str(tmp_path_factory.mktemp("dagster-home"))
-    # Warm engine servers (pipelines/warm.py) for this session's engine children: numpy, llama.cpp, torch and
+    # Warm engine servers (pipelines/process/warm.py) for this session's engine children: numpy, llama.cpp, torch and
     # vLLM imported once per worker instead of once per child. A short path: a socket's name holds 108 bytes.
     # HIVE_AOT_TEST_WARM=0 runs every child fresh (to compare).
     warm_dir = Path(tempfile.mkdtemp(prefix="hive-warm-"))
@@ -96,7 +96,7 @@ def store_dir(tmp_path) -> Path:
 
 @pytest.fixture(scope="session")
 def config():
-    from pipelines.config import Config
+    from pipelines.config.registry import Config
 
     return Config.load(REPO_ROOT / "registry.yaml")
 

@@ -187,7 +187,7 @@ def write_test_config(dest_dir: Path, repo_root: Path, *, models: list[dict[str,
 
 # --- SentencePiece (Llama-2 style) tokenizers, trained here --------------------------------------
 
-from pipelines.spm_tokenizer import WORDS  # noqa: E402
+from pipelines.model.spm_tokenizer import WORDS  # noqa: E402
 
 _SPM_WORDS = WORDS
 
@@ -227,7 +227,7 @@ def make_spm_tokenizer(dest: Path, *, add_dummy_prefix: bool = True, vocab_size:
     hf_tokenizer="legacy": the tokenizer.json layout Llama-2 repos ship (Prepend + Replace normalizer,
     no pre-tokenizer), loaded as-is through `PreTrainedTokenizerFast`.
     """
-    from pipelines.synthetic import spm_vocab, train_spm, write_spm_tokenizer
+    from pipelines.model.synthetic import spm_vocab, train_spm, write_spm_tokenizer
 
     dest.mkdir(parents=True, exist_ok=True)
     proto = train_spm(spm_corpus(seed=seed), vocab_size, add_dummy_prefix=add_dummy_prefix)
@@ -281,7 +281,7 @@ def rewrite_safetensors(model_dir: Path, edit) -> None:
     import numpy as np
     from safetensors.numpy import save_file
 
-    import pipelines.safetensors_io as sio
+    import pipelines.source.safetensors_io as sio
 
     path = model_dir / "model.safetensors"
     with sio.SafetensorsFile(path) as f:
@@ -302,8 +302,10 @@ def make_sharded_llama(dest: Path, *, hidden: int = 256, intermediate: int = 704
     for i in range(layers):
         p = f"model.layers.{i}."
         shapes.update({
-            p + "self_attn.q_proj.weight": (heads * head_dim, hidden), p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-            p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden), p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
             p + "mlp.gate_proj.weight": (intermediate, hidden), p + "mlp.up_proj.weight": (intermediate, hidden),
             p + "mlp.down_proj.weight": (hidden, intermediate), p + "input_layernorm.weight": (hidden,),
             p + "post_attention_layernorm.weight": (hidden,),

@@ -19,10 +19,10 @@ from typing import Any
 
 import gguf
 import numpy as np
-
 from factories import SMOLLM2_PRE, TOKENIZER_FILES
 from gguf_reader import FastGGUFReader
-from pipelines.sources import fetch
+
+from pipelines.source.fetch import fetch
 from pipelines.targets.gguf.convert import ALWAYS_F32, convert
 from pipelines.targets.gguf.validate import validate_gguf
 
@@ -200,9 +200,9 @@ def assert_refused(model_dir: Path, tmp_path: Path, change, message: str, option
     import json
 
     import pytest
-
     from factories import copy_model, edit_config
-    from pipelines.errors import ModelFormatError
+
+    from pipelines.core.errors import ModelFormatError
 
     d = copy_model(model_dir, tmp_path / model_dir.name)
     if callable(change):

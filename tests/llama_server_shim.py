@@ -39,14 +39,14 @@ def main() -> int:
             self.end_headers()
             self.wfile.write(body)
 
-        def do_GET(self):  # noqa: N802
+        def do_GET(self):
             if self.path == "/health":
                 self._send(200, {"status": "ok", "model": args.model, "n_ctx": args.ctx_size, "uid": os.getuid(),
                                  "pid": os.getpid()})
             else:
                 self._send(404, {"error": "not found"})
 
-        def do_POST(self):  # noqa: N802
+        def do_POST(self):
             if self.path != "/completion":
                 self._send(404, {"error": "not found"})
                 return

@@ -1,6 +1,6 @@
 """llama.cpp's own convert_hf_to_gguf.py, as `tests/llamacpp_converter.convert` runs it: argv = [this file, the
 converter tree, the converter's arguments]. A script run by path: in a fresh interpreter, or by a warm server
-(pipelines/warm.py) that has imported torch and transformers once, which is where a tiny model's conversion
+(pipelines/process/warm.py) that has imported torch and transformers once, which is where a tiny model's conversion
 spent nearly all of its seconds.
 
 Nothing of the converter is preloaded: its own gguf-py must come first on the path, before any `gguf`.

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines import warm
+from pipelines.process import warm
 
 LLAMA_CPP_VERSION = "0.3.36"  # the Makefile's LLAMA_CPP_VERSION: the library that runs the files
 VENDOR = f"llama_cpp_python-{LLAMA_CPP_VERSION}/vendor/llama.cpp/"

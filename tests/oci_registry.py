@@ -15,9 +15,9 @@ import urllib.error
 import urllib.request
 import uuid
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from processes import free_port, serving
@@ -172,7 +172,7 @@ def token_proxy(upstream: str, user: str, password: str) -> Iterator[str]:
             conn.close()
             self._reply(resp.status, out, data)
 
-        do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _handle
+        do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _handle  # noqa: N815 - http.server's method names
 
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

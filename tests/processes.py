@@ -12,10 +12,9 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
-
 
 # Ports are taken below Linux's ephemeral range (32768-60999 by default), so the kernel never hands one of
 # them to an outgoing connection, and each is claimed with an flock held until this process exits, so two

@@ -10,8 +10,8 @@ checkpoint's weights, upcast, as community bf16 uploads ship it).
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 SHARD_BYTES = 5 * 10**9
 Tensor = tuple[str, list[int], str]  # name, shape, dtype

@@ -22,7 +22,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from durations import durations_cache, known_durations  # noqa: E402
+from durations import durations_cache, known_durations
 
 SLOWEST = 10
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.accelerators import Detected, choose_profile, detect
-from pipelines.config import load_registry
-from pipelines.errors import HiveError
+from pipelines.client.accelerators import Detected, choose_profile, detect
+from pipelines.config.registry import load_registry
+from pipelines.core.errors import HiveError
 
 
 def _tree(root: Path, files: dict[str, str]) -> Path:

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from pipelines.build import build_and_publish
+from pipelines.engine.build import build_and_publish
 
 pytestmark = pytest.mark.slow
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -23,11 +23,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipelines.blob_batch import fetch_blobs
-from pipelines.blob_cache import TransferStats, blob_path, fetch_blob, missing_bytes, parts_of
-from pipelines.blob_leftovers import reclaim_partials
-from pipelines.errors import IntegrityError, StoreError
-from pipelines.hashing import sha256_file
+from pipelines.client.blob_batch import fetch_blobs
+from pipelines.client.blob_cache import TransferStats, blob_path, fetch_blob, missing_bytes, parts_of
+from pipelines.client.blob_leftovers import reclaim_partials
+from pipelines.core.errors import IntegrityError, StoreError
+from pipelines.core.hashing import sha256_file
 from pipelines.store import open_store
 
 PART = 64 << 10
@@ -221,7 +221,8 @@ def test_reclaim_takes_dead_old_partials_keeps_young_live_and_resumed_ones(fresh
         holder.kill()
         holder.wait(timeout=30)
     removed = reclaim_partials(max_age_s=0)
-    assert sorted(n for n in removed if n.endswith(".partial")) == sorted(f".{d}.partial" for d in (digests[0], digests[2], digests[3]))
+    assert (sorted(n for n in removed if n.endswith(".partial"))
+            == sorted(f".{d}.partial" for d in (digests[0], digests[2], digests[3])))
     assert f".{digests[2]}.lock" in removed  # the killed holder's lock file
     assert not any(p.name.startswith(".") for p in (fresh_cache / "blobs").rglob("*"))
 
@@ -251,7 +252,7 @@ def test_the_part_list_keeps_up_while_the_hash_trails_the_download(fresh_cache, 
     """A kill while the sha256 is still catching up loses none of the parts already written: the part list on
     disk follows the download, not the hash (it was written only when the hash caught up, so a pull killed
     near the end of a long blob resumed from its first parts)."""
-    import pipelines.blob_cache as blob_cache
+    import pipelines.client.blob_cache as blob_cache
 
     store = open_store(str(tmp_path / "store"))
     digest, size = _blob(store, tmp_path, 24 * PART)
@@ -294,8 +295,8 @@ def test_killed_pulls_resume_and_never_leave_a_half_destination(kind, tmp_path, 
     at a random point of its download, 15 times, then pulled to the end. After every kill DIR is absent and no
     blob sits under the digest's name; the pull that finishes fetches only what the killed ones had not written;
     after `gc`, no partial, part list or lock is left."""
-    from pipelines.manifest import FileEntry, Manifest, ModelInfo, RecipeInfo
     from pipelines.store.layout import manifest_key, ref_key
+    from pipelines.store.manifest import FileEntry, Manifest, ModelInfo, RecipeInfo
 
     store_uri = str(tmp_path / "store") if kind == "local" else request.getfixturevalue("s3_uri")
     store = open_store(store_uri)

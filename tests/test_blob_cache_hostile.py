@@ -17,14 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.blob_cache import (MIN_PART_BYTES, PART_SIZE_ENV, blob_path, fetch_blob, missing_bytes,
-                                  part_bytes_setting)
-from pipelines.blob_leftovers import reclaim_partials
-from pipelines.errors import HiveError
-from pipelines.hashing import sha256_file
-from pipelines.manifest import FileEntry, Manifest, ModelInfo, RecipeInfo
+from pipelines.client.blob_cache import MIN_PART_BYTES, PART_SIZE_ENV, blob_path, fetch_blob, missing_bytes, part_bytes_setting
+from pipelines.client.blob_leftovers import reclaim_partials
+from pipelines.core.errors import HiveError
+from pipelines.core.hashing import sha256_file
 from pipelines.store import open_store
 from pipelines.store.layout import manifest_key, ref_key
+from pipelines.store.manifest import FileEntry, Manifest, ModelInfo, RecipeInfo
 
 PART = 64 << 10
 SIZE = 3 * PART + 17

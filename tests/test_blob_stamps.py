@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-import pipelines.blob_cache as blob_cache
-from pipelines.blob_cache import TransferStats, fetch_blob
-from pipelines.blob_leftovers import reclaim_partials
-from pipelines.blob_stamps import stamp_path, trusted
-from pipelines.hashing import sha256_file
+import pipelines.client.blob_cache as blob_cache
+from pipelines.client.blob_cache import TransferStats, fetch_blob
+from pipelines.client.blob_leftovers import reclaim_partials
+from pipelines.client.blob_stamps import stamp_path, trusted
+from pipelines.core.hashing import sha256_file
 from pipelines.store import open_store
 
 
@@ -137,9 +137,9 @@ def test_a_group_member_renaming_blob_and_stamp_onto_another_digest_is_caught(tm
 def test_a_name_swapped_after_verification_is_never_placed(cached, tmp_path):
     """What pull links into DIR must be the inode that verified: another blob renamed onto the name between the
     verification and the link (a shared cache's group member) stops the pull in one line, nothing placed."""
-    from pipelines.blob_cache import fetch_verified
-    from pipelines.errors import IntegrityError
-    from pipelines.pulled_dir import place
+    from pipelines.client.blob_cache import fetch_verified
+    from pipelines.client.pulled_dir import place
+    from pipelines.core.errors import IntegrityError
 
     store, digest, size, path = cached
     blob = fetch_verified(store, digest, size)

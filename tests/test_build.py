@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from factories import copy_model, edit_config, poison_weights, rewrite_safetensors_header, write_test_config
-from pipelines.build import build_and_publish, plan, publish_staged, stage, validate_staged
-from pipelines.config import Config
-from pipelines.errors import ConfigError, HiveError, StoreError, ValidationFailed
-from pipelines.manifest import Manifest, compute_build_id
-from pipelines.paths import cache_root
+
+from pipelines.config.registry import Config
+from pipelines.core.errors import ConfigError, HiveError, StoreError, ValidationFailed
+from pipelines.core.paths import cache_root
+from pipelines.engine.build import build_and_publish, plan, publish_staged, stage, validate_staged
 from pipelines.store import open_store
+from pipelines.store.manifest import Manifest, compute_build_id
 
 REPO = Path.cwd()
 MODEL = "test-org/tiny-llama"
@@ -139,8 +139,8 @@ def test_unchanged_answers_what_the_skipped_build_would_without_building(publish
     """build.unchanged over planning.plan_each (a no-op onboarding's question): the skipped result for inputs as
     published, None as soon as there is work: another recipe, changed weights, a damaged blob; a recipe that
     cannot be planned has no plan at all (its build says why)."""
-    from pipelines.build import unchanged
-    from pipelines.planning import plan_each
+    from pipelines.engine.build import unchanged
+    from pipelines.engine.planning import plan_each
 
     store, first = published
     opened = open_store(str(store))
@@ -167,7 +167,7 @@ def test_a_concurrent_builder_that_publishes_first_leaves_this_one_skipped(tiny_
     """Two builders of one build share its staging record: the one that commits first deletes it, and the other,
     still validating, finds none. That one answers skipped (the build is published), not an error; a staging
     record gone with nothing published is still the store's error."""
-    import pipelines.build as build
+    import pipelines.engine.build as build
     from pipelines.store import staging_key
 
     real = build.validate_staged
@@ -246,7 +246,7 @@ def test_interrupted_publish_is_repaired(published, tiny_llama, tconfig, tmp_pat
 def test_integrity_names_a_damaged_or_missing_blob(published, tiny_llama, tconfig, tmp_path):
     """What Dagster's blocking `integrity` check reports: intact after publishing; a blob whose bytes changed
     (same size) or that is gone, each as one line naming the file."""
-    from pipelines.build import integrity_problems
+    from pipelines.engine.build import integrity_problems
 
     src, first = published
     store_dir = tmp_path / "store"
@@ -263,7 +263,8 @@ def test_integrity_names_a_damaged_or_missing_blob(published, tiny_llama, tconfi
     blob.chmod(0o644)
     blob.write_bytes(bytes(data))
     (line,) = integrity_problems(p, store)
-    assert line == f"{entry['path']}: blob {entry['sha256'][:12]} in {store.uri} does not hold its {entry['size']} bytes and sha256"
+    assert line == (f"{entry['path']}: blob {entry['sha256'][:12]} in {store.uri} does not hold its {entry['size']} "
+                    "bytes and sha256")
     blob.unlink()
     assert integrity_problems(p, store) == [f"{entry['path']}: blob {entry['sha256'][:12]} is missing from {store.uri}"]
 
@@ -409,9 +410,8 @@ def test_gc_during_a_build_never_leaves_a_manifest_naming_a_gone_blob(tiny_llama
     blobs, and the build then published a manifest naming them (exit 0)."""
     import time
 
-    from pipelines import staging_lease
-    from pipelines.inventory import gc
-    from pipelines.store import blob_key, staging_key
+    from pipelines.client.inventory import gc
+    from pipelines.store import blob_key, staging_key, staging_lease
 
     store = open_store(str(tmp_path / "store"))
     p = plan(str(tiny_llama), "gguf-f16", tconfig, "test-org/gc-race")
@@ -441,9 +441,8 @@ def test_gc_takes_a_dead_builders_record_only_after_the_lease(tiny_llama, tconfi
     import os
     import time
 
-    from pipelines import staging_lease
-    from pipelines.inventory import gc
-    from pipelines.store import staging_key
+    from pipelines.client.inventory import gc
+    from pipelines.store import staging_key, staging_lease
 
     store = open_store(str(tmp_path / "store"))
     p = plan(str(tiny_llama), "gguf-f16", tconfig, "test-org/gc-lease")
@@ -460,7 +459,7 @@ def test_the_cpu_serve_command_uses_the_context_check_recommends(tiny_llama, tco
     """Red team round two, item 19: the CPU serve command capped llama-server at -c 4096 while
     `check --hardware cpu` recommended 8192."""
     from pipelines.compat.check import classify_snapshot
-    from pipelines.sources import fetch
+    from pipelines.source.fetch import fetch
 
     d = copy_model(tiny_llama, tmp_path / "long")
     edit_config(d, max_position_embeddings=32768)

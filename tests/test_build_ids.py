@@ -11,14 +11,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from factories import write_test_config
-from pipelines.build import build_and_publish
-from pipelines.build_ids import check_build_ref, published_builds, resolve_build_id
-from pipelines.cli import main
-from pipelines.config import Config
-from pipelines.errors import HiveError
-from pipelines.pull import pull
+
+from pipelines.cli.main import main
+from pipelines.client.build_ids import check_build_ref, published_builds, resolve_build_id
+from pipelines.client.pull import pull
+from pipelines.config.registry import Config
+from pipelines.core.errors import HiveError
+from pipelines.engine.build import build_and_publish
 from pipelines.store import open_store
 
 REPO = Path.cwd()

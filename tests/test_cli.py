@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from factories import GGUF_RECIPES, copy_model, edit_config, poison_weights, write_test_config
 
 REPO = Path.cwd()
@@ -227,7 +226,7 @@ def test_ls(built, tmp_path):
 
 def test_serve_dry_run_needs_no_dest(built, capsys):
     """It downloads nothing, so it needs no directory; without --dry-run, --dest is a usage error (exit 2)."""
-    from pipelines.cli import main
+    from pipelines.cli.main import main
 
     common = [MODEL, "--target", "llm-llamacpp-cpu", "--store", str(built["store"])]
     assert main(["serve", *common, "--dry-run", "--json"]) == 0
@@ -297,7 +296,7 @@ def test_gc_collects_rejected_blobs_only(built, models, tmp_path):
 
 def test_every_command_says_what_it_does_in_its_help(capsys):
     """Red team round two, item 20: `onboard --help` (and every other command's) printed only usage and options."""
-    from pipelines.cli import main, parser
+    from pipelines.cli.main import main, parser
 
     sub = next(a for a in parser()._actions if a.__class__.__name__ == "_SubParsersAction")
     for name in sub.choices:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.cli import main, parser
+from pipelines.cli.main import main, parser
 
 REPO = Path.cwd()
 
@@ -66,7 +66,7 @@ def test_min_age_shows_its_default(capsys):
 
 @pytest.mark.parametrize("command", ["pull", "serve"])
 def test_target_names_every_runtime_profile(command, capsys, monkeypatch, tmp_path):
-    from pipelines.config import load_registry
+    from pipelines.config.registry import load_registry
 
     profiles = [p.id for p in load_registry()[0].runtime_profiles]
     assert "llm-llamacpp-cpu" in profiles and len(profiles) > 5
@@ -136,7 +136,7 @@ def test_version_without_any_engine_says_not_installed():
 
 
 def test_ls_groups_the_tags_of_a_build():
-    from pipelines.inventory import published_builds
+    from pipelines.client.inventory import published_builds
 
     row = {"model_id": "o/m", "recipe": "gguf-f16", "size": 5, "manifest": "k"}
     rows = [{**row, "tag": "latest", "build_id": "a" * 64, "created_at": "2026-01-02T00:00:00+00:00"},

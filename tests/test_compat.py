@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from factories import GGUF_RECIPES, copy_model, edit_config
 from safetensors import safe_open
 
-from factories import GGUF_RECIPES, copy_model, edit_config
 from pipelines.compat import classify, classify_snapshot, database
 from pipelines.compat.hardware import parse_hardware
-from pipelines.errors import HiveError
-from pipelines.sources import fetch
-from pipelines.kinds import target_for
+from pipelines.config.kinds import target_for
+from pipelines.core.errors import HiveError
+from pipelines.source.fetch import fetch
 from pipelines.targets.qaic.export import FAMILIES as QAIC_FAMILIES
 from pipelines.targets.vllm import QUANTIZED_MOE_ARCHITECTURES
 
@@ -228,8 +228,8 @@ def test_diffusers_pipeline(config, tmp_path):
     d = tmp_path / "sdxl"
     (d / "unet").mkdir(parents=True)
     (d / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline", "_diffusers_version": "0.30.0"}))
-    from safetensors.numpy import save_file
     import numpy as np
+    from safetensors.numpy import save_file
 
     save_file({"w": np.zeros((4, 4), dtype=np.float16)}, str(d / "unet" / "diffusion_pytorch_model.safetensors"))
     c = classify_snapshot(fetch(str(d), "test-org/sdxl"), registry=config.registry)
@@ -365,7 +365,8 @@ def test_absurd_sizes_are_incompatible(key, value, config):
 
 
 def test_nested_text_config_is_checked(config):
-    assert check(config, {"architectures": ["LlamaForCausalLM"], "text_config": {**SANE, "hidden_size": 1 << 30}}).status == "incompatible"
+    assert check(config, {"architectures": ["LlamaForCausalLM"],
+                          "text_config": {**SANE, "hidden_size": 1 << 30}}).status == "incompatible"
 
 
 # --- real snapshots ----------------------------------------------------------------------------
@@ -397,7 +398,8 @@ def test_vocab_size_mismatch_is_incompatible(tiny_llama, tmp_path, config):
     edit_config(d, vocab_size=vocab + 64)
     c = classify_snapshot(fetch(str(d), "test-org/m"), config.recipes.values(), registry=config.registry)
     assert c.status == "incompatible" and c.recipes == []
-    assert _check(c, "vocab_consistent").detail == f"config vocab_size={vocab + 64} but model.embed_tokens.weight has {vocab} rows"
+    assert (_check(c, "vocab_consistent").detail
+            == f"config vocab_size={vocab + 64} but model.embed_tokens.weight has {vocab} rows")
 
 
 def test_malformed_config_snapshot_is_incompatible(tiny_llama, tmp_path):
@@ -553,7 +555,8 @@ def test_prequantized_models_are_served_but_never_converted_as_floats(method, co
     cfg = {"architectures": ["LlamaForCausalLM"], **SANE, "quantization_config": {"quant_method": method, "bits": 4}}
     c = check(config, cfg)
     assert (c.status, c.runtime_profile_id, c.recipes) == ("compatible", "vllm-cu121", [])
-    assert "gguf, qaic, qaic-export, vllm recipes do not apply (they convert unquantized float weights only)" in _check(c, "quantization_config").detail
+    assert ("gguf, qaic, qaic-export, vllm recipes do not apply (they convert unquantized float weights only)"
+            in _check(c, "quantization_config").detail)
     cpu = check(config, cfg, hardware="cpu")  # the CPU tier cannot be the GGUF one without a GGUF recipe
     assert (cpu.status, cpu.runtime_profile_id, cpu.recipes) == ("compatible", "transformers-cpu", [])
 
@@ -562,12 +565,13 @@ def test_prequantized_models_are_served_but_never_converted_as_floats(method, co
     ({"rms_norm_eps": -1e-5}, "config_sane: rms_norm_eps=-1e-05 is not plausible"),
     ({"rope_scaling": "linear"}, "config_sane: rope_scaling='linear' is not plausible (must be an object)"),
     ({"model_type": "qwen2"}, "model_type_consistent: model_type 'qwen2' contradicts architecture LlamaForCausalLM"),
-    ({"quantization_config": {"quant_method": "banana"}}, "quantization_config: quantization_config has unknown quant_method 'banana'"),
+    ({"quantization_config": {"quant_method": "banana"}},
+     "quantization_config: quantization_config has unknown quant_method 'banana'"),
 ])
 def test_hostile_config_is_refused_by_check_and_by_build(change, refusal, tiny_llama, tmp_path, config):
     """Issue 7 items 10, 11, 9a: `check` said compatible, then build aborted in llama.cpp or raised a traceback."""
-    from pipelines.build import build_and_publish
-    from pipelines.errors import NotApplicableError
+    from pipelines.core.errors import NotApplicableError
+    from pipelines.engine.build import build_and_publish
 
     d = copy_model(tiny_llama, tmp_path / "m")
     edit_config(d, **change)
@@ -580,19 +584,20 @@ def test_hostile_config_is_refused_by_check_and_by_build(change, refusal, tiny_l
 
 
 def test_prequantized_snapshot_is_not_built_as_unquantized(tiny_llama, tmp_path, config):
-    from pipelines.build import build_and_publish
-    from pipelines.errors import NotApplicableError
+    from pipelines.core.errors import NotApplicableError
+    from pipelines.engine.build import build_and_publish
 
     d = copy_model(tiny_llama, tmp_path / "m")
     edit_config(d, quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
-    with pytest.raises(NotApplicableError, match=r"recipe gguf-f16 does not apply to test-org/m .*recipes that profile loads: none"):
+    with pytest.raises(NotApplicableError,
+                       match=r"recipe gguf-f16 does not apply to test-org/m .*recipes that profile loads: none"):
         build_and_publish(str(d), "gguf-f16", config, str(tmp_path / "store"), "test-org/m")
 
 
 def test_deeply_nested_config_is_one_line(tiny_llama, tmp_path, config):
     """Issue 7 item 9a: json.loads raised RecursionError out of check and build."""
-    from pipelines.build import build_and_publish
-    from pipelines.errors import NotApplicableError
+    from pipelines.core.errors import NotApplicableError
+    from pipelines.engine.build import build_and_publish
 
     d = copy_model(tiny_llama, tmp_path / "m")
     (d / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
@@ -644,9 +649,10 @@ def llama70b(tmp_path_factory):
 
 
 def _check_json(d, hardware: str) -> dict:
-    from pipelines.cli import main
     import contextlib
     import io
+
+    from pipelines.cli.main import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -658,8 +664,8 @@ def test_the_memory_figures_of_a_70b_agree_with_each_other(llama70b, capsys):
     """Red team round two, item 18: check's summary said 199241.6 MB (16 sequences) while the recommended config
     and fits_hardware said 4 sequences and 155.6 GiB; 70B on qaic-ai100 said 68 GiB on 2 devices of 32 GB; 70B on a
     T4 was incompatible without saying that vllm-fp8 halves the weights."""
-    from pipelines.cli import main
-    from pipelines.units import human_bytes
+    from pipelines.cli.main import main
+    from pipelines.core.units import human_bytes
 
     d, params = llama70b
     h100 = _check_json(d, "nvidia-h100")
@@ -723,6 +729,7 @@ def test_every_gguf_family_is_an_architecture_the_pinned_llama_cpp_converts_the_
     architecture a GGUF family declares is one it converts, to the same llama.cpp architecture (a spelling only
     the converter knows, such as LFM2ForCausalLM, has no database record: it is in the converter's own list)."""
     import llamacpp_converter
+
     from pipelines.targets.gguf.families import BY_ARCHITECTURE
 
     only_converter = llamacpp_converter.architectures(llamacpp_tree)
@@ -756,6 +763,7 @@ def test_the_llama_cpp_column_is_what_the_pinned_converter_registers(db, llamacp
     """The committed snapshot's llama.cpp entries are exactly what `registry sync` reads from the pinned sdist's
     converter (not a hand-kept list), and the parser follows base classes to the GGUF architecture."""
     import llamacpp_converter
+
     from pipelines.compat import llama_cpp_archs
     from pipelines.compat.sync import snapshot_path
 
@@ -792,7 +800,7 @@ def test_the_converter_modules_are_read_from_the_sdist_as_packed(tmp_path):
     import tarfile
 
     from pipelines.compat import llama_cpp_archs
-    from pipelines.errors import HiveError
+    from pipelines.core.errors import HiveError
 
     sdist = tmp_path / "llama_cpp_python-9.9.9.tar.gz"
     with tarfile.open(sdist, "w:gz") as tf:

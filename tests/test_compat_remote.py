@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from factories import copy_model, make_sharded_llama
 
 CLI = [sys.executable, "-m", "pipelines.cli"]

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from factories import CPU_PREFERENCE, GGUF_RECIPES, write_registry
-from pipelines.config import Config, load_recipe_file, load_registry
-from pipelines.errors import ConfigError, HiveError
+
+from pipelines.config.registry import Config, load_recipe_file, load_registry
+from pipelines.core.errors import ConfigError, HiveError
 
 REPO = Path.cwd()
-ALL_RECIPES = {*GGUF_RECIPES, "vllm-bf16", "vllm-fp8", "vllm-w4a16", "vllm-w8a8-int8", "qaic-export", "qaic-mxfp6", "qaic-fp16", "qaic-embed-mxfp6",
-               "qaic-whisper-fp16"}
+ALL_RECIPES = {*GGUF_RECIPES, "vllm-bf16", "vllm-fp8", "vllm-w4a16", "vllm-w8a8-int8", "qaic-export", "qaic-mxfp6", "qaic-fp16",
+               "qaic-embed-mxfp6", "qaic-whisper-fp16"}
 
 
 def test_project_registry_and_recipes_load(config):

@@ -16,17 +16,17 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from factories import ecdsa_keypair, write_test_config
-from pipelines.build import build_and_publish
-from pipelines.cli import main
-from pipelines.config import Config
-from pipelines.copy import parse_spec
-from pipelines.errors import HiveError
-from pipelines.pull import pull
-from pipelines.signing import signature_key
+
+from pipelines.cli.main import main
+from pipelines.client.copy import parse_spec
+from pipelines.client.pull import pull
+from pipelines.config.registry import Config
+from pipelines.core.errors import HiveError
+from pipelines.engine.build import build_and_publish
 from pipelines.store import manifest_key, open_store, ref_key
 from pipelines.store.faults import KILL_ENV
+from pipelines.store.signing import signature_key
 
 REPO = Path.cwd()
 MODEL, CPU, RECIPE = "test-org/Copied", "llm-llamacpp-cpu", "gguf-f16"
@@ -53,8 +53,8 @@ def published(tiny_llama, tmp_path_factory):
 def three_files(published, tmp_path_factory):
     """A build of three files (the tiny build's manifest with other files, published by hand in a local store):
     enough blobs for a copy killed between two of them."""
-    from pipelines.manifest import Manifest
     from pipelines.store.layout import ref_document
+    from pipelines.store.manifest import Manifest
 
     root = tmp_path_factory.mktemp("copy-three")
     store = open_store(str(root / "store"))

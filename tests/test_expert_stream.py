@@ -1,4 +1,4 @@
-"""The streamed reference reads a large MoE layer's experts one at a time (pipelines/expert_stream.py) and computes
+"""The streamed reference reads a large MoE layer's experts one at a time (pipelines/model/expert_stream.py) and computes
 the same logits as `from_pretrained`'s model, for experts kept per expert in the checkpoint (Qwen3-MoE, indexed
 forward) and fused (Llama 4, whose forward multiplies all experts at once)."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from factories import make_causal_lm
-from pipelines import expert_stream
-from pipelines.streamed_model import StreamedCausalLM
+
+from pipelines.model import expert_stream
+from pipelines.model.streamed_model import StreamedCausalLM
 
 TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=128, initializer_range=0.1, tie_word_embeddings=False)
@@ -63,7 +63,7 @@ def test_an_expert_stored_inputs_first_is_transposed_as_the_whole_stack_would_be
     transposed as the streamed model transposes a whole stack; any other shape is a one-line error."""
     import torch
 
-    from pipelines.errors import ModelFormatError
+    from pipelines.core.errors import ModelFormatError
 
     stored = torch.arange(2 * 3 * 5, dtype=torch.float32).reshape(2, 3, 5)  # [E, H, 2I] as released
     slices = expert_stream.ExpertSlices((2, 5, 3), lambda e: stored[e])
@@ -78,9 +78,9 @@ def test_mxfp4_experts_read_one_at_a_time_are_the_whole_stacks_rows(tmp_path):
     is row e of the whole stack's dequantization (its parameter [E, n * 32, R])."""
     from safetensors.numpy import save_file
 
-    from pipelines.safetensors_io import TensorSource
-    from pipelines.streamed_model import read_packed
-    from pipelines.weight_rules import weight_rules
+    from pipelines.model.streamed_model import read_packed
+    from pipelines.model.weight_rules import weight_rules
+    from pipelines.source.safetensors_io import TensorSource
 
     rng = np.random.default_rng(0)
     name = "model.layers.0.mlp.experts.gate_up_proj"

@@ -22,11 +22,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from oci_registry import data_dir
-from pipelines.blob_cache import missing_bytes
-from pipelines.errors import HiveError, IntegrityError, StoreError
-from pipelines.foreign_pull import pull_foreign
+
+from pipelines.client.blob_cache import missing_bytes
+from pipelines.client.foreign_pull import pull_foreign
+from pipelines.core.errors import HiveError, IntegrityError, StoreError
 from pipelines.store.oci_artifact import parse_reference
 from pipelines.store.oci_client import Registry
 
@@ -396,6 +396,7 @@ def test_a_signed_artifact_verifies_and_keeps_its_bundle(oci_registry, cache, tm
     `model_signing verify` accepts DIR (its marker ignored). An untrusted key, a bundle over other bytes, no bundle,
     and a bundle listed for another manifest are one line each, with nothing in DIR."""
     from factories import ecdsa_keypair
+
     from pipelines.store.oci_client import INDEX_TYPE
     from pipelines.store.oci_referrers import referrers_tag
 

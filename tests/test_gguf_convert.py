@@ -25,18 +25,16 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-
 from factories import SMALL_BPE_VOCAB, SMOLLM2_PRE, copy_model, edit_config, make_llama, make_spm_llama, rewrite_safetensors
 from gguf_reader import FastGGUFReader
-from pipelines.build import plan
-from pipelines.errors import ModelFormatError
-from pipelines.sources import fetch
+
+from pipelines.core.errors import ModelFormatError
+from pipelines.engine.build import plan
+from pipelines.source.fetch import fetch
 from pipelines.targets.gguf import convert as convert_mod
-from pipelines.targets.gguf.families import llama as llama_family
-from pipelines.targets.gguf.families import qwen2 as qwen2_family
-from pipelines.targets.gguf.families import shared as shared_blocks
-from pipelines.targets.gguf.families.spec import IDENTITY
 from pipelines.targets.gguf.convert import convert
+from pipelines.targets.gguf.families import llama as llama_family, qwen2 as qwen2_family, shared as shared_blocks
+from pipelines.targets.gguf.families.spec import IDENTITY
 from pipelines.targets.gguf.validate import validate_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -324,7 +322,7 @@ def test_bf16_parity(small_llama, tmp_path):
     r = FastGGUFReader(str(out))
     assert field(r, "general.file_type") == int(gguf.LlamaFileType.MOSTLY_BF16)
     # the source is bf16: a bf16 GGUF holds exactly the source bits
-    from pipelines.safetensors_io import SafetensorsFile
+    from pipelines.source.safetensors_io import SafetensorsFile
 
     with SafetensorsFile(small_llama / "model.safetensors") as f:
         src = f.raw("model.layers.0.mlp.up_proj.weight").view(np.uint16).reshape(128, 64).copy()
@@ -415,7 +413,8 @@ def unknown_pre_model(tiny_llama, tmp_path_factory):
 
 def test_unknown_bpe_pre_tokenizer_is_an_error(unknown_pre_model, tmp_path):
     out = tmp_path / "unknown-pre.gguf"
-    with pytest.raises(ModelFormatError, match=r"BPE pre-tokenizer not recognised by llama\.cpp \(check hash [0-9a-f]{16}.*bpe_pre_fallback"):
+    with pytest.raises(ModelFormatError,
+                       match=r"BPE pre-tokenizer not recognised by llama\.cpp \(check hash [0-9a-f]{16}.*bpe_pre_fallback"):
         run_convert(unknown_pre_model, out)
     assert not out.exists()
 
@@ -432,7 +431,7 @@ def _untouched_vocab_row(model_dir: Path) -> int:
     """The highest token id that no validation text, tokenizer text or generation prompt contains."""
     from transformers import AutoTokenizer
 
-    from pipelines import prompts
+    from pipelines.validation import prompts
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     texts = [*prompts.PARITY_TEXTS, *prompts.TOKENIZER_TEXTS, prompts.GENERATION_PROMPT]
@@ -443,8 +442,9 @@ def _untouched_vocab_row(model_dir: Path) -> int:
 def test_nan_in_an_embedding_row_no_prompt_touches_is_refused_by_build(model, tmp_path):
     """Issue 7 item 2: logits never see this row (untied lm_head), so validation passed and the NaN was published."""
     from factories import write_test_config
-    from pipelines.build import build_and_publish
-    from pipelines.config import Config
+
+    from pipelines.config.registry import Config
+    from pipelines.engine.build import build_and_publish
 
     d = copy_model(model("untied-full-vocab", full_vocab=True, tie=False), tmp_path / "nan-embed")
     row = _untouched_vocab_row(d)
@@ -499,7 +499,7 @@ def test_values_beyond_float16_range_are_refused_for_f16_only(tiny_llama, tmp_pa
 def test_nan_blocks_the_kquant_intermediate_too(tiny_llama, tmp_path):
     """A k-quant (quantized as it streams, or through a lossless intermediate) is refused the same way, and leaves
     no partial file behind."""
-    from pipelines.config import Config
+    from pipelines.config.registry import Config
     from pipelines.targets.gguf import GgufTarget
 
     d = copy_model(tiny_llama, tmp_path / "nan-q4")
@@ -541,8 +541,8 @@ def test_config_the_converter_cannot_honour_is_one_line(tiny_llama, tmp_path, ch
 _RSS_PROBE = textwrap.dedent("""
     import json, sys
     from pathlib import Path
-    from pipelines.sources import fetch
-    from pipelines.safetensors_io import TensorSource
+    from pipelines.source.fetch import fetch
+    from pipelines.source.safetensors_io import TensorSource
     from pipelines.targets.gguf import convert as C
 
     def status_kib(key):
@@ -582,7 +582,7 @@ def _peak_growth(model_dir: Path, out_dir: Path, outtype: str, keep_pages: bool)
 
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="peak-RSS reset needs /proc/self/clear_refs")
 def test_conversion_streams_tensors(streaming_model, tmp_path):
-    from pipelines.safetensors_io import read_header
+    from pipelines.source.safetensors_io import read_header
 
     header = read_header(streaming_model / "model.safetensors")
     total = sum(t.nbytes for t in header.tensors.values())
@@ -651,8 +651,9 @@ def test_gguf_py_warnings_about_templates_do_not_leak_to_stderr(small_llama, tmp
                                                  for t, i in (("<|im_start|>", 1), ("<repo_name>", 3))}}
     (d / "tokenizer.json").write_text(json.dumps(spec))
     # in its own process, as the CLI runs: pytest's log capture would otherwise swallow what would leak
-    code = ("import json, sys; from pipelines.sources import fetch; from pipelines.targets.gguf.convert import convert; "
-            "from pathlib import Path; snap = fetch(sys.argv[1], 'test/templated'); convert(snap.dir, snap.config(), snap.safetensors_files(), "
+    code = ("import json, sys; from pipelines.source.fetch import fetch; from pipelines.targets.gguf.convert import convert; "
+            "from pathlib import Path; snap = fetch(sys.argv[1], 'test/templated'); "
+            "convert(snap.dir, snap.config(), snap.safetensors_files(), "
             "Path(sys.argv[2]), 'f16', name=snap.model_id, options=json.loads(sys.argv[3]))")
     proc = subprocess.run([sys.executable, "-c", code, str(d), str(tmp_path / "out.gguf"),
                            json.dumps({"bpe_pre_fallback": SMOLLM2_PRE})], capture_output=True, text=True, timeout=300)

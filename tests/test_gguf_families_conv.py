@@ -23,14 +23,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from factories import SMALL_BPE_VOCAB, copy_model, edit_config, make_causal_lm, rewrite_safetensors
-from gguf_family_check import (assert_full_vocab_recognised, assert_refused, assert_same_tensors_as_llamacpp,
-                               check_family, check_kquant, convert_and_validate, convert_only, tensors)
+from gguf_family_check import (
+    assert_full_vocab_recognised,
+    assert_refused,
+    assert_same_tensors_as_llamacpp,
+    check_family,
+    check_kquant,
+    convert_and_validate,
+    convert_only,
+    tensors,
+)
 from gguf_reader import FastGGUFReader
+
 from pipelines.targets.gguf import convert as convert_mod
 from pipelines.targets.gguf.families import BY_ARCHITECTURE
-from pipelines.targets.gguf.families.spec import HParams, IDENTITY, Transform, accept
+from pipelines.targets.gguf.families.spec import IDENTITY, HParams, Transform, accept
 
 VOCAB = SMALL_BPE_VOCAB  # SmolLM2's tokenizer cut to 2,048 tokens (gguf_family_check)
 LFM2_TYPES = ["conv", "full_attention", "conv", "full_attention"]
@@ -302,7 +310,7 @@ def test_default_time_step_limit_as_transformers_saves_it(model, tmp_path):
 def test_imatrix_covers_every_quantized_matrix(name, model):
     """The importance matrix has every matrix libllama quantizes (the convolution kernels and A are kept f32 and
     have none, as in llama.cpp's own imatrix), each counted over every calibration token."""
-    from pipelines.sources import fetch
+    from pipelines.source.fetch import fetch
     from pipelines.targets.gguf import imatrix
 
     d = model(name)
@@ -327,8 +335,8 @@ def test_streamed_reference_equals_from_pretrained(name, model):
     computes what `from_pretrained` does."""
     import torch
 
-    from pipelines import streamed_model
-    from pipelines.reference import load_model
+    from pipelines.model import streamed_model
+    from pipelines.validation.reference import load_model
 
     d = model(name)
     ids = list(range(100, 160))

@@ -22,12 +22,21 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-
 from factories import SMALL_BPE_VOCAB, copy_model, edit_config, make_causal_lm
-from gguf_family_check import (assert_full_vocab_recognised, assert_refused, assert_same_tensors_as_llamacpp,
-                               check_family, convert_and_validate, convert_only, field, replace_transforms, tensors,
-                               without_keys)
+from gguf_family_check import (
+    assert_full_vocab_recognised,
+    assert_refused,
+    assert_same_tensors_as_llamacpp,
+    check_family,
+    convert_and_validate,
+    convert_only,
+    field,
+    replace_transforms,
+    tensors,
+    without_keys,
+)
 from gguf_reader import FastGGUFReader
+
 from pipelines.targets.gguf import convert as convert_mod
 from pipelines.targets.gguf.families import shared as shared_blocks
 from pipelines.targets.gguf.families.shared import PERMUTE_K, PERMUTE_Q
@@ -303,8 +312,8 @@ def test_tied_by_default(name, model, tmp_path):
 def test_streamed_reference_equals_from_pretrained(name, model):
     import torch
 
-    from pipelines.reference import load_model
-    from pipelines.streamed_model import StreamedCausalLM
+    from pipelines.model.streamed_model import StreamedCausalLM
+    from pipelines.validation.reference import load_model
 
     d = model(name)
     ids = [1] + list(range(100, 160)) + [2]  # 62 tokens: past the 16-token sliding windows

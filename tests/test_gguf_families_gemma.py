@@ -17,13 +17,19 @@ from pathlib import Path
 
 import gguf
 import pytest
-
 from factories import SMALL_BPE_VOCAB, copy_model, edit_config, make_causal_lm
-from gguf_family_check import (assert_full_vocab_recognised, assert_refused, assert_same_tensors_as_llamacpp,
-                               check_family, convert_and_validate, field, tensors)
+from gguf_family_check import (
+    assert_full_vocab_recognised,
+    assert_refused,
+    assert_same_tensors_as_llamacpp,
+    check_family,
+    convert_and_validate,
+    field,
+    tensors,
+)
 from gguf_reader import FastGGUFReader
-from pipelines.targets.gguf import GgufTarget
-from pipelines.targets.gguf import convert as convert_mod
+
+from pipelines.targets.gguf import GgufTarget, convert as convert_mod
 from pipelines.targets.gguf.families.spec import IDENTITY, PLUS_ONE
 
 VOCAB = SMALL_BPE_VOCAB  # SmolLM2's tokenizer cut to 2,048 tokens (gguf_family_check)

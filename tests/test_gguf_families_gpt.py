@@ -19,17 +19,25 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-
 from factories import SMALL_BPE_VOCAB, TINY_CAUSAL_LMS, copy_model, edit_config, make_causal_lm
-from gguf_family_check import (assert_full_vocab_recognised, assert_same_tensors_as_llamacpp, check_family,
-                               convert_and_validate, convert_only, field)
+from gguf_family_check import (
+    assert_full_vocab_recognised,
+    assert_same_tensors_as_llamacpp,
+    check_family,
+    convert_and_validate,
+    convert_only,
+    field,
+)
 from gguf_reader import FastGGUFReader
-from pipelines.errors import ModelFormatError
+
+from pipelines.core.errors import ModelFormatError
 from pipelines.targets.gguf import convert as convert_mod
-from pipelines.targets.gguf.families import falcon as falcon_family
-from pipelines.targets.gguf.families import gptj as gptj_family
-from pipelines.targets.gguf.families import gptneox as gptneox_family
-from pipelines.targets.gguf.families import starcoder as starcoder_family
+from pipelines.targets.gguf.families import (
+    falcon as falcon_family,
+    gptj as gptj_family,
+    gptneox as gptneox_family,
+    starcoder as starcoder_family,
+)
 from pipelines.targets.gguf.families.spec import IDENTITY
 
 VOCAB = SMALL_BPE_VOCAB  # SmolLM2's tokenizer cut to 2,048 tokens (gguf_family_check)
@@ -262,9 +270,10 @@ def test_a_load_llama_cpp_refuses_says_why(smollm2_dir, tmp_path):
     so named Phi-3's special tokens by name, and SmolLM2's vocabulary lacks "</s>". The error now carries
     llama.cpp's own line and that explanation; the same model under another name publishes."""
     from factories import write_test_config
-    from pipelines.build import build_and_publish
-    from pipelines.config import Config
-    from pipelines.errors import EngineFailed
+
+    from pipelines.config.registry import Config
+    from pipelines.core.errors import EngineFailed
+    from pipelines.engine.build import build_and_publish
 
     cfg_cls, model_cls, params = TINY_CAUSAL_LMS["phi3"]
     params = {**params, "vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 512}

@@ -38,12 +38,20 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-
 from factories import SMALL_BPE_VOCAB, copy_model, edit_config, make_causal_lm, rewrite_safetensors
-from gguf_family_check import (assert_full_vocab_recognised, assert_same_tensors_as_llamacpp, check_family,
-                               check_kquant, convert_and_validate, convert_only, field, tensors)
+from gguf_family_check import (
+    assert_full_vocab_recognised,
+    assert_same_tensors_as_llamacpp,
+    check_family,
+    check_kquant,
+    convert_and_validate,
+    convert_only,
+    field,
+    tensors,
+)
 from gguf_reader import FastGGUFReader
-from pipelines.errors import ModelFormatError
+
+from pipelines.core.errors import ModelFormatError
 from pipelines.targets.gguf import convert as convert_mod
 from pipelines.targets.gguf.families import gpt_oss as gpt_oss_mod
 from pipelines.targets.gguf.families.spec import A, derived
@@ -173,8 +181,8 @@ def test_mxfp4_experts_are_the_same_numbers_everywhere(models, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from pipelines.streamed_model import StreamedCausalLM
-    from pipelines.weight_rules import dequantize_mxfp4
+    from pipelines.model.streamed_model import StreamedCausalLM
+    from pipelines.model.weight_rules import dequantize_mxfp4
 
     d = models["mxfp4"]
     ids = list(range(3, 60))
@@ -301,7 +309,7 @@ def test_check_offers_gguf_recipes_for_the_released_layout(models, config):
 def test_imatrix_covers_the_fused_experts(models, tmp_path):
     """The dense layout's experts get one row of sums per expert from the tokens routed to it (gate and up share
     their input; down's is the clamped SwiGLU of gpt-oss's own module); MXFP4 experts, never quantized, get none."""
-    from pipelines.sources import fetch
+    from pipelines.source.fetch import fetch
     from pipelines.targets.gguf import imatrix
 
     snap = fetch(str(models["dense"]), "test/gpt-oss-dense")
@@ -378,7 +386,7 @@ def test_released_120b_layout_plans_from_headers(tmp_path):
     """gpt-oss-120b's released tensors (names, dtypes, shapes) and config plan into llama.cpp's gpt-oss layout
     from the headers alone: 108 MXFP4 expert tensors of 17/32 byte per weight (60.9 GB of the 65 GB file),
     every checkpoint tensor mapped, the released rope and window as GGUF keys."""
-    from pipelines.safetensors_io import TensorSource
+    from pipelines.source.safetensors_io import TensorSource
     from pipelines.targets.gguf.convert import plan_tensors
     from pipelines.targets.gguf.families import HParams, family_for
 
@@ -402,8 +410,8 @@ def test_released_120b_layout_plans_from_headers(tmp_path):
     assert len(outputs) == 3 + 36 * 19  # a block: 2 norms, q/k/v/o + biases, sinks, router + bias, experts + biases
     # the plan's facts: two MXFP4 values a byte (116.8 B weights, scales counted too), and the streamed reference
     # holds a layer with its 12 GiB of fp32 experts one expert at a time (expert_stream)
-    from pipelines.memory import facts_from_tensors
-    from pipelines.safetensors_io import read_header
+    from pipelines.model.memory import facts_from_tensors
+    from pipelines.source.safetensors_io import read_header
 
     facts = facts_from_tensors(list(read_header(path).tensors.values()), RELEASED_120B)
     assert 116.8e9 < facts.parameters < 121e9

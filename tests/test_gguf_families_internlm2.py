@@ -2,7 +2,7 @@
 
 The tiny InternLM2 repository is made from a random transformers Llama (the truth: its own logits): the
 same weights under InternLM2's names, with Q, K and V fused into `wqkv` grouped by KV head the way InternLM2's
-modeling code splits it (written here, independently of `pipelines.native`), a config that names the remote
+modeling code splits it (written here, independently of `pipelines.model.native`), a config that names the remote
 classes (auto_map) and a tokenizer_config whose class is remote too. Its modeling file is a tripwire: were it
 ever imported, it would leave a marker file.
 
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
-
 from factories import make_causal_lm, make_spm_tokenizer
 from gguf_family_check import check_family, convert_and_validate, convert_only
-from pipelines.errors import ModelFormatError
+from safetensors.numpy import load_file, save_file
+
+from pipelines.core.errors import ModelFormatError
 from pipelines.targets.gguf import convert as convert_mod
 from pipelines.targets.gguf.families import internlm2 as internlm2_family
 
@@ -75,7 +75,8 @@ def make_internlm2(root: Path, tok: Path, *, rope_scaling: dict | None = None) -
     (repo / "config.json").write_text(json.dumps(config, indent=1))
     (repo / "tokenizer.model").write_bytes((tok / "tokenizer.model").read_bytes())
     (repo / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "InternLM2Tokenizer", "auto_map": {"AutoTokenizer": ["tokenization_internlm2.InternLM2Tokenizer", None]},
+        "tokenizer_class": "InternLM2Tokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_internlm2.InternLM2Tokenizer", None]},
         "add_bos_token": True, "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
     for f in ("modeling_internlm2.py", "configuration_internlm2.py", "tokenization_internlm2.py"):
         (repo / f).write_text(TRIPWIRE)
@@ -95,8 +96,8 @@ def test_reference_is_transformers_llama_on_the_same_weights(repos):
     logits of the Llama the repository was made from."""
     import torch
 
-    from pipelines.reference import load_model, load_tokenizer
-    from pipelines.streamed_model import StreamedCausalLM
+    from pipelines.model.streamed_model import StreamedCausalLM
+    from pipelines.validation.reference import load_model, load_tokenizer
 
     repo, llama = repos["plain"]
     ids = load_tokenizer(repo)("The quick brown fox jumps over the lazy dog 12345, said the river.").input_ids

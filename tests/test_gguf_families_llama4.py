@@ -32,15 +32,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from factories import SMALL_BPE_VOCAB, copy_model, edit_config, make_causal_lm, rewrite_safetensors
-from gguf_family_check import (assert_same_tensors_as_llamacpp, calibration_inputs, check_family, check_kquant,
-                               convert_and_validate, convert_only, field, replace_transforms, tensors, without_keys)
+from gguf_family_check import (
+    assert_same_tensors_as_llamacpp,
+    calibration_inputs,
+    check_family,
+    check_kquant,
+    convert_and_validate,
+    convert_only,
+    field,
+    replace_transforms,
+    tensors,
+    without_keys,
+)
 from gguf_reader import FastGGUFReader
-from pipelines.errors import ModelFormatError
-from pipelines.targets.gguf.families import llama4 as llama4_mod
-from pipelines.targets.gguf.families import shared as shared_blocks
-from pipelines.targets.gguf.families.spec import A, R, HParams
+
+from pipelines.core.errors import ModelFormatError
+from pipelines.targets.gguf.families import llama4 as llama4_mod, shared as shared_blocks
+from pipelines.targets.gguf.families.spec import A, HParams, R
 
 VOCAB = SMALL_BPE_VOCAB  # SmolLM2's tokenizer cut to 2,048 tokens (gguf_family_check)
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -104,7 +113,7 @@ def model(smollm2_small_vocab_dir, tmp_path_factory):
 
 
 def _checkpoint_names(d: Path) -> set[str]:
-    from pipelines.safetensors_io import read_header
+    from pipelines.source.safetensors_io import read_header
 
     return set(read_header(d / "model.safetensors").tensors)
 
@@ -165,9 +174,9 @@ def test_llama4_imatrix_weighs_each_expert_by_the_tokens_routed_to_it(model, tmp
     sigmoid of the chosen one, and act(x W_gate) * (x W_up) per expert for the down projection's input."""
     import torch
 
-    from pipelines.reference import encode, load_model, load_tokenizer
-    from pipelines.sources import fetch
+    from pipelines.source.fetch import fetch
     from pipelines.targets.gguf import imatrix
+    from pipelines.validation.reference import encode, load_model, load_tokenizer
 
     d = model("llama4")
     out = tmp_path / "llama4.imatrix.gguf"

@@ -24,12 +24,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from factories import SMALL_BPE_VOCAB, copy_model, edit_config, make_causal_lm, rewrite_safetensors
-from gguf_family_check import (assert_full_vocab_recognised, assert_refused, assert_same_tensors_as_llamacpp,
-                               check_family, check_kquant, convert_and_validate, convert_only, field, tensors)
+from gguf_family_check import (
+    assert_full_vocab_recognised,
+    assert_refused,
+    assert_same_tensors_as_llamacpp,
+    check_family,
+    check_kquant,
+    convert_and_validate,
+    convert_only,
+    field,
+    tensors,
+)
 from gguf_reader import FastGGUFReader
-from pipelines import streamed_model
+
+from pipelines.model import streamed_model
 from pipelines.targets.gguf import convert as convert_mod
 from pipelines.targets.gguf.families import HParams, family_for
 from pipelines.targets.gguf.families.shared import Mamba2
@@ -253,7 +262,7 @@ def test_streamed_reference_equals_from_pretrained(name, model):
     `backbone.*` checkpoint names reach transformers 5's `model.*` parameters."""
     import torch
 
-    from pipelines.reference import load_model
+    from pipelines.validation.reference import load_model
 
     d = model(name)
     ids = list(range(100, 160))
@@ -272,11 +281,11 @@ def test_imatrix_sees_the_mamba_projections(name, model, tmp_path):
     weighed by it validates."""
     import torch
 
-    from pipelines.reference import encode, load_model, load_tokenizer
-    from pipelines.sources import fetch
+    from pipelines.source.fetch import fetch
     from pipelines.targets.gguf import imatrix
     from pipelines.targets.gguf.quantize import quantize
     from pipelines.targets.gguf.validate import validate_gguf
+    from pipelines.validation.reference import encode, load_model, load_tokenizer
 
     d = model(name)
     snap = fetch(str(d), f"test/{name}")
@@ -338,7 +347,7 @@ def test_memory_plan_counts_the_recurrent_state(cfg, mamba_layers, per_layer):
     """llama.cpp's recurrent state per sequence and Mamba layer, f32: n_embd_r = (d_conv - 1) x (d_inner + 2 x
     groups x d_state) and n_embd_s = d_state x d_inner; the plan's validate step counts it beside a KV cache of
     the attention layers only."""
-    from pipelines.memory import PlanEnv, facts_from_tensors, human_bytes
+    from pipelines.model.memory import PlanEnv, facts_from_tensors, human_bytes
     from pipelines.targets.gguf.plan import KV_BYTES, RECURRENT_BYTES, VALIDATE_CTX, plan_steps, recurrent_cache
 
     hp = HParams(cfg)

@@ -35,13 +35,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from factories import SMALL_BPE_VOCAB, copy_model, edit_config, make_causal_lm, rewrite_safetensors
-from gguf_family_check import (assert_full_vocab_recognised, assert_refused, assert_same_tensors_as_llamacpp,
-                               check_family, check_kquant, convert_and_validate, convert_only, field, tensors)
+from gguf_family_check import (
+    assert_full_vocab_recognised,
+    assert_refused,
+    assert_same_tensors_as_llamacpp,
+    check_family,
+    check_kquant,
+    convert_and_validate,
+    convert_only,
+    field,
+    tensors,
+)
 from gguf_reader import FastGGUFReader
-from pipelines import streamed_model
-from pipelines.errors import EngineFailed, ModelFormatError
+
+from pipelines.core.errors import EngineFailed, ModelFormatError
+from pipelines.model import streamed_model
 from pipelines.targets.gguf import convert as convert_mod
 
 VOCAB = SMALL_BPE_VOCAB
@@ -307,7 +316,7 @@ def test_kimi_k2_config_converts(model, tmp_path, monkeypatch):
     rope_scaling it standardizes), so the vocabulary is built from the twin's directory (the same tokenizer
     files). transformers cannot build kimi_k2 either: the file is validated against the same weights under
     DeepSeek-V3's config, which computes the same function."""
-    from pipelines.sources import fetch
+    from pipelines.source.fetch import fetch
     from pipelines.targets.gguf.validate import validate_gguf
 
     twin = model("kimi_k2_twin")
@@ -374,7 +383,7 @@ def test_streamed_reference_equals_from_pretrained(name, model):
     what `from_pretrained` does on the released layout, NextN layer and all."""
     import torch
 
-    from pipelines.reference import load_model
+    from pipelines.validation.reference import load_model
 
     d = model(name)
     ids = list(range(100, 160))
@@ -387,11 +396,11 @@ def test_streamed_reference_equals_from_pretrained(name, model):
 
 def test_router_gaps_see_expert_group_ties(model):
     """A DeepSeek-V3 position's routing gap is the smaller of its group choice's and its expert choice's margins
-    (pipelines/router_gaps.py), computed here from the router's own scores."""
+    (pipelines/validation/router_gaps.py), computed here from the router's own scores."""
     import torch
 
-    from pipelines import router_gaps
-    from pipelines.reference import load_model
+    from pipelines.validation import router_gaps
+    from pipelines.validation.reference import load_model
 
     hf = load_model(model("deepseek_v3"))
     ids = torch.tensor([list(range(100, 228))])

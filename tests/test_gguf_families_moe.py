@@ -24,11 +24,19 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-
 from factories import SMALL_BPE_VOCAB, make_causal_lm
-from gguf_family_check import (assert_full_vocab_recognised, assert_refused, assert_same_tensors_as_llamacpp,
-                               calibration_inputs, check_family, convert_and_validate, field, tensors)
+from gguf_family_check import (
+    assert_full_vocab_recognised,
+    assert_refused,
+    assert_same_tensors_as_llamacpp,
+    calibration_inputs,
+    check_family,
+    convert_and_validate,
+    field,
+    tensors,
+)
 from gguf_reader import FastGGUFReader
+
 from pipelines.targets.gguf import convert as convert_mod
 
 VOCAB = SMALL_BPE_VOCAB  # SmolLM2's tokenizer cut to 2,048 tokens (gguf_family_check)
@@ -189,9 +197,9 @@ def test_imatrix_covers_stacked_experts_from_the_tokens_routed_to_each(name, mod
     logits), and act(x W_gate) * (x W_up) per expert for the down projection's input."""
     import torch
 
-    from pipelines.reference import encode, load_model, load_tokenizer
-    from pipelines.sources import fetch
+    from pipelines.source.fetch import fetch
     from pipelines.targets.gguf import imatrix
+    from pipelines.validation.reference import encode, load_model, load_tokenizer
 
     d = model(name)
     snap = fetch(str(d), f"test/{name}")

@@ -30,13 +30,22 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-
 from factories import copy_model, edit_config, make_causal_lm, make_spm_tokenizer, rewrite_safetensors
-from gguf_family_check import (assert_full_vocab_recognised, assert_refused, assert_same_tensors_as_llamacpp,
-                               check_family, check_kquant, convert_and_validate, convert_only, field, tensors)
+from gguf_family_check import (
+    assert_full_vocab_recognised,
+    assert_refused,
+    assert_same_tensors_as_llamacpp,
+    check_family,
+    check_kquant,
+    convert_and_validate,
+    convert_only,
+    field,
+    tensors,
+)
 from gguf_reader import FastGGUFReader
-from pipelines import streamed_model
-from pipelines.errors import ModelFormatError
+
+from pipelines.core.errors import ModelFormatError
+from pipelines.model import streamed_model
 from pipelines.targets.gguf import convert as convert_mod
 
 BPE_VOCAB = 2048  # SmolLM2's tokenizer cut to 2,048 tokens (gguf_family_check)
@@ -285,7 +294,7 @@ def test_streamed_reference_reads_learned_buffers(name, model, monkeypatch):
     (MiniMax-M2's routing bias, Apertus's xIELU beta): with the constructor's values instead it does not."""
     import torch
 
-    from pipelines.reference import load_model
+    from pipelines.validation.reference import load_model
 
     d = model(name)
     ids = list(range(100, 160))
@@ -301,7 +310,7 @@ def test_streamed_reference_reads_learned_buffers(name, model, monkeypatch):
 @pytest.mark.parametrize("name", ["ernie4_5_moe", "minimax_m2"])
 def test_imatrix_covers_every_expert(name, model):
     """Per-expert importance rows for the stacked experts of the MoE layers, every token counted top-k times."""
-    from pipelines.sources import fetch
+    from pipelines.source.fetch import fetch
     from pipelines.targets.gguf import imatrix
 
     d = model(name)

@@ -26,14 +26,20 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-
 from factories import SMALL_BPE_VOCAB, copy_model, edit_config, make_causal_lm, rewrite_safetensors
-from gguf_family_check import (assert_same_tensors_as_llamacpp, check_family, check_kquant, convert_and_validate,
-                               convert_only, field, tensors)
+from gguf_family_check import (
+    assert_same_tensors_as_llamacpp,
+    check_family,
+    check_kquant,
+    convert_and_validate,
+    convert_only,
+    field,
+    tensors,
+)
 from gguf_reader import FastGGUFReader
-from pipelines.errors import ModelFormatError
-from pipelines.targets.gguf.families import HParams, family_for
-from pipelines.targets.gguf.families import qwen3_next
+
+from pipelines.core.errors import ModelFormatError
+from pipelines.targets.gguf.families import HParams, family_for, qwen3_next
 
 Q = gguf.GGMLQuantizationType
 NK, DK, NV, DV = 2, 16, 4, 16  # delta-net key heads, key head dim, value heads, value head dim
@@ -147,7 +153,7 @@ def test_qwen3next_imatrix_weighs_the_split_projections_and_quantizes(model, tmp
     """The importance matrix covers every matrix llama.cpp quantizes: attn_qkv and attn_gate both from the delta-net's
     input projection (one input, the same sums), ssm_ba, ssm_out, the gated query; a Q4_K_M made with it loads and
     stays within the k-quant bar."""
-    from pipelines.sources import fetch
+    from pipelines.source.fetch import fetch
     from pipelines.targets.gguf import imatrix
     from pipelines.targets.gguf.quantize import quantize
     from pipelines.targets.gguf.validate import validate_gguf

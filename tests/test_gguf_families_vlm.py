@@ -25,12 +25,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from factories import SMALL_BPE_VOCAB, copy_model, make_causal_lm, rewrite_safetensors
-from gguf_family_check import (assert_refused, assert_same_tensors_as_llamacpp, check_family, check_kquant,
-                               convert_and_validate, convert_only, field, tensors)
+from gguf_family_check import (
+    assert_refused,
+    assert_same_tensors_as_llamacpp,
+    check_family,
+    check_kquant,
+    convert_and_validate,
+    convert_only,
+    field,
+    tensors,
+)
 from gguf_reader import FastGGUFReader
-from pipelines.errors import ModelFormatError
+
+from pipelines.core.errors import ModelFormatError
 from pipelines.targets.gguf import convert as convert_mod
 from pipelines.targets.gguf.families import family_for
 from pipelines.targets.gguf.families.spec import R
@@ -168,7 +176,7 @@ def renamed(d: Path, dest: Path, moves: tuple[tuple[str, str], ...]) -> Path:
 
 
 def checkpoint_names(d: Path) -> set[str]:
-    from pipelines.safetensors_io import read_header
+    from pipelines.source.safetensors_io import read_header
 
     return set(read_header(d / "model.safetensors").tensors)
 
@@ -249,7 +257,7 @@ def test_qwen3_vl_moe_released_experts_convert_and_validate_alike(model, tmp_pat
 
 
 def tensors_of(d: Path) -> dict[str, tuple[int, ...]]:
-    from pipelines.safetensors_io import read_header
+    from pipelines.source.safetensors_io import read_header
 
     return {n: tuple(t.shape) for n, t in read_header(d / "model.safetensors").tensors.items()}
 
@@ -266,7 +274,7 @@ def test_the_streamed_reference_is_the_whole_vlm(name, model):
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from pipelines import streamed_model
+    from pipelines.model import streamed_model
 
     d = model(name)
     ids = list(range(100, 160))
@@ -283,7 +291,7 @@ def test_the_streamed_reference_is_the_whole_vlm(name, model):
 def test_imatrix_of_a_vlm(name, matrices, model, tmp_path):
     """The importance matrix hooks the language model inside the wrapper: every matrix of the GGUF has its rows
     (a layer's 7 matrices: q, k, v, o and gate, up, down or their stacks of experts; the head)."""
-    from pipelines.sources import fetch
+    from pipelines.source.fetch import fetch
     from pipelines.targets.gguf import imatrix
 
     summary = imatrix.compute(fetch(str(model(name)), f"test/{name}"), tmp_path / "vlm.imatrix.gguf")

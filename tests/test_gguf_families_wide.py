@@ -25,15 +25,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from factories import SMALL_BPE_VOCAB, copy_model, edit_config, make_causal_lm, rewrite_safetensors
-from gguf_family_check import (assert_full_vocab_recognised, assert_refused, assert_same_tensors_as_llamacpp,
-                               check_family, convert_and_validate, convert_only, field, tensors)
+from gguf_family_check import (
+    assert_full_vocab_recognised,
+    assert_refused,
+    assert_same_tensors_as_llamacpp,
+    check_family,
+    convert_and_validate,
+    convert_only,
+    field,
+    tensors,
+)
 from gguf_reader import FastGGUFReader
-from pipelines import streamed_model
+
+from pipelines.model import streamed_model
 from pipelines.targets.gguf import convert as convert_mod
-from pipelines.targets.gguf.families import glm4 as glm4_mod
-from pipelines.targets.gguf.families import hunyuan_dense as hunyuan_mod
+from pipelines.targets.gguf.families import glm4 as glm4_mod, hunyuan_dense as hunyuan_mod
 from pipelines.targets.gguf.families.spec import A, accept
 
 VOCAB = SMALL_BPE_VOCAB  # SmolLM2's tokenizer cut to 2,048 tokens (gguf_family_check)
@@ -255,7 +262,8 @@ REFUSALS = [
      r"rope scaling type 'yarn' is not supported for glm4"),
     ("granitemoe", {"head_dim": 32}, r"granite GGUF needs head_dim == hidden_size / num_attention_heads"),
     ("olmoe", {"norm_topk_prob": True}, r"olmoe GGUF: llama.cpp never renormalizes"),
-    ("olmoe", {"tie_word_embeddings": True}, r"olmoe with tie_word_embeddings=true is not supported: llama.cpp's olmoe requires an untied output"),
+    ("olmoe", {"tie_word_embeddings": True},
+     r"olmoe with tie_word_embeddings=true is not supported: llama.cpp's olmoe requires an untied output"),
     ("olmoe", {"num_key_value_heads": 2}, r"olmoe GGUF needs num_key_value_heads == num_attention_heads"),
     ("olmoe", {"clip_qkv": 8.0}, r"olmoe with clip_qkv=8.0 is not supported"),
     ("olmoe", {"attention_bias": True}, r"olmoe with attention_bias=true is not supported"),
@@ -294,7 +302,7 @@ def test_streamed_reference_equals_from_pretrained(name, model):
     """The parity reference (streamed, one block resident) computes what `from_pretrained` does."""
     import torch
 
-    from pipelines.reference import load_model
+    from pipelines.validation.reference import load_model
 
     d = model(name)
     ids = list(range(100, 160))
@@ -309,7 +317,7 @@ def test_streamed_reference_equals_from_pretrained(name, model):
 def test_imatrix_covers_every_expert(name, model):
     """Per-expert importance rows for experts stacked in the checkpoint (Granite MoE's input_linear, one tensor
     for gate and up) as for per-expert tensors (OLMoE): nothing missing, and every token counted top-k times."""
-    from pipelines.sources import fetch
+    from pipelines.source.fetch import fetch
     from pipelines.targets.gguf import imatrix
 
     d = model(name)

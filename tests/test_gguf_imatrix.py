@@ -13,13 +13,13 @@ import ctypes
 import gguf
 import numpy as np
 import pytest
-
 from factories import make_llama
 from gguf_reader import FastGGUFReader
-from pipelines import prompts
-from pipelines.errors import HiveError, ModelFormatError
-from pipelines.sources import fetch
+
+from pipelines.core.errors import HiveError, ModelFormatError
+from pipelines.source.fetch import fetch
 from pipelines.targets.gguf import imatrix
+from pipelines.validation import prompts
 
 # GGUF matrix -> the transformers module whose input it weighs (llama.cpp's names, written out by hand)
 PER_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -102,7 +102,7 @@ def test_the_cache_serves_the_same_text_and_repairs_a_damaged_entry(snap, comput
     assert imatrix.compute(snap, again, text=TEXT) == summary
     assert again.read_bytes() == original
 
-    from pipelines.paths import cache_root
+    from pipelines.core.paths import cache_root
 
     entries = [e for e in (cache_root() / "imatrix").iterdir() if (e / "imatrix.gguf").read_bytes() == original]
     assert len(entries) == 1

@@ -30,13 +30,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from factories import copy_model, rewrite_safetensors, write_test_config
 from gguf_family_check import assert_refused, convert_only, tensors
 from gguf_reader import FastGGUFReader
 from test_gguf_families_vlm import build_vlm, renamed
-from pipelines.errors import ModelFormatError
-from pipelines.sources import fetch
+
+from pipelines.core.errors import ModelFormatError
+from pipelines.source.fetch import fetch
 from pipelines.targets.gguf import mmproj_check, projectors
 from pipelines.targets.gguf.families.spec import IDENTITY
 from pipelines.targets.gguf.mmproj import convert_mmproj, mmproj_name, projector_hparams
@@ -103,10 +103,9 @@ def test_same_projector_as_llamacpp(name, model, llamacpp_tree, tmp_path):
 def _legacy_llava(tree: Path, d: Path, work: Path) -> Path:
     """llama.cpp's legacy LLaVA path on `d`: the surgery's outputs (the CLIP tower as its own model, the projector's
     tensors in `llava.projector`), then convert_image_encoder_to_gguf.py from the pinned sdist."""
+    import llamacpp_converter
     import torch
     from safetensors.numpy import load_file, save_file
-
-    import llamacpp_converter
 
     sdist = tree.parent / f"llama_cpp_python-{llamacpp_converter.LLAMA_CPP_VERSION}.tar.gz"
     script = work / "convert_image_encoder_to_gguf.py"
@@ -225,7 +224,7 @@ def test_llava_runtime_divergence_is_reported_not_gated(model, tmp_path):
 
 
 def _mtmd_rows(d: Path, tmp_path: Path) -> np.ndarray:
-    from pipelines.isolation import run_isolated
+    from pipelines.process.isolation import run_isolated
 
     np.save(tmp_path / "image.npy", mmproj_check.synthetic_image(56))
     run_isolated(mmproj_check.run_mtmd, engine="llama.cpp", step="test",
@@ -288,9 +287,9 @@ def test_a_vlm_build_publishes_the_model_and_its_projector(smollm2_dir, tmp_path
     """check -> build -> validate -> publish of a Gemma 3 VLM (SmolLM2's full tokenizer, whose pre-tokenizer
     llama.cpp recognises): the manifest lists the language model and `mmproj-<name>-F16.gguf`, the build info
     describes the projector, the validation details hold its numbers, and llama-server is told to load it."""
-    from pipelines.build import build_and_publish
-    from pipelines.config import Config
-    from pipelines.manifest import Manifest
+    from pipelines.config.registry import Config
+    from pipelines.engine.build import build_and_publish
+    from pipelines.store.manifest import Manifest
 
     vocab = json.loads((smollm2_dir / "config.json").read_text())["vocab_size"]
     d = build_vlm("gemma3_vlm", tmp_path / "model", smollm2_dir, vocab_size=vocab)

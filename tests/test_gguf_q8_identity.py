@@ -20,10 +20,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-
 from factories import make_llama
 from gguf_reader import FastGGUFReader
-from pipelines.sources import fetch
+
+from pipelines.source.fetch import fetch
 from pipelines.targets.gguf.convert import convert
 from pipelines.targets.gguf.quantize import quantize
 

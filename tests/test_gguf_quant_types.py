@@ -20,11 +20,11 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-
 from factories import SMOLLM2_PRE, make_llama
 from gguf_reader import FastGGUFReader
-from pipelines.errors import HiveError
-from pipelines.sources import fetch
+
+from pipelines.core.errors import HiveError
+from pipelines.source.fetch import fetch
 from pipelines.targets.gguf import GgufTarget, imatrix
 from pipelines.targets.gguf.convert import convert
 from pipelines.targets.gguf.quantize import quantize
@@ -126,7 +126,7 @@ def test_imatrix_is_the_mean_square_of_each_matrix_input(wide, imatrix_file):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from pipelines.reference import encode, load_tokenizer
+    from pipelines.validation.reference import encode, load_tokenizer
 
     path, summary = imatrix_file
     assert summary["missing"] == [] and summary["tensors"] == 2 * 7 + 1  # 7 matrices per block + output
@@ -179,7 +179,7 @@ def test_split_outputs_load_in_llama_cpp(wide, tmp_path):
     out.parent.mkdir()
     report = convert(wide.dir, wide.config(), wide.safetensors_files(), out, "f16", name=wide.model_id, options=PRE,
                      split_max_bytes=1 << 20)
-    assert len(report.files) >= 3 and report.files[0] == "m-F16-00001-of-%05d.gguf" % len(report.files)
+    assert len(report.files) >= 3 and report.files[0] == f"m-F16-00001-of-{len(report.files):05d}.gguf"
     assert sorted(p.name for p in out.parent.iterdir()) == report.files and not out.exists()
     tensors = 0
     for i, f in enumerate(report.files):
@@ -229,10 +229,10 @@ def test_recipe_with_imatrix_and_split_publishes_shards_and_the_imatrix(wide, tm
     import json
 
     import yaml
-
     from factories import LENIENT_VALIDATION, write_test_config
-    from pipelines.build import build_and_publish
-    from pipelines.config import Config
+
+    from pipelines.config.registry import Config
+    from pipelines.engine.build import build_and_publish
 
     cfg_dir = tmp_path / "cfg"
     registry = write_test_config(cfg_dir, Path.cwd())

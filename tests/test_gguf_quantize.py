@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-import pytest
-
 import child_helpers
+import pytest
 from gguf_reader import FastGGUFReader
-from pipelines.errors import HiveError
-from pipelines.sources import fetch
+
+from pipelines.core.errors import HiveError
+from pipelines.source.fetch import fetch
 from pipelines.targets.gguf.convert import convert
 from pipelines.targets.gguf.quantize import quantize
 from pipelines.targets.gguf.validate import run_llama_cpp
@@ -67,7 +67,7 @@ def test_validation_of_a_large_gguf_skips_the_repacked_copy(f32_gguf, tmp_path, 
     up to kernel rounding."""
     import numpy as np
 
-    from pipelines.isolation import run_isolated
+    from pipelines.process.isolation import run_isolated
     from pipelines.targets.gguf import validate
 
     q4 = tmp_path / "q4_0.gguf"

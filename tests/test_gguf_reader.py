@@ -7,8 +7,8 @@ import time
 
 import gguf
 import numpy as np
-
 from gguf_reader import FastGGUFReader
+
 from pipelines.targets.gguf.convert import convert
 
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import gguf
 import pytest
-
 from gguf_reader import FastGGUFReader
-from pipelines.errors import EngineCrashed
-from pipelines.synthetic import generate, preset
+
+from pipelines.core.errors import EngineCrashed
+from pipelines.model.synthetic import generate, preset
 from pipelines.targets.gguf import tensor_quant
 from pipelines.targets.gguf.convert import convert
 from pipelines.targets.gguf.quantize import quantize
@@ -88,7 +88,7 @@ def test_quantize_rows_refuses_rows_that_are_not_whole_blocks():
 
 
 def test_a_type_that_needs_an_importance_matrix_is_refused_before_ggml_would_abort(monkeypatch, tiny_llama, tmp_path):
-    from pipelines.errors import HiveError
+    from pipelines.core.errors import HiveError
 
     monkeypatch.setattr(tensor_quant, "assign_types", lambda shape, tensors, ftype, step: [
         int(Q.IQ2_XXS) if len(s) == 2 else None for _, s, _ in tensors])  # as if llama.cpp chose IQ2_XXS

@@ -16,13 +16,13 @@ import shutil
 import gguf
 import numpy as np
 import pytest
-
 from factories import SMOLLM2_PRE, make_llama
-from pipelines import prompts
-from pipelines.errors import EngineFailed
-from pipelines.sources import fetch
+
+from pipelines.core.errors import EngineFailed
+from pipelines.source.fetch import fetch
 from pipelines.targets.gguf.convert import convert
 from pipelines.targets.gguf.validate import validate_gguf, validation_threads
+from pipelines.validation import prompts
 
 NEGATED_GGUF, NEGATED_HF = "blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj.weight"  # the same matrix
 

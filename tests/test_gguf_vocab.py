@@ -21,15 +21,15 @@ from pathlib import Path
 import gguf
 import pytest
 import sentencepiece as spm
-
 from factories import copy_model, make_spm_llama
 from gguf_reader import FastGGUFReader
-from pipelines import prompts
-from pipelines.errors import ModelFormatError
-from pipelines.sources import fetch
+
+from pipelines.core.errors import ModelFormatError
+from pipelines.source.fetch import fetch
 from pipelines.targets.gguf.convert import convert
 from pipelines.targets.gguf.validate import validate_gguf
 from pipelines.targets.gguf.vocab import build_vocab
+from pipelines.validation import prompts
 
 T = gguf.TokenType
 

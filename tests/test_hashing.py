@@ -1,4 +1,4 @@
-"""pipelines/hashing.py: file and canonical-JSON digests, and the digest cache keyed by file identity.
+"""pipelines/core/hashing.py: file and canonical-JSON digests, and the digest cache keyed by file identity.
 
 The digests are checked against hashlib on the same bytes, the canonical form against the JSON a reader
 writes by hand (it is part of every build id: a change would rebuild every published model), and the cache
@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from pipelines.hashing import DigestCache, canonical_json, sha256_file, sha256_json
+from pipelines.core.hashing import DigestCache, canonical_json, sha256_file, sha256_json
 
 
 class Counter:
@@ -46,7 +46,7 @@ def test_sha256_file_of_a_missing_file_raises(tmp_path):
 def test_canonical_json_is_sorted_compact_utf8():
     """Written out by hand: keys sorted at every depth, no spaces, non-ASCII as UTF-8 (not \\u escapes)."""
     doc = {"z": [3, {"b": "é", "a": None}], "a": True, "m": 1.5}
-    assert canonical_json(doc) == '{"a":true,"m":1.5,"z":[3,{"a":null,"b":"é"}]}'.encode("utf-8")
+    assert canonical_json(doc) == '{"a":true,"m":1.5,"z":[3,{"a":null,"b":"é"}]}'.encode()
     # the same document built in another order is the same bytes
     assert canonical_json({"m": 1.5, "a": True, "z": [3, {"a": None, "b": "é"}]}) == canonical_json(doc)
     # and the bytes are JSON that reads back as the document
@@ -56,7 +56,7 @@ def test_canonical_json_is_sorted_compact_utf8():
 def test_sha256_json_is_the_digest_of_the_canonical_bytes():
     doc = {"files": [["b.safetensors", "00"], ["a.safetensors", "ff"]], "name": "ünïcode"}
     expected = hashlib.sha256('{"files":[["b.safetensors","00"],["a.safetensors","ff"]],"name":"ünïcode"}'
-                              .encode("utf-8")).hexdigest()
+                              .encode()).hexdigest()
     assert sha256_json(doc) == expected
     assert sha256_json({"name": "ünïcode", "files": doc["files"]}) == expected  # key order is not content
     assert sha256_json({**doc, "files": doc["files"][::-1]}) != expected  # list order is

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import pytest
-
 from factories import write_test_config
-from pipelines.cli import main
+
+from pipelines.cli.main import main
 
 REPO = Path.cwd()
 MODEL = "test-org/hostile"
@@ -201,7 +201,7 @@ def test_corrupted_blob_is_repaired_by_the_next_build(published, cli, tmp_path):
     doc = json.loads(r.out)
     assert doc["state"] == "repaired" and doc["skipped"] is False
     assert doc["build_id"] == published["manifest"]["build_id"]
-    from pipelines.hashing import sha256_file
+    from pipelines.core.hashing import sha256_file
 
     assert sha256_file(blob) == f["sha256"]
     again = json.loads(cli(*args).out)
@@ -219,7 +219,7 @@ def test_corrupted_blob_without_its_manifest_is_replaced_on_upload(published, cl
             "--registry", str(published["registry"]), "--json")
     assert r.rc == 0, r.err
     assert json.loads(r.out)["state"] == "published"
-    from pipelines.hashing import sha256_file
+    from pipelines.core.hashing import sha256_file
 
     assert sha256_file(blob) == f["sha256"]
 
@@ -442,8 +442,9 @@ def test_an_unusable_blob_cache_is_one_line_in_pull(cache, published, cli, tmp_p
 def _sign(published: dict, tmp_path: Path, monkeypatch) -> tuple[Path, Path, Path]:
     """A copy of the store whose manifest carries a signature; (store, signature file, public key file)."""
     from factories import ecdsa_keypair
-    from pipelines.signing import signature_key, write_signature
+
     from pipelines.store import open_store
+    from pipelines.store.signing import signature_key, write_signature
 
     store = _copy(published, tmp_path)
     key, public = ecdsa_keypair(tmp_path, "publisher")

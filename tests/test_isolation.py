@@ -7,12 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import child_helpers
+import pytest
 from factories import write_test_config
-from pipelines.errors import EngineCrashed, EngineFailed, ModelFormatError
-from pipelines.isolation import run_isolated
+
+from pipelines.core.errors import EngineCrashed, EngineFailed, ModelFormatError
+from pipelines.process.isolation import run_isolated
 
 REPO = Path.cwd()
 
@@ -21,7 +21,7 @@ REPO = Path.cwd()
 def child_start(request, monkeypatch):
     """Twice: the child forked by the session's warm server, and a fresh interpreter."""
     if request.param == "fresh":
-        from pipelines import warm
+        from pipelines.process import warm
 
         monkeypatch.delenv(warm.WARM_DIR_ENV, raising=False)
     return request.param
@@ -44,7 +44,7 @@ def test_result_and_errors_cross_as_json(monkeypatch):
 
 @pytest.mark.usefixtures("child_start")
 def test_a_full_disk_in_the_child_is_the_disk_full_line(monkeypatch, tmp_path):
-    from pipelines.errors import DiskFull
+    from pipelines.core.errors import DiskFull
 
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
     with pytest.raises(DiskFull, match=r"^llama logits: disk full \(no space left on device\) writing under "
@@ -95,10 +95,10 @@ def test_build_whose_validation_crashes_publishes_nothing(tiny_llama, tmp_path):
 
 
 def test_only_a_module_level_function_is_run_and_it_is_named_by_its_module():
-    from pipelines.isolation import importable_name
-    from pipelines.reference import compute_into
+    from pipelines.process.isolation import importable_name
+    from pipelines.validation.reference import compute_into
 
-    assert importable_name(compute_into) == "pipelines.reference:compute_into"
+    assert importable_name(compute_into) == "pipelines.validation.reference:compute_into"
     assert importable_name(os.path.relpath) == f"{os.path.relpath.__module__}:relpath"
 
     def nested() -> None:

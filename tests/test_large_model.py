@@ -20,14 +20,14 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-
 from factories import TEST_GATES, write_test_config
-from pipelines.paths import cache_root
-from pipelines.synthetic import generate, preset
+
+from pipelines.core.paths import cache_root
+from pipelines.model.synthetic import generate, preset
 
 REPO = Path.cwd()
 GIB = 1 << 30
@@ -136,8 +136,8 @@ def test_qaic_mxfp6_exports_streamed_checks_in_onnxruntime_and_predicts_unit_by_
 
 
 def test_gguf_f16_convert_and_reference_stream_below_40_percent_of_fp32(build_large, large_model):
-    from pipelines.memory import BASE_TORCH
-    from pipelines.safetensors_io import read_header
+    from pipelines.model.memory import BASE_TORCH
+    from pipelines.source.safetensors_io import read_header
 
     res = build_large("gguf-f16")
     assert res["state"] == "published"

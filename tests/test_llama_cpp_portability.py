@@ -85,7 +85,7 @@ def test_cached_wheel_is_keyed_by_level_and_flags():
 
 def test_cpu_backend_build_enters_the_build_id():
     """Another compile of the same version (another CPU level) is another toolchain: build ids differ."""
-    from pipelines.elf_code import code_digest
+    from pipelines.process.elf_code import code_digest
     from pipelines.targets.gguf import GgufTarget
 
     (cpu,) = [p for p in _libraries() if p.name.startswith("libggml-cpu")]
@@ -99,8 +99,8 @@ def test_the_directory_pip_compiled_in_does_not_enter_the_build_id(tmp_path):
     nothing else moves) has the same code digest; other code has another."""
     import re
 
-    from pipelines.elf_code import code_digest
-    from pipelines.hashing import sha256_file
+    from pipelines.core.hashing import sha256_file
+    from pipelines.process.elf_code import code_digest
 
     (cpu,) = [p for p in _libraries() if p.name.startswith("libggml-cpu")]
     data = cpu.read_bytes()

@@ -1,4 +1,4 @@
-"""pipelines/manifest.py: the manifest document and the build id.
+"""pipelines/store/manifest.py: the manifest document and the build id.
 
 A manifest is stored as canonical bytes and read back by every pull, gc and skip check: the round trip must be
 exact, the bytes independent of how the document was assembled, and damage one IntegrityError line naming
@@ -13,8 +13,8 @@ import json
 
 import pytest
 
-from pipelines.errors import IntegrityError
-from pipelines.manifest import FileEntry, Manifest, ModelInfo, RecipeInfo, compute_build_id
+from pipelines.core.errors import IntegrityError
+from pipelines.store.manifest import FileEntry, Manifest, ModelInfo, RecipeInfo, compute_build_id
 
 WHERE = "file:///store: manifests/org/m/gguf-f16/abc.json"
 

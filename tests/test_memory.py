@@ -1,4 +1,4 @@
-"""The memory plan (pipelines/memory.py): estimates from headers, the budget, refusals before work, and a disk
+"""The memory plan (pipelines/model/memory.py): estimates from headers, the budget, refusals before work, and a disk
 that fills up mid-build (a real size-limited tmpfs where this host lets us mount one, else RLIMIT_FSIZE)."""
 
 from __future__ import annotations
@@ -20,21 +20,31 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from factories import copy_model, edit_config, write_test_config
-from pipelines import host, memory
-from pipelines.build import build_and_publish
-from pipelines.config import Config
-from pipelines.errors import ConfigError, DiskFull, ResourceError
-from pipelines.memory import (FP32, GIB, MIB, PlanEnv, facts_from_tensors, human_bytes, plan_build, reference_memory,
-                              reference_need)
-from pipelines.kinds import target_for
+
+from pipelines.config.kinds import target_for
+from pipelines.config.registry import Config
+from pipelines.core import host
+from pipelines.core.errors import ConfigError, DiskFull, ResourceError
+from pipelines.core.units import parse_size
+from pipelines.engine.build import build_and_publish
+from pipelines.model import memory
+from pipelines.model.memory import (
+    FP32,
+    GIB,
+    MIB,
+    PlanEnv,
+    facts_from_tensors,
+    human_bytes,
+    plan_build,
+    reference_memory,
+    reference_need,
+)
+from pipelines.source.fetch import FileRecord, Snapshot
+from pipelines.source.safetensors_io import DTYPE_BITS, TensorInfo
+from pipelines.store.local import LocalStore
 from pipelines.targets.gguf import tensor_quant
 from pipelines.targets.gguf.plan import gguf_bytes
-from pipelines.units import parse_size
-from pipelines.safetensors_io import DTYPE_BITS, TensorInfo
-from pipelines.sources import FileRecord, Snapshot
-from pipelines.store.local import LocalStore
 
 REPO = Path.cwd()
 MODEL = "test-org/tiny-llama"
@@ -310,7 +320,7 @@ def test_host_budget_is_capped_by_the_processs_own_nested_cgroup():
     try:
         (child / "memory.limit_in_bytes").write_text(str(3 * GIB))
         env = {k: v for k, v in os.environ.items() if k != "HIVE_AOT_MEMORY_BUDGET"}
-        proc = subprocess.run([sys.executable, "-c", "from pipelines import host; print(host.memory_budget()[0])"],
+        proc = subprocess.run([sys.executable, "-c", "from pipelines.core import host; print(host.memory_budget()[0])"],
                               cwd=REPO, capture_output=True, text=True, check=True, env={**env, "PYTHONPATH": str(REPO)},
                               preexec_fn=lambda: (child / "tasks").write_text(str(os.getpid())))
         assert 2 * GIB < int(proc.stdout) <= 3 * GIB, proc.stdout
@@ -322,7 +332,8 @@ def test_host_budget_is_capped_by_the_processs_own_nested_cgroup():
 
 def hive(*args: str, env: dict[str, str] | None = None, preexec=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          check=False, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, preexec_fn=preexec)
+                          check=False, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+                          preexec_fn=preexec)
 
 
 def store_contents(store: Path) -> list[str]:
@@ -439,7 +450,7 @@ def test_a_build_publishes_its_output_as_the_blob_itself(tiny_llama, registry, t
     assert [(name, ok, sha256) for name, _inode, ok, sha256 in linked] == [("tiny-llama-F16.gguf", True, None)]
     assert blob.stat().st_ino == linked[0][1] and blob.stat().st_nlink == 1
     assert hashlib.sha256(blob.read_bytes()).hexdigest() == entry["sha256"] and blob.stat().st_mode & 0o777 == 0o644
-    from pipelines.paths import work_root
+    from pipelines.core.paths import work_root
 
     assert not any(d.name.startswith("build-") for d in work_root().iterdir())
 
@@ -472,7 +483,7 @@ def test_a_wrong_digest_is_refused_and_leaves_no_blob(tmp_path):
     made = tmp_path / "model.gguf"
     made.write_bytes(b"y" * 100)
     store = LocalStore(tmp_path / "store")
-    from pipelines.errors import IntegrityError
+    from pipelines.core.errors import IntegrityError
 
     with pytest.raises(IntegrityError, match="sha256 mismatch"):
         store.adopt_file("blobs/sha256/00/" + "0" * 64, made, "0" * 64)
@@ -502,7 +513,7 @@ def small_filesystem(path: Path, size: int):
 def roomy_plan(monkeypatch):
     """The plan saw plenty of free disk (another writer took it since): what a disk that fills up mid-build
     looks like. Only the plan's view changes; the error reports the real free space."""
-    from pipelines import build
+    from pipelines.engine import build
 
     real = build.resource_plan
 

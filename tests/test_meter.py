@@ -1,4 +1,4 @@
-"""The measured peak and wall time of each build step (pipelines/meter.py), the figures every build records
+"""The measured peak and wall time of each build step (pipelines/core/meter.py), the figures every build records
 beside its memory plan."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import time
 
 import numpy as np
 
-from pipelines import meter
-from pipelines.isolation import run_measured
+from pipelines.core import meter
+from pipelines.process.isolation import run_measured
 
 MIB = 1 << 20
 

@@ -19,11 +19,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from factories import write_test_config
-from pipelines.build import build_and_publish
-from pipelines.config import Config
-from pipelines.errors import StoreError
+
+from pipelines.config.registry import Config
+from pipelines.core.errors import StoreError
+from pipelines.engine.build import build_and_publish
 from pipelines.store import open_store
 
 REPO = Path.cwd()
@@ -200,7 +200,7 @@ def test_a_chunked_upload_resumes_after_lost_answers(published, monkeypatch):
     """Small chunks; one PATCH's answer is lost after the registry appended it, another fails before sending:
     the upload asks the registry where it stands and goes on (or begins again), never re-sending blind, so the
     layer is the same bytes (no duplicate)."""
-    from pipelines.modelcar import modelcar
+    from pipelines.client.modelcar import modelcar
     from pipelines.store import oci_modelcar
     from pipelines.store.oci_client import Registry
 

@@ -1,5 +1,5 @@
 """The ModelPack config of what the OCI store publishes (pipelines/store/oci_modelpack.py), filled from the manifest's
-`describe` section (pipelines/model_description.py, each kind's `describe_weights`).
+`describe` section (pipelines/engine/model_description.py, each kind's `describe_weights`).
 
 A tiny Llama with a model card licence is built and published to a real registry (Distribution 2.8); skopeo, an
 independent client, reads the config blobs back: family, architecture, paramSize, precision, quantization,
@@ -21,14 +21,14 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-
 from factories import write_test_config
-from pipelines.build import build_and_publish
-from pipelines.config import Config
-from pipelines.kinds import target_for
-from pipelines.manifest import Manifest
+
+from pipelines.config.kinds import target_for
+from pipelines.config.registry import Config
+from pipelines.engine.build import build_and_publish
 from pipelines.store import manifest_key, open_store
 from pipelines.store.layout import ref_document
+from pipelines.store.manifest import Manifest
 from pipelines.store.oci_modelpack import param_size
 from pipelines.targets import Target
 

@@ -1,4 +1,4 @@
-"""pipelines/native.py: the native stand-in for InternLM2 (a remote-code-only architecture), piece by piece.
+"""pipelines/model/native.py: the native stand-in for InternLM2 (a remote-code-only architecture), piece by piece.
 
 The fused `wqkv` split is checked against a fuse written here from InternLM2's documented layout (grouped by KV
 head), the config translation and the tensor mapping against InternLM2's own names written out by hand, and the
@@ -14,11 +14,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from factories import spm_corpus
-from pipelines.errors import ModelFormatError
-from pipelines.native import (EQUIVALENTS, SentencePieceTokenizer, checkpoint_source, equivalent_for, native_config,
-                              read_config, split_internlm2_wqkv)
+
+from pipelines.core.errors import ModelFormatError
+from pipelines.model.native import (
+    EQUIVALENTS,
+    SentencePieceTokenizer,
+    checkpoint_source,
+    equivalent_for,
+    native_config,
+    read_config,
+    split_internlm2_wqkv,
+)
 
 HEADS, KV, HEAD_DIM, HIDDEN = 8, 2, 4, 32
 
@@ -205,7 +212,7 @@ def test_every_native_parameter_comes_from_an_internlm2_tensor(tmp_path):
 
 @pytest.fixture(scope="module")
 def spm_model(tmp_path_factory) -> bytes:
-    from pipelines.synthetic import train_spm
+    from pipelines.model.synthetic import train_spm
 
     return train_spm(spm_corpus(lines=1500), 500, add_dummy_prefix=True)
 
@@ -263,7 +270,7 @@ def test_the_reference_tokenizes_internlm2_with_sentencepiece_not_its_remote_cla
     """The repository's tokenizer class is remote code (a tripwire here): the reference never imports it."""
     import sentencepiece
 
-    from pipelines.reference import load_tokenizer
+    from pipelines.validation.reference import load_tokenizer
 
     repo = spm_repo(tmp_path / "internlm2", spm_model, {
         "tokenizer_class": "InternLM2Tokenizer", "add_bos_token": True,

@@ -16,13 +16,13 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from factories import store_contract, write_test_config
-from pipelines.build import build_and_publish
-from pipelines.cli import main
-from pipelines.config import Config
-from pipelines.errors import IntegrityError, StoreError
-from pipelines.pull import pull
+
+from pipelines.cli.main import main
+from pipelines.client.pull import pull
+from pipelines.config.registry import Config
+from pipelines.core.errors import IntegrityError, StoreError
+from pipelines.engine.build import build_and_publish
 from pipelines.store import blob_key, manifest_key, open_store
 from pipelines.store.oci import OciStore
 from pipelines.store.oci_dir import LayoutRegistry

@@ -12,14 +12,14 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 from processes import free_port
 
-from pipelines.errors import StoreError
+from pipelines.core.errors import StoreError
 from pipelines.store import open_store
 from pipelines.store.oci_client import Registry
 
@@ -70,7 +70,7 @@ class Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client hung up: what a bounded client does to an endless answer
 
-    do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _any
+    do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _any  # noqa: N815 - http.server's method names
 
     def reply(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
         self.send_response(status)

@@ -15,12 +15,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from factories import ecdsa_keypair, write_test_config
-from pipelines.build import build_and_publish
-from pipelines.config import Config
-from pipelines.errors import IntegrityError
-from pipelines.pull import pull
+
+from pipelines.client.pull import pull
+from pipelines.config.registry import Config
+from pipelines.core.errors import IntegrityError
+from pipelines.engine.build import build_and_publish
 from pipelines.store import open_store
 from pipelines.store.oci_client import INDEX_TYPE, Registry
 from pipelines.store.oci_referrers import BUNDLE_TYPE, referrers_tag
@@ -168,7 +168,7 @@ def test_a_hive_aot_artifact_pulls_by_reference_from_any_name_and_verifies(signe
     """`hive-aot pull oci://HOST/ANY/NAME:TAG`, the ModelPack pull, reads a mirrored hive-aot artifact whatever the
     repository is called: its layers are the build's files and its manifest, which is exactly what the bundle
     signs, so the signature verifies and the reference implementation accepts the directory."""
-    from pipelines.foreign_pull import pull_foreign
+    from pipelines.client.foreign_pull import pull_foreign
 
     host, renamed = signed_oci["host"], f"elsewhere-{uuid.uuid4().hex[:8]}/tiny"
     src = f"{signed_oci['root']}/{SLUG_REPO}"

@@ -1,4 +1,4 @@
-"""OpenSSF Model Signing (pipelines/oms.py, signing.bundle_for / verify_bundle): the spec's own test vectors, and
+"""OpenSSF Model Signing (pipelines/store/oms.py, signing.bundle_for / verify_bundle): the spec's own test vectors, and
 interop both ways with the reference implementation (PyPI model-signing, its CLI in its own venv,
 $HIVE_AOT_MODEL_SIGNING_VENV): what it signs verifies here, what hive-aot signs verifies there, and what either
 side must refuse (a changed file, another key, a file nobody signed) is refused by both."""
@@ -13,11 +13,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from factories import ecdsa_keypair
-from pipelines import oms, pulled_dir
-from pipelines.errors import IntegrityError
-from pipelines.signing import PULL_MARKER, bundle_for, signed_files, trusted_keys, verify_bundle
+
+from pipelines.client import pulled_dir
+from pipelines.core.errors import IntegrityError
+from pipelines.store import oms
+from pipelines.store.signing import PULL_MARKER, bundle_for, signed_files, trusted_keys, verify_bundle
 
 VECTORS = Path(__file__).parent / "data" / "oms"
 VECTOR_HINT = "e8450dec4eb99dae995da9af1bc2cc9f76ed669ee2e744f57abba763df3e3f8e"
@@ -222,8 +223,10 @@ def test_a_changed_statement_or_signature_does_not_verify(tmp_path):
 
 
 @pytest.mark.parametrize("edit, why", [
-    (lambda st: st["predicate"]["serialization"].update(method="shards", shard_size=1000), "uses the shards serialization: not supported, files only"),
-    (lambda st: st["predicate"]["serialization"].update(hash_type="blake3"), "hashes files with blake3: not supported, sha256 only"),
+    (lambda st: st["predicate"]["serialization"].update(method="shards", shard_size=1000),
+     "uses the shards serialization: not supported, files only"),
+    (lambda st: st["predicate"]["serialization"].update(hash_type="blake3"),
+     "hashes files with blake3: not supported, sha256 only"),
     (lambda st: st["predicate"]["resources"].append(dict(st["predicate"]["resources"][0])), "is listed twice"),
     (lambda st: st["predicate"]["resources"][0].update(name="../etc/passwd"), "is not a relative path"),
     (lambda st: st["predicate"]["resources"][0].update(digest="ab"), "its digest is not a sha256"),

@@ -7,15 +7,15 @@ import json
 from pathlib import Path
 
 import pytest
-
 from factories import copy_model, edit_config, write_test_config
-from pipelines.build import build_and_publish
-from pipelines.cli import main
-from pipelines.config import Config
-from pipelines.errors import HiveError
-from pipelines.inventory import gc, list_published
-from pipelines.operations import retire, tag
-from pipelines.pull import pull
+
+from pipelines.cli.main import main
+from pipelines.client.inventory import gc, list_published
+from pipelines.client.operations import retire, tag
+from pipelines.client.pull import pull
+from pipelines.config.registry import Config
+from pipelines.core.errors import HiveError
+from pipelines.engine.build import build_and_publish
 
 REPO = Path.cwd()
 MODEL, OTHER = "test-org/ops-llama", "test-org/ops-other"

@@ -16,10 +16,17 @@ import pytest
 import yaml
 from factories import copy_model, write_test_config
 
-from pipelines.config import Config
+from pipelines.config.registry import Config
 from pipelines.orchestration.automation import onboard_job, registry_sensor
-from pipelines.orchestration.factories import (INTEGRITY_CHECK, PARITY_CHECK, all_recipe_assets, artifact_key,
-                                               model_asset_keys, published_key, source_assets)
+from pipelines.orchestration.factories import (
+    INTEGRITY_CHECK,
+    PARITY_CHECK,
+    all_recipe_assets,
+    artifact_key,
+    model_asset_keys,
+    published_key,
+    source_assets,
+)
 from pipelines.orchestration.quality import INLINE_MARKDOWN, KL_BINS, full_build_id
 from pipelines.orchestration.resources import HiveResource
 from pipelines.orchestration.summary import SUMMARY_KEY, summary_asset
@@ -146,8 +153,8 @@ def test_snapshot_invariants():
 def test_recipes_get_assets_where_a_model_uses_them_unless_all_are_asked_for(tmp_path, monkeypatch):
     """HIVE_AOT_DAGSTER_RECIPES: `used` (the default) makes assets for the recipes the registry's models list and
     the inputs those are built from; `all` for every recipe file; anything else is one line naming the choices."""
+    from pipelines.core.settings import SettingError
     from pipelines.orchestration.recipe_selection import recipes_in_code_location
-    from pipelines.settings import SettingError
 
     reg = _registry(tmp_path, [{"id": "test/a", "source": str(tmp_path), "recipes": ["gguf-f32", "qaic-mxfp6"]},
                                {"id": "test/b", "source": str(tmp_path), "recipes": ["gguf-f32"]}])

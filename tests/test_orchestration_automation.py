@@ -16,9 +16,15 @@ import pytest
 import yaml
 from factories import SMOLLM2_PRE, copy_model, make_llama, rewrite_safetensors
 
-from pipelines.config import Config
-from pipelines.orchestration.automation import (observe_revisions_job, onboard_job, recipe_sensor, registry_sensor,
-                                                revision_sensor, revisions_schedule)
+from pipelines.config.registry import Config
+from pipelines.orchestration.automation import (
+    observe_revisions_job,
+    onboard_job,
+    recipe_sensor,
+    registry_sensor,
+    revision_sensor,
+    revisions_schedule,
+)
 from pipelines.orchestration.factories import SNAPSHOT_KEY, UPSTREAM_KEY, all_recipe_assets, source_assets
 from pipelines.orchestration.resources import HiveResource
 from pipelines.orchestration.summary import summary_asset

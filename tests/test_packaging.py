@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.build import build_and_publish
-from pipelines.config import Config
+from pipelines.config.registry import Config
+from pipelines.engine.build import build_and_publish
 
 REPO = Path.cwd()
 MODEL = "test-org/packaged"
@@ -77,11 +77,11 @@ def test_wheel_carries_every_data_file_the_package_reads(wheel):
     missing = [f for f in data if not any(n == f or n.startswith(f + "/") for n in names)]
     assert missing == []
     # the packaged defaults are real files with the top-level content
-    assert "pipelines/defaults/registry.yaml" in names and "pipelines/compat/data/architectures.json" in names
-    recipes = sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("pipelines/defaults/recipes/"))
+    assert "pipelines/config/defaults/registry.yaml" in names and "pipelines/compat/data/architectures.json" in names
+    recipes = sorted(n.rsplit("/", 1)[1] for n in names if n.startswith("pipelines/config/defaults/recipes/"))
     assert recipes == sorted(p.name for p in (REPO / "recipes").glob("*.yaml"))
     with zipfile.ZipFile(wheel) as z:
-        assert z.read("pipelines/defaults/registry.yaml") == (REPO / "registry.yaml").read_bytes()
+        assert z.read("pipelines/config/defaults/registry.yaml") == (REPO / "registry.yaml").read_bytes()
 
 
 CONSTRAINTS = REPO / "requirements" / "constraints.txt"
@@ -183,7 +183,7 @@ def test_base_install_pulls_and_names_the_missing_extra(base_client, outside, pu
     assert pulled.returncode == 0, pulled.stderr
     assert Path(json.loads(pulled.stdout)["files"][0]).read_bytes()[:4] == b"GGUF"
     # and where they are installed (the full venv), pull imports none of them either
-    probe = ("import sys; from pipelines.cli import main; rc = main(sys.argv[1:]); "
+    probe = ("import sys; from pipelines.cli.main import main; rc = main(sys.argv[1:]); "
              f"print(sorted(m for m in {HEAVY!r} if m in sys.modules)); sys.exit(rc)")
     full = _run([sys.executable, "-c", probe, "pull", MODEL, "--target", "llm-llamacpp-cpu", "--dest",
                  str(cwd / "m2"), "--store", str(published_store)], cwd=cwd, env=env)

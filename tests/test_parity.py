@@ -1,9 +1,9 @@
-"""pipelines/parity.py: the metrics every artifact kind is judged by, and the per-position KL profile."""
+"""pipelines/validation/parity.py: the metrics every artifact kind is judged by, and the per-position KL profile."""
 
 import numpy as np
 import pytest
 
-from pipelines import parity
+from pipelines.validation import parity
 
 
 def _logits(rng, n=40, vocab=50):

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipelines.paths import reclaim_work, work_dir, work_root
+from pipelines.core.paths import reclaim_work, work_dir, work_root
 
 REPO = Path.cwd()
 
@@ -25,7 +25,7 @@ def test_work_dir_is_private_and_removed(monkeypatch, tmp_path):
 
 def test_killed_process_leftovers_are_reclaimed_live_ones_kept(monkeypatch, tmp_path):
     monkeypatch.setenv("HIVE_AOT_CACHE", str(tmp_path))
-    code = ("import sys, time; from pipelines.paths import work_dir\n"
+    code = ("import sys, time; from pipelines.core.paths import work_dir\n"
             "with work_dir('build-victim-') as d:\n"
             "    (d / 'part.gguf').write_bytes(b'x' * 1000); print(d, flush=True); time.sleep(600)\n")
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True,

@@ -1,4 +1,4 @@
-"""What a build tells its operator while it runs (pipelines/progress.py): one start and one end line per step,
+"""What a build tells its operator while it runs (pipelines/core/progress.py): one start and one end line per step,
 with elapsed time and peak memory, wherever stderr goes; bars with an ETA on a terminal; nothing with --quiet;
 the same lines in a Dagster run's log."""
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import dagster as dg
 import pytest
-
 from factories import copy_model, poison_weights, write_test_config
-from pipelines.cli import main
+
+from pipelines.cli.main import main
 
 REPO = Path.cwd()
 LINE = re.compile(r"^hive-aot: \[(?P<step>[^\]]+)\] (?:(?P<start>start)|(?P<end>done in|failed after) "
@@ -82,7 +82,7 @@ def test_a_step_reports_what_it_used_with_its_nested_steps_and_measures_only_its
     records beside its memory plan stays each step's own (meter.py)."""
     import numpy as np
 
-    from pipelines import meter
+    from pipelines.core import meter
 
     meter.reset()
     with meter.step("validate"):

@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-
 from factories import CPU_PREFERENCE, rewrite_published_manifest, write_test_config
-from pipelines.build import build_and_publish
-from pipelines.config import Config
-from pipelines.errors import HiveError, IntegrityError, StoreError
-from pipelines.blob_stamps import identity
-from pipelines.pull import MARKER, pull
+
+from pipelines.client.blob_stamps import identity
+from pipelines.client.pull import MARKER, pull
+from pipelines.config.registry import Config
+from pipelines.core.errors import HiveError, IntegrityError, StoreError
+from pipelines.engine.build import build_and_publish
 
 REPO = Path.cwd()
 MODEL = "test-org/tiny-llama"
@@ -186,7 +186,7 @@ def test_bad_requests(env, tmp_path):
 def test_pulled_gguf_loads_and_generates(env, tmp_path):
     from llama_cpp import Llama
 
-    from pipelines import prompts
+    from pipelines.validation import prompts
 
     res = pull(MODEL, CPU, tmp_path / "model", recipe="gguf-f16", store_uri=str(env["store"]))
     marker = json.loads((tmp_path / "model" / MARKER).read_text())
@@ -222,7 +222,7 @@ def test_pull_without_registry_uses_the_stores_profiles(env, tmp_path):
     code = (
         "import json, sys\n"
         "from pathlib import Path\n"
-        "from pipelines.pull import pull\n"
+        "from pipelines.client.pull import pull\n"
         f"res = pull({MODEL!r}, {CPU!r}, Path('dest'), store_uri={str(env['store'])!r})\n"
         "print(json.dumps(res))\n"
     )
@@ -240,8 +240,8 @@ def test_pull_path_imports_neither_dagster_nor_torch(env, tmp_path):
     code = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from pipelines.pull import pull\n"
-        "from pipelines.cli import main\n"
+        "from pipelines.client.pull import pull\n"
+        "from pipelines.cli.main import main\n"
         f"res = pull({MODEL!r}, {CPU!r}, Path('dest'), store_uri={str(env['store'])!r})\n"
         "assert res['recipe'] == 'gguf-q4_k_m', res\n"
         f"assert main(['pull', {MODEL!r}, '--target', {CPU!r}, '--dest', 'dest2', '--recipe', 'gguf-f16',"
@@ -412,7 +412,7 @@ def test_file_corrupted_at_the_same_size_is_pulled_again(env, tmp_path, monkeypa
 def test_present_check_trusts_its_stamp_and_rehashes_anything_else(env, tmp_path, monkeypatch):
     """Item 5 policy: a file matching the (device, inode, size, mtime, ctime) stamp recorded at pull time is not
     read; a copied DIR (new inodes) is re-hashed once, found intact, reported present, and stamped again."""
-    import pipelines.pulled_dir as pulled_dir
+    import pipelines.client.pulled_dir as pulled_dir
 
     dest = tmp_path / "model"
     res = pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))
@@ -506,7 +506,7 @@ def test_concurrent_pulls_into_one_dest(env, tmp_path, recipes):
         code = (
             "import json, os, time\n"
             "from pathlib import Path\n"
-            "from pipelines.pull import pull\n"
+            "from pipelines.client.pull import pull\n"
             f"Path({str(tmp_path / f'ready-{i}')!r}).touch()\n"
             f"while not os.path.exists({str(go)!r}):\n"
             "    time.sleep(0.002)\n"
@@ -540,7 +540,7 @@ def test_concurrent_pulls_into_one_dest(env, tmp_path, recipes):
 def test_unwritable_dest_is_a_one_line_error(env, tmp_path, capsys, where):
     """Item 9: a DIR that cannot be created is a one-line HiveError, not an OSError traceback (tests run as root,
     so a chmod'ed directory stops nothing: /proc and a regular file on the way stand in for it)."""
-    from pipelines.cli import main
+    from pipelines.cli.main import main
 
     (tmp_path / "file").write_text("a regular file")
     dest = {"proc": Path("/proc/self/model"), "below-a-file": tmp_path / "file" / "model",
@@ -560,7 +560,7 @@ def test_a_pull_of_another_build_waits_for_the_one_in_progress(env, tmp_path, mo
     build into DIR does not finish; released, both succeed in order and DIR holds the later build, complete."""
     import threading
 
-    import pipelines.pull as pull_mod
+    import pipelines.client.pull as pull_mod
 
     dest = tmp_path / "model"
     f16_digest = env["builds"]["gguf-f16"].files[0]["sha256"]
@@ -602,7 +602,7 @@ def test_a_pull_of_another_build_waits_for_the_one_in_progress(env, tmp_path, mo
 def test_partials_of_killed_pulls_are_reclaimed_live_ones_kept(env, tmp_path, monkeypatch):
     """A pull killed mid-download leaves `.<digest>.<random>.partial`; the next pull removes it, unless the
     pull that owns it is alive (it holds a lock on it)."""
-    from pipelines.pull import reclaim_partials
+    from pipelines.client.pull import reclaim_partials
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("HIVE_AOT_CACHE", str(cache))
@@ -628,7 +628,7 @@ def test_partials_of_killed_pulls_are_reclaimed_live_ones_kept(env, tmp_path, mo
 
 def test_target_auto_names_what_it_found_and_why_it_chose(env, tmp_path, capsys):
     """On this host (no accelerator) auto is the CPU tier, and pull says so in JSON and in its human output."""
-    from pipelines.cli import main
+    from pipelines.cli.main import main
 
     res = pull(MODEL, "auto", tmp_path / "m", store_uri=str(env["store"]), registry=str(env["registry"]))
     assert res["runtime_profile"] == CPU and res["recipe"] == "gguf-q4_k_m"
@@ -642,7 +642,7 @@ def test_target_auto_names_what_it_found_and_why_it_chose(env, tmp_path, capsys)
 
 
 def test_profiles_lists_what_is_published_per_profile(env, capsys):
-    from pipelines.cli import main
+    from pipelines.cli.main import main
 
     capsys.readouterr()
     assert main(["profiles", MODEL, "--store", str(env["store"]), "--registry", str(env["registry"]), "--json"]) == 0
@@ -661,7 +661,7 @@ def test_engine_versions_validated_with_are_compared(env, tmp_path, monkeypatch,
     version gets a warning, or with --strict a one-line refusal and nothing pulled."""
     from importlib import metadata
 
-    from pipelines.cli import main
+    from pipelines.cli.main import main
 
     here = metadata.version("llama_cpp_python")
     res = pull(MODEL, CPU, tmp_path / "same", store_uri=str(env["store"]))
@@ -682,7 +682,7 @@ def test_every_built_in_kind_loads_in_the_light_client():
     """pull asks each published kind for its artifact format (kinds.target_class): importing a target must not
     load the build extra's modules, which a serving container does not have (a VLM family module importing
     numpy at the top broke `hive-aot pull` in the base install). Checked in a child that refuses them."""
-    from pipelines.kinds import BUILTIN
+    from pipelines.config.kinds import BUILTIN
 
     probe = (
         "import sys\n"
@@ -691,7 +691,7 @@ def test_every_built_in_kind_loads_in_the_light_client():
         "        if name.split('.')[0] in ('numpy', 'torch', 'transformers', 'safetensors', 'onnx', 'dagster'):\n"
         "            raise ImportError(f'the light client has no {name}')\n"
         "sys.meta_path.insert(0, Refuse())\n"
-        "from pipelines.kinds import BUILTIN, target_class\n"
+        "from pipelines.config.kinds import BUILTIN, target_class\n"
         "for kind in BUILTIN:\n"
         "    target_class(kind)\n"
         "print(sorted(BUILTIN))\n")

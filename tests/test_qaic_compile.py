@@ -67,7 +67,8 @@ def test_custom_io_partition_and_command_per_option():
         "-mdp-load-partition-config={bundle}/compile/mdp_ts_4.json", "-aic-binary-dir={qpc}"]
     one = command(CompileOptions.parse({**SHAPE, "mxfp6": False}), "onnx/model.onnx", "1.20")
     assert one[0] == "qaic-exec" and "-compile-only" in one and "-mxfp6-matmul" not in one
-    assert not any(a.startswith("-mdp") for a in one) and "compile/mdp_ts_1.json" not in compile_files(1, CompileOptions.parse(SHAPE))
+    assert (not any(a.startswith("-mdp") for a in one)
+            and "compile/mdp_ts_1.json" not in compile_files(1, CompileOptions.parse(SHAPE)))
 
 
 @pytest.mark.parametrize("options, message", [
@@ -506,7 +507,7 @@ def test_dagster_wires_the_export_into_the_compile_and_shows_the_prediction(pend
     pending (nothing materialized), the run a success."""
     import dagster as dg
 
-    from pipelines.config import Config
+    from pipelines.config.registry import Config
     from pipelines.orchestration.automation import onboard_job
     from pipelines.orchestration.factories import all_recipe_assets, source_assets
     from pipelines.orchestration.resources import HiveResource

@@ -12,7 +12,7 @@ import onnx
 import pytest
 import torch
 
-from pipelines.errors import ModelFormatError, NotApplicableError
+from pipelines.core.errors import ModelFormatError, NotApplicableError
 from pipelines.targets.qaic.encoders import (
     CLASSIFIERS,
     ENCODERS,
@@ -285,8 +285,9 @@ def test_the_seed_architectures_are_the_supported_set(tmp_path):
 def test_an_encoder_with_a_nan_weight_is_refused_before_export(tmp_path):
     """Red team round two, item 3: an encoder is exported by torch from loaded weights, so nothing looked at them."""
     from factories import poison_weights
-    from pipelines.errors import ModelFormatError
-    from pipelines.sources import fetch
+
+    from pipelines.core.errors import ModelFormatError
+    from pipelines.source.fetch import fetch
     from pipelines.targets.qaic import _refuse_bad_source
 
     model_dir = make_encoder(tmp_path / "bert", "BertModel", seed=5)

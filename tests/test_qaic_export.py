@@ -12,10 +12,10 @@ import pytest
 import torch
 from factories import TINY_CAUSAL_LMS, edit_config, make_llama, make_tiny_causal_lm
 
-from pipelines import reference
-from pipelines.errors import NotApplicableError
+from pipelines.core.errors import NotApplicableError
 from pipelines.targets.qaic.export import FAMILIES, OPSET, export
 from pipelines.targets.qaic.ort import compare, ort_parity, reference_logits, reference_model, run_ort_continuous
+from pipelines.validation import reference
 
 PROMPT = "The capital of France is"
 
@@ -227,8 +227,8 @@ def _int8_tensor(d: Path) -> None:
 
 
 def _stray_tensor(d: Path) -> None:
-    from factories import rewrite_safetensors
     import numpy as np
+    from factories import rewrite_safetensors
 
     rewrite_safetensors(d, lambda t: t.update({"model.layers.0.mlp.extra_proj.weight": np.ones((4, 4), np.float32)}))
 
@@ -236,7 +236,7 @@ def _stray_tensor(d: Path) -> None:
 def _index_names_absent(d: Path) -> None:
     import json
 
-    from pipelines.safetensors_io import SafetensorsFile
+    from pipelines.source.safetensors_io import SafetensorsFile
 
     with SafetensorsFile(d / "model.safetensors") as f:
         names = list(f.header.tensors)
@@ -270,9 +270,10 @@ BAD_SOURCES = {"int8 without a quantization config": (_int8_tensor, "is stored a
 @pytest.mark.parametrize("case", sorted(BAD_SOURCES))
 def test_qaic_export_refuses_what_the_vllm_targets_refuse(case, tiny_llama, tmp_path):
     from factories import copy_model, write_test_config
-    from pipelines.build import build_and_publish
-    from pipelines.config import Config
-    from pipelines.errors import ModelFormatError
+
+    from pipelines.config.registry import Config
+    from pipelines.core.errors import ModelFormatError
+    from pipelines.engine.build import build_and_publish
 
     breaker, message = BAD_SOURCES[case]
     d = copy_model(tiny_llama, tmp_path / "model")
@@ -286,7 +287,7 @@ def test_qaic_export_refuses_what_the_vllm_targets_refuse(case, tiny_llama, tmp_
 
 def test_a_metric_that_is_not_finite_fails_its_gate():
     """NaN passes every comparison: an ort_max_abs_delta of NaN (an export with an Inf weight) passed the max gate."""
-    from pipelines.thresholds import check_thresholds
+    from pipelines.config.thresholds import check_thresholds
     from pipelines.targets.qaic import ExportThresholds
 
     gates = ExportThresholds(max_ort_abs_delta=0.5)

@@ -49,7 +49,7 @@ COVERED = {
     **{a: f"{_QWEN3}[{a}]" for a in ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")},
     "MllamaForConditionalGeneration": f"{_MLLAMA}[MllamaForConditionalGeneration]",
     "Llama4ForConditionalGeneration": f"{_LLAMA4}[Llama4ForConditionalGeneration]",
-    # remote code, built as its native form InternVLForConditionalGeneration (pipelines/native_internvl.py)
+    # remote code, built as its native form InternVLForConditionalGeneration (pipelines/model/native_internvl.py)
     "InternVLChatModel": f"{_INTERNVL_CHAT}[InternVLChatModel]",
 }
 # The seed's rows without an exporter yet -> their task (none left; the tests below still run on the others).
@@ -157,7 +157,7 @@ def test_the_docs_matrix_names_each_row_and_its_test(db):
 
 
 def _config(tmp_path: Path, model_id: str, source: Path, reviewed: bool):
-    from pipelines.config import Config
+    from pipelines.config.registry import Config
 
     models = [{"id": model_id, "source": str(source), "recipes": ["qaic-mxfp6"], "reviewed": reviewed}]
     return Config.load(write_test_config(tmp_path / f"cfg-{reviewed}", _ROOT, models=models))
@@ -166,8 +166,8 @@ def _config(tmp_path: Path, model_id: str, source: Path, reviewed: bool):
 def test_reviewed_builds_an_exported_architecture_outside_the_matrix(tmp_path):
     """Qwen3 (exported, not in the seed's matrix): requires_review with the qaic recipes, and once the registry says
     `reviewed: true` the plan goes through; before, the answer stayed "recipe qaic-export does not apply"."""
-    from pipelines.errors import NotApplicableError
-    from pipelines.planning import plan
+    from pipelines.core.errors import NotApplicableError
+    from pipelines.engine.planning import plan
 
     model = make_tiny_causal_lm("qwen3", tmp_path / "qwen3", max_position_embeddings=4096)  # qaic-mxfp6: 2048
     with pytest.raises(NotApplicableError) as refused:
@@ -182,7 +182,7 @@ def test_reviewed_builds_an_exported_architecture_outside_the_matrix(tmp_path):
 def test_gemma2_is_served_without_the_window_its_export_does_not_compute(tmp_path):
     from types import SimpleNamespace
 
-    from pipelines import serve_policy
+    from pipelines.client import serve_policy
     from pipelines.targets.qaic import QaicTarget
     from pipelines.targets.qaic.compile import CompileOptions
     from pipelines.targets.qaic.families import window_served_full

@@ -20,10 +20,10 @@ import pytest
 import yaml
 from qaic_standin import LABEL, make_sdk
 
-from pipelines.errors import EngineFailed, NotApplicableError, StoreError
-from pipelines.manifest import FileEntry, Manifest, ModelInfo, RecipeInfo
+from pipelines.core.errors import EngineFailed, NotApplicableError, StoreError
 from pipelines.store import manifest_key, open_store, ref_key
 from pipelines.store.layout import ref_document
+from pipelines.store.manifest import FileEntry, Manifest, ModelInfo, RecipeInfo
 from pipelines.targets.qaic.compile import CompileOptions, compile_files, find_sdk
 from pipelines.targets.qaic.qpc import QpcCompile, bundle_manifest, compile_bundle
 
@@ -269,7 +269,7 @@ def test_bundle_manifest_finds_the_bundle_and_refuses_what_is_not_one(bundle, sd
 
 
 def test_the_hardware_step_without_an_sdk_leaves_the_bundle_pending(bundle, config, tmp_path, monkeypatch):
-    from pipelines.build_result import BuildResult
+    from pipelines.targets.build_result import BuildResult
 
     store, b = bundle
     monkeypatch.setenv("HIVE_AOT_QAIC_SDK", str(tmp_path / "no-sdk"))

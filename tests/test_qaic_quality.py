@@ -206,9 +206,9 @@ def test_mxfp6_emulation_covers_every_constant_matmul_weight(name, tmp_path):
     import onnx
     from onnx import numpy_helper
 
-    from pipelines import reference
     from pipelines.targets.qaic.decoder import build_decoder
     from pipelines.targets.qaic.export import export_decoder
+    from pipelines.validation import reference
 
     model = reference.load_model(make_tiny_causal_lm(name, tmp_path / name))
     assert not on_mxfp6_grid(model.lm_head.weight, -1)  # random weights are not: the check can fail
@@ -235,7 +235,7 @@ def test_mxfp6_emulation_covers_every_constant_matmul_weight(name, tmp_path):
 
 @pytest.mark.slow
 def test_demo_model_quality_prediction(smollm2_dir):
-    from pipelines import prompts, reference
+    from pipelines.validation import prompts, reference
 
     ids = reference.encode(reference.load_tokenizer(smollm2_dir), prompts.PARITY_TEXTS[:2])
     both = predict(smollm2_dir, ids)

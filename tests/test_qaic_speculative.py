@@ -102,7 +102,8 @@ def test_speculation_is_refused_for_what_is_not_a_causal_lm_decoder():
     spd = {**SHAPE, "num_speculative_tokens": K}
     for config in ({"architectures": ["LlavaForConditionalGeneration"], "vision_config": {"model_type": "clip"}},
                    {"architectures": ["BertModel"], "max_position_embeddings": 512}):
-        assert QaicTarget().plan_problems(SimpleNamespace(recipe=SimpleNamespace(options=spd), config=config)) == [NOT_A_TARGET_LM]
+        assert (QaicTarget().plan_problems(SimpleNamespace(recipe=SimpleNamespace(options=spd), config=config))
+                == [NOT_A_TARGET_LM])
         tlm = SimpleNamespace(recipe=SimpleNamespace(options={"target_lm": True}), config=config)
         assert QaicExportTarget().plan_problems(tlm) == [f"target_lm: {NOT_A_TARGET_LM}"]
     llama = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 512}
@@ -114,7 +115,7 @@ def test_speculation_is_refused_for_what_is_not_a_causal_lm_decoder():
 
 
 def test_the_serving_policy_runs_only_the_speculative_config_hive_aot_writes(tmp_path):
-    from pipelines.serve_policy import ServeRefused, check
+    from pipelines.client.serve_policy import ServeRefused, check
 
     base = ["vllm", "serve", str(tmp_path), "--max-model-len", "128", "--speculative-config"]
     env = {"VLLM_QAIC_SPEC_TARGET_QPC_PATH": f"{tmp_path}/qpc"}

@@ -1,6 +1,7 @@
 """AI 100 vision-language models (pipelines/targets/qaic/vision/, issue 25 item 1), QEfficient's dual QPC: a tiny
-random model of each family (LLaVA-1.5, LLaVA-NeXT, InternVL) exported as a vision graph and a language graph that merges the image rows over the placeholder
-tokens, run in onnxruntime on a synthetic image (numpy) against transformers fp32 (both halves and end to end);
+random model of each family (LLaVA-1.5, LLaVA-NeXT, InternVL) exported as a vision graph and a language graph
+that merges the image rows over the placeholder tokens, run in onnxruntime on a synthetic image (numpy) against
+transformers fp32 (both halves and end to end);
 the compile inputs of both QPCs; and the whole path check -> export -> bundle -> STAND-IN compile -> pull."""
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ def test_every_declared_family_names_its_architectures_once():
     assert "LlavaForConditionalGeneration" in VISION_FAMILIES
     for arch, family in VISION_FAMILIES.items():
         assert arch in family.architectures
-    from pipelines.errors import NotApplicableError
+    from pipelines.core.errors import NotApplicableError
 
     with pytest.raises(NotApplicableError, match="no AI 100 vision-language export for FooForConditionalGeneration"):
         vision_family({"architectures": ["FooForConditionalGeneration"]})
@@ -342,12 +343,12 @@ def test_beyond_the_budget_the_checks_stream_the_vlm_and_onnxruntime_runs_a_laye
     fit: the parity runs onnxruntime on a graph of its first 2 layers (over the same data file) against the VLM
     streamed unit by unit with the same 2 layers, and the quality prediction streams too; both agree with the
     resident runs of the same layers and model."""
-    from pipelines.memory import model_facts
-    from pipelines.sources import fetch_local
-    from pipelines.snapshot import parse_source
+    from pipelines.model.memory import model_facts
+    from pipelines.source.fetch import fetch_local
+    from pipelines.source.snapshot import parse_source
     from pipelines.targets.qaic.plan import ort_check, ort_memory
     from pipelines.targets.qaic.vision import target
-    from pipelines.tokenizer_cache import CachedTokenizer
+    from pipelines.validation.tokenizer_cache import CachedTokenizer
 
     vocab = json.loads((smollm2_dir / "config.json").read_text())["vocab_size"]
     model_dir = tiny_llava(tmp_path / "llava", vocab=vocab + 1, image_token=vocab, text_layers=4)

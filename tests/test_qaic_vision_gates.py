@@ -23,7 +23,6 @@ from test_qaic_vision import tiny_llava
 from test_qaic_vision_qwen2_5_vl import tiny_qwen2_5_vl
 from test_qaic_vision_qwen3_vl import tiny_qwen3_vl
 
-
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ("qaic-fp16", "qaic-mxfp6")
 # head_dim 64 (what the export and the device serve); M-RoPE sections cover its 32 frequencies
@@ -44,7 +43,7 @@ def check_prompt(model, tokenizer_dir: Path) -> tuple[object, list[int], int, di
     from pipelines.targets.qaic.vision import vision_family
     from pipelines.targets.qaic.vision.parity import image_prompt
     from pipelines.targets.qaic.vision.target import parity_text
-    from pipelines.tokenizer_cache import CachedTokenizer
+    from pipelines.validation.tokenizer_cache import CachedTokenizer
 
     _arch, family = vision_family(model.config.to_dict())
     inputs = family.vision_inputs(model.config, 0)
@@ -82,8 +81,8 @@ def fit_head_to_the_text(model_dir: Path, margin: float = 10.0, ridge: float = 1
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def published(request, smollm2_small_vocab_dir, tmp_path_factory):
     """Both compile recipes of one tiny VLM built into one store (the export once, reused by build id)."""
-    from pipelines.build import build_and_publish
-    from pipelines.config import Config
+    from pipelines.config.registry import Config
+    from pipelines.engine.build import build_and_publish
 
     arch = request.param
     make, extra_ids, text = MODELS[arch]

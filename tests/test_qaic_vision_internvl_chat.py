@@ -1,5 +1,5 @@
 """InternVLChatModel (OpenGVLab's remote-code InternVL repositories) on AI 100 as transformers' native
-InternVLForConditionalGeneration, through its declaration (pipelines/native_internvl.py), never its code.
+InternVLForConditionalGeneration, through its declaration (pipelines/model/native_internvl.py), never its code.
 
 A tiny random native InternVL (InternViT with a fused-able attention, a Qwen2 decoder) is written out in the remote
 layout by this file's own mapping (the remote module names: `vision_model.encoder.layers.N.attn.qkv`, `ls1`,
@@ -21,7 +21,7 @@ import pytest
 import torch
 from test_qaic_vision import TEXT, assert_end_to_end, language_io
 
-from pipelines.errors import HiveError, ModelFormatError, NotApplicableError
+from pipelines.core.errors import HiveError, ModelFormatError, NotApplicableError
 
 ARCH = "InternVLChatModel"
 IMAGE_TOKENS = ("<img>", "</img>", "<IMG_CONTEXT>")
@@ -32,8 +32,14 @@ def native_model(vocab: int, image_token: int, text: str = "qwen2", qk_norm: boo
     """A random transformers InternVLForConditionalGeneration: tiles of 28 pixels in patches of 14, pixel shuffle 0.5
     (one row per tile), a 2-layer decoder. Layer scales, norms, CLS and positions are random too, so a tensor read
     into the wrong parameter shows."""
-    from transformers import (InternVLConfig, InternVLForConditionalGeneration, InternVLVisionConfig, LlamaConfig,
-                              Qwen2Config, Qwen3Config)
+    from transformers import (
+        InternVLConfig,
+        InternVLForConditionalGeneration,
+        InternVLVisionConfig,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     torch.manual_seed(0)
     sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -167,9 +173,9 @@ def converted_native_checkpoint(model_dir: Path, dest: Path) -> Path:
     layout with the native config, for transformers' from_pretrained."""
     from safetensors.torch import save_file
 
-    from pipelines.native import write_native_config
-    from pipelines.safetensors_io import TensorSource
-    from pipelines.streamed_model import meta_model, read_float32
+    from pipelines.model.native import write_native_config
+    from pipelines.model.streamed_model import meta_model, read_float32
+    from pipelines.source.safetensors_io import TensorSource
 
     dest.mkdir(parents=True, exist_ok=True)
     with TensorSource(sorted(model_dir.glob("*.safetensors"))) as source:
@@ -182,7 +188,7 @@ def converted_native_checkpoint(model_dir: Path, dest: Path) -> Path:
 
 
 def test_the_declaration_gives_back_every_native_parameter_and_the_native_config(remote, tmp_path):
-    from pipelines.native import native_config, native_dict, read_config
+    from pipelines.model.native import native_config, native_dict, read_config
     from pipelines.targets.qaic.vision.export import load_vlm
 
     model_dir, original = remote
@@ -220,8 +226,8 @@ def test_the_other_declared_language_models_and_the_qk_normalized_tower_convert_
 
 def _check(model_dir: Path, config):
     from pipelines.compat.check import classify_snapshot
-    from pipelines.snapshot import parse_source
-    from pipelines.sources import fetch_local
+    from pipelines.source.fetch import fetch_local
+    from pipelines.source.snapshot import parse_source
 
     snap = fetch_local(parse_source(str(model_dir)), "OpenGVLab/InternVL-tiny")
     return classify_snapshot(snap, recipes=config.recipes.values(), hardware="qaic-ai100", registry=config.registry)
@@ -310,7 +316,7 @@ def test_a_repository_without_a_native_form_is_refused_in_one_line(changes, erro
     """check says why (no recipe, never routed), and so do the native config and the export, before any work."""
     import shutil
 
-    from pipelines.native import native_config
+    from pipelines.model.native import native_config
     from pipelines.targets.qaic.vision import VISION_FAMILIES
     from pipelines.targets.qaic.vision.export import export_vlm
 
@@ -331,7 +337,7 @@ def test_a_repository_without_a_native_form_is_refused_in_one_line(changes, erro
 def test_a_tokenizer_without_the_image_context_token_or_a_config_without_sizes_is_refused(remote, tmp_path):
     import shutil
 
-    from pipelines.native import native_config
+    from pipelines.model.native import native_config
 
     model_dir = shutil.copytree(remote[0], tmp_path / "no-token")
     (model_dir / "tokenizer.json").write_text(

@@ -205,7 +205,7 @@ def test_mllama_goes_through_check_export_bundle_and_standin_compile(smollm2_dir
 
 
 def test_the_text_model_alone_is_refused_and_stays_off_the_causal_lm_list(exported):
-    from pipelines.errors import NotApplicableError
+    from pipelines.core.errors import NotApplicableError
     from pipelines.targets.qaic.decoder import build_decoder
     from pipelines.targets.qaic.families import FAMILY_SPECS
     from pipelines.targets.qaic.vision.export import language_shim

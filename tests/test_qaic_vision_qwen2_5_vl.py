@@ -20,8 +20,8 @@ from pipelines.targets.qaic.compile import CompileOptions, compile_files, vision
 from pipelines.targets.qaic.vision import VISION_FAMILIES, vision_family
 from pipelines.targets.qaic.vision.export import export_vlm, load_vlm, round_language
 from pipelines.targets.qaic.vision.parity import image_prompt, vlm_parity
-from pipelines.targets.qaic.vision.runs import next_positions, run_language, run_vision
 from pipelines.targets.qaic.vision.qwen2_5_vl import IMAGE_GRID_THW
+from pipelines.targets.qaic.vision.runs import next_positions, run_language, run_vision
 
 MERGED_ROWS = IMAGE_GRID_THW[0] * (IMAGE_GRID_THW[1] // 2) * (IMAGE_GRID_THW[2] // 2)  # spatial_merge_size 2
 

@@ -21,8 +21,8 @@ from pipelines.targets.qaic.compile import CompileOptions, compile_files
 from pipelines.targets.qaic.vision import vision_family
 from pipelines.targets.qaic.vision.export import export_vlm, load_vlm, round_language
 from pipelines.targets.qaic.vision.parity import image_prompt, vlm_parity
-from pipelines.targets.qaic.vision.runs import image_state, run_language
 from pipelines.targets.qaic.vision.qwen3_vl import IMAGE_GRID_THW
+from pipelines.targets.qaic.vision.runs import image_state, run_language
 
 MERGED_ROWS = IMAGE_GRID_THW[0] * (IMAGE_GRID_THW[1] // 2) * (IMAGE_GRID_THW[2] // 2)  # spatial_merge_size 2
 LEVELS = 2  # deepstack_visual_indexes of the tiny tower
@@ -167,9 +167,10 @@ def test_qwen3_vl_goes_through_check_export_bundle_and_standin_compile(smollm2_d
 def test_the_single_qpc_graph_keeps_the_deepstack_features(exported, tmp_path):
     """kv_offload: false on Qwen3-VL: the composed graph feeds the tower's DeepStack features to the language
     layers too (QEfficient's single form drops them), against transformers; the MoE is dual only."""
+    from test_qaic_vision import single_qpc_parity
+
     from pipelines.targets.qaic.compile import CompileOptions
     from pipelines.targets.qaic.vision.compile import form_problem
-    from test_qaic_vision import single_qpc_parity
 
     case, family, model, root, _report, vision, _dir = exported
     opts = CompileOptions.parse({"full_batch_size": None, "kv_offload": False})

@@ -158,7 +158,6 @@ def test_whisper_goes_through_check_export_bundle_and_standin_compile(smollm2_di
     bundle (fp16 quality predicted), and the STAND-IN compile binds vllm-qaic's speech-to-text arguments."""
     from qaic_flow import run_flow
     from qaic_standin import LABEL
-
     from transformers import WhisperConfig, WhisperForConditionalGeneration
 
     torch.manual_seed(0)

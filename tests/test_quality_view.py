@@ -8,10 +8,10 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from pipelines import quality_view, svg_chart
+from pipelines.config.thresholds import check_thresholds
 from pipelines.targets.gguf import GgufThresholds
 from pipelines.targets.vllm import VllmThresholds
-from pipelines.thresholds import check_thresholds
+from pipelines.validation import quality_view, svg_chart
 
 SVG = "{http://www.w3.org/2000/svg}"
 GATES = GgufThresholds(min_top1_agreement=0.99, max_mean_kl=0.001, max_abs_logit_delta=2.0)

@@ -35,7 +35,7 @@ def _hive_aot_on_path(bin_dir: Path) -> Path:
     bin_dir.mkdir()
     script = bin_dir / "hive-aot"
     script.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(REPO)!r})\n"
-                      "from pipelines.cli import main\nsys.exit(main())\n")
+                      "from pipelines.cli.main import main\nsys.exit(main())\n")
     script.chmod(0o755)
     return bin_dir
 

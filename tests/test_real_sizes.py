@@ -18,11 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipelines.synthetic import generate, preset
+from pipelines.model.synthetic import generate, preset
 
 REPO = Path.cwd()
 GIB = 1 << 30
-RECIPES = ["gguf-f16", "gguf-q4_k_m", "vllm-bf16", "vllm-fp8", "vllm-w4a16", "vllm-w8a8-int8", "qaic-export", "qaic-mxfp6", "qaic-fp16"]
+RECIPES = ["gguf-f16", "gguf-q4_k_m", "vllm-bf16", "vllm-fp8", "vllm-w4a16", "vllm-w8a8-int8", "qaic-export", "qaic-mxfp6",
+           "qaic-fp16"]
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +98,7 @@ def _clip_l_336() -> dict[str, tuple[str, list[int], int]]:
 def llava_70b(llama3_70b, tmp_path_factory) -> Path:
     """A LLaVA of Llama-3-70B's language model and CLIP-L/336 (llava-next-72b's scale), headers only, in the layout
     transformers 4 saved (`language_model.model.*`, `vision_tower.*`): 70.9 B parameters."""
-    from pipelines.safetensors_io import read_header
+    from pipelines.source.safetensors_io import read_header
 
     out = tmp_path_factory.mktemp("sparse") / "llava-70b"
     out.mkdir()
@@ -187,8 +188,8 @@ def test_frontier_moe_gguf_plans_fit_20_gib_from_headers(name, recipe, frontier_
 
 
 def _facts(model: Path):
-    from pipelines.memory import facts_from_tensors
-    from pipelines.safetensors_io import read_header
+    from pipelines.model.memory import facts_from_tensors
+    from pipelines.source.safetensors_io import read_header
 
     tensors = [t for shard in sorted(model.glob("*.safetensors")) for t in read_header(shard).tensors.values()]
     return facts_from_tensors(tensors, json.loads((model / "config.json").read_text()))

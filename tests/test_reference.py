@@ -1,4 +1,4 @@
-"""pipelines/reference.py: the transformers fp32 reference every artifact is compared with.
+"""pipelines/validation/reference.py: the transformers fp32 reference every artifact is compared with.
 
 Its numbers are checked against transformers' own forward pass on the same weights (`from_pretrained`, a plain
 argmax loop for the continuation), streamed in a child and resident in this process alike; its cache against
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from factories import copy_model
-from pipelines import reference
-from pipelines.errors import ModelFormatError
+
+from pipelines.core.errors import ModelFormatError
+from pipelines.validation import reference
 
 IDS = [[1, 504, 2365, 30, 7042, 1359, 314, 260, 9110, 28, 4082, 17, 216, 33, 34, 35], [8, 91, 4000]]
 GEN_PROMPT = [1, 504, 3575, 282, 4649, 314]

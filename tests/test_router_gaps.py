@@ -1,12 +1,12 @@
-"""MoE routing near-ties (pipelines/router_gaps.py) and how the parity metrics set them apart (parity.compare)."""
+"""MoE routing near-ties (pipelines/validation/router_gaps.py) and how the parity metrics set them apart (parity.compare)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from factories import make_causal_lm
-from pipelines import parity, router_gaps
+
+from pipelines.validation import parity, router_gaps
 
 TINY_MOE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

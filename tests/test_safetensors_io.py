@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from factories import raw_safetensors
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from factories import raw_safetensors
-from pipelines.errors import HiveError, ModelFormatError
-from pipelines.safetensors_io import SafetensorsFile, TensorSource, read_header
+from pipelines.core.errors import HiveError, ModelFormatError
+from pipelines.source.safetensors_io import SafetensorsFile, TensorSource, read_header
 
 
 def _real_file(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:

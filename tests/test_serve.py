@@ -21,10 +21,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from factories import rewrite_published_manifest, write_test_config
-from pipelines.build import build_and_publish
-from pipelines.config import Config
+
+from pipelines.config.registry import Config
+from pipelines.engine.build import build_and_publish
 
 REPO = Path.cwd()
 MODEL = "test-org/served-llama"
@@ -162,7 +162,7 @@ def test_serve_without_the_engine_is_one_line(store, tmp_path):
 
 
 def test_dry_run_prints_the_command_with_the_extra_arguments(store, tmp_path, capsys):
-    from pipelines.cli import main
+    from pipelines.cli.main import main
 
     assert main(["serve", MODEL, "--target", "llm-llamacpp-cpu", "--dest", str(tmp_path / "m"), "--store", str(store),
                  "--dry-run", "--json", "--", "--port", "9000"]) == 0
@@ -217,7 +217,7 @@ HOSTILE = {  # red team round two, items 5 and 11: each of these ran, or ended i
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_serve_runs_only_the_kinds_own_server_with_its_own_arguments(case, store, tmp_path, capsys):
-    from pipelines.cli import main
+    from pipelines.cli.main import main
 
     fields = json.loads(json.dumps(HOSTILE[case]).replace("PLACEHOLDER", _gguf_name(store)))
     hostile = tmp_path / "store"
@@ -240,7 +240,7 @@ def _gguf_name(store: Path) -> str:
 
 
 def test_the_operator_pins_the_engine_and_allows_env_names(store, tmp_path, capsys, monkeypatch):
-    from pipelines.cli import main
+    from pipelines.cli.main import main
 
     hostile = tmp_path / "store"
     _rewrite_serving(store, hostile, env={"OMP_NUM_THREADS": "4"})
@@ -259,7 +259,7 @@ def test_the_operator_pins_the_engine_and_allows_env_names(store, tmp_path, caps
 
 
 def test_remote_code_from_an_unsigned_manifest_needs_the_operators_flag(store, tmp_path, capsys):
-    from pipelines.cli import main
+    from pipelines.cli.main import main
 
     hostile = tmp_path / "store"
     _rewrite_serving(store, hostile, command=["vllm", "serve", "{model_dir}", "--trust-remote-code"])

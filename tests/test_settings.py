@@ -1,4 +1,4 @@
-"""pipelines/settings.py is the one place a HIVE_AOT_* variable is read, and docs/settings.md's table is its list."""
+"""pipelines/core/settings.py is the one place a HIVE_AOT_* variable is read, and docs/settings.md's table is its list."""
 
 from __future__ import annotations
 
@@ -10,13 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import cli, paths, settings, signing
-from pipelines.errors import ConfigError
-from pipelines.store import default_store_uri
+from pipelines.cli import main as cli
+from pipelines.core import paths, settings
+from pipelines.core.errors import ConfigError
+from pipelines.store import default_store_uri, signing
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "pipelines"
 NAME = re.compile(r"HIVE_AOT_[A-Z0-9_]+")
+# Other tools' variables hive-aot reads: declared in settings.py too (audience "others"), read only through it.
+OTHERS = {name for s in settings.ALL if s.audience == settings.OTHERS for name in (s.name, *s.also)}
 
 
 def _constant_names(tree: ast.Module) -> dict[str, str]:
@@ -35,8 +38,8 @@ def _constant_names(tree: ast.Module) -> dict[str, str]:
 
 
 def environment_reads(source: str) -> list[str]:
-    """The HIVE_AOT_* names a module's source reads from os.environ / os.getenv (directly or through a
-    module-level constant), as `line: NAME`."""
+    """The HIVE_AOT_* names (and other tools' declared ones) a module's source reads from os.environ / os.getenv
+    (directly or through a module-level constant), as `line: NAME`."""
     tree = ast.parse(source)
     constants = _constant_names(tree)
 
@@ -48,7 +51,8 @@ def environment_reads(source: str) -> list[str]:
         return None
 
     def is_environ(node: ast.AST) -> bool:
-        return (isinstance(node, ast.Attribute) and node.attr == "environ") or (isinstance(node, ast.Name) and node.id == "environ")
+        return ((isinstance(node, ast.Attribute) and node.attr == "environ")
+                or (isinstance(node, ast.Name) and node.id == "environ"))
 
     reads = []
     for node in ast.walk(tree):
@@ -57,17 +61,23 @@ def environment_reads(source: str) -> list[str]:
             func = node.func
             if isinstance(func, ast.Attribute) and func.attr in ("get", "setdefault", "pop") and is_environ(func.value):
                 key = resolve(node.args[0])
-            elif (isinstance(func, ast.Attribute) and func.attr == "getenv") or (isinstance(func, ast.Name) and func.id == "getenv"):
+            elif ((isinstance(func, ast.Attribute) and func.attr == "getenv")
+                  or (isinstance(func, ast.Name) and func.id == "getenv")):
                 key = resolve(node.args[0])
         elif isinstance(node, ast.Subscript) and is_environ(node.value) and isinstance(node.ctx, ast.Load):
             key = resolve(node.slice)
-        if key and key.startswith("HIVE_AOT_"):
+        if key and (key.startswith("HIVE_AOT_") or key in OTHERS):
             reads.append(f"{node.lineno}: {key}")
     return reads
 
 
+# The vLLM runner runs in the vLLM venv, where hive-aot cannot be imported: it reads the vLLM variable that
+# engine.py set for it through settings.
+OUTSIDE_THE_PACKAGE = {PACKAGE / "targets" / "vllm" / "runner.py"}
+
+
 def _modules():
-    return [p for p in sorted(PACKAGE.rglob("*.py")) if p.name != "settings.py"]
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if p.name != "settings.py" and p not in OUTSIDE_THE_PACKAGE]
 
 
 def test_the_read_detector_finds_every_form_of_read():
@@ -84,14 +94,17 @@ getenv(A)
 os.environ.setdefault("HIVE_AOT_RECIPES", "x")
 os.environ["HIVE_AOT_FAULT"] = "written, not read"
 os.environ.get("PATH")
+os.environ.get("https_proxy")
+os.environ["DAGSTER_HOME"] = "written, not read"
 '''
     assert [r.split(": ")[1] for r in environment_reads(source)] == [
-        "HIVE_AOT_REGISTRY", "HIVE_AOT_STORE", "HIVE_AOT_FAULT", "HIVE_AOT_WARM_DIR", "HIVE_AOT_CACHE", "HIVE_AOT_RECIPES"]
+        "HIVE_AOT_REGISTRY", "HIVE_AOT_STORE", "HIVE_AOT_FAULT", "HIVE_AOT_WARM_DIR", "HIVE_AOT_CACHE", "HIVE_AOT_RECIPES",
+        "https_proxy"]
 
 
-def test_no_module_but_settings_reads_a_hive_aot_variable():
+def test_no_module_but_settings_reads_a_declared_variable():
     reads = {str(p.relative_to(ROOT)): r for p in _modules() if (r := environment_reads(p.read_text()))}
-    assert reads == {}, f"read these through pipelines.settings instead: {reads}"
+    assert reads == {}, f"read these through pipelines.core.settings instead: {reads}"
 
 
 def test_every_hive_aot_name_the_package_spells_out_is_declared():
@@ -105,17 +118,21 @@ def test_every_hive_aot_name_the_package_spells_out_is_declared():
 
 
 def test_settings_is_a_stdlib_leaf():
-    tree = ast.parse((PACKAGE / "settings.py").read_text())
-    imported = {(n.module or "" if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
-                for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
-                for a in (n.names if isinstance(n, ast.Import) else [None])}
-    assert all(isinstance(n, ast.Import) or n.level == 0 for n in ast.walk(tree) if isinstance(n, ast.ImportFrom))
-    assert imported <= set(sys.stdlib_module_names) | {"__future__"}, imported
+    """settings.py imports the standard library and, of the project, only errors.py, which imports the standard
+    library alone: any process (the pull client, a warm engine's client) reads its settings cheaply."""
+    for module, project_imports in (("settings.py", {"errors"}), ("errors.py", set())):
+        tree = ast.parse((PACKAGE / "core" / module).read_text())
+        relative = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
+        assert relative == project_imports, (module, relative)
+        imported = {(n.module or "" if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+                    for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) and not getattr(n, "level", 0)
+                    for a in (n.names if isinstance(n, ast.Import) else [None])}
+        assert imported <= set(sys.stdlib_module_names) | {"__future__"}, (module, imported)
 
 
 def test_the_docs_table_is_the_declared_list():
     section = (ROOT / "docs" / "settings.md").read_text()
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines() if line.startswith("| `HIVE_AOT_")]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in section.splitlines() if line.startswith("| `")]
     table = {r[0].strip("`"): (r[1].strip("`") if r[1] != "-" else None, r[2]) for r in rows}
     assert table == {s.name: (s.default, s.audience) for s in settings.ALL}
 
@@ -160,7 +177,7 @@ def test_the_cli_lists_every_setting_and_masks_credentials(monkeypatch, capsys):
 
 @pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf", "1e999"])
 def test_a_timeout_that_is_not_a_positive_number_is_one_line_naming_it(value, monkeypatch):
-    from pipelines.settings import QAIC_COMPILE_TIMEOUT, SettingError
+    from pipelines.core.settings import QAIC_COMPILE_TIMEOUT, SettingError
 
     monkeypatch.setenv(QAIC_COMPILE_TIMEOUT.name, value)
     with pytest.raises(SettingError) as e:
@@ -170,7 +187,7 @@ def test_a_timeout_that_is_not_a_positive_number_is_one_line_naming_it(value, mo
 
 
 def test_a_timeout_reads_seconds_and_falls_back_to_its_default(monkeypatch):
-    from pipelines.settings import VLLM_TIMEOUT
+    from pipelines.core.settings import VLLM_TIMEOUT
 
     monkeypatch.setenv(VLLM_TIMEOUT.name, " 2.5 ")
     assert VLLM_TIMEOUT.seconds() == 2.5

@@ -12,16 +12,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+from factories import ecdsa_keypair, ed25519_keypair, legacy_ed25519_signature, rewrite_published_manifest, write_test_config
 
-from factories import (ecdsa_keypair, ed25519_keypair, legacy_ed25519_signature, rewrite_published_manifest,
-                       write_test_config)
-from pipelines.build import build_and_publish
-from pipelines.cli import main
-from pipelines.config import Config
-from pipelines.errors import ConfigError, IntegrityError
-from pipelines.pull import pull
-from pipelines import oms
-from pipelines.signing import bundle_for, signature_key, signing_key
+from pipelines.cli.main import main
+from pipelines.client.pull import pull
+from pipelines.config.registry import Config
+from pipelines.core.errors import ConfigError, IntegrityError
+from pipelines.engine.build import build_and_publish
+from pipelines.store import oms
+from pipelines.store.signing import bundle_for, signature_key, signing_key
 
 REPO = Path.cwd()
 MODEL, CPU = "test-org/signed", "llm-llamacpp-cpu"

@@ -1,4 +1,4 @@
-"""Layer slices (pipelines/slicing.py, targets/vllm/engine_check.write_slice): which tensors and config a slice of
+"""Layer slices (pipelines/model/slicing.py, targets/vllm/engine_check.write_slice): which tensors and config a slice of
 the first N layers keeps, and that a vLLM slice is the published bytes of those tensors."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from factories import make_tiny_causal_lm
-from pipelines.safetensors_io import TensorSource
-from pipelines.slicing import in_slice, layer_of, slice_config
+
+from pipelines.model.slicing import in_slice, layer_of, slice_config
+from pipelines.source.safetensors_io import TensorSource
 from pipelines.targets.vllm.engine_check import write_slice
 
 
@@ -39,8 +39,10 @@ def test_a_vllm_slice_holds_the_published_bytes_of_its_tensors(tmp_path):
     files = write_slice(model, 1, tmp_path / "slice")
     assert files[:2] == ["model.safetensors", "config.json"] and "tokenizer.json" in files
     cfg = json.loads((tmp_path / "slice" / "config.json").read_text())
-    assert cfg["num_hidden_layers"] == 1 and cfg["architectures"] == json.loads((model / "config.json").read_text())["architectures"]
-    with TensorSource(sorted(model.glob("*.safetensors"))) as full, TensorSource([tmp_path / "slice" / "model.safetensors"]) as part:
+    assert (cfg["num_hidden_layers"] == 1
+            and cfg["architectures"] == json.loads((model / "config.json").read_text())["architectures"])
+    with (TensorSource(sorted(model.glob("*.safetensors"))) as full,
+          TensorSource([tmp_path / "slice" / "model.safetensors"]) as part):
         kept = set(part.names())
         assert kept == {n for n in full.names() if layer_of(n) in (None, 0)} and kept
         for n in kept:

@@ -1,4 +1,4 @@
-"""pipelines.sources: fetching HF repos through a real mirror (olah on loopback) and local directories.
+"""pipelines.source.fetch: fetching HF repos through a real mirror (olah on loopback) and local directories.
 
 No mocks: the real huggingface_hub client talks to the `hf_mirror` fixture, which serves git repos
 published by the tests. Bad input must fail with one clear line (a HiveError) and leave nothing behind.
@@ -19,12 +19,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from factories import copy_model
 
-from pipelines.errors import HiveError, ModelFormatError, SourceError
-from pipelines.paths import model_slug, safe_relpath
-from pipelines.sources import MARKER, WANTED_PATTERNS, fetch, parse_source, select_files
+from pipelines.core.errors import HiveError, ModelFormatError, SourceError
+from pipelines.core.paths import model_slug, safe_relpath
+from pipelines.source.fetch import MARKER, WANTED_PATTERNS, fetch, parse_source, select_files
 
 ORG = "sources-test"  # a namespace of our own: other test modules share the session mirror
 REPO_ROOT = Path.cwd()
@@ -165,7 +164,7 @@ def test_new_upstream_commit_gives_a_new_snapshot(hf_mirror, tiny_llama, tmp_pat
 def test_a_pinned_commit_already_here_asks_the_hub_nothing(hf_mirror, tiny_llama, tmp_path, monkeypatch):
     """A commit never changes: once its snapshot is complete in the cache, fetching it again (a no-op onboarding
     of a pinned model) makes no Hub call; a branch still asks the Hub where it points now."""
-    import pipelines.sources as sources
+    import pipelines.source.fetch as sources
 
     repo = f"{ORG}/pinned"
     commit = hf_mirror.publish(repo, copy_model(tiny_llama, tmp_path / "m"))
@@ -377,7 +376,7 @@ def test_local_missing_config_is_refused(tiny_llama, tmp_path):
 
 
 def test_malformed_config_fails_plan_and_cli_with_one_line(tiny_llama, tmp_path, config):
-    from pipelines.build import plan
+    from pipelines.engine.build import plan
 
     src = copy_model(tiny_llama, tmp_path / "m")
     (src / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidden_size": 64,')
@@ -507,7 +506,7 @@ def hf_cache_snapshot(hub: Path, repo: str, commit: str, src: Path, ref: str = "
 
 def build_id_of(snap) -> str:
     """The build id of a snapshot for a fixed recipe and toolchain: what decides whether builds are shared."""
-    from pipelines.manifest import compute_build_id
+    from pipelines.store.manifest import compute_build_id
 
     return compute_build_id(snap.model_id, snap.commit, [(f.path, f.sha256) for f in snap.files], "{}", {})
 
@@ -554,7 +553,7 @@ def hf_cached(hf_mirror, tiny_src, tmp_path_factory) -> tuple[str, str, Path]:
 
 
 def test_hf_cache_model_id_decoding():
-    from pipelines.sources import hf_cache_model_id
+    from pipelines.source.fetch import hf_cache_model_id
 
     assert hf_cache_model_id(Path("models--HuggingFaceTB--SmolLM2-135M")) == "HuggingFaceTB/SmolLM2-135M"
     assert hf_cache_model_id(Path("models--a.b--c_d-e.f")) == "a.b/c_d-e.f"
@@ -663,7 +662,7 @@ def test_offline_hf_source_from_env_in_a_fresh_process(hf_cached, offline, tmp_p
     """huggingface_hub reads HF_HUB_OFFLINE and HF_HUB_CACHE at import: a new process sees only the env."""
     repo, commit, hub = hf_cached
     offline(hub)
-    code = ("import json, sys; from pipelines.sources import fetch; "
+    code = ("import json, sys; from pipelines.source.fetch import fetch; "
             "s = fetch(sys.argv[1]); print(json.dumps([s.commit, s.local_dir]))")
     res = subprocess.run([sys.executable, "-c", code, f"hf://{repo}@main"], cwd=REPO_ROOT, capture_output=True,
                          text=True, timeout=120)

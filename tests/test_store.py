@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.errors import HiveError, IntegrityError, StoreError
+from pipelines.core.errors import HiveError, IntegrityError, StoreError
 from pipelines.store import blob_key, manifest_key, open_store, ref_key, staging_key
 from pipelines.store.local import LocalStore
 

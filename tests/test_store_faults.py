@@ -29,12 +29,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
 from factories import make_spm_llama, write_test_config
 from warm_cli import run_cli
-from pipelines.manifest import Manifest
+
 from pipelines.store import blob_key, open_store
 from pipelines.store.faults import EVENTS_ENV, KILL_ENV
+from pipelines.store.manifest import Manifest
 
 REPO = Path.cwd()
 MODEL = "test-org/faulty"

@@ -18,13 +18,13 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from factories import store_contract, write_test_config
 from oci_registry import PASSWORD, USER, data_dir
-from pipelines.build import build_and_publish
-from pipelines.config import Config
-from pipelines.errors import IntegrityError, StoreError
-from pipelines.hashing import sha256_file
+
+from pipelines.config.registry import Config
+from pipelines.core.errors import IntegrityError, StoreError
+from pipelines.core.hashing import sha256_file
+from pipelines.engine.build import build_and_publish
 from pipelines.store import blob_key, open_store
 from pipelines.store.oci import OciStore
 from pipelines.store.oci_modelpack import MODEL_ARTIFACT, MODEL_CONFIG
@@ -303,7 +303,8 @@ def test_bearer_token_flow_and_credential_helpers(oci_registry, tmp_path, monkey
     secret = "helper-secret-4e1b"
     helper = tmp_path / "bin" / "docker-credential-hivetest"
     helper.parent.mkdir()
-    helper.write_text(f'#!/bin/sh\nread host\necho "{{\\"Username\\": \\"bob\\", \\"Secret\\": \\"$(cat {tmp_path}/secret)\\"}}"\n')
+    helper.write_text('#!/bin/sh\nread host\n'
+                      f'echo "{{\\"Username\\": \\"bob\\", \\"Secret\\": \\"$(cat {tmp_path}/secret)\\"}}"\n')
     helper.chmod(0o755)
     (tmp_path / "secret").write_text(secret)
     monkeypatch.setenv("PATH", f"{helper.parent}:{os.environ['PATH']}")

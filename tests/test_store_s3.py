@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from factories import store_contract, write_test_config
-from pipelines.build import build_and_publish
-from pipelines.config import Config
-from pipelines.errors import IntegrityError, StoreError
-from pipelines.hashing import sha256_file
-from pipelines.pull import pull
+
+from pipelines.client.pull import pull
+from pipelines.config.registry import Config
+from pipelines.core.errors import IntegrityError, StoreError
+from pipelines.core.hashing import sha256_file
+from pipelines.engine.build import build_and_publish
 from pipelines.store import blob_key, open_store
 from pipelines.store.s3 import S3Store
 
@@ -94,7 +94,7 @@ def test_corrupt_s3_blob_is_caught_by_pull(s3_uri, tiny_llama, tmp_path, monkeyp
 
 
 def test_gc_on_s3_keeps_referenced_and_young_blobs(s3_uri, tmp_path):
-    from pipelines.inventory import gc
+    from pipelines.client.inventory import gc
 
     store = open_store(s3_uri)
     young = tmp_path / "young.bin"
@@ -204,7 +204,7 @@ def test_multipart_upload_hashes_as_it_sends_and_completes_only_a_match(s3_uri, 
 def test_gc_aborts_the_unfinished_uploads_of_killed_publishers(s3_uri):
     """A publisher killed mid-upload leaves an invisible multipart upload whose parts take space: gc aborts it once
     it is older than the age that protects publishes in flight, and lists it under `temporaries`."""
-    from pipelines.inventory import gc
+    from pipelines.client.inventory import gc
 
     store = open_store(s3_uri)
     k = store._key(blob_key("ab" * 32))

@@ -1,4 +1,4 @@
-"""The streamed transformers reference (pipelines/streamed_model.py) against transformers' own loading.
+"""The streamed transformers reference (pipelines/model/streamed_model.py) against transformers' own loading.
 
 Every family the project builds (GGUF: Llama, Mistral, Qwen2; AI 100 and vLLM: the TINY_CAUSAL_LMS
 list, MoE included) gives the same logits and greedy ids streamed block by block as `from_pretrained`
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from factories import TINY_CAUSAL_LMS, make_tiny_causal_lm
-from pipelines import reference
-from pipelines.errors import ModelFormatError
-from pipelines.streamed_model import StreamedCausalLM, weight_rules
+
+from pipelines.core.errors import ModelFormatError
+from pipelines.model.streamed_model import StreamedCausalLM, weight_rules
+from pipelines.validation import reference
 
 IDS = [1, 5, 9, 33, 200, 7, 8, 100, 45, 3, 2, 300, 17, 18, 411, 64]
 GEN_PROMPT = IDS[:5]
@@ -116,7 +116,8 @@ def test_a_tensor_of_the_wrong_shape_is_one_line(families, tmp_path):
     d = copy_model(families["qwen2"], tmp_path / "m")
     edit_config(d, intermediate_size=96)  # the checkpoint has 128
     with StreamedCausalLM(d, sorted(d.glob("*.safetensors"))) as lm:
-        with pytest.raises(ModelFormatError, match=r"mlp\.gate_proj\.weight has shape \[128, 64\], the config implies \[96, 64\]"):
+        with pytest.raises(ModelFormatError,
+                           match=r"mlp\.gate_proj\.weight has shape \[128, 64\], the config implies \[96, 64\]"):
             lm.logits(IDS)
 
 

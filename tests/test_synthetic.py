@@ -1,4 +1,4 @@
-"""pipelines/synthetic.py: sharded random Llamas with real shapes, written one chunk at a time."""
+"""pipelines/model/synthetic.py: sharded random Llamas with real shapes, written one chunk at a time."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipelines import synthetic
-from pipelines.safetensors_io import SafetensorsFile, read_header
+from pipelines.model import synthetic
+from pipelines.source.safetensors_io import SafetensorsFile, read_header
 
 TINY = synthetic.preset("tiny")
 
@@ -118,7 +118,7 @@ def test_generation_streams(tmp_path):
     assert 180e6 < size < 220e6
     code = (
         "import json, resource, sys\n"
-        "from pipelines import synthetic\n"
+        "from pipelines.model import synthetic\n"
         f"shape = synthetic.LlamaShape(**{synthetic.asdict(shape)!r})\n"
         "res = synthetic.generate(sys.argv[1], shape, max_shard_size='64MiB')\n"
         "hwm = next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
@@ -170,10 +170,10 @@ def test_presets_and_refusals(tmp_path):
 
 
 def test_cli(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pipelines.synthetic", "--preset", "tiny", "--out", str(tmp_path / "m"),
+    proc = subprocess.run([sys.executable, "-m", "pipelines.model.synthetic", "--preset", "tiny", "--out", str(tmp_path / "m"),
                            "--seed", "1", "--max-shard-size", "1MiB"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "1,705,216 parameters" in proc.stdout and "shard(s)" in proc.stdout
-    again = subprocess.run([sys.executable, "-m", "pipelines.synthetic", "--preset", "tiny", "--out", str(tmp_path / "m")],
+    again = subprocess.run([sys.executable, "-m", "pipelines.model.synthetic", "--preset", "tiny", "--out", str(tmp_path / "m")],
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 1 and "synthetic: error:" in again.stderr and "not an empty directory" in again.stderr

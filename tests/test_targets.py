@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.kinds import BUILTIN, ENTRY_POINT_GROUP, refresh, target_class, target_for
-from pipelines.kinds import known as known_kinds
+from pipelines.config.kinds import BUILTIN, ENTRY_POINT_GROUP, known as known_kinds, refresh, target_class, target_for
+from pipelines.config.thresholds import check_thresholds
+from pipelines.core.errors import ConfigError
 from pipelines.targets import HardwareStep, Target, serve_command
-from pipelines.thresholds import check_thresholds
-
 
 # What a kind must decide itself: `Target` has no default for these.
 ABSTRACT = ("plan_steps", "option_problems", "artifact_format", "supports", "toolchain", "build", "validate", "serving")
@@ -31,7 +30,7 @@ def test_every_kind_implements_the_interface():
                     if getattr(type(step), m) is getattr(HardwareStep, m)] == [], kind
         for name, field in t.Thresholds.model_fields.items():  # every gate names its metric
             assert name.startswith(("min_", "max_", "require_")) and field.json_schema_extra["metric"], (kind, name)
-    with pytest.raises(ValueError, match=r"unknown target kind 'qpc' \(known: gguf, vllm, qaic-export, qaic\)"):
+    with pytest.raises(ConfigError, match=r"unknown target kind 'qpc' \(known: gguf, vllm, qaic-export, qaic\)"):
         target_class("qpc")
 
 
@@ -73,7 +72,7 @@ def test_gates_by_prefix_and_unmeasured_metrics_fail():
 
 
 def test_thresholds_of_one_kind_are_refused_for_another():
-    from pipelines.config import Recipe
+    from pipelines.config.registry import Recipe
 
     with pytest.raises(ValueError, match=r"require_engine_load: Extra inputs are not permitted \(gguf thresholds: "):
         Recipe.model_validate({"id": "x", "kind": "gguf", "runtime_profiles": ["llm-llamacpp-cpu"],

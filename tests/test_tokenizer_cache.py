@@ -1,4 +1,4 @@
-"""pipelines/tokenizer_cache.py: a tokenizer's answers cached per tokenizer content.
+"""pipelines/validation/tokenizer_cache.py: a tokenizer's answers cached per tokenizer content.
 
 Held here: the cached answers equal the real tokenizer's (a byte-level BPE through transformers and a
 SentencePiece model); a process without transformers asks what the cache lacks in one child, and a second
@@ -17,11 +17,11 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from factories import copy_model, make_spm_llama
-from pipelines import prompts
-from pipelines.reference import load_tokenizer
-from pipelines.tokenizer_cache import CachedTokenizer, tokenizer_key
+
+from pipelines.validation import prompts
+from pipelines.validation.reference import load_tokenizer
+from pipelines.validation.tokenizer_cache import CachedTokenizer, tokenizer_key
 
 QUESTIONS = [*prompts.PARITY_TEXTS[:3], prompts.GENERATION_PROMPT, "a", ""]
 
@@ -60,7 +60,7 @@ def test_prepare_asks_in_one_child_then_a_second_process_needs_none(tiny_llama, 
     probe = (
         "import json, sys\n"
         "from pathlib import Path\n"
-        "from pipelines.tokenizer_cache import CachedTokenizer\n"
+        "from pipelines.validation.tokenizer_cache import CachedTokenizer\n"
         f"tok = CachedTokenizer(Path({str(tiny_llama)!r}))\n"
         f"tok.prepare(texts={QUESTIONS!r}, decodes=[[1, 2, 3]])\n"
         f"ids = [tok(t).input_ids for t in {QUESTIONS!r}]\n"
@@ -79,14 +79,14 @@ def test_prepare_asks_in_one_child_then_a_second_process_needs_none(tiny_llama, 
 
 
 def test_a_tokenizer_that_cannot_load_is_one_line_from_the_child_too(tiny_llama, tmp_path, cache):
-    from pipelines.errors import ModelFormatError
+    from pipelines.core.errors import ModelFormatError
 
     model = copy_model(tiny_llama, tmp_path / "broken")
     (model / "tokenizer.json").unlink()
     (model / "tokenizer.json").write_text("{ not json")
     with pytest.raises(ModelFormatError, match="tokenizer cannot be loaded"):
         CachedTokenizer(model).prepare(texts=["a"])  # pytest has transformers imported: asked here
-    probe = ("from pathlib import Path\nfrom pipelines.tokenizer_cache import CachedTokenizer\n"
+    probe = ("from pathlib import Path\nfrom pipelines.validation.tokenizer_cache import CachedTokenizer\n"
              f"CachedTokenizer(Path({str(model)!r})).prepare(texts=['a'])\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(Path.cwd())})

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from factories import write_registry
-from pipelines.kinds import refresh
+
+from pipelines.config.kinds import refresh
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = Path(__file__).parent / "toy_kind"
@@ -61,7 +61,7 @@ def toy(tiny_llama, tmp_path_factory, hermetic_env):
 
 
 def test_the_toy_kind_is_registered_and_nothing_in_pipelines_names_it(toy):
-    from pipelines.kinds import known, target_for
+    from pipelines.config.kinds import known, target_for
 
     assert "toy" in known() and target_for("toy").artifact_format({}) == "toy-fp16"
     named = [str(p.relative_to(REPO)) for p in (REPO / "pipelines").rglob("*.py") if "toy" in p.read_text().lower()]
@@ -83,7 +83,7 @@ def test_routed_and_planned(toy, tiny_llama):
 
 
 def test_built_validated_in_dagster_then_pulled(toy, tmp_path):
-    from pipelines.config import Config
+    from pipelines.config.registry import Config
     from pipelines.orchestration.factories import all_recipe_assets, artifact_key
     from pipelines.orchestration.onboard import onboard
 

@@ -320,8 +320,8 @@ def _entries(events: list[dict]) -> dict[str, dict]:
 def _artifact_metadata(port: int) -> tuple[str, str]:
     """The artifact's materialization as the partition page lists it: the build id cut to 12 hex digits (the full
     one in the `build` JSON), `files` a table, the peak memory once, in binary units. Returns both ids."""
-    meta = _graphql(port, """query($p: String!) { assetNodes(assetKeys: [{path: ["artifact", "gguf-f32"]}]) {
-        assetMaterializations(partitions: [$p], limit: 1) { %s } } }""" % ENTRIES, {"p": MODEL})
+    meta = _graphql(port, f"""query($p: String!) {{ assetNodes(assetKeys: [{{path: ["artifact", "gguf-f32"]}}]) {{
+        assetMaterializations(partitions: [$p], limit: 1) {{ {ENTRIES} }} }} }}""", {"p": MODEL})
     entries = _entries(meta["assetNodes"][0]["assetMaterializations"])
     build_id, full_id = entries["build_id"]["text"], json.loads(entries["build"]["jsonString"])["build_id"]
     assert len(build_id) == 12 and len(full_id) == 64 and full_id.startswith(build_id)
@@ -334,8 +334,8 @@ def _artifact_metadata(port: int) -> tuple[str, str]:
 def _quality_recorded(port: int, full_id: str) -> None:
     """The parity check recorded what it measured on the artifact's partition (an observation: the partition page
     lists it beside the build's metadata) and the summary holds the model's row and the size/quality chart."""
-    obs = _graphql(port, """query($p: String!) { assetNodes(assetKeys: [{path: ["artifact", "gguf-f32"]}]) {
-        assetObservations(partitions: [$p], limit: 1) { %s } } }""" % ENTRIES, {"p": MODEL})
+    obs = _graphql(port, f"""query($p: String!) {{ assetNodes(assetKeys: [{{path: ["artifact", "gguf-f32"]}}]) {{
+        assetObservations(partitions: [$p], limit: 1) {{ {ENTRIES} }} }} }}""", {"p": MODEL})
     seen = _entries(obs["assetNodes"][0]["assetObservations"])
     assert seen["validation"]["text"].startswith("passed: ")
     gates = {r["metric"]: r for r in map(json.loads, seen["quality"]["table"]["records"])}
@@ -343,8 +343,8 @@ def _quality_recorded(port: int, full_id: str) -> None:
     assert all(g["pass"] for g in gates.values()) and float(gates["top-1 agreement"]["value"]) >= 0.99
     assert f'{seen["top1_agreement"]["floatValue"]:.4f}' == gates["top-1 agreement"]["value"]  # and as a number
     assert seen["kl_by_position"]["mdStr"].startswith("![KL by position](<data:image/svg+xml,")
-    summary = _graphql(port, """query($p: String!) { assetNodes(assetKeys: [{path: ["summary"]}]) {
-        assetMaterializations(partitions: [$p], limit: 1) { %s } } }""" % ENTRIES, {"p": MODEL})
+    summary = _graphql(port, f"""query($p: String!) {{ assetNodes(assetKeys: [{{path: ["summary"]}}]) {{
+        assetMaterializations(partitions: [$p], limit: 1) {{ {ENTRIES} }} }} }}""", {"p": MODEL})
     table = _entries(summary["assetNodes"][0]["assetMaterializations"])
     (row,) = [json.loads(r) for r in table["recipes"]["table"]["records"]]
     assert (row["recipe"], row["state"], row["build id"]) == ("gguf-f32", "published", full_id[:12]), row

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.cli import main
-from pipelines.manifest import FileEntry, Manifest, ModelInfo, RecipeInfo
+from pipelines.cli.main import main
 from pipelines.store import blob_key, open_store
 from pipelines.store.layout import manifest_key, ref_key
+from pipelines.store.manifest import FileEntry, Manifest, ModelInfo, RecipeInfo
 
 MODEL = "test-org/verified"
 SIZES = (300_000, 5_000)

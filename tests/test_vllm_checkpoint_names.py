@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from factories import make_causal_lm, make_tiny_causal_lm, rewrite_safetensors
 
-from pipelines.errors import ModelFormatError
-from pipelines.safetensors_io import TensorSource
+from pipelines.core.errors import ModelFormatError
+from pipelines.source.safetensors_io import TensorSource
 from pipelines.targets.vllm.checkpoint_names import map_checkpoint
 from pipelines.targets.vllm.fp8 import fp8_selection
 
@@ -100,7 +100,7 @@ def test_expert_input_quantization_is_only_on_inside_the_experts_forward(qwen3_m
     a forward that raised) nn.functional.linear is untouched."""
     import torch
 
-    from pipelines.streamed_model import StreamedCausalLM
+    from pipelines.model.streamed_model import StreamedCausalLM
     from pipelines.targets.vllm.moe_activations import quantize_expert_inputs
 
     lm = StreamedCausalLM(qwen3_moe, sorted(qwen3_moe.glob("*.safetensors")), resident=True)

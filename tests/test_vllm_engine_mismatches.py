@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from factories import make_causal_lm, write_test_config
 
-from pipelines.build import build_and_publish
-from pipelines.config import Config
+from pipelines.config.registry import Config
+from pipelines.engine.build import build_and_publish
 from pipelines.targets.vllm import VllmTarget, engine, engine_defects
 from pipelines.targets.vllm.prepare import normalize_config
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from factories import make_causal_lm, write_test_config
 
-from pipelines.build import build_and_publish
-from pipelines.config import Config
+from pipelines.config.registry import Config
+from pipelines.engine.build import build_and_publish
 from pipelines.targets.vllm import engine
 
 REPO = Path.cwd()
@@ -208,7 +208,7 @@ def test_kimi_k2_as_released_is_refused_in_one_line(published, tmp_path):
     tokenizer is remote code too). One line each; once a native equivalent exists, the DeepSeek defect record covers it."""
     import shutil
 
-    from pipelines.errors import HiveError
+    from pipelines.core.errors import HiveError
 
     published("deepseek_v3")
     d = tmp_path / "kimi-k2"

@@ -19,10 +19,10 @@ from factories import copy_model, edit_config, make_llama, poison_weights, write
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from pipelines.build import plan, stage
-from pipelines.config import Config
-from pipelines.errors import HiveError, NotApplicableError
-from pipelines.hashing import sha256_file
+from pipelines.config.registry import Config
+from pipelines.core.errors import HiveError, NotApplicableError
+from pipelines.core.hashing import sha256_file
+from pipelines.engine.build import plan, stage
 from pipelines.store import blob_key, open_store, staging_key
 
 REPO = Path.cwd()
@@ -181,7 +181,8 @@ def _refused(src: Path, recipe: str, config: Config, tmp_path: Path, match: str)
 def test_quantized_dtype_without_quantization_config_is_refused(tiny_llama, tmp_path, config):
     d = copy_model(tiny_llama, tmp_path / "m")
     tensors = load_file(str(d / "model.safetensors"))
-    tensors["model.layers.0.mlp.down_proj.weight"] = torch.zeros_like(tensors["model.layers.0.mlp.down_proj.weight"], dtype=torch.int8)
+    tensors["model.layers.0.mlp.down_proj.weight"] = torch.zeros_like(tensors["model.layers.0.mlp.down_proj.weight"],
+                                                                      dtype=torch.int8)
     save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
     _refused(d, "vllm-bf16", config, tmp_path, r"model.layers.0.mlp.down_proj.weight is stored as I8 but config.json "
                                                r"declares no quantization")

@@ -18,16 +18,23 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pipelines import prompts, reference
-from pipelines.build import build_and_publish
-from pipelines.memory import BASE_TORCH
+from pipelines.engine.build import build_and_publish
+from pipelines.model.memory import BASE_TORCH
 from pipelines.store import blob_key, open_store
 from pipelines.targets.vllm import engine
 from pipelines.targets.vllm.gptq import Grid, Hessian, gptq_quantize, output_error
 from pipelines.targets.vllm.int_artifact import fake_quant_int8
-from pipelines.targets.vllm.pack import (dequantize_groups, group_size_for, int8_config, pack_int4,
-                                         round_to_nearest_int4, unpack_int4, w4a16_config)
-from pipelines.tokenizer_cache import CachedTokenizer
+from pipelines.targets.vllm.pack import (
+    dequantize_groups,
+    group_size_for,
+    int8_config,
+    pack_int4,
+    round_to_nearest_int4,
+    unpack_int4,
+    w4a16_config,
+)
+from pipelines.validation import prompts, reference
+from pipelines.validation.tokenizer_cache import CachedTokenizer
 
 DEMO = "HuggingFaceTB/SmolLM2-135M-Instruct"
 

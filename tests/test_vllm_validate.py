@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipelines import prompts
-from pipelines.errors import EngineFailed, HiveError
+from pipelines.core.errors import EngineFailed, HiveError
 from pipelines.targets.vllm.validate import compare_engine, evaluate
+from pipelines.validation import prompts
 
 PERTURBED = "model.layers.1.mlp.down_proj.weight"
 

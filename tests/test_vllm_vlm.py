@@ -15,18 +15,19 @@ no torchvision: it runs the image check end to end.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
 from factories import SMALL_BPE_VOCAB, make_causal_lm, make_small_bpe_tokenizer, write_test_config
 from test_vllm_prepare import staged as stage_only
 
-from pipelines.build import build_and_publish, plan
-from pipelines.config import Config
-from pipelines.errors import EngineFailed, NotApplicableError
+from pipelines.config.registry import Config
+from pipelines.core.errors import EngineFailed, NotApplicableError
+from pipelines.engine.build import build_and_publish, plan
 from pipelines.targets.vllm import engine, vision
 
 REPO = Path.cwd()
@@ -218,7 +219,7 @@ def staged(src: Path, recipe: str, config: Config, tmp_path: Path) -> tuple[dict
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
 def test_check_offers_vllm_recipes_and_the_directory_carries_the_processor(arch, vlm, config, tmp_path):
     from pipelines.compat import classify_snapshot
-    from pipelines.sources import fetch
+    from pipelines.source.fetch import fetch
 
     src = vlm(arch)
     compat = classify_snapshot(fetch(str(src), "test-org/tiny-vlm"), config.recipes.values(), registry=config.registry)
@@ -301,7 +302,7 @@ def test_idefics3_publishes_with_the_image_prompt_checked_in_vllm(idefics3_publi
 def test_a_vlm_vllm_cpu_cannot_load_is_refused_in_one_line_naming_the_engines_error(vlm, config, tmp_path):
     """Qwen2.5-VL: vLLM 0.32's module imports transformers' torchvision image processor. With torchvision in the
     engine's venv the image check runs and the build publishes; without, the build names the import that failed."""
-    from pipelines.errors import HiveError
+    from pipelines.core.errors import HiveError
 
     src = vlm("Qwen2_5_VLForConditionalGeneration")
     if engine_has_torchvision():
@@ -341,7 +342,7 @@ def encoded(arrays: dict[str, np.ndarray]) -> dict[str, dict]:
 def test_the_comparison_sees_the_image_and_refuses_different_inputs(vlm, tmp_path):
     """Rows of a faithful engine (transformers' own on picture A) agree with transformers on A, not on picture B;
     vLLM ids that are not the processor's, or without an image token, are engine failures."""
-    from pipelines import parity
+    from pipelines.validation import parity
 
     src = vlm("Idefics3ForConditionalGeneration")
     config = json.loads((src / "config.json").read_text())

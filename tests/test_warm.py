@@ -1,4 +1,4 @@
-"""Warm engine processes (pipelines/warm.py): a server imports once and forks a child per job. The child must
+"""Warm engine processes (pipelines/process/warm.py): a server imports once and forks a child per job. The child must
 behave as a fresh process would: the job's argv, environment, working directory and output; its exit status
 (a signal as a negative status); a timeout kills it; a client that goes away takes its job with it; a server
 that cannot start means a fresh process, never a failure. Entries here are small stdlib scripts."""
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import warm
+from pipelines.process import warm
 
 ENTRY = textwrap.dedent('''
     import json, os, sys, time
@@ -144,7 +144,7 @@ def test_a_client_that_goes_away_takes_its_job_with_it(entry, tmp_path, warm_dir
     fifo = tmp_path / "started"
     os.mkfifo(fifo)
     client = subprocess.Popen([sys.executable, "-c", (
-        "import os, sys; from pathlib import Path; from pipelines import warm; "
+        "import os, sys; from pathlib import Path; from pipelines.process import warm; "
         f"warm.run(sys.executable, {str(entry)!r}, [{str(entry)!r}, 'block', {str(fifo)!r}], cwd=Path('/'), "
         "env=dict(os.environ), timeout=None)")],
         cwd=Path.cwd(), env={**os.environ, "PYTHONPATH": str(Path.cwd())})
@@ -179,8 +179,8 @@ def test_an_idle_server_exits_and_a_stale_socket_is_replaced(entry, tmp_path, wa
 
 
 def test_isolated_children_are_forked_warm_with_the_same_results(warm_dir, monkeypatch):
-    from pipelines.errors import EngineCrashed
-    from pipelines.isolation import run_isolated
+    from pipelines.core.errors import EngineCrashed
+    from pipelines.process.isolation import run_isolated
 
     assert run_isolated(os.path.relpath, engine="e", step="s", path="x/y", start="x") == "y"
     monkeypatch.setenv("HIVE_AOT_FAULT", "GGUF validation:segv")

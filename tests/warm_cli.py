@@ -1,4 +1,4 @@
-"""The hive-aot CLI as an entry of a warm server (pipelines/warm.py), for tests that start it dozens of times.
+"""The hive-aot CLI as an entry of a warm server (pipelines/process/warm.py), for tests that start it dozens of times.
 
 A fault loop runs `hive-aot build` some 25 times per store kind, each killed at a store event or left to finish.
 A fresh interpreter spends most of such a tiny build importing hive-aot (numpy, pydantic, the stores); a warm
@@ -28,8 +28,9 @@ if str(REPO) not in sys.path:
 
 
 # What a build, a pull, ls and gc import before their first step (a run imports anything else itself).
-PRELOAD = ("pipelines.cli", "pipelines.build", "pipelines.config", "pipelines.kinds", "pipelines.pull",
-           "pipelines.store.local", "pipelines.store.s3", "pipelines.store.oci", "pipelines.targets.gguf")
+PRELOAD = ("pipelines.cli.main", "pipelines.engine.build", "pipelines.config.registry", "pipelines.config.kinds",
+           "pipelines.client.pull", "pipelines.store.local", "pipelines.store.s3", "pipelines.store.oci",
+           "pipelines.targets.gguf")
 
 
 def preload() -> None:
@@ -46,14 +47,14 @@ def main(argv: list[str]) -> int:
     out = os.open(argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(out, 1)
     os.close(out)
-    from pipelines.cli import main as cli_main
+    from pipelines.cli.main import main as cli_main
 
     return cli_main(argv[2:])
 
 
 def run_cli(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """`python -m pipelines.cli *args` with `env`, forked by a warm server where the tests have one."""
-    from pipelines import warm
+    from pipelines.process import warm
 
     with tempfile.TemporaryDirectory(prefix="warm-cli-") as d:
         out, err = Path(d) / "stdout", Path(d) / "stderr"

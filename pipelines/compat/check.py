@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
-
-from ..native import equivalent_for, native_dict
-from ..safetensors_io import TensorSource
+from ..model.native import equivalent_for, native_dict
+from ..source.safetensors_io import TensorSource
 from .database import Architecture, cached as architecture_database
 from .hardware import Hardware, parse_hardware
 from .layout import headless_embedding
@@ -39,8 +39,8 @@ from .results import Check, Compatibility, Status
 from .sanity import config_problems, text_cfg
 
 if TYPE_CHECKING:
-    from ..config import Recipe, Registry
-    from ..sources import Snapshot
+    from ..config.registry import Recipe, Registry
+    from ..source.fetch import Snapshot
 
 
 # quant_method values transformers (QuantizationMethod, 5.23) and vLLM 0.33 load; anything else is not a model
@@ -116,7 +116,7 @@ def _vocab_consistency(cfg: dict[str, Any], weights: WeightsSummary) -> str | No
 
 
 class _Profiles:
-    def __init__(self, registry: "Registry | None"):
+    def __init__(self, registry: Registry | None):
         self.active = [p for p in (registry.runtime_profiles if registry else []) if p.active]
 
     def pick(self, hw: Hardware, role: str) -> str | None:
@@ -246,12 +246,12 @@ def classify(
     weights: WeightsSummary | None = None,
     files: Iterable[str] = (),
     hardware: str = "nvidia",
-    recipes: Iterable["Recipe"] = (),
-    registry: "Registry | None" = None,
+    recipes: Iterable[Recipe] = (),
+    registry: Registry | None = None,
     reviewed: bool = False,
     config_error: str | None = None,
 ) -> Compatibility:
-    from ..kinds import target_for
+    from ..config.kinds import target_for
 
     hw = parse_hardware(hardware)
     files = set(files)
@@ -287,7 +287,7 @@ def classify(
     # (InternVL's llm_config) is read as that form's config
     view = native_dict(cfg) if not pipeline else cfg
 
-    def recipe_applies(r: "Recipe") -> bool:
+    def recipe_applies(r: Recipe) -> bool:
         """The recipe's target converts this model (whatever hardware it is served on)."""
         return (not headless and target_for(r.kind).supports(rec, arch, cfg, r.options)
                 and (quant_method is None or target_for(r.kind).reads_quantization(rec, arch, cfg)))
@@ -345,13 +345,15 @@ def classify(
                             "reviewed (registry allow-list): the server may run it; hive-aot never executes it"))
     elif auto_map:
         checks.append(Check(name="remote_code", status="warn",
-                            detail="config.json has auto_map (custom modeling code): requires review; hive-aot never executes it"))
+                            detail="config.json has auto_map (custom modeling code): requires review; "
+                                   "hive-aot never executes it"))
         if status == "compatible":
             status = "requires_review"
     else:
         checks.append(Check(name="remote_code", status="pass", detail="no custom code"))
     if rec is not None and rec.trust_remote_code and native is None:
-        checks.append(Check(name="trust_remote_code", status="warn", detail="the serving engine needs trust_remote_code=True for this family"))
+        checks.append(Check(name="trust_remote_code", status="warn",
+                            detail="the serving engine needs trust_remote_code=True for this family"))
 
     problems = config_problems(text_cfg(view)) if not pipeline else []
     if problems:
@@ -393,7 +395,8 @@ def classify(
                 checks.append(fit)
                 if fit.status == "fail" and status == "compatible":
                     status = "incompatible"
-    has_tok = bool(files & {"tokenizer.json", "tokenizer.model", "vocab.json"}) or any(f.endswith("/tokenizer.json") for f in files)
+    has_tok = (bool(files & {"tokenizer.json", "tokenizer.model", "vocab.json"})
+               or any(f.endswith("/tokenizer.json") for f in files))
     if not pipeline:
         checks.append(Check(name="tokenizer_present", status="pass" if has_tok else "warn",
                             detail="tokenizer files present" if has_tok else "no tokenizer.json or tokenizer.model"))
@@ -408,12 +411,12 @@ def classify(
                          recipes=applicable)
 
 
-def classify_snapshot(snap: "Snapshot", recipes: Iterable["Recipe"] = (), hardware: str = "nvidia",
-                      registry: "Registry | None" = None, reviewed: bool = False) -> Compatibility:
+def classify_snapshot(snap: Snapshot, recipes: Iterable[Recipe] = (), hardware: str = "nvidia",
+                      registry: Registry | None = None, reviewed: bool = False) -> Compatibility:
     """Classify a fetched snapshot: config, safetensors headers (strictly checked), tokenizer presence."""
     import json
 
-    from ..errors import ModelFormatError
+    from ..core.errors import ModelFormatError
 
     cfg, err = None, None
     try:

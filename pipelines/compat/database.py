@@ -14,7 +14,7 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..config import Registry
+    from ..config.registry import Registry
 
 @dataclass(frozen=True)
 class Architecture:
@@ -96,7 +96,7 @@ def _same_class_spelled_otherwise(archs: dict[str, Architecture]) -> None:
             archs[name] = replace(a, transformers_model_type=twin.transformers_model_type, active=True)
 
 
-def build(registry: "Registry | None" = None) -> Database:
+def build(registry: Registry | None = None) -> Database:
     snap = _snapshot()
     archs = {name: _from_snapshot(rec) for name, rec in snap["architectures"].items()}
     _same_class_spelled_otherwise(archs)
@@ -121,7 +121,7 @@ def build(registry: "Registry | None" = None) -> Database:
 _CACHE: dict[int, tuple[Any, Database]] = {}
 
 
-def cached(registry: "Registry | None") -> Database:
+def cached(registry: Registry | None) -> Database:
     """build() once per registry object (the check runs per model; the merge need not)."""
     key = id(registry)
     hit = _CACHE.get(key)

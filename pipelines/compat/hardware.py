@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import HiveError
+from ..core.errors import HiveError
 
 # Device memory in GB for the models we know; `-<N>gb` overrides, and a bare vendor gets its default.
 KNOWN_DEVICES: dict[str, dict[str, float]] = {

@@ -9,7 +9,7 @@ after a download; read from the headers it is an embedding model, decided before
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 # Names every decoder's base model (LlamaModel, Qwen3Model, ...) has at its root: the token embedding and
 # the block list, which a causal LM keeps under `model.`.

@@ -16,8 +16,8 @@ import sys
 import tarfile
 from pathlib import Path
 
-from ..errors import HiveError
-from ..paths import cache_root
+from ..core.errors import HiveError
+from ..core.paths import cache_root
 
 CONVERSION = "vendor/llama.cpp/conversion/"
 PROJECTOR = "MMPROJ"

@@ -12,9 +12,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import SourceError
-from ..safetensors_io import Header, header_length, parse_header
-from ..sources import SourceSpec, hf_license, index_shards, select_files
+from ..core.errors import SourceError
+from ..source.fetch import SourceSpec, hf_license, index_shards, select_files
+from ..source.safetensors_io import Header, header_length, parse_header
 
 FIRST_RANGE = 64 * 1024
 
@@ -103,7 +103,7 @@ class _Fetcher:
 def inspect_remote(spec: SourceSpec) -> RemoteRepo:
     from huggingface_hub import HfApi
 
-    from ..sources import fetch_hf_info
+    from ..source.fetch import fetch_hf_info
 
     repo = spec.repo_id
     info = fetch_hf_info(HfApi(), spec)

@@ -8,11 +8,12 @@ VRAM = weights + KV cache at the recommended context and batch + overhead (docs/
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
-from ..safetensors_io import Header, TensorSource
-from ..units import human_bytes
+from ..core.units import human_bytes
+from ..source.safetensors_io import Header, TensorSource
 from .hardware import Hardware
 from .results import Check
 from .sanity import text_cfg
@@ -32,7 +33,7 @@ class WeightsSummary:
     tensors: int = field(default=0)
 
     @classmethod
-    def from_headers(cls, headers: Iterable[Header]) -> "WeightsSummary":
+    def from_headers(cls, headers: Iterable[Header]) -> WeightsSummary:
         params, by_dtype, shapes, n = 0, {}, {}, 0
         for h in headers:
             n += 1
@@ -43,12 +44,13 @@ class WeightsSummary:
         return cls(params, by_dtype, shapes, n, len(shapes))
 
     @classmethod
-    def from_source(cls, src: TensorSource) -> "WeightsSummary":
+    def from_source(cls, src: TensorSource) -> WeightsSummary:
         return cls.from_headers(f.header for f in src.files)
 
 
 
-def serving_requirements(cfg: dict[str, Any], weights: WeightsSummary, task: str, hw: Hardware) -> tuple[dict[str, Any], Check | None]:
+def serving_requirements(cfg: dict[str, Any], weights: WeightsSummary, task: str,
+                         hw: Hardware) -> tuple[dict[str, Any], Check | None]:
     """VRAM = weights + KV cache at the recommended context and batch + overhead (docs/compatibility.md)."""
     tc = text_cfg(cfg)
     quantized = isinstance(cfg.get("quantization_config"), dict)
@@ -101,9 +103,11 @@ def serving_requirements(cfg: dict[str, Any], weights: WeightsSummary, task: str
     reqs["vram_bytes"] = total(c, s)  # what the recommended configuration needs, as the summary says
     reqs["recommended_config"] = {"dtype": dtype, "max_model_len": c, "max_num_seqs": s, "tensor_parallel_size": tp,
                                   "gpu_memory_utilization": 0.9, "kv_cache_dtype": "auto",
-                                  "quantization": (cfg.get("quantization_config") or {}).get("quant_method") if quantized else None}
+                                  "quantization": ((cfg.get("quantization_config") or {}).get("quant_method")
+                                                   if quantized else None)}
     return reqs, Check(name="fits_hardware", status="pass",
-                       detail=f"~{human_bytes(total(c, s))} at max_model_len {c}, {s} seqs: tensor_parallel_size {tp} x {hw.memory_gb:g} GB")
+                       detail=f"~{human_bytes(total(c, s))} at max_model_len {c}, {s} seqs: "
+                              f"tensor_parallel_size {tp} x {hw.memory_gb:g} GB")
 
 
 def _fp8_alternative(parameters: int, kv_bytes: int, per_device: float) -> str:

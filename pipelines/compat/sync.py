@@ -27,8 +27,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ..errors import HiveError
-from ..paths import cache_root
+from ..core.errors import HiveError
+from ..core.paths import cache_root
 
 REGISTRY_MEMBER = "vllm/model_executor/models/registry.py"
 
@@ -159,7 +159,8 @@ def build_snapshot(vllm_version: str, wheel: Path | None = None, llama_cpp_versi
             if arch in records:
                 continue  # listed in a higher-priority table already
             support = "transformers-backend" if module == "transformers" else "native"
-            records[arch] = {"name": arch, "task": task or t_task.get(arch) or ("vision-language" if "MultiModal" in cls else "causal-lm"),
+            records[arch] = {"name": arch,
+                             "task": task or t_task.get(arch) or ("vision-language" if "MultiModal" in cls else "causal-lm"),
                              "vllm": {"support": support, "module": module, "class": cls, "table": table.strip("_").lower()}}
     for arch, last in tables["_PREVIOUSLY_SUPPORTED_MODELS"].items():
         rec = records.setdefault(arch, {"name": arch})

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dagster as dg
 
-from ..errors import HiveError
+from ..core import settings
+from ..core.errors import HiveError
 from .factories import SNAPSHOT_KEY, UPSTREAM_KEY, artifact_key, model_asset_keys
 from .partitions import models_partitions, partition_key
 from .resources import HiveResource
-from .. import settings
 
 # Partitions come from the assets (one dynamic partition per model); the job passes none of its own.
 onboard_job = dg.define_asset_job(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from .. import settings
+from ..core import settings
 
 # A kind's hardware step (the AI 100 compile) goes to the queue named after its pool (`-q ai100_compile`), served
 # by the workers on hosts with that hardware.

@@ -7,17 +7,18 @@ weights never pass through an IO manager, so the same code runs on any executor.
 
 
 import warnings
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import dagster as dg
 
-from .. import build as engine
 from ..compat import classify_snapshot
-from ..config import Config, ModelEntry, Recipe
-from ..errors import HiveError, ResourceError
-from ..kinds import target_for
-from ..units import human_bytes
-from ..sources import fetch, resolve_revision
+from ..config.kinds import target_for
+from ..config.registry import Config, ModelEntry, Recipe
+from ..core.errors import HiveError, ResourceError
+from ..core.units import human_bytes
+from ..engine import build as engine
+from ..source.fetch import fetch, resolve_revision
 from .executors import CELERY_QUEUE_TAG
 from .partitions import models_partitions
 from .pools import LARGE_MEMORY_POOL

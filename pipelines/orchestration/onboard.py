@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import dagster as dg
 
-from ..config import Config
-from ..errors import ConfigError
+from ..config.registry import Config
+from ..core.errors import ConfigError
+from ..core.settings import DAGSTER_HOME
 from ..store import open_store
-from .factories import (INTEGRITY_CHECK, PARITY_CHECK, SUMMARY_KEY, artifact_key, hardware_key, model_asset_keys,
-                        published_key)
+from .factories import INTEGRITY_CHECK, PARITY_CHECK, SUMMARY_KEY, artifact_key, hardware_key, model_asset_keys, published_key
 from .partitions import models_partitions, partition_key
 from .pools import apply_pool_limits, process_tags, release_dead_claims
 from .quality import full_build_id
@@ -27,7 +27,7 @@ from .resources import HiveResource
 from .summary import failure_line
 
 if TYPE_CHECKING:
-    from ..planning import Plan
+    from ..engine.planning import Plan
 
 
 INSTANCE_SETTINGS = Path(__file__).with_name("dagster.yaml")
@@ -45,7 +45,9 @@ CHECK_METRICS = ("top1_agreement", "mean_kl", "max_abs_logit_delta", "token_pari
 
 
 def _instance() -> dg.DagsterInstance:
-    home = Path(os.environ.setdefault("DAGSTER_HOME", str(Path(".dagster").resolve())))
+    if not DAGSTER_HOME.is_set():
+        os.environ[DAGSTER_HOME.name] = str(Path(".dagster").resolve())
+    home = Path(DAGSTER_HOME.get())
     home.mkdir(parents=True, exist_ok=True)
     settings = home / "dagster.yaml"
     if not settings.exists():
@@ -123,7 +125,7 @@ def _plans(config: Config, entry) -> tuple[dict[str, Plan], dict[str, str]]:
     """The plans of a model's recipes, and the refusal line of each recipe that does not apply: one planning
     (one fetch, config and weight headers read, digests cached by file identity) answers both `_unchanged`
     and `_inapplicable`."""
-    from ..planning import plan_each
+    from ..engine.planning import plan_each
 
     refused: dict[str, str] = {}
     return plan_each(config.model_source(entry), entry.recipes, config, entry.id, refused=refused), refused
@@ -133,7 +135,7 @@ def _inapplicable(config: Config, entry, refused: dict[str, str]) -> list[dict[s
     """Recipes a model with a local source cannot take, found before any Dagster run by the planning `_plans`
     did (`refused`: recipe -> its refusal's line): one failed row each, with that line. Hub sources are left to
     the run, whose step reports the refusal, as they were when answering here meant asking the Hub again."""
-    from ..sources import parse_source
+    from ..source.fetch import parse_source
 
     if parse_source(config.model_source(entry)).kind == "hf":
         return []
@@ -145,7 +147,7 @@ def _unchanged(entry, plans: dict[str, Plan], store) -> list[dict[str, Any]]:
     """Recipes of a model whose build would be a no-op (build.unchanged: the build id of its inputs as they are
     now published, intact, finished): one skipped row each, and no Dagster run for them. A run spends about a
     second per model storing its step events; deciding this costs the plan (`_plans`) and a few store reads."""
-    from ..build import unchanged
+    from ..engine.build import unchanged
 
     rows = []
     for rid, p in plans.items():
@@ -203,4 +205,4 @@ def onboard(registry: str | None = None, store: str | None = None, models: list[
         # compile_pending: the AI 100 export bundle is published and waits for a host with the SDK.
         success &= res.success and all(r["state"] in ("published", "skipped", "compile_pending") for r in rows)
         results += [{**r, "run_id": res.run_id} for r in rows]
-    return {"success": success, "dagster_home": os.environ["DAGSTER_HOME"], "results": results}
+    return {"success": success, "dagster_home": DAGSTER_HOME.get(), "results": results}

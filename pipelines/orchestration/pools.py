@@ -1,8 +1,9 @@
 """Dagster pools and their limits on this project's instances.
 
 Pools bound how many steps of a kind run at once across all runs of an instance (op-level concurrency):
-- `validate_large`: every step that runs the reference or an engine (each recipe's parity check). Limit 1: onboarding a large model never runs two of them at once, so
-  the memory plan's per-step estimate is the host's peak, not a sum.
+- `validate_large`: every step that runs the reference or an engine (each recipe's parity check). Limit 1:
+  onboarding a large model never runs two of them at once, so the memory plan's per-step estimate is the host's
+  peak, not a sum.
 - `build_<kind>`, `ai100_compile` (hosts with the Cloud AI SDK): the default of the committed dagster.yaml
   (2 per instance); an operator sets one with `dagster instance concurrency set <pool> <n>` or in the UI.
 

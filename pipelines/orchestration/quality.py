@@ -10,14 +10,15 @@ Dagster plots across executions by itself.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import dagster as dg
 
-from ..quality_view import Gate, gates, kl_by_position_svg
-from ..svg_chart import data_uri
-from ..thresholds import Thresholds
-from ..units import human_bytes
+from ..config.thresholds import Thresholds
+from ..core.units import human_bytes
+from ..validation.quality_view import Gate, gates, kl_by_position_svg
+from ..validation.svg_chart import data_uri
 
 SHORT_ID = 12  # hex digits of a build id or digest shown in a cell: what every command prints
 # Dagster 1.13's UI renders a Markdown metadata entry in place only below this many characters; a longer one waits

@@ -10,8 +10,8 @@ used needs a reload of the code location (the registry sensor says so and waits)
 
 from __future__ import annotations
 
-from ..config import Config, Recipe
-from .. import settings
+from ..config.registry import Config, Recipe
+from ..core import settings
 
 CHOICES = ("used", "all")
 

@@ -6,9 +6,9 @@ from functools import cached_property
 
 import dagster as dg
 
-from ..config import Config, ModelEntry
+from ..config.registry import Config, ModelEntry
+from ..core import settings
 from ..store import Store, default_store_uri, open_store
-from .. import settings
 
 
 class HiveResource(dg.ConfigurableResource):

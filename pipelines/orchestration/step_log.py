@@ -13,7 +13,7 @@ import logging
 
 import dagster as dg
 
-from ..progress import LOG
+from ..core.progress import LOG
 
 
 class _IntoRunLog(logging.Handler):

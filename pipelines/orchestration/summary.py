@@ -12,8 +12,8 @@ from typing import Any
 import dagster as dg
 from dagster._core.event_api import PartitionKeyFilter  # the check history's partition filter (not exported)
 
-from ..config import Config, Recipe
-from ..quality_view import SUMMARY_COLUMNS, RecipeRow, size_quality_svg
+from ..config.registry import Config, Recipe
+from ..validation.quality_view import SUMMARY_COLUMNS, RecipeRow, size_quality_svg
 from .factories import PARITY_CHECK, SUMMARY_KEY, artifact_key, hardware_key, published_key
 from .partitions import models_partitions
 from .quality import chart, full_build_id

@@ -23,6 +23,8 @@ import sys
 import threading
 from pathlib import Path
 
+from ..core import settings
+
 FIRST_PORT, LAST_PORT = 3000, 3099
 # How long the UI's processes get to stop on their own after Ctrl-C or SIGTERM before they are killed: `dg dev`
 # asks its webserver, daemon and code server to stop and waits for them: a second or two on an idle host.
@@ -63,12 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     dg = shutil.which("dg", path=str(Path(sys.executable).parent)) or shutil.which("dg")
     if dg is None:
         raise SystemExit("hive-aot ui: the `dg` command is missing: install hive-aot[orchestrate]")
-    if os.environ.get("DAGSTER_HOME"):
+    if settings.DAGSTER_HOME.is_set():
         # The same instance settings as `hive-aot onboard`: pool limits (validate_large: 1), dead runs' slots freed.
         from .onboard import _instance
 
         _instance()
-    print(f"Dagster UI: http://{args.host}:{port} (DAGSTER_HOME={os.environ.get('DAGSTER_HOME', '')})", file=sys.stderr,
+    print(f"Dagster UI: http://{args.host}:{port} (DAGSTER_HOME={settings.DAGSTER_HOME.get() or ''})", file=sys.stderr,
           flush=True)
     return run_group([dg, "dev", "-w", args.workspace, "--host", args.host, "--port", str(port)])
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..errors import StoreError
-
+from ..core import settings
+from ..core.errors import StoreError
+from ..core.settings import redact_uri
 from .base import Store
 from .layout import blob_key, manifest_key, ref_key, staging_key
-from .. import settings
-from ..settings import redact_uri
 
 
 def default_store_uri() -> str:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from ..errors import IntegrityError
-from ..hashing import sha256_file
+from ..core.errors import IntegrityError
+from ..core.hashing import sha256_file
 from .layout import blob_key, is_digest
 
 
@@ -94,7 +95,7 @@ class Store(ABC):
         only, with `dry_run`). Nothing in stores that keep no such things."""
         return []
 
-    def blobs_for(self, manifest_key: str) -> "Store":
+    def blobs_for(self, manifest_key: str) -> Store:
         """Where to read the blobs the build under `manifest_key` names: this store, except where a build's blobs
         sit beside its manifest (an OCI store reads them from the model's own repository, oci.py)."""
         return self

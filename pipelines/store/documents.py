@@ -8,17 +8,17 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 from pydantic import BaseModel
 
-from ..errors import IntegrityError, StoreError
-from ..hashing import sha256_file
-from ..manifest import FileEntry, Manifest
-from ..signing import signature_key, signing_key, write_signature
+from ..core.errors import IntegrityError, StoreError
+from ..core.hashing import sha256_file
 from .base import Store
 from .layout import PROFILES_KEY, blob_key, check_binding, manifest_key, publish_tags, ref_document, ref_key
+from .manifest import FileEntry, Manifest
+from .signing import signature_key, signing_key, write_signature
 
 
 def load_manifest(store: Store, key: str, expected_sha: str | None, model_id: str) -> Manifest:

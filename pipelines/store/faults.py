@@ -18,7 +18,8 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from .. import settings
+
+from ..core import settings
 
 EVENTS_ENV, KILL_ENV = settings.STORE_EVENTS.name, settings.STORE_KILL.name
 _seen: dict[str, int] = {}

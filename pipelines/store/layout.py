@@ -5,14 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from ..errors import HiveError, IntegrityError
-from ..paths import model_slug
+from ..core.errors import HiveError, IntegrityError
+from ..core.paths import model_slug
 
 if TYPE_CHECKING:
-    from ..manifest import Manifest
+    from .manifest import Manifest
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -33,7 +33,7 @@ def blob_key(digest: str) -> str:
     return f"blobs/sha256/{digest[:2]}/{digest}"
 
 
-# The grammar config.py holds recipe ids to (a key level: never empty, '.', '..' or with a slash).
+# The grammar config/registry.py holds recipe ids to (a key level: never empty, '.', '..' or with a slash).
 RECIPE_ID_RE = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 
 
@@ -49,7 +49,7 @@ def manifest_key(model_id: str, recipe: str, build_id: str) -> str:
     return f"manifests/{model_slug(model_id)}/{check_recipe_id(recipe)}/{check_digest(build_id)}.json"
 
 
-def check_binding(m: "Manifest", key: str, model_id: str, where: str) -> None:
+def check_binding(m: Manifest, key: str, model_id: str, where: str) -> None:
     """A manifest describes exactly what its key names: model, recipe and build id. A signature covers the
     manifest's bytes, not where it is stored, so a signed manifest of build v1 copied under v2's key (or a
     gguf-f16 one under gguf-q8_0) would otherwise be served as what was asked for."""
@@ -85,12 +85,12 @@ def staging_key(build_id: str) -> str:
 PROFILES_KEY = "profiles.json"
 
 
-def ref_document(model_id: str, recipe_id: str, manifest: "Manifest", **extra: str) -> bytes:
+def ref_document(model_id: str, recipe_id: str, manifest: Manifest, **extra: str) -> bytes:
     """A ref's bytes: which build a tag names, its manifest and that manifest's sha256 (checked by pull), when."""
     return json.dumps({
         "build_id": manifest.build_id,
         "manifest": manifest_key(model_id, recipe_id, manifest.build_id),
         "manifest_sha256": hashlib.sha256(manifest.to_bytes()).hexdigest(),
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         **extra,
     }, indent=1).encode()

@@ -8,13 +8,13 @@ import secrets
 import stat
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
-from ..errors import HiveError, IntegrityError, StoreError
-from ..hashing import CHUNK, DigestCache, sha256_file
-from ..host import disk_full_error, is_disk_full
-from ..paths import safe_relpath
+from ..core.errors import HiveError, IntegrityError, StoreError
+from ..core.hashing import CHUNK, DigestCache, sha256_file
+from ..core.host import disk_full_error, is_disk_full
+from ..core.paths import safe_relpath
 from .base import Entry, Store
 from .faults import store_event
 from .layout import blob_key

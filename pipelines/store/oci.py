@@ -26,19 +26,29 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
-from ..errors import HiveError, IntegrityError, StoreError
-from ..paths import safe_relpath
+from ..core.errors import HiveError, IntegrityError, StoreError
+from ..core.paths import safe_relpath
 from .base import Entry, Store
 from .faults import store_event
 from .oci_client import Registry
-from .oci_signed import SignedArtifacts
-from .oci_streams import HashingReader, BytesReader, ModelBlobs
 from .oci_layout import META, MODELCAR_OF, POOL, Place, area_of, check_repository, json_object, key_of, place
-from .oci_modelpack import (EMPTY, EMPTY_BYTES, build_of, check_view, compose, config_bytes,
-                            config_descriptor, holder, read_document, ref_field)
+from .oci_modelpack import (
+    EMPTY,
+    EMPTY_BYTES,
+    build_of,
+    check_view,
+    compose,
+    config_bytes,
+    config_descriptor,
+    holder,
+    read_document,
+    ref_field,
+)
+from .oci_signed import SignedArtifacts
+from .oci_streams import BytesReader, HashingReader, ModelBlobs
 
 
 class OciStore(SignedArtifacts, Store):
@@ -140,7 +150,7 @@ class OciStore(SignedArtifacts, Store):
             return self.carried_manifest(p, key)
         return None if doc is None else doc.data
 
-    def blobs_for(self, manifest_key: str) -> "ModelBlobs":
+    def blobs_for(self, manifest_key: str) -> ModelBlobs:
         """Reads of the blobs a build's artifact names from the model's own repository, not the pool: what pull
         uses, so a model repository copied anywhere on its own (a mirror) pulls."""
         p = self._place(manifest_key)

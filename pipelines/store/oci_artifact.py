@@ -19,8 +19,8 @@ import json
 import re
 from typing import Any, NamedTuple
 
-from ..errors import HiveError, IntegrityError, StoreError
-from ..paths import safe_relpath
+from ..core.errors import HiveError, IntegrityError, StoreError
+from ..core.paths import safe_relpath
 from .oci_client import MANIFEST_TYPE, Registry
 
 ARTIFACT_TYPES = ("application/vnd.cncf.model.manifest.v1+json", "application/vnd.cnai.model.manifest.v1+json")

@@ -20,19 +20,19 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import re
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlencode, urlsplit
 
-from .. import settings
-from ..errors import StoreError
-from ..paths import read_small_file
+from ..core import settings
+from ..core.errors import StoreError
+from ..core.paths import read_small_file
 from .oci_http import is_loopback
 
 CONFIG_LIMIT = 1 << 20  # a docker config.json with a few hundred registries is a few KiB
@@ -54,7 +54,7 @@ class Credentials:
 
 
 def _config_path() -> Path:
-    root = os.environ.get("DOCKER_CONFIG") or str(Path.home() / ".docker")
+    root = settings.DOCKER_CONFIG.get() or str(Path.home() / ".docker")
     return Path(root) / "config.json"
 
 

@@ -17,16 +17,33 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Any, BinaryIO, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO
 from urllib.parse import urlencode, urljoin
 
 import urllib3
 
-from .. import settings
-from ..errors import IntegrityError, StoreError
+from ..core import settings
+from ..core.errors import IntegrityError, StoreError
 from .oci_auth import Auth, Credentials, parse_challenge
-from .oci_http import (BODY_LIMITS, TRANSIENT, Answer, Lost, Stalled, Streamed, TooLarge, Watch, discard,
-                       is_loopback, origin, pool_manager, progress_body, read_body, send, shown)
+from .oci_http import (
+    BODY_LIMITS,
+    TRANSIENT,
+    Answer,
+    Lost,
+    Stalled,
+    Streamed,
+    TooLarge,
+    Watch,
+    discard,
+    is_loopback,
+    origin,
+    pool_manager,
+    progress_body,
+    read_body,
+    send,
+    shown,
+)
 
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
 INDEX_TYPE = "application/vnd.oci.image.index.v1+json"

@@ -37,12 +37,13 @@ import shutil
 import stat
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO
 
-from ..errors import IntegrityError, StoreError
-from ..paths import exclusive_lock
+from ..core.errors import IntegrityError, StoreError
+from ..core.paths import exclusive_lock
 from .oci_client import MANIFEST_TYPE
 from .oci_dir_index import REF_NAME, IndexCache, index_bytes, ref_name, ref_of, tag_of
 from .oci_layout import check_repository

@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..errors import IntegrityError, StoreError
+from ..core.errors import IntegrityError, StoreError
 from .oci_client import INDEX_TYPE
 
 REF_NAME = "org.opencontainers.image.ref.name"

@@ -29,9 +29,10 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import urllib3

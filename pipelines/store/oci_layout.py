@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import StoreError
+from ..core.errors import StoreError
 
 POOL, META = "blobs", "hive-aot"
 MODELCAR_SUFFIX = "-modelcar"

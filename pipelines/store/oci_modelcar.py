@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
-from ..errors import IntegrityError, StoreError
+from ..core.errors import IntegrityError, StoreError
 from .faults import store_event
 from .layout import blob_key
 from .oci import OciStore

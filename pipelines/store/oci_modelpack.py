@@ -30,7 +30,7 @@ import json
 from pathlib import PurePosixPath
 from typing import Any, NamedTuple
 
-from ..errors import IntegrityError
+from ..core.errors import IntegrityError
 
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
 MODEL_ARTIFACT = "application/vnd.cncf.model.manifest.v1+json"
@@ -97,7 +97,8 @@ def build_of(raw: bytes | None) -> dict[str, Any] | None:
     model = doc.get("model") if isinstance(doc.get("model"), dict) else {}
     described = doc.get("describe") if isinstance(doc.get("describe"), dict) else {}
     return {"files": files, "name": str(model.get("id", "")), "version": str(model.get("revision", "")),
-            "format": str(doc.get("format", "")), "manifest": File(MANIFEST_FILE, "sha256:" + hashlib.sha256(raw).hexdigest(), len(raw)),
+            "format": str(doc.get("format", "")),
+            "manifest": File(MANIFEST_FILE, "sha256:" + hashlib.sha256(raw).hexdigest(), len(raw)),
             "model": model, "describe": described}
 
 

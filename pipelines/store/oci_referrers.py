@@ -22,7 +22,7 @@ import hashlib
 import json
 from typing import Any
 
-from ..errors import IntegrityError, StoreError
+from ..core.errors import IntegrityError, StoreError
 from .oci_client import INDEX_TYPE, MANIFEST_TYPE
 from .oci_modelpack import EMPTY, EMPTY_BYTES
 

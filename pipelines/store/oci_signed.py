@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Iterator
+from collections.abc import Iterator
 
+from ..core.errors import IntegrityError, StoreError
 from .oci_client import MANIFEST_TYPE
 from .oci_layout import Place, key_of
 from .oci_modelpack import A_MANIFEST, annotation, read_document, ref_field
-from ..errors import IntegrityError, StoreError
-from ..oms import is_bundle
 from .oci_referrers import attach_bundle, detach_all, find_bundle
+from .oms import is_bundle
 
 
 def descriptor(raw: bytes) -> dict:

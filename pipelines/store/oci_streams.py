@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import io
-from typing import BinaryIO, Iterator
+from collections.abc import Iterator
+from typing import BinaryIO
 
-from ..errors import StoreError
+from ..core.errors import StoreError
 from .oci_layout import place
 
 

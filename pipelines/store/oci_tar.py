@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import tarfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Callable, Iterator
 
-from ..errors import HiveError, IntegrityError, StoreError
-from ..paths import safe_relpath
+from ..core.errors import HiveError, IntegrityError, StoreError
+from ..core.paths import safe_relpath
 
 ROOT = "models"
 BLOCK = 512

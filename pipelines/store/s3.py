@@ -13,12 +13,12 @@ import base64
 import hashlib
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
-from ..errors import HiveError, StoreError
-from ..hashing import sha256_file
-from ..paths import safe_relpath
+from ..core.errors import HiveError, StoreError
+from ..core.hashing import sha256_file
+from ..core.paths import safe_relpath
 from .base import Entry, Store
 from .faults import store_event
 from .layout import blob_key

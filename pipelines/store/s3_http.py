@@ -12,20 +12,19 @@ botocore as before.
 from __future__ import annotations
 
 import http.client
-import os
 import ssl
 import threading
 from urllib.parse import SplitResult
 
-from ..errors import StoreError
+from ..core import settings
+from ..core.errors import StoreError
 
 URL_LIFETIME_S = 3600  # a request retried after this long signs a fresh URL
-_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
 
 def usable() -> bool:
     """Whether http.client reaches the endpoint as botocore would: not through a proxy."""
-    return not any(os.environ.get(v) for v in _PROXY_VARIABLES)
+    return not any(s.is_set() for s in (settings.HTTPS_PROXY, settings.HTTP_PROXY, settings.ALL_PROXY))
 
 
 class ThreadConnections:
@@ -41,7 +40,7 @@ class ThreadConnections:
         if conn is not None:
             conn.close()
         if url.scheme == "https":
-            context = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE") or None)
+            context = ssl.create_default_context(cafile=settings.AWS_CA_BUNDLE.get())
             conn = http.client.HTTPSConnection(url.netloc, context=context, timeout=60)
         else:
             conn = http.client.HTTPConnection(url.netloc, timeout=60)

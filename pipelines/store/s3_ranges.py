@@ -9,10 +9,10 @@ response layers (its streaming body over urllib3, its checksum wrappers) cost mo
 from __future__ import annotations
 
 import http.client
-from typing import Iterator
+from collections.abc import Iterator
 from urllib.parse import urlsplit
 
-from ..errors import StoreError
+from ..core.errors import StoreError
 from .s3_http import URL_LIFETIME_S, ThreadConnections, status_error
 
 TRIES = 3  # per range: a connection reset or a short body resumes from the bytes already given

@@ -21,7 +21,7 @@ from contextlib import suppress
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..errors import IntegrityError, StoreError
+from ..core.errors import IntegrityError, StoreError
 from .s3_http import URL_LIFETIME_S, ThreadConnections, status_error
 
 PART_BYTES = 64 << 20  # S3 allows 10,000 parts: 64 MiB parts reach 625 GiB, far above any one file of a model

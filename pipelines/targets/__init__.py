@@ -13,7 +13,7 @@ A target owns everything specific to its kind:
 - **serving**: the runtime profile descriptions recorded in the manifest (`serving`: image, engine
   arguments, command line, environment) from which `pull` prints the exact serve command.
 
-`pipelines.kinds` is the one registry of kinds (built-in and plug-ins): recipes name a kind from it, and
+`pipelines.config.kinds` is the one registry of kinds (built-in and plug-ins): recipes name a kind from it, and
 nothing else lists them.
 
 Derived builds: a target with `input_kinds` is built from the published artifact of its recipe's
@@ -29,20 +29,21 @@ hardware (the compile, given the SDK), else the result is reported pending with 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..thresholds import Thresholds, metric_text
+from ..config.thresholds import Thresholds, metric_text
 
 if TYPE_CHECKING:
     from ..compat import Compatibility
     from ..compat.database import Architecture
-    from ..config import Recipe, Registry, RuntimeProfile
-    from ..manifest import Manifest
-    from ..memory import PlanEnv, StepNeed
-    from ..sources import Snapshot
+    from ..config.registry import Recipe, Registry, RuntimeProfile
+    from ..model.memory import PlanEnv, StepNeed
+    from ..source.fetch import Snapshot
+    from ..store.manifest import Manifest
 
 
 @dataclass
@@ -66,7 +67,7 @@ class InputArtifact:
 
     recipe: str
     build_id: str
-    manifest: "Manifest"
+    manifest: Manifest
     root: Path
 
 
@@ -84,11 +85,11 @@ class BuildContext:
     for the recipe's own hardware, the registry (profiles, allow-list) and the check for any other
     hardware (a vLLM artifact is described for NVIDIA, AMD and Intel at once)."""
 
-    snapshot: "Snapshot"
-    recipe: "Recipe"
-    compatibility: "Compatibility"
-    registry: "Registry"
-    classify: Callable[[str], "Compatibility"]
+    snapshot: Snapshot
+    recipe: Recipe
+    compatibility: Compatibility
+    registry: Registry
+    classify: Callable[[str], Compatibility]
     input: InputArtifact | None = None
     build_id: str | None = None  # set once the plan has computed it (artifacts may record it as provenance)
 
@@ -105,7 +106,7 @@ class BuildContext:
         """Only repos a human allow-listed are ever served with trust_remote_code (hive-aot never runs it)."""
         return self.model_id in self.registry.trust_remote_code_allowlist
 
-    def profiles(self) -> list["RuntimeProfile"]:
+    def profiles(self) -> list[RuntimeProfile]:
         """The active runtime profiles the recipe names, in its order."""
         active = {p.id: p for p in self.registry.runtime_profiles if p.active}
         return [active[pid] for pid in self.recipe.runtime_profiles if pid in active]
@@ -121,7 +122,7 @@ class Target:
     Thresholds: ClassVar[type[Thresholds]]
     build_step: ClassVar[str]  # the name of its build step in the memory plan and the measurements
     # the programs its serving commands run, with the arguments and environment they may carry
-    server_programs: ClassVar[tuple["ServerProgram", ...]] = ()
+    server_programs: ClassVar[tuple[ServerProgram, ...]] = ()
     # the kinds of recipe whose published artifact it is built from (a derived build); () reads the source
     input_kinds: ClassVar[tuple[str, ...]] = ()
     # an artifact only other recipes read (an ONNX export): no runtime profile needs to load its format
@@ -131,7 +132,7 @@ class Target:
     reads_prequantized: ClassVar[bool] = False
 
     @staticmethod
-    def plan_steps(env: "PlanEnv") -> list["StepNeed"]:
+    def plan_steps(env: PlanEnv) -> list[StepNeed]:
         """Each step's estimated peak memory and disk (memory.py), from the model's facts and the recipe."""
         raise NotImplementedError
 
@@ -163,16 +164,16 @@ class Target:
         its format version. Default: nothing said."""
         return {"precision": "", "quantization": ""}
 
-    def supports(self, arch: "Architecture | None", architecture: str, config: dict[str, Any],
+    def supports(self, arch: Architecture | None, architecture: str, config: dict[str, Any],
                  options: dict[str, Any]) -> bool:
         raise NotImplementedError
 
-    def reads_quantization(self, arch: "Architecture | None", architecture: str, config: dict[str, Any]) -> bool:
+    def reads_quantization(self, arch: Architecture | None, architecture: str, config: dict[str, Any]) -> bool:
         """Whether its build reads this pre-quantized checkpoint (config.json's quantization_config) as stored:
         `reads_prequantized`, unless the kind knows the model's own quantization (GGUF: gpt-oss's MXFP4 experts)."""
         return self.reads_prequantized
 
-    def refusal(self, arch: "Architecture | None", architecture: str, config: dict[str, Any],
+    def refusal(self, arch: Architecture | None, architecture: str, config: dict[str, Any],
                 options: dict[str, Any]) -> str | None:
         """Why this kind does not convert the model, one clause for `check` (None: `supports` says it does)."""
         return None if self.supports(arch, architecture, config, options) else f"no {self.kind} recipe converts {architecture}"

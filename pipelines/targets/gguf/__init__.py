@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
-from ... import meter
-from ...errors import HiveError
-from ...thresholds import Thresholds, check_thresholds, gate
+from ...config.thresholds import Thresholds, check_thresholds, gate
+from ...core import meter
+from ...core.errors import HiveError
 from .. import MODEL_DIR, BuildContext, BuiltArtifact, ServerProgram, Target, ValidationReport
 
 if TYPE_CHECKING:
     from ...compat.database import Architecture
-    from ...config import Recipe
+    from ...config.registry import Recipe
 
 # Bump when the bytes this target writes change for the same inputs (part of every build id).
 # 2: explicit add_bos_token for BPE; SentencePiece add_dummy_prefix read from the model.
@@ -39,7 +39,7 @@ def _version(dist: str) -> str:
         return "absent"
 
 
-def artifact_name(model_id: str, recipe: "Recipe") -> str:
+def artifact_name(model_id: str, recipe: Recipe) -> str:
     label = (recipe.options.get("ftype") or recipe.options.get("outtype") or "f16").upper()
     return f"{model_id.split('/')[-1]}-{label}.gguf"
 
@@ -121,13 +121,13 @@ class GgufTarget(Target):
             problems.append(f"ftype {options['ftype']} needs an importance matrix: add imatrix: calibration")
         return problems
 
-    def supports(self, arch: "Architecture | None", architecture: str, config: dict[str, Any],
+    def supports(self, arch: Architecture | None, architecture: str, config: dict[str, Any],
                  options: dict[str, Any]) -> bool:
         from .families import BY_ARCHITECTURE
 
         return (arch.name if arch else architecture) in BY_ARCHITECTURE
 
-    def reads_quantization(self, arch: "Architecture | None", architecture: str, config: dict[str, Any]) -> bool:
+    def reads_quantization(self, arch: Architecture | None, architecture: str, config: dict[str, Any]) -> bool:
         """A family that writes its checkpoint's quantized tensors as stored (gpt-oss's MXFP4 experts, which
         llama.cpp keeps MXFP4) converts that pre-quantized model; any other is refused (convert.py)."""
         from .convert import text_config
@@ -148,9 +148,9 @@ class GgufTarget(Target):
         }
 
     def build(self, ctx: BuildContext, out_dir: Path) -> BuiltArtifact:
-        from .tensor_quant import direct as quantized_as_it_streams
         from .convert import convert
         from .quantize import quantize
+        from .tensor_quant import direct as quantized_as_it_streams
 
         snapshot, recipe = ctx.snapshot, ctx.recipe
         cfg = snapshot.config()
@@ -216,11 +216,10 @@ class GgufTarget(Target):
         return BuiltArtifact(root=out_dir, files=files, info=info)
 
     def validate(self, ctx: BuildContext, artifact_dir: Path, files: dict[str, str]) -> ValidationReport:
-        from .validate import validate_gguf
-
         from .mmproj import mmproj_name
         from .mmproj_check import check_projector
         from .projectors import projector_for
+        from .validate import validate_gguf
 
         model = artifact_name(ctx.model_id, ctx.recipe)  # the imatrix and the projector, when published, are others
         model = model if model in files else next(f for f in files if f != mmproj_name(ctx.model_id))
@@ -257,7 +256,7 @@ class GgufTarget(Target):
 
 def split_bytes(options: dict[str, Any]) -> int:
     """The recipe's `split_max_size` (e.g. 2G, 45GB) in bytes; 0: one file."""
-    from ...units import parse_size
+    from ...core.units import parse_size
 
     value = options.get("split_max_size")
     return 0 if value in (None, 0, False) else parse_size(str(value), "split_max_size")
@@ -270,7 +269,7 @@ def llama_cpp_cpu_backend_digest() -> str:
     is a different toolchain (else two hosts would publish different manifests under one build id). Only the
     code (elf_code.py): the file also holds the random directory pip compiled it in, which made every factory
     host's build ids its own. Read from disk, not loaded: the parent process never runs native llama.cpp code."""
-    from ...elf_code import code_digest
+    from ...process.elf_code import code_digest
 
     spec = find_spec("llama_cpp")
     if spec is None or not spec.submodule_search_locations:
@@ -280,7 +279,7 @@ def llama_cpp_cpu_backend_digest() -> str:
 
 
 def _float_dtypes(path: Path) -> set[str]:
-    from ...safetensors_io import read_header
+    from ...source.safetensors_io import read_header
 
     return {t.dtype for t in read_header(path).tensors.values() if t.dtype in LOSSLESS}
 

@@ -14,22 +14,22 @@ from __future__ import annotations
 import re
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import gguf
 import numpy as np
 
-from ...errors import ModelFormatError
-from ...progress import bar
-from ...safetensors_io import TensorSource
+from ...core.errors import ModelFormatError
+from ...core.progress import bar
+from ...source.safetensors_io import TensorSource
 from .families import Family, HParams, Rule, family_for, is_ignored
 from .families.spec import IDENTITY as _IDENTITY
 from .ftypes import FTYPES
 from .sliced import file_type, reads_quantization, write_sliced
-from .tensor_quant import NUMPY_TYPES, quantize_rows, round_to
-from .tensor_quant import apply as assign_quantized_types
+from .tensor_quant import NUMPY_TYPES, apply as assign_quantized_types, quantize_rows, round_to
 from .tensor_writer import Layout, TensorWriter, encode_threads, in_order, llama_cpp_order
 from .vocab import build_vocab, write_vocab
 
@@ -97,18 +97,18 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if isinstance(tc, dict):
         # the vision config rides along: some language-model keys come from it (Qwen3-VL's deepstack layer count)
         vision = {"vision_config": cfg["vision_config"]} if isinstance(cfg.get("vision_config"), dict) else {}
-        # transformers 5 ties a wrapper's embeddings by the outer config's value when it sets one (a Qwen3-VL-MoE
-        # saved with an untied head keeps the text config's default true)
+        # transformers 5 ties a wrapper's embeddings by the outer config's value (a Qwen3-VL-MoE's untied head)
         tie = {"tie_word_embeddings": cfg["tie_word_embeddings"]} if cfg.get("tie_word_embeddings") is not None else {}
         return {**vision, **tc, **tie, "architectures": cfg.get("architectures") or tc.get("architectures")}
     return cfg
 
 
-# Matrices llama.cpp keeps in f32 in every file type (its converter and its quantizer alike): MoE routers, whose
-# top-k choice flips at near-ties when rounded (measured: a random Mixtral's q8_0 router, KL 0.031 vs 0.0004),
-# learned position / token-type embeddings, every tensor not named `.weight` (biases, Mamba-2's [heads, 1] `ssm_a`)
-# and the recurrent layers' short convolutions (Mamba, the gated delta-net, LFM2), which libllama never quantizes.
-ALWAYS_F32 = re.compile(r"(blk\.\d+\.(ffn_gate_inp(_shexp)?|ssm_conv1d|shortconv\.conv)|position_embd|token_types)\.weight|(?!.*\.weight$).+")
+# Matrices llama.cpp keeps in f32 in every file type (its converter and quantizer alike): MoE routers, whose top-k
+# choice flips at near-ties when rounded (measured: a random Mixtral's q8_0 router, KL 0.031 vs 0.0004), learned
+# position / token-type embeddings, every tensor not named `.weight` (biases, Mamba-2's [heads, 1] `ssm_a`) and the
+# recurrent layers' short convolutions (Mamba, the gated delta-net, LFM2), which libllama never quantizes.
+ALWAYS_F32 = re.compile(r"(blk\.\d+\.(ffn_gate_inp(_shexp)?|ssm_conv1d|shortconv\.conv)|position_embd|token_types)\.weight"
+                        r"|(?!.*\.weight$).+")
 
 
 def tensor_type(shape: tuple[int, ...], outtype: str, name: str = "") -> Q:

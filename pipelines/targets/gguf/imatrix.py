@@ -21,9 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import HiveError, ModelFormatError
-from ...prompts import CALIBRATION_CHUNK_TOKENS as CHUNK_TOKENS
-from ...prompts import calibration_chunks, calibration_text
+from ...core.errors import HiveError, ModelFormatError
+from ...validation.prompts import CALIBRATION_CHUNK_TOKENS as CHUNK_TOKENS, calibration_chunks, calibration_text
 
 # Part of the cache key: bump when what `compute_here` writes changes for the same inputs.
 # 2: stacked experts get their rows (fused transformers 5 experts modules hooked).
@@ -32,7 +31,7 @@ IMATRIX_VERSION = 2
 
 def matrix_sources(model_dir: Path, cfg: dict[str, Any], files: list[Path]) -> dict[str, list[str]]:
     """GGUF matrix name -> the HF weight(s) it is made from (several: stacked experts), from headers only."""
-    from ...safetensors_io import TensorSource
+    from ...source.safetensors_io import TensorSource
     from .convert import plan_tensors, text_config
     from .families import HParams, family_for
 
@@ -65,7 +64,7 @@ def compute_here(model_dir: str, files: list[str], out_path: str, sources: dict[
     import gguf
     import torch
 
-    from ...streamed_model import StreamedCausalLM
+    from ...model.streamed_model import StreamedCausalLM
 
     wanted = {hf for names in sources.values() for hf in names}
     sums: dict[str, torch.Tensor] = {}
@@ -86,7 +85,7 @@ def compute_here(model_dir: str, files: list[str], out_path: str, sources: dict[
             if rule is None or len(rule.sources) != 1 or rule.sources[0] not in wanted:
                 continue
             module.register_forward_pre_hook(lambda _m, args, hf=rule.sources[0]: add(hf, args[0]))
-        from ...progress import unit_runs
+        from ...core.progress import unit_runs
 
         with unit_runs([module for _name, module, _r in lm.units], len(sequences), "imatrix"):
             for seq in sequences:
@@ -189,10 +188,10 @@ def compute(snapshot, out_path: Path, *, text: str | None = None, step: str | No
     import os
     from importlib.metadata import version
 
-    from ...isolation import run_isolated
-    from ...paths import cache_root, link_or_copy, publish_cache_entry, work_dir
-    from ...reference import encode
-    from ...tokenizer_cache import CachedTokenizer
+    from ...core.paths import cache_root, link_or_copy, publish_cache_entry, work_dir
+    from ...process.isolation import run_isolated
+    from ...validation.reference import encode
+    from ...validation.tokenizer_cache import CachedTokenizer
 
     text = text if text is not None else calibration_text()
     tok = CachedTokenizer(snapshot.dir)

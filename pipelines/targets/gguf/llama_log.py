@@ -2,7 +2,7 @@
 
 llama-cpp-python's `Llama(verbose=False)` silences libllama, and a model it cannot load surfaces as "Failed to
 load model from file", whatever the reason; libllama logged the reason at error level just before. Runs only in
-children (pipelines.isolation): the callback must outlive every call into libllama, so it is kept here.
+children (pipelines.process.isolation): the callback must outlive every call into libllama, so it is kept here.
 """
 
 from __future__ import annotations

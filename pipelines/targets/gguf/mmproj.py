@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import gguf
 import numpy as np
 
-from ...errors import ModelFormatError
-from ...progress import bar
-from ...safetensors_io import TensorSource
+from ...core.errors import ModelFormatError
+from ...core.progress import bar
+from ...source.safetensors_io import TensorSource
 from .convert import Output, Step, _add, _general_metadata, _write_step, text_config
 from .families.spec import HParams, Param, Rule, accept, derived, located, param
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from ...sources import Snapshot
+    from ...source.fetch import Snapshot
     from .mmproj import Projector
 
 MIN_COSINE = 0.99  # per image token, f16 projector weights against the fp32 reference (measured >= 0.99999)
@@ -33,7 +33,7 @@ def synthetic_image(side: int) -> np.ndarray:
                     -1).astype(np.uint8)
 
 
-def pixel_inputs(projector: "Projector", hp, image: np.ndarray) -> dict[str, np.ndarray]:
+def pixel_inputs(projector: Projector, hp, image: np.ndarray) -> dict[str, np.ndarray]:
     """transformers' inputs for `image`: normalized [1, 3, H, W], or Qwen-VL's patch rows (the frame repeated over
     the temporal patch, each merge window's patches together) with their grid."""
     from .mmproj import image_stat
@@ -56,7 +56,7 @@ def image_features(model_dir: str, files: list[str], inputs: str, out: str) -> d
 
     import torch
 
-    from ...streamed_model import StreamedCausalLM
+    from ...model.streamed_model import StreamedCausalLM
 
     arrays = dict(np.load(inputs))
     kwargs: dict[str, Any] = {k: torch.from_numpy(v) for k, v in arrays.items()}
@@ -141,11 +141,11 @@ def mtmd_available() -> str | None:
     return None
 
 
-def validate_mmproj(snapshot: "Snapshot", model_gguf: Path, mmproj_gguf: Path, projector: "Projector",
+def validate_mmproj(snapshot: Snapshot, model_gguf: Path, mmproj_gguf: Path, projector: Projector,
                     step: str) -> tuple[list[str], dict[str, Any]]:
     """(failures, details) of the projector against transformers' image features on one synthetic image."""
-    from ...isolation import run_isolated
-    from ...paths import work_dir
+    from ...core.paths import work_dir
+    from ...process.isolation import run_isolated
     from .mmproj import projector_hparams
 
     hp = projector_hparams(projector, snapshot.config(), snapshot.dir)
@@ -181,7 +181,7 @@ def validate_mmproj(snapshot: "Snapshot", model_gguf: Path, mmproj_gguf: Path, p
     return [], details
 
 
-def check_projector(projector: "Projector | None", snapshot: "Snapshot", model_gguf: Path, mmproj_gguf: Path,
+def check_projector(projector: Projector | None, snapshot: Snapshot, model_gguf: Path, mmproj_gguf: Path,
                     step: str) -> tuple[list[str], dict[str, Any]]:
     """The projector of a build's files checked (failures, details), or the reason it cannot be."""
     if projector is None:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ...memory import BASE_PYTHON, BASE_TORCH, FP32, MIB, SMALL_FILES, StepNeed, human_bytes, reference_in_process
-from ...units import parse_size
+from ...core.units import parse_size
+from ...model.memory import BASE_PYTHON, BASE_TORCH, FP32, MIB, SMALL_FILES, StepNeed, human_bytes, reference_in_process
 from .tensor_quant import direct as quantized_as_it_streams
 
 if TYPE_CHECKING:
-    from ...memory import ModelFacts, PlanEnv
+    from ...model.memory import ModelFacts, PlanEnv
 
 BASE_LLAMA_QUANTIZE = 307 * MIB  # libllama's quantizer child (its own interpreter + llama.cpp)
 # llama.cpp's evaluator child (interpreter, numpy, libllama and its graph), beside its logits and KV cache counted
@@ -107,7 +107,7 @@ def recurrent_cache(config: dict) -> tuple[int | None, int]:
     """(layers with a KV cache, f32 values of recurrent state per sequence) of a recurrent or hybrid GGUF family
     (Family.kv_layers / recurrent_state: a Mamba-2 hybrid caches K and V in its attention layers only, and a
     state per Mamba layer); (None, 0) for the others and for configs the converter refuses."""
-    from ...errors import ModelFormatError
+    from ...core.errors import ModelFormatError
     from .families import BY_ARCHITECTURE, HParams  # numpy, as `supports` already loaded it
 
     tc = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
@@ -124,7 +124,7 @@ def recurrent_cache(config: dict) -> tuple[int | None, int]:
         return None, 0
 
 
-def plan_steps(env: "PlanEnv") -> list[StepNeed]:
+def plan_steps(env: PlanEnv) -> list[StepNeed]:
     facts, opts, work = env.facts, env.options, env.work
     largest = env.largest
     steps: list[StepNeed] = []

@@ -24,9 +24,9 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from ...errors import ModelFormatError
+from ...core.errors import ModelFormatError
 from .families.spec import IDENTITY, PLUS_ONE, HParams, Rule, T, Transform, derived, param
-from .mmproj import C, Q, V, Projector
+from .mmproj import C, Projector, Q, V
 
 __all__ = ["PROJECTORS", "projector_for"]
 
@@ -332,7 +332,7 @@ def projector_for(architecture: str | None) -> Projector | None:
 def write_projector(snapshot, out_dir, provenance: dict[str, str]) -> dict | None:
     """The snapshot's projector GGUF next to its language model, when its architecture has one: what the manifest
     records of it, with how it is validated (or why it is not)."""
-    from ... import meter
+    from ...core import meter
     from .mmproj import convert_mmproj, mmproj_name
     from .mmproj_check import mtmd_available
 

@@ -1,6 +1,6 @@
 """k-quants and other llama.cpp file types through libllama's own quantizer.
 
-libllama runs in a child process (pipelines.isolation), and its log is captured there: a k-quant
+libllama runs in a child process (pipelines.process.isolation), and its log is captured there: a k-quant
 whose rows are not a multiple of 256 falls back to another type for some tensors, which llama.cpp
 reports in one warning per tensor (about 180 lines for a small model). That is expected, so the
 build prints one summary line and records the counts per (requested type, fallback type).
@@ -16,8 +16,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ...errors import HiveError
-from ...progress import bar
+from ...core.errors import HiveError
+from ...core.progress import bar
 from .ftypes import FTYPES
 from .tensor_quant import type_overrides
 
@@ -39,7 +39,7 @@ def quantize(src: Path, dst: Path, ftype: str, *, step: str | None = None, threa
     """Quantize src to dst (weighted by the importance matrix file `imatrix` when given); returns
     {"tensors": n, "fallbacks": [{"from", "to", "tensors"}]} and prints one line. `keep_split`: src is the
     first shard of a split GGUF and dst is written as the same shards, `<dst stem>-0000i-of-0000n.gguf`."""
-    from ...isolation import run_isolated
+    from ...process.isolation import run_isolated
 
     name = ftype.upper()
     if name not in FTYPES:
@@ -121,7 +121,7 @@ def quantize_here(src: str, dst: str, name: str, threads: int, imatrix: str | No
     if rc != 0 or not written or not all(p.is_file() for p in written):
         for p in written:
             p.unlink(missing_ok=True)
-        from ...host import disk_full_error, out_of_space
+        from ...core.host import disk_full_error, out_of_space
 
         full = out_of_space(Path(dst).parent)  # llama.cpp says only "iostream error"
         if full is not None:

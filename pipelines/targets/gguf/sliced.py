@@ -15,13 +15,14 @@ are (tensor_quant.py, quantize.py: llama.cpp's own per-tensor type override).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import gguf
 import numpy as np
 
-from ...errors import ModelFormatError
-from ...safetensors_io import TensorSource
+from ...core.errors import ModelFormatError
+from ...source.safetensors_io import TensorSource
 from .families import HParams
 from .tensor_writer import TensorWriter, encode_threads, in_order
 

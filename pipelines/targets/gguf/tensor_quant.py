@@ -25,7 +25,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 from collections import Counter
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -110,7 +110,7 @@ def model_shape(arch: str, key_values: dict[str, tuple[Any, type]]) -> dict[str,
 def assign_types(shape: dict[str, Any], tensors: list[tuple[str, tuple[int, ...], int]], ftype: int,
                  step: str) -> list[int | None]:
     """llama.cpp's type for each (name, numpy shape, lossless ggml type) tensor, None where it stays as it is."""
-    from ...isolation import run_isolated
+    from ...process.isolation import run_isolated
 
     return run_isolated(assign_types_here, engine="llama.cpp", step=step,
                         shape=shape, tensors=[[n, list(s), t] for n, s, t in tensors], ftype=ftype)
@@ -220,7 +220,7 @@ def apply(outputs: list, arch: str, key_values: dict[str, tuple[Any, type]], fty
             quantized.append(out)
     needs = [o for o in quantized if o.qtype.name not in NUMPY_TYPES and _needs_imatrix(int(o.qtype))]
     if needs:  # ggml would abort the process on these without one
-        from ...errors import HiveError
+        from ...core.errors import HiveError
 
         raise HiveError(f"{model}: llama.cpp gives {needs[0].name} type {needs[0].qtype.name} in {name}, which needs an "
                         "importance matrix: set the recipe option imatrix: calibration")
@@ -276,7 +276,7 @@ def _needs_imatrix(gtype: int) -> bool:
     return bool(base.ggml_quantize_requires_imatrix(gtype))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _initialized(gtype: int) -> ctypes.CDLL:
     base = _ggml_base()
     base.ggml_quantize_init(gtype)  # tables some types need, built once (not thread-safe: done before threads use it)
@@ -290,7 +290,7 @@ def prepare(types) -> None:
             _initialized(int(t))
 
 
-def quantize_rows(rows: "np.ndarray", gtype) -> "np.ndarray":
+def quantize_rows(rows: np.ndarray, gtype) -> np.ndarray:
     """A slice of whole rows (float32, last axis = a row) in ggml type `gtype`, as ggml_quantize_chunk writes it
     (ctypes releases the GIL for the call, so encoder threads run in parallel)."""
     import gguf
@@ -310,7 +310,7 @@ def quantize_rows(rows: "np.ndarray", gtype) -> "np.ndarray":
     return out
 
 
-def round_to(data: "np.ndarray", lossless) -> "np.ndarray":
+def round_to(data: np.ndarray, lossless) -> np.ndarray:
     """float32 values as the lossless intermediate holds them (what libllama would read back)."""
     import gguf
     import numpy as np

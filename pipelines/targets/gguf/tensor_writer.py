@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 import re
 from collections import deque
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import gguf
 import numpy as np
@@ -21,7 +22,7 @@ class TensorWriter:
     alignment padding before and after, the same bookkeeping (the writer's tensor infos, in order). With a
     `layout` (_Layout), at the tensor's own offset: tensors then come in any order."""
 
-    def __init__(self, writer: gguf.GGUFWriter, out: Any, layout: "Layout | None" = None):
+    def __init__(self, writer: gguf.GGUFWriter, out: Any, layout: Layout | None = None):
         self.writer = writer
         if layout is not None:
             file_id, offset, self.nbytes = layout.where[out.name]

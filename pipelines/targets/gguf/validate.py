@@ -8,19 +8,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ... import meter, parity, prompts, reference, router_gaps
-from ...progress import bar
-from ...tokenizer_cache import CachedTokenizer
+from ...core import meter
+from ...core.progress import bar
+from ...validation import parity, prompts, reference, router_gaps
+from ...validation.tokenizer_cache import CachedTokenizer
 from .llama_log import capture_errors, reason
 
 if TYPE_CHECKING:
-    from ...sources import Snapshot
+    from ...source.fetch import Snapshot
 
 
 PROBE_TEXT = "a"  # does the tokenizer put BOS in front of a text?
 
 
-def _reference_tokenizer(snapshot: "Snapshot", tok):
+def _reference_tokenizer(snapshot: Snapshot, tok):
     """The tokenizer llama.cpp's ids must equal: the model's own SentencePiece model when it has one.
 
     transformers 5 rebuilds SentencePiece tokenizers with a pre-tokenizer that drops the leading
@@ -89,7 +90,7 @@ def name_hint(gguf_path: str, errors: list[str]) -> str:
 
 def run_llama_cpp(gguf_path: str, sequences: list[list[int]], texts: list[str], generation_prompt: list[int],
                   generation_tokens: int, logits_dir: str, repack: bool = True) -> dict[str, Any]:
-    """llama.cpp's side of validation; runs in a child process (pipelines.isolation), so a native crash
+    """llama.cpp's side of validation; runs in a child process (pipelines.process.isolation), so a native crash
     is an error line, not a dead build. The GGUF is memory-mapped (its pages are page cache, not a copy
     in this process). Logits go to `l<i>.npy` files in `logits_dir` ([len(sequences[i]), vocab] float32),
     one sequence at a time: with a 128k vocabulary they are ~0.5 MB per token. `repack`: see
@@ -131,11 +132,11 @@ def run_llama_cpp(gguf_path: str, sequences: list[list[int]], texts: list[str], 
     return {"tokenized": tokenized, "generated": generated}
 
 
-def validate_gguf(snapshot: "Snapshot", gguf_path: Path, step: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def validate_gguf(snapshot: Snapshot, gguf_path: Path, step: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Metrics of a GGUF against the transformers fp32 reference. The reference and the comparison run
     here; llama.cpp runs in a child process (`step` names it in a crash message)."""
-    from ...isolation import run_isolated
-    from ...paths import work_dir
+    from ...core.paths import work_dir
+    from ...process.isolation import run_isolated
 
     # The tokenizer's answers, every question at once. This process holds torch only where its plan counts it
     # (a reference that fits in it, gguf/plan.py): otherwise what the cache lacks is asked in a child.

@@ -18,8 +18,8 @@ from typing import Any
 
 import gguf
 
-from ...errors import ModelFormatError
-from ...quiet import quiet_gguf
+from ...core.errors import ModelFormatError
+from ...core.quiet import quiet_gguf
 
 _SPECIAL_LOOKING = re.compile(r"^(<\|.*\|>|<[a-z_]+>|\[[A-Z_]+\]|<s>|</s>|<unk>|<pad>)$")
 
@@ -52,7 +52,7 @@ def _load_hf_tokenizer(model_dir: Path, prefer_plain: bool = True):
         plain = _PlainTokenizer.load(model_dir)
         if plain is not None:
             return plain
-    from ...reference import load_tokenizer
+    from ...validation.reference import load_tokenizer
 
     return load_tokenizer(model_dir)  # the same loader (and refusal of remote code) as the reference
 
@@ -73,7 +73,7 @@ class _PlainTokenizer:
         self.added_tokens_decoder = tok.get_added_tokens_decoder()
 
     @classmethod
-    def load(cls, model_dir: Path) -> "_PlainTokenizer | None":
+    def load(cls, model_dir: Path) -> _PlainTokenizer | None:
         cfg_path = model_dir / "tokenizer_config.json"
         try:
             cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}

@@ -20,21 +20,30 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
-
-from ...errors import NotApplicableError
-from ...tokenizer_cache import CachedTokenizer
-from ...thresholds import Thresholds, check_thresholds, gate, metric_text
+from ...config.thresholds import check_thresholds, metric_text
+from ...core.errors import NotApplicableError
+from ...validation.tokenizer_cache import CachedTokenizer
 from .. import BuildContext, BuiltArtifact, Target, ValidationReport
 from .compile import COMPILE_DIR, NOT_A_TARGET_LM, CompileOptions, compiled_weights
+from .export_parity import PARITY_DECODE_STEPS, WHISPER_PARITY_CTX, decoder_parity, speech_parity
 from .families import architecture as config_architecture, positions_served, window_served_full
+from .gates import ExportThresholds, QaicThresholds
 from .layout import BUNDLE_FORMAT, BUNDLE_FORMAT_VERSION, EXPORT_FORMAT_VERSION, EXPORT_REPORT, ONNX_DIR
 from .qpc import QpcCompile
 from .server import QAIC_SERVER
-from .support import (encoder_archs, export_archs, export_weights, exported, generate_archs, is_encoder, is_speech,
-                      is_vision, refusal, speech_archs)
+from .support import (
+    encoder_archs,
+    export_archs,
+    export_weights,
+    exported,
+    generate_archs,
+    is_encoder,
+    is_speech,
+    is_vision,
+    refusal,
+    speech_archs,
+)
 
-from .export_parity import PARITY_DECODE_STEPS, WHISPER_PARITY_CTX, decoder_parity, speech_parity
 EXPORT_OPTIONS = ("batch_index", "weight_dtype", "target_lm")
 
 
@@ -49,7 +58,7 @@ def _config(holder: Any) -> dict[str, Any]:
     """config.json of a build (or plan) as the export reads it: a declared remote-code architecture's as its native
     form (native.py: InternVLChatModel as InternVLForConditionalGeneration, the model transformers builds), every
     other model's as it is."""
-    from ...native import native_dict
+    from ...model.native import native_dict
 
     return native_dict(holder.config)
 
@@ -75,36 +84,9 @@ def _whole(config: dict[str, Any]) -> str:
     return "Whisper model" if is_speech(config) else "encoder"
 
 
-class ExportThresholds(Thresholds):
-    """onnxruntime against transformers fp32 on the same ids: decoders over prefill + decode steps with the
-    retained state fed back (top-1, |delta logit|); encoders over padded batches (|delta| of the hidden
-    states and embeddings, cosine of the embeddings; top-1 of a classifier's logits). A gate whose metric
-    an architecture does not have (top-1 of an embedding model, cosine of a decoder) does not apply to it."""
-
-    min_ort_top1_agreement: float | None = Field(
-        1.0, ge=0.0, le=1.0, json_schema_extra=gate("ort_top1_agreement", "onnxruntime top-1 agreement"))
-    max_ort_abs_delta: float = Field(0.01, ge=0.0, json_schema_extra=gate(
-        "ort_max_abs_delta", "onnxruntime max |delta| (logits, hidden states, embeddings)", ".3g"))
-    min_ort_cosine: float | None = Field(None, ge=-1.0, le=1.0,
-                                         json_schema_extra=gate("ort_min_cosine", "onnxruntime embedding cosine", ".6f"))
-
-
-class QaicThresholds(Thresholds):
-    """The device's predicted quality (weights and KV cache emulated at the compile's precisions) against
-    transformers fp32 on the parity texts."""
-
-    min_predicted_top1: float | None = Field(None, ge=0.0, le=1.0,
-                                             json_schema_extra=gate("predicted_top1", "predicted top-1 agreement"))
-    min_predicted_cosine: float | None = Field(
-        None, ge=-1.0, le=1.0, json_schema_extra=gate("predicted_cosine", "predicted embedding cosine", ".6f"))
-    max_predicted_kl: float | None = Field(None, ge=0.0, json_schema_extra=gate("predicted_kl", "predicted mean KL", ".5f"))
-    max_predicted_ppl_delta: float | None = Field(
-        None, json_schema_extra=gate("predicted_ppl_delta", "predicted perplexity change", ".4f"))
-
-
 def encoder_batches(tok, config: dict[str, Any]) -> list[list[list[int]]]:
     """The parity texts for an encoder: one sequence alone, then three of different lengths (padded)."""
-    from ... import prompts, reference
+    from ...validation import prompts, reference
 
     limit = min(64, _max_positions(config) or 64)
     ids = [list(s)[:limit] for s in reference.encode(tok, prompts.PARITY_TEXTS[:4])]
@@ -112,10 +94,10 @@ def encoder_batches(tok, config: dict[str, Any]) -> list[list[list[int]]]:
 
 
 def _refuse_bad_source(snap, config: dict[str, Any]) -> None:
-    """What the vLLM target refuses too (source_checks.py). A decoder's NaN/Inf are refused as its weights
+    """What the vLLM target refuses too (source/checks.py). A decoder's NaN/Inf are refused as its weights
     stream into the ONNX data file, and its stray tensors where its weight rules are made (export.py)."""
-    from ...safetensors_io import TensorSource
-    from ...source_checks import refuse_index_mismatch, refuse_non_finite, refuse_quantized_without_config
+    from ...source.checks import refuse_index_mismatch, refuse_non_finite, refuse_quantized_without_config
+    from ...source.safetensors_io import TensorSource
 
     with TensorSource(snap.safetensors_files()) as src:
         refuse_quantized_without_config(src, config)
@@ -160,7 +142,7 @@ class QaicExportTarget(Target):
 
     @staticmethod
     def describe_weights(options: dict[str, Any], config: dict[str, Any]) -> dict[str, str]:
-        from ...native import native_dict
+        from ...model.native import native_dict
 
         return export_weights(options, native_dict(config))
 
@@ -182,8 +164,8 @@ class QaicExportTarget(Target):
                 "onnxruntime_validation": _version("onnxruntime")}
 
     def build(self, ctx: BuildContext, out_dir: Path) -> BuiltArtifact:
-        from ...paths import link_or_copy
-        from ...snapshot import CARRIED_FILES
+        from ...core.paths import link_or_copy
+        from ...source.snapshot import CARRIED_FILES
         from .export import export
 
         snap, config = ctx.snapshot, _config(ctx)
@@ -215,7 +197,7 @@ class QaicExportTarget(Target):
             if name == "config.json" and converted:
                 # the artifact is the native model: its config is that model's, and what serves it never meets the
                 # repository's remote code (auto_map)
-                from ...native import write_native_config
+                from ...model.native import write_native_config
 
                 write_native_config(snap.dir, out_dir / name)
                 files.append(name)
@@ -234,7 +216,7 @@ class QaicExportTarget(Target):
         return BuiltArtifact(root=out_dir, files=files, info={"export": info}, known_digests=known)
 
     def validate(self, ctx: BuildContext, artifact_dir: Path, files: dict[str, str]) -> ValidationReport:
-        from ... import parity
+        from ...validation import parity
 
         tok = CachedTokenizer(ctx.snapshot.dir)
         onnx_path = artifact_dir / ONNX_DIR / "model.onnx"
@@ -386,7 +368,7 @@ class QaicTarget(Target):
         problems = check_bundle(artifact_dir, files, opts)
         if problems:
             return ValidationReport(passed=False, failures=problems, metrics={})
-        from ... import prompts, reference
+        from ...validation import prompts, reference
 
         if opts.task == "transcribe":  # Whisper: fp16 weights emulated on a synthetic log-mel
             from .whisper import load_model, log_mel, predict_fp16, start_tokens

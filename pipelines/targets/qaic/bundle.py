@@ -9,11 +9,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ...core.errors import NotApplicableError
+from ...core.paths import link_or_copy
 from .. import BuildContext, BuiltArtifact
-from ...paths import link_or_copy
-from ...errors import NotApplicableError
-from .layout import BUNDLE_FORMAT, EXPORT_REPORT, KEEP_INPUT, RETAINED
 from .compile import COMPILE_DIR, CompileOptions, command, compile_files, vision_command
+from .layout import BUNDLE_FORMAT, EXPORT_REPORT, KEEP_INPUT, RETAINED
 from .vision.compile import form_problem, language_onnx
 
 COMMAND_FILE = f"{COMPILE_DIR}/command.json"

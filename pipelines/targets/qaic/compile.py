@@ -30,8 +30,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ...errors import EngineFailed
-from ... import settings
+from ...core import settings
+from ...core.errors import EngineFailed
 from .layout import KEEP_INPUT
 
 DEFAULT_SDK_ROOT = "/opt/qti-aic"
@@ -93,10 +93,11 @@ class CompileOptions(BaseModel):
         description="a vision-language model as two QPCs (vision, language; QEfficient's default) or, false, as one "
                     "QPC holding both (one sequence at a time: needs batch_size 1 and full_batch_size null)")
     sdk_version: str = Field("1.22", pattern=r"^\d+\.\d+(\.\d+)*$",
-                             description="the Apps SDK the bundle's files are written for; a compile host re-derives them for its own")
+                             description="the Apps SDK the bundle's files are written for; "
+                                         "a compile host re-derives them for its own")
 
     @model_validator(mode="after")
-    def _shape(self) -> "CompileOptions":
+    def _shape(self) -> CompileOptions:
         if self.prefill_seq_len > self.ctx_len:
             raise ValueError(f"prefill_seq_len {self.prefill_seq_len} is larger than ctx_len {self.ctx_len}")
         if self.task == "embedding" and self.full_batch_size is not None:
@@ -129,7 +130,7 @@ class CompileOptions(BaseModel):
         return self.task != "embedding"
 
     @classmethod
-    def parse(cls, options: dict[str, Any]) -> "CompileOptions":
+    def parse(cls, options: dict[str, Any]) -> CompileOptions:
         return cls.model_validate(options)
 
     @staticmethod
@@ -248,7 +249,8 @@ def compile_files(layers: int, opts: CompileOptions, sdk_version: str | None = N
 
         files.update(vision_files(vision, named_specializations(sdk_version or opts.sdk_version)))
     if opts.num_devices > 1:
-        files[f"{COMPILE_DIR}/{partition_name(opts.num_devices)}"] = (json.dumps(partition(opts.num_devices, opts.num_cores), indent=1) + "\n").encode()
+        files[f"{COMPILE_DIR}/{partition_name(opts.num_devices)}"] = (
+            json.dumps(partition(opts.num_devices, opts.num_cores), indent=1) + "\n").encode()
     return files
 
 

@@ -64,7 +64,7 @@ def build_decoder(model, *, kv_transform=None, batch_index: bool = False, ctx_le
     """
     decoder = _decoder_class()(model, kv_transform=kv_transform, batch_index=batch_index, ctx_len=ctx_len)
     if decoder.cross_layers and cross_grid is None:
-        from ...errors import NotApplicableError
+        from ...core.errors import NotApplicableError
 
         raise NotApplicableError(f"{decoder.arch} has cross-attention layers: it is exported through its "
                                  "vision-language model (the image's K/V come from the vision graph)")

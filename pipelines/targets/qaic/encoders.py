@@ -60,7 +60,7 @@ class EncoderExportReport:
 
 def architecture(model_dir: Path) -> str:
     """The architecture config.json names, refused (one line) unless it is one of ENCODERS."""
-    from ...errors import ModelFormatError, NotApplicableError
+    from ...core.errors import ModelFormatError, NotApplicableError
 
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
@@ -77,7 +77,7 @@ def architecture(model_dir: Path) -> str:
 
 def pooling_mode(model_dir: Path) -> str:
     """sentence-transformers' pooling for the snapshot: its 1_Pooling/config.json when present, else mean."""
-    from ...errors import ModelFormatError, NotApplicableError
+    from ...core.errors import ModelFormatError, NotApplicableError
 
     path = Path(model_dir) / "1_Pooling" / "config.json"
     if not path.is_file():
@@ -101,8 +101,8 @@ def load_encoder(model_dir: Path, *, eager: bool = False):
     import torch
     from transformers import AutoModel, AutoModelForSequenceClassification
 
-    from ...quiet import quiet_transformers
-    from ...errors import ModelFormatError
+    from ...core.errors import ModelFormatError
+    from ...core.quiet import quiet_transformers
 
     arch = architecture(model_dir)
     quiet_transformers()

@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
-from ...errors import ModelFormatError
+from ...core.errors import ModelFormatError
 from .decoder import build_decoder
 from .external_data import DataWriter, Weights, stored_dtype, stored_initializers
 from .families import FAMILY_SPECS, architecture, unsupported
@@ -84,9 +85,9 @@ def placeholder_model(model_dir: Path, layers: int | None = None):
     checkpoint). Placeholders are calloc'd numpy zeros: never written, so never resident."""
     import torch
 
-    from ...safetensors_io import TensorSource
-    from ...source_checks import refuse_unused_tensors
-    from ...streamed_model import meta_model, return_freed_memory
+    from ...model.streamed_model import meta_model, return_freed_memory
+    from ...source.checks import refuse_unused_tensors
+    from ...source.safetensors_io import TensorSource
 
     return_freed_memory()  # large allocations are fresh mmaps: calloc leaves them untouched
     source = TensorSource(sorted(Path(model_dir).glob("*.safetensors")))
@@ -178,7 +179,8 @@ def trace_graph(decoder, ctx_len: int):
 def _report(decoder, out_path: Path, ctx_len: int, writer: DataWriter, n_inits: int, weight_dtype: str) -> ExportReport:
     return ExportReport(str(out_path), len(decoder.layers), decoder.n_kv, decoder.head_dim, decoder.vocab,
                         decoder.max_positions, True, architecture=decoder.arch, ctx_len=ctx_len,
-                        batch_index=decoder.batch_index, logits_to_keep=decoder.logits_to_keep, files=[out_path.name, out_path.name + DATA_SUFFIX],
+                        batch_index=decoder.batch_index, logits_to_keep=decoder.logits_to_keep,
+                        files=[out_path.name, out_path.name + DATA_SUFFIX],
                         weight_dtype=weight_dtype, data_bytes=writer.offset, initializers=n_inits,
                         clipped_to_fp16=writer.clipped)
 

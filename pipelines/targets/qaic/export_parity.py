@@ -17,7 +17,7 @@ PARITY_SPECULATIVE_TOKENS = 5  # a target LM export is checked in steps of the s
 def speech_parity(ctx: BuildContext, onnx_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Whisper: the Encoder step on a synthetic log-mel, then Decode steps with the retained self and cross KV
     fed back, against transformers fp32 on the same ids; and greedy end to end."""
-    from ... import parity
+    from ...validation import parity
     from .whisper import load_model, log_mel, start_tokens, whisper_parity
 
     model = load_model(ctx.snapshot.dir)
@@ -36,9 +36,9 @@ def speech_parity(ctx: BuildContext, onnx_path: Path) -> tuple[dict[str, Any], d
 def decoder_parity(ctx: BuildContext, tok, onnx_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """onnxruntime on the export (or, when it does not fit the budget, on a graph of its first layers over the
     same data file) against the streamed reference of the same layers."""
-    from ... import parity, prompts
-    from ...host import memory_budget
-    from ...memory import model_facts
+    from ...core.host import memory_budget
+    from ...model.memory import model_facts
+    from ...validation import parity, prompts
     from .export import slice_graph
     from .ort import ort_parity
     from .plan import ort_check, reference_resident

@@ -10,12 +10,12 @@ through a Cast to float32 named as the value, so the graph's consumers are uncha
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
-from ...errors import ModelFormatError
+from ...core.errors import ModelFormatError
 from .folds import Stored, apply_node, attrs, const_value, fold_plan, shape_of
 
 CHUNK_BYTES = 64 << 20  # fp32 bytes of a weight converted at a time (plan.EXPORT_CHUNK_BYTES)
@@ -70,7 +70,7 @@ class Weights:
             return self.buffers[name].detach().float().numpy()
         if self.rules is None:
             return self.params[name].detach().float().numpy()
-        from ...streamed_model import read_float32
+        from ...model.streamed_model import read_float32
 
         return self.rules[self.model_name[name]].load(lambda s: read_float32(self.source, s)).numpy()
 
@@ -148,7 +148,8 @@ class DataWriter:
         expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(np_dtype).itemsize
         if self.offset - start != expected:  # a checkpoint whose tensor shapes disagree with its config.json
             raise ModelFormatError(f"{what} gives {(self.offset - start) // np.dtype(np_dtype).itemsize} values where "
-                                   f"the graph its config describes needs {list(shape)} ({expected // np.dtype(np_dtype).itemsize}): "
+                                   f"the graph its config describes needs {list(shape)} "
+                                   f"({expected // np.dtype(np_dtype).itemsize}): "
                                    f"the checkpoint does not match its config.json")
         return t
 

@@ -149,7 +149,7 @@ def reference_model(model_dir: Path, *, layers: int | None = None, weight_dtype:
                     resident: bool = True):
     """The transformers model the export is compared with: streamed from the checkpoint, its first `layers`
     layers (a slice), matrices rounded to fp16 where the export stores them so."""
-    from ...streamed_model import StreamedCausalLM
+    from ...model.streamed_model import StreamedCausalLM
     from .external_data import FP16_MAX, stored_dtype
 
     def rounding(_name, _owner, _attr, value):  # as the export stores them: clipped to fp16's range, rounded
@@ -189,7 +189,7 @@ def ort_parity(model_dir: Path, onnx_path: Path, prompts: list[list[int]], decod
     target LM export, which also runs k+1 speculative steps of k+1 tokens (`run_ort_speculative`, the drafts from
     the greedy run) whose every logit is compared with transformers on the same ids; the top-1 and |delta| are
     those of both runs, `speculative` the steps' own."""
-    from ...streamed_model import trim_heap
+    from ...model.streamed_model import trim_heap
 
     sess = session(onnx_path)
     greedy_steps = max(decode_steps, speculative_draft_steps(speculative)) if speculative else decode_steps

@@ -19,14 +19,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...memory import (ACTIVATION_COPIES, BASE_STEP, BASE_TORCH, BATCH_TOKENS, FP32, MIB, REFERENCE_LOGIT_COPIES,
-                       REFERENCE_UNIT_COPIES, SMALL_FILES, StepNeed, human_bytes, unit_text, whole_model)
-from ...slicing import MIN_LAYERS
+from ...model.memory import (
+    ACTIVATION_COPIES,
+    BASE_STEP,
+    BASE_TORCH,
+    BATCH_TOKENS,
+    FP32,
+    MIB,
+    REFERENCE_LOGIT_COPIES,
+    REFERENCE_UNIT_COPIES,
+    SMALL_FILES,
+    StepNeed,
+    human_bytes,
+    unit_text,
+    whole_model,
+)
+from ...model.slicing import MIN_LAYERS
 
 WEIGHT_DTYPES = ("float16", "float32")  # what the export stores weights as (option weight_dtype)
 
 if TYPE_CHECKING:
-    from ...memory import ModelFacts, PlanEnv
+    from ...model.memory import ModelFacts, PlanEnv
 
 WEIGHT_BYTES = {"float16": 2, "float32": 4}
 EXPORT_CHUNK_BYTES = 64 * MIB  # fp32 bytes of a weight converted at a time (export.CHUNK_BYTES)
@@ -55,7 +68,7 @@ class OrtCheck:
                 "reason": self.reason}
 
 
-def export_bytes(facts: "ModelFacts", weight_dtype: str) -> int:
+def export_bytes(facts: ModelFacts, weight_dtype: str) -> int:
     """The export's external data: matrices at `weight_dtype`, vectors and RoPE tables fp32; a tied embedding is
     stored twice (the Gather's rows and the head's transposed MatMul weight)."""
     width = WEIGHT_BYTES[weight_dtype]
@@ -63,27 +76,27 @@ def export_bytes(facts: "ModelFacts", weight_dtype: str) -> int:
     return (facts.matrix_parameters + tied_copy) * width + facts.vector_parameters * FP32 + SMALL_FILES
 
 
-def slice_parameters(facts: "ModelFacts", layers: int | None) -> int:
+def slice_parameters(facts: ModelFacts, layers: int | None) -> int:
     if layers is None or layers >= facts.layers:
         return facts.parameters
     outside = max(facts.parameters - facts.layers * facts.largest_layer, facts.embedding + facts.lm_head)
     return outside + layers * facts.largest_layer
 
 
-def ort_memory(facts: "ModelFacts", layers: int | None, weight_dtype: str) -> int:
+def ort_memory(facts: ModelFacts, layers: int | None, weight_dtype: str) -> int:
     width = WEIGHT_BYTES[weight_dtype]
     params = slice_parameters(facts, layers)
     largest_cast = facts.largest_tensor * FP32  # one initializer widened while its node runs
     return BASE_TORCH + BASE_ORT + params * width * ORT_WEIGHT_COPIES // 2 + largest_cast
 
 
-def reference_resident(facts: "ModelFacts", layers: int | None, budget: int) -> bool:
+def reference_resident(facts: ModelFacts, layers: int | None, budget: int) -> bool:
     """The reference of the checked layers kept in memory (as reference.reference_resident decides for the whole
     model: its fp32 copy 1.5 times over plus 1 GiB within the budget), else streamed unit by unit."""
     return slice_parameters(facts, layers) * FP32 * 3 // 2 + (1 << 30) < budget
 
 
-def reference_slice_memory(facts: "ModelFacts", layers: int | None, resident: bool) -> int:
+def reference_slice_memory(facts: ModelFacts, layers: int | None, resident: bool) -> int:
     """The reference of the checked layers: resident (every unit kept) or streamed (one unit at a time), with
     prompt-sized activations and logits."""
     held = slice_parameters(facts, layers) if resident else max(facts.embedding, facts.largest_layer,
@@ -93,7 +106,7 @@ def reference_slice_memory(facts: "ModelFacts", layers: int | None, resident: bo
             + PARITY_TOKENS * facts.vocab_size * FP32 * REFERENCE_LOGIT_COPIES)
 
 
-def ort_check(facts: "ModelFacts", budget: int, weight_dtype: str) -> OrtCheck:
+def ort_check(facts: ModelFacts, budget: int, weight_dtype: str) -> OrtCheck:
     whole = ort_memory(facts, None, weight_dtype)
     if whole <= budget or facts.layers <= MIN_LAYERS:
         return OrtCheck(None, whole, f"the whole export in onnxruntime needs {human_bytes(whole)}, within the budget "
@@ -104,14 +117,14 @@ def ort_check(facts: "ModelFacts", budget: int, weight_dtype: str) -> OrtCheck:
                                       f"external data ({human_bytes(part)})")
 
 
-def vision_side(facts: "ModelFacts", copies: float) -> tuple[int, str]:
+def vision_side(facts: ModelFacts, copies: float) -> tuple[int, str]:
     """A vision-language model's vision side held in fp32 `copies` times (0 for other models), and its words."""
     held = int(facts.vision_parameters * FP32 * copies)
     return held, (f" + the vision side held {human_bytes(held)} ({facts.vision_parameters / 1e9:.2f} B parameters "
                   f"x {copies:g} in fp32)" if held else "")
 
 
-def export_steps(env: "PlanEnv", encoder: bool, whole: str = "encoder", vision: bool = False) -> list[StepNeed]:
+def export_steps(env: PlanEnv, encoder: bool, whole: str = "encoder", vision: bool = False) -> list[StepNeed]:
     """`encoder`: the model is loaded whole (an encoder, Whisper: `whole` names it), else a decoder streamed from
     its safetensors; `vision`: a vision-language model, its language model streamed as a decoder, its vision side
     held (its graph exported with its weights, checked whole in onnxruntime)."""
@@ -141,7 +154,7 @@ def export_steps(env: "PlanEnv", encoder: bool, whole: str = "encoder", vision: 
                 f"layers {human_bytes(reference)}{checked_text}; {check.reason}"))]
 
 
-def bundle_steps(env: "PlanEnv", decoder: bool, weight_dtype: str = "float16", whole: str = "encoder",
+def bundle_steps(env: PlanEnv, decoder: bool, weight_dtype: str = "float16", whole: str = "encoder",
                  vision: bool = False) -> list[StepNeed]:
     facts = env.facts
     onnx = export_bytes(facts, weight_dtype)  # the input export, placed in the work dir

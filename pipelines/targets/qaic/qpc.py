@@ -13,26 +13,37 @@ import json
 import shutil
 from typing import TYPE_CHECKING, Any
 
-from ...errors import EngineFailed, NotApplicableError, StoreError
-from ...build_result import BuildResult
-from ...hashing import sha256_file, sha256_json
-from ...manifest import FileEntry, Manifest
-from ...paths import work_dir
+from ...core import settings
+from ...core.errors import EngineFailed, NotApplicableError, StoreError
+from ...core.hashing import sha256_file, sha256_json
+from ...core.paths import work_dir
 from ...store import Store, manifest_key, ref_key
 from ...store.documents import commit_manifest, load_manifest, materialize_blobs, publish_profiles, repair_commit
 from ...store.layout import BUNDLE_TAG_PREFIX, check_binding
+from ...store.manifest import FileEntry, Manifest
 from .. import HardwareStep
-from .layout import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
+from ..build_result import BuildResult
 from .bundle import COMMAND_FILE
-from .compile import (COMPILE_DIR, QPC_DIR, CompileOptions, Sdk, command, compile_files, fill, find_sdk, no_sdk_reason, run,
-                      vision_command)
-from .vision.compile import VISION_QPC_DIR, language_onnx
+from .compile import (
+    COMPILE_DIR,
+    QPC_DIR,
+    CompileOptions,
+    Sdk,
+    command,
+    compile_files,
+    fill,
+    find_sdk,
+    no_sdk_reason,
+    run,
+    vision_command,
+)
 from .families import window_served_full
+from .layout import BUNDLE_FORMAT, EXPORT_REPORT, ONNX_DIR
 from .serving import describe
-from ... import settings
+from .vision.compile import VISION_QPC_DIR, language_onnx
 
 if TYPE_CHECKING:
-    from ...config import Config
+    from ...config.registry import Config
 
 QPC_FORMAT_VERSION = 1
 BUNDLE_LATEST = BUNDLE_TAG_PREFIX + "latest"
@@ -65,7 +76,7 @@ def bundle_manifest(store: Store, model_id: str, recipe_id: str, build_id: str |
     return m
 
 
-def _profiles(config: "Config | None", recipe_id: str) -> list[dict[str, Any]]:
+def _profiles(config: Config | None, recipe_id: str) -> list[dict[str, Any]]:
     """The active runtime profiles of the compile recipe that load QPCs; every active QPC-loading profile
     when this host's configuration does not have the recipe (a compile host with only the store)."""
     if config is None:
@@ -77,7 +88,7 @@ def _profiles(config: "Config | None", recipe_id: str) -> list[dict[str, Any]]:
     return [p.model_dump(mode="json") for p in profiles if p.active and "qpc" in p.loads]
 
 
-def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | None" = None) -> BuildResult:
+def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: Config | None = None) -> BuildResult:
     """Compile a published bundle with this host's SDK and publish the QPC (or find it published)."""
     model_id, recipe_id = bundle.model.id, bundle.recipe.id
     opts = CompileOptions.parse(bundle.recipe.options)
@@ -155,8 +166,9 @@ def compile_bundle(store: Store, bundle: Manifest, sdk: Sdk, config: "Config | N
         build_id=build_id, model=bundle.model, recipe=bundle.recipe, runtime_profiles=list(serving), format="qpc",
         files=entries, toolchain={**bundle.toolchain, **qpc_toolchain(sdk)},
         build={"input": {"recipe": recipe_id, "build_id": bundle.build_id, "format": BUNDLE_FORMAT},
-               "export": bundle.build.get("input"), "compile": {"command": recorded, "sdk": qpc_toolchain(sdk),
-                                                                    **({"vision_command": doc["vision_argv"]} if "vision_argv" in doc else {})},
+               "export": bundle.build.get("input"),
+               "compile": {"command": recorded, "sdk": qpc_toolchain(sdk),
+                           **({"vision_command": doc["vision_argv"]} if "vision_argv" in doc else {})},
                "state": "compiled",
                **({"stand_in": f"compiled by a stand-in for {sdk.compiler.name}: not a QPC a device can load"}
                   if stand_in else {})},
@@ -185,7 +197,7 @@ class QpcCompile(HardwareStep):
     def missing(self) -> str | None:
         return None if find_sdk() is not None else no_sdk_reason()
 
-    def finish(self, bundle_result: BuildResult, store: Store, config: "Config") -> BuildResult:
+    def finish(self, bundle_result: BuildResult, store: Store, config: Config) -> BuildResult:
         """After a bundle is published: compile it here if this host has the SDK, else say it is pending."""
         sdk = find_sdk()
         if sdk is None:
@@ -197,7 +209,7 @@ class QpcCompile(HardwareStep):
         res.bundle, res.input = bundle_result, bundle_result.input
         return res
 
-    def finish_published(self, model_id: str, config: "Config", store: Store, recipe: str | None = None,
+    def finish_published(self, model_id: str, config: Config, store: Store, recipe: str | None = None,
                          input_build_id: str | None = None) -> list[BuildResult]:
         """The published bundles of the model (one recipe, or every qaic recipe that has one), compiled with
         this host's SDK and published as QPCs."""

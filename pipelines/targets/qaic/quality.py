@@ -75,8 +75,8 @@ def predict(model_dir: Path, sequences: list[list[int]], *, mxfp6: bool = True, 
     when the caller has them (reference.compute caches them for every artifact kind of a snapshot).
     `resident`: keep every unit after its first load (the model fits with margin); else the decoder runs unit
     by unit, every sequence through a layer before the next one is read (one pass over the weights)."""
-    from ... import parity
-    from ...streamed_model import StreamedCausalLM, trim_heap
+    from ...model.streamed_model import StreamedCausalLM, trim_heap
+    from ...validation import parity
     from .decoder import build_decoder
     from .mx import fake_mxfp6, fake_mxint8
 
@@ -107,7 +107,7 @@ def perplexity(sequences: list[list[int]], all_logits: list[Any]) -> float:
     """exp(mean negative log-likelihood) of each sequence's next tokens under its logits (one row per token)."""
     import numpy as np
 
-    from ... import parity
+    from ...validation import parity
 
     nll, n = 0.0, 0
     for s, lg in zip(sequences, all_logits):

@@ -67,13 +67,13 @@ def native_form(architecture: str, config: dict[str, Any] | None) -> tuple[str |
     no such form); (None, None) for every other architecture."""
     if architecture not in NATIVE_FORMS:
         return None, None
-    from ...native import EQUIVALENTS, native_problem
+    from ...model.native import EQUIVALENTS, native_problem
 
     eq = EQUIVALENTS[architecture]
     return eq.native_architecture, native_problem(eq, config if isinstance(config, dict) else {})
 
 
-def exported(arch: "Architecture | None", architecture: str, names: frozenset[str],
+def exported(arch: Architecture | None, architecture: str, names: frozenset[str],
              config: dict[str, Any] | None = None) -> bool:
     """An architecture transformers builds (the export reads its modules) among `names`, itself or, for a declared
     remote-code architecture, its native form (`config`: the config.json that must translate to it)."""
@@ -85,7 +85,7 @@ def exported(arch: "Architecture | None", architecture: str, names: frozenset[st
     return native is not None and problem is None and native in names
 
 
-def refusal(arch: "Architecture | None", architecture: str, names: frozenset[str],
+def refusal(arch: Architecture | None, architecture: str, names: frozenset[str],
             config: dict[str, Any] | None = None) -> str | None:
     """Why the export of `names` does not convert the model, in one clause (None: it does)."""
     if exported(arch, architecture, names, config):

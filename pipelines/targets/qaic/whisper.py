@@ -282,7 +282,6 @@ def reference_greedy(model, features: np.ndarray, start: list[int], steps: int) 
     """transformers fp32, end to end: greedy decoding by whole forwards (decoder_input_ids = start + tokens so
     far), the logits of each new position."""
     import numpy as np
-
     import torch
 
     feats = torch.from_numpy(features.astype(np.float32))
@@ -300,7 +299,6 @@ def whisper_parity(model, onnx_path: Path, features: np.ndarray, start: list[int
     """ORT (Encoder step, decode_steps Decode steps, state fed back) against transformers fp32: teacher-forced on
     ORT's own tokens (top-1 agreement, max |delta logit|), and both greedy runs' tokens (`tokens_equal`)."""
     import numpy as np
-
     import torch
 
     from .ort import compare
@@ -344,7 +342,7 @@ def serving_args() -> dict[str, Any]:
             "limit_mm_per_prompt": json.dumps({"audio": 1}), "no_enable_prefix_caching": True}
 
 
-def predict_fp16(model, features: "np.ndarray", start: list[int], steps: int = 8) -> dict[str, Any]:
+def predict_fp16(model, features: np.ndarray, start: list[int], steps: int = 8) -> dict[str, Any]:
     """The device's quality predicted for a -convert-to-fp16 compile: every weight rounded to fp16 (clipped to
     its range), greedy from the same log-mel, teacher-forced against the fp32 model on the fp16 run's ids."""
     import copy

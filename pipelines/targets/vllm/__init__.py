@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
-from ...thresholds import Thresholds, check_thresholds, gate, metric_text
+from ...config.thresholds import Thresholds, check_thresholds, gate, metric_text
 from .. import BuildContext, BuiltArtifact, Target, ValidationReport
 from .server import VLLM_SERVER
 from .vision import VLM_ARCHITECTURES, language_architecture
@@ -100,8 +100,8 @@ class VllmTarget(Target):
 
     @staticmethod
     def option_problems(options: dict[str, Any]) -> list[str]:
-        from ...errors import ConfigError
-        from ...units import parse_size
+        from ...core.errors import ConfigError
+        from ...core.units import parse_size
 
         problems = [f"unknown option {k!r}" for k in options if k not in ("quantization", "max_shard_size")]
         if options.get("quantization", "none") not in QUANTIZATIONS:
@@ -128,13 +128,14 @@ class VllmTarget(Target):
         precision, quantization = TIER_WEIGHTS[options.get("quantization", "none")]
         return {"precision": precision, "quantization": quantization}
 
-    def supports(self, arch: "Architecture | None", architecture: str, config: dict[str, Any],
+    def supports(self, arch: Architecture | None, architecture: str, config: dict[str, Any],
                  options: dict[str, Any]) -> bool:
         """Text causal LMs that transformers can load (the reference and the validation need its class),
         served by vLLM (natively or through its Transformers backend) or the transformers fallback.
         Quantized tiers only natively in vLLM: FP8 for the dense families of FP8_ARCHITECTURES and the per-expert
-        MoE families of QUANTIZED_MOE_ARCHITECTURES; W4A16 and INT8 (int_tiers.py) for the dense ones only. The vision-language models of
-        vision.VLM_ARCHITECTURES vLLM runs natively: bf16, and FP8 where their language model is FP8's."""
+        MoE families of QUANTIZED_MOE_ARCHITECTURES; W4A16 and INT8 (int_tiers.py) for the dense ones only. The
+        vision-language models of vision.VLM_ARCHITECTURES vLLM runs natively: bf16, and FP8 where their language
+        model is FP8's."""
         if arch is not None and arch.task == "vision-language" and arch.name in VLM_ARCHITECTURES:
             # a VLM: the vision side stays bf16; FP8 where its language model's family takes it (vision.py)
             quantization = options.get("quantization", "none")
@@ -167,12 +168,11 @@ class VllmTarget(Target):
         return prepare_directory(ctx, out_dir)
 
     def validate(self, ctx: BuildContext, artifact_dir: Path, files: dict[str, str]) -> ValidationReport:
+        from ...core.host import memory_budget
+        from ...model.memory import model_facts
+        from .plan import layout
         from .validate import validate_prepared
         from .vision import is_vlm
-
-        from ...host import memory_budget
-        from ...memory import model_facts
-        from .plan import layout
 
         thresholds = ctx.recipe.validation
         digests = sorted(files.items())  # verified when staged: no second read of the artifact

@@ -9,7 +9,7 @@ nibbles with activations as they are). Each artifact weight is compared with
 the source's tensor of the same name as it streams (relative L2 error, in row chunks), so rounding and
 quantization are measured weight by weight without a second copy of the model.
 
-`evaluate_into` is the child-process side (pipelines.isolation): teacher-forced logits of every parity
+`evaluate_into` is the child-process side (pipelines.process.isolation): teacher-forced logits of every parity
 sequence in one pass over the weights, optionally W8A16 too, greedy continuations, the weight errors.
 """
 
@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from ...progress import unit_runs
-from ...safetensors_io import TensorSource
-from ...streamed_model import StreamedCausalLM
+from ...core.progress import unit_runs
+from ...model.streamed_model import StreamedCausalLM
+from ...source.safetensors_io import TensorSource
 from .fp8 import EXPERT_PROJECTIONS
 from .int_artifact import INT8, PackedSource, dequantize, fake_quant_int8, stored_int
 from .moe_activations import is_experts, quantize_expert_inputs
@@ -64,7 +64,7 @@ class ArtifactReader:
     def __call__(self, src: TensorSource, name: str):
         import torch
 
-        from ...streamed_model import read_float32
+        from ...model.streamed_model import read_float32
 
         if src.info(name).dtype == FP8:
             value = dequantized(src, name)
@@ -148,7 +148,7 @@ def evaluate_into(model_dir: str, files: list[str], source_files: list[str] | No
     """Teacher-forced logits of `sequences` (`l{i}.npy`; W8A16 ones `w{i}.npy` with `weight_only`), greedy
     continuations of `greedy_prompts` without stopping at EOS (as vLLM with ignore_eos), and the weights'
     relative errors against the source."""
-    from ...isolation import peak_memory
+    from ...process.isolation import peak_memory
 
     out = Path(out_dir)
     lm, reader = open_artifact(Path(model_dir), [Path(f) for f in files],

@@ -6,17 +6,30 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...paths import link_or_copy
-from ...progress import bar
-from ...safetensors_io import TensorSource
-from ...units import parse_size
+from ...core.paths import link_or_copy
+from ...core.progress import bar
+from ...core.units import parse_size
+from ...source.safetensors_io import TensorSource
 from .. import BuiltArtifact
 from .checkpoint_names import map_checkpoint
 from .fp8 import fp8_selection, quantization_config, quantize_rows
 from .int_tiers import INT_TIERS, int_tier_tensors
-from .prepare import (INDEX, OutTensor, PrepareReport, bf16_tensor, carry_files, check_dtypes, normalize_config,
-                      plan_shards, reusable_source_shards, row_quantized, shard_names, tensor_order, write_index,
-                      write_shard)
+from .prepare import (
+    INDEX,
+    OutTensor,
+    PrepareReport,
+    bf16_tensor,
+    carry_files,
+    check_dtypes,
+    normalize_config,
+    plan_shards,
+    reusable_source_shards,
+    row_quantized,
+    shard_names,
+    tensor_order,
+    write_index,
+    write_shard,
+)
 
 if TYPE_CHECKING:
     from .. import BuildContext
@@ -24,7 +37,7 @@ if TYPE_CHECKING:
 SHARD_METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
 
 
-def prepare_directory(ctx: "BuildContext", out_dir: Path) -> BuiltArtifact:
+def prepare_directory(ctx: BuildContext, out_dir: Path) -> BuiltArtifact:
     snap, opts = ctx.snapshot, ctx.recipe.options
     cfg = ctx.config
     quantize = opts.get("quantization", "none") == "fp8-dynamic"

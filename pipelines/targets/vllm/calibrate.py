@@ -12,7 +12,7 @@ For each unit (a decoder layer, loaded by the streamed model as its forward star
 
 Only one unit is resident; the Hessians of one unit and GPTQ's factors of the largest one are the rest of
 the peak (plan.py counts them). The pass stops after the last unit with a quantized layer (the head is never
-loaded). Runs in a child process (pipelines.isolation): `calibrate_here`.
+loaded). Runs in a child process (pipelines.process.isolation): `calibrate_here`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...errors import ModelFormatError
-from ...progress import bar
+from ...core.errors import ModelFormatError
+from ...core.progress import bar
 from .gptq import Grid, Hessian, gptq_quantize
 from .pack import INT4_MAX, INT4_MIN, INT8_MAX, INT8_MIN, dequantize_groups, group_size_for, pack_int4
 
@@ -63,8 +63,8 @@ def calibrate_here(model_dir: str, files: list[str], out_dir: str, weights: list
     `sequences`, one safetensors file per unit in `out_dir`. Returns a summary (also written as SUMMARY)."""
     import torch
 
-    from ...isolation import peak_memory
-    from ...streamed_model import StreamedCausalLM, padded_batch
+    from ...model.streamed_model import StreamedCausalLM, padded_batch
+    from ...process.isolation import peak_memory
 
     scheme, out = Scheme(bits), Path(out_dir)
     wanted = set(weights)

@@ -4,7 +4,7 @@ A checkpoint as released often names its tensors otherwise than transformers 5's
 tensor per expert (`mlp.experts.3.gate_proj.weight`) where transformers stacks them into
 `mlp.experts.gate_up_proj`, Nemotron-H's trunk under `backbone.`, a VLM's language model at the top level.
 transformers maps those names when it loads, and vLLM's loaders take the names as released. So the check
-asks the same question transformers' loading answers: `weight_rules` (pipelines/weight_rules.py, the
+asks the same question transformers' loading answers: `weight_rules` (pipelines/model/weight_rules.py, the
 rules the streamed reference loads by) says which stored tensors make each parameter, and the shapes are
 checked through the same rules on the meta device (nothing is read or allocated). The prepared directory
 keeps the names as stored.
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...errors import ModelFormatError
+from ...core.errors import ModelFormatError
 
 if TYPE_CHECKING:
-    from ...safetensors_io import TensorSource
-    from ...weight_rules import WeightRule
+    from ...model.weight_rules import WeightRule
+    from ...source.safetensors_io import TensorSource
 
 
 @dataclass
@@ -30,7 +30,7 @@ class CheckpointMap:
     NextN layer transformers does not build)."""
 
     model: object
-    rules: dict[str, "WeightRule"]
+    rules: dict[str, WeightRule]
     unknown: list[str]
 
     def sources(self, param: str) -> tuple[str, ...]:
@@ -38,10 +38,10 @@ class CheckpointMap:
         return rule.sources if rule is not None else ()
 
 
-def map_checkpoint(model_dir: Path, src: "TensorSource") -> CheckpointMap:
+def map_checkpoint(model_dir: Path, src: TensorSource) -> CheckpointMap:
     """The checkpoint's map, after refusing weights that lack a parameter the config requires or whose shapes
     do not match it (vLLM would fail at load time on the serving host, or worse, load garbage)."""
-    from ...streamed_model import meta_model
+    from ...model.streamed_model import meta_model
 
     model, rules = meta_model(model_dir, set(src.names()))
     for param, value in model.named_parameters(remove_duplicate=False):
@@ -50,7 +50,7 @@ def map_checkpoint(model_dir: Path, src: "TensorSource") -> CheckpointMap:
     return CheckpointMap(model, rules, sorted(n for n in src.names() if n not in used))
 
 
-def _check_shape(param: str, expected: tuple[int, ...], rule: "WeightRule", src: "TensorSource") -> None:
+def _check_shape(param: str, expected: tuple[int, ...], rule: WeightRule, src: TensorSource) -> None:
     """The parameter the rule makes from the stored shapes (on the meta device) has the config's shape."""
     import torch
 

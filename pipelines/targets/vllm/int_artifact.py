@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...safetensors_io import TensorInfo, TensorSource
+from ...source.safetensors_io import TensorInfo, TensorSource
 from .pack import unpack_int4
 
 PACKED, SCALE, SHAPE = ".weight_packed", ".weight_scale", ".weight_shape"

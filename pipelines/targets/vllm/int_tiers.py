@@ -13,14 +13,16 @@ MoE experts stay bf16 here (listed in `ignore`). Everything else is written as t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ... import meter, prompts, reference
-from ...safetensors_io import TensorSource
+from ...core import meter
+from ...source.safetensors_io import TensorSource
+from ...validation import prompts, reference
 from .calibrate import calibrate_here, read_summary, unit_files
 from .fp8 import fp8_selection
 from .pack import int8_config, quantize_rows_int8, w4a16_config
@@ -61,7 +63,7 @@ INT_TIERS = {
 }
 
 
-def linear_selection(cmap: "CheckpointMap", src: TensorSource) -> tuple[set[str], list[str]]:
+def linear_selection(cmap: CheckpointMap, src: TensorSource) -> tuple[set[str], list[str]]:
     """(stored weights to quantize, the config's `ignore`): FP8's selection without MoE experts (kept bf16)."""
     import torch
 
@@ -73,8 +75,8 @@ def linear_selection(cmap: "CheckpointMap", src: TensorSource) -> tuple[set[str]
     return quantized & linear, sorted(set(ignored) | experts)
 
 
-def int_tier_tensors(ctx: "BuildContext", src: TensorSource, cmap: "CheckpointMap", order: list[str], out_dir: Path,
-                     report: "PrepareReport") -> tuple[list[OutTensor], dict[str, Any], dict[str, Any]]:
+def int_tier_tensors(ctx: BuildContext, src: TensorSource, cmap: CheckpointMap, order: list[str], out_dir: Path,
+                     report: PrepareReport) -> tuple[list[OutTensor], dict[str, Any], dict[str, Any]]:
     """(the output tensors in source order, config.json's quantization_config, the build record's entries)."""
     tier = INT_TIERS[ctx.recipe.options["quantization"]]
     qset, report.ignored = linear_selection(cmap, src)
@@ -124,10 +126,10 @@ class _Calibrated:
             unit.path.unlink()
 
 
-def _calibrate(ctx: "BuildContext", work: Path, weights: list[str], bits: int) -> _Calibrated:
+def _calibrate(ctx: BuildContext, work: Path, weights: list[str], bits: int) -> _Calibrated:
     """GPTQ in a child process over the calibration text; its unit files in `work`."""
-    from ...isolation import run_isolated
-    from ...tokenizer_cache import CachedTokenizer
+    from ...process.isolation import run_isolated
+    from ...validation.tokenizer_cache import CachedTokenizer
 
     snap = ctx.snapshot
     work.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ reproduces the same values).
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 _active = threading.local()  # the quantizer of the experts module running in this thread, if any
 _original_linear = None

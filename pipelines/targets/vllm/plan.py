@@ -20,14 +20,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...memory import (ACTIVATION_COPIES, BASE_TORCH, BATCH_TOKENS, FP32, MIB, REFERENCE_LOGIT_COPIES,
-                       REFERENCE_UNIT_COPIES, SMALL_FILES, StepNeed, human_bytes, unit_text)
+from ...model.memory import (
+    ACTIVATION_COPIES,
+    BASE_TORCH,
+    BATCH_TOKENS,
+    FP32,
+    MIB,
+    REFERENCE_LOGIT_COPIES,
+    REFERENCE_UNIT_COPIES,
+    SMALL_FILES,
+    StepNeed,
+    human_bytes,
+    unit_text,
+)
 from .engine_check import EngineCheck, choose, weight_parameters
 from .pack import GROUP_SIZE
 from .vision import IMAGE_CHECK_TOKENS
 
 if TYPE_CHECKING:
-    from ...memory import ModelFacts, PlanEnv
+    from ...model.memory import ModelFacts, PlanEnv
 
 PREPARE_CHUNK_BYTES = 64 * MIB  # fp32 rows converted at a time (prepare.CHUNK_BYTES)
 PREPARE_CHUNK_COPIES = 4  # fp32 rows, their bits, the rounded bits / e4m3 bytes, the scaled copy
@@ -54,7 +65,7 @@ class ValidationLayout:
                 "slice_run": "resident" if self.slice_resident else "streamed"}
 
 
-def vllm_bytes(facts: "ModelFacts", quantization: str) -> int:
+def vllm_bytes(facts: ModelFacts, quantization: str) -> int:
     if quantization == "none":
         return facts.parameters * 2 + SMALL_FILES  # bf16
     # FP8 / INT8 W8A8: the linear layers' weights one byte each (plus a scale per row); W4A16 half a byte (plus a
@@ -67,14 +78,14 @@ def vllm_bytes(facts: "ModelFacts", quantization: str) -> int:
     return linear + kept_bf16 * 2 + scales + SMALL_FILES
 
 
-def quantized_linear_bytes(facts: "ModelFacts") -> int:
+def quantized_linear_bytes(facts: ModelFacts) -> int:
     """W4A16's linear layers: two values a byte and a bf16 scale per group of 128 (narrower groups only where a
     layer's width is not a multiple of 128: small models, whose scales do not matter to the disk)."""
     linear = max(facts.parameters - facts.embedding - facts.lm_head - facts.vector_parameters, 0)
     return linear // 2 + linear // GROUP_SIZE * 2
 
 
-def calibration_memory(facts: "ModelFacts") -> tuple[int, str]:
+def calibration_memory(facts: ModelFacts) -> tuple[int, str]:
     """The GPTQ child over the calibration text (calibrate.py), and the building parent waiting for it."""
     hidden, widest = facts.hidden_size, max(facts.widest_row, facts.hidden_size)
     layer = int(REFERENCE_UNIT_COPIES * (facts.largest_streamed_layer or facts.largest_layer) * FP32)
@@ -90,16 +101,16 @@ def calibration_memory(facts: "ModelFacts") -> tuple[int, str]:
                    f"{human_bytes(activations)}; the parent waiting {human_bytes(BASE_TORCH)}")
 
 
-def parent_memory(facts: "ModelFacts") -> int:
+def parent_memory(facts: ModelFacts) -> int:
     """The validating parent: torch and the tokenizers, the logits it holds for the comparisons."""
     return BASE_TORCH + PARENT_LOGIT_COPIES * BATCH_TOKENS * facts.vocab_size * FP32
 
 
-def resident_memory(facts: "ModelFacts", parameters: int) -> int:
+def resident_memory(facts: ModelFacts, parameters: int) -> int:
     return int(parameters * FP32 * RESIDENT_FACTOR) + BATCH_TOKENS * facts.vocab_size * FP32 * REFERENCE_LOGIT_COPIES
 
 
-def streamed_memory(facts: "ModelFacts") -> int:
+def streamed_memory(facts: ModelFacts) -> int:
     """The artifact streamed unit by unit in a child over the batched parity texts: two units, the batch's
     activations and logits (the reference's terms, at the batch's size); a VLM's vision side held whole through
     its image prompt (vision.py)."""
@@ -109,14 +120,14 @@ def streamed_memory(facts: "ModelFacts") -> int:
             + BATCH_TOKENS * facts.vocab_size * FP32 * REFERENCE_LOGIT_COPIES)
 
 
-def fits_resident(facts: "ModelFacts", parameters: int, budget: int) -> bool:
+def fits_resident(facts: ModelFacts, parameters: int, budget: int) -> bool:
     """The reference's rule (reference.reference_resident): the fp32 copy 1.5 times over plus 1 GiB, within the
     budget; and beside the validating parent."""
     return (parameters * FP32 * 3 // 2 + (1 << 30) < budget
             and parent_memory(facts) + resident_memory(facts, parameters) < budget)
 
 
-def layout(facts: "ModelFacts", budget: int) -> ValidationLayout:
+def layout(facts: ModelFacts, budget: int) -> ValidationLayout:
     """How this budget lets the validation run: the artifact resident or streamed, the engine on the whole
     artifact or a slice, the slice's layers in transformers resident or streamed."""
     # a vision-language model's image prompt takes up to IMAGE_CHECK_TOKENS more of the engine's context (vision.py)
@@ -125,7 +136,7 @@ def layout(facts: "ModelFacts", budget: int) -> ValidationLayout:
                             fits_resident(facts, weight_parameters(facts, check.layers), budget))
 
 
-def plan_steps(env: "PlanEnv") -> list[StepNeed]:
+def plan_steps(env: PlanEnv) -> list[StepNeed]:
     facts, opts = env.facts, env.options
     quantization = opts.get("quantization", "none")
     out = vllm_bytes(facts, quantization)

@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
-from ...errors import ModelFormatError
-from ...safetensors_io import TensorSource, to_float32
-from ...snapshot import CARRIED_FILES  # noqa: F401 - re-exported: engine_check reads it from here
-from ...source_checks import FLOAT_DTYPES, refuse_quantized_without_config
+from ...core.errors import ModelFormatError
+from ...source.checks import FLOAT_DTYPES, refuse_quantized_without_config
+from ...source.safetensors_io import TensorSource, to_float32
+from ...source.snapshot import CARRIED_FILES
 
 INDEX = "model.safetensors.index.json"
 KEPT_DTYPES = {"I64", "I32", "I16", "BOOL"}  # buffers (position ids, masks): carried as stored

@@ -12,7 +12,7 @@ for an FP8 artifact, which FP8 matmul ran (`fp8_matmul`, below); per image promp
 rows, and the HF processor's tensors for it.
 
 A script file, not stdin: vLLM's engine start spawns processes that re-import the main module. A warm
-server (pipelines/warm.py) runs it too: `preload()` once, then `main(argv)` in a forked child per job.
+server (pipelines/process/warm.py) runs it too: `preload()` once, then `main(argv)` in a forked child per job.
 """
 
 import json
@@ -300,7 +300,7 @@ def encode_array(a) -> dict:
     return {"dtype": a.dtype.str, "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode()}
 
 
-def score_image_prompts(llm, job: dict, SamplingParams) -> list:
+def score_image_prompts(llm, job: dict, SamplingParams) -> list:  # noqa: N803 - it receives vLLM's SamplingParams class
     """Each of the job's image prompts (vision.py): the model's image placeholder as vLLM's chat front end writes it
     for this model class, then the text; scored teacher-forced with the picture as `multi_modal_data`. Beside vLLM's
     ids and rows: what the model's HF processor (the one vLLM runs) makes of the same prompt and picture, every
@@ -404,7 +404,7 @@ def fast_exit(rc: int) -> None:
 if __name__ == "__main__":
     try:
         code = main(sys.argv)
-    except Exception:  # the traceback is the error engine.py reads (its root-cause line)
+    except Exception:  # noqa: BLE001 - the traceback is the error engine.py reads (its root-cause line)
         import traceback
 
         traceback.print_exc()

@@ -18,7 +18,7 @@ from ...compat.hardware import hardware_for_vendor
 from .. import MODEL_DIR
 
 if TYPE_CHECKING:
-    from ...config import RuntimeProfile
+    from ...config.registry import RuntimeProfile
     from .. import BuildContext
 
 TIER_OF = {"none": "bf16", "fp8-dynamic": "fp8-dynamic", "w4a16-gptq": "w4a16", "int8-dynamic": "w8a8-int8"}
@@ -33,7 +33,7 @@ def _flags(args: dict[str, Any]) -> list[str]:
     return out
 
 
-def _vllm(ctx: "BuildContext", prof: "RuntimeProfile", compat, tier: str) -> dict[str, Any]:
+def _vllm(ctx: BuildContext, prof: RuntimeProfile, compat, tier: str) -> dict[str, Any]:
     rec = database.cached(ctx.registry).lookup(compat.architecture or "")
     rc = compat.estimated_requirements.get("recommended_config") or {}
     args = {
@@ -60,7 +60,7 @@ def _vllm(ctx: "BuildContext", prof: "RuntimeProfile", compat, tier: str) -> dic
     }
 
 
-def _transformers(ctx: "BuildContext", prof: "RuntimeProfile", compat, tier: str) -> dict[str, Any]:
+def _transformers(ctx: BuildContext, prof: RuntimeProfile, compat, tier: str) -> dict[str, Any]:
     return {
         "engine": "transformers", "image": prof.image, "tier": tier,
         "engine_args": {"pretrained_model_name_or_path": MODEL_DIR, "dtype": "bfloat16",
@@ -70,7 +70,7 @@ def _transformers(ctx: "BuildContext", prof: "RuntimeProfile", compat, tier: str
     }
 
 
-def describe(ctx: "BuildContext") -> dict[str, dict[str, Any]]:
+def describe(ctx: BuildContext) -> dict[str, dict[str, Any]]:
     """profile id -> description, for each profile of the recipe that its vendor's hardware routes this model to."""
     tier = TIER_OF[ctx.recipe.options.get("quantization", "none")]
     out = {}

@@ -27,17 +27,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ... import meter, parity, prompts, reference, router_gaps, settings
-from ...errors import EngineFailed, HiveError
-from ...memory import model_facts
-from ...paths import work_dir
-from ...tokenizer_cache import CachedTokenizer
-from .engine import NoEngine
-from .engine import run as run_engine
-from .engine import version as engine_version
+from ...core import meter, settings
+from ...core.errors import EngineFailed, HiveError
+from ...core.paths import work_dir
+from ...model.memory import model_facts
+from ...validation import parity, prompts, reference, router_gaps
+from ...validation.tokenizer_cache import CachedTokenizer
+from .engine import NoEngine, run as run_engine, version as engine_version
 from .engine_check import kv_cache_bytes, write_slice
-from .engine_defects import matching as matching_defects
-from .engine_defects import record as defects_record
+from .engine_defects import matching as matching_defects, record as defects_record
 from .int_tiers import INT_TIERS
 from .vision import IMAGE_CHECK_TOKENS, IMAGE_PROMPTS, check_images, is_vlm
 
@@ -61,8 +59,8 @@ def evaluate(model_dir: Path, files: list[Path], source_files: list[Path] | None
     fits with margin); anything else in a child, whose memory goes back when it ends, so the parent stays at
     its tokenizers and logits while the engine runs beside it. `keep`: a directory the logits stay in, read
     back memory-mapped (the parent holds no copy while the engine runs); else they are loaded."""
-    from ...isolation import run_isolated
-    from ...streamed_model import trim_heap
+    from ...model.streamed_model import trim_heap
+    from ...process.isolation import run_isolated
     from .artifact_model import evaluate_into
 
     with work_dir("vllm-eval-") as tmp, meter.step("validate", label=label):  # reported as a step of its own
@@ -112,7 +110,8 @@ def compare_engine(tf_logits: list[np.ndarray], ids: list[list[int]], tf_greedy:
                            "near_tie": tie, "max_logprob_delta": parity.round6(max(deltas, default=0.0))})
         max_delta = max(max_delta, max(deltas, default=0.0))
     metrics = {"vllm_loaded": 1.0, "vllm_positions": total, "vllm_top1_agreement": parity.round6(agree / max(total, 1)),
-               "vllm_max_logprob_delta": parity.round6(max_delta), "vllm_greedy_agreement": parity.round6(prompts_ok / len(tf_greedy)),
+               "vllm_max_logprob_delta": parity.round6(max_delta),
+               "vllm_greedy_agreement": parity.round6(prompts_ok / len(tf_greedy)),
                "vllm_reference_top1_agreement": parity.round6(ref_agree / max(total, 1)),
                "vllm_greedy_tokens_matched": f"{matched}/{tokens}"}
     details = {"greedy": per_prompt, "engine": result.get("vllm"), "load_seconds": result.get("load_seconds"),
@@ -141,8 +140,8 @@ def _artifact_run(identical: bool, whole: bool, resident: bool, unit_loads: int 
     return f"{carried}; greedy continuations {ran}" if whole else carried
 
 
-def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tuple[str, str]], quantized: bool,
-                      engine_required: bool, how: "ValidationLayout") -> tuple[dict[str, Any], dict[str, Any]]:
+def validate_prepared(ctx: BuildContext, artifact_dir: Path, digests: list[tuple[str, str]], quantized: bool,
+                      engine_required: bool, how: ValidationLayout) -> tuple[dict[str, Any], dict[str, Any]]:
     """`how`: what this budget affords (plan.layout): the artifact resident or streamed in a child, the engine
     on the whole artifact or a slice, the slice's layers resident or streamed."""
     check, resident = how.check, how.resident
@@ -184,8 +183,9 @@ def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tup
                   for t, a, b in zip(prompts.TOKENIZER_TEXTS, src_ids, art_ids) if a != b]
     errors = art["weight_errors"]
     metrics: dict[str, Any] = {
-        "positions": total.positions, "top1_agreement": parity.round6(total.top1_agreement), "mean_kl": parity.round6(total.mean_kl),
-        "max_kl": parity.round6(total.max_kl), "max_abs_logit_delta": parity.round6(total.max_abs_logit_delta), "finite": total.finite,
+        "positions": total.positions, "top1_agreement": parity.round6(total.top1_agreement),
+        "mean_kl": parity.round6(total.mean_kl), "max_kl": parity.round6(total.max_kl),
+        "max_abs_logit_delta": parity.round6(total.max_abs_logit_delta), "finite": total.finite,
         "max_weight_rel_error": parity.round6(max(errors.values(), default=0.0)),
     }
     if ref.router_gaps is not None:  # an MoE model: the near-tie positions, apart from the gated metrics
@@ -210,7 +210,7 @@ def validate_prepared(ctx: "BuildContext", artifact_dir: Path, digests: list[tup
 
     if not whole:  # the engine checks a slice: the whole artifact's logits are done with; free them first
         art.pop("logits"), art.pop("w8a16_logits", None)
-        from ...streamed_model import trim_heap
+        from ...model.streamed_model import trim_heap
 
         trim_heap()
     step = f"vLLM validation of {ctx.model_id} ({ctx.recipe.id})"

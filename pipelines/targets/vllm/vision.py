@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...errors import EngineFailed
+from ...core.errors import EngineFailed
 
 if TYPE_CHECKING:  # numpy loads where an image check runs, not when the target is read (the pull client has none)
     import numpy as np
@@ -91,7 +91,7 @@ def image_logits_into(model_dir: str, files: list[str], inputs: list[str], out_d
     import numpy as np
     import torch
 
-    from ...isolation import peak_memory
+    from ...process.isolation import peak_memory
     from .artifact_model import open_artifact
 
     lm, _reader = open_artifact(Path(model_dir), [Path(f) for f in files], resident=resident, layers=layers)
@@ -117,7 +117,7 @@ def transformers_side(model_dir: Path, files: list[Path], prompts: list[dict[str
     artifact is resident, else in a child (its memory goes back when it ends)."""
     import numpy as np
 
-    from ...isolation import run_isolated
+    from ...process.isolation import run_isolated
 
     work.mkdir(parents=True, exist_ok=True)
     inputs = []
@@ -140,7 +140,7 @@ def compare_images(prompts: list[dict[str, Any]], logits: list[np.ndarray], conf
     """vLLM's teacher-forced rows of each image prompt against transformers' logits on the processor's tensors, from
     the last image token on (each of those predictions reads the image). EngineFailed where the two did not run the
     same thing: vLLM's ids are not the processor's, or no image token is in them."""
-    from ... import parity
+    from ...validation import parity
 
     token = image_token(config)
     agree = total = 0

@@ -16,11 +16,11 @@ from typing import Any
 
 from pydantic import Field
 
-from pipelines.hashing import sha256_json
-from pipelines.memory import BASE_STEP, StepNeed
-from pipelines.snapshot import CARRIED_FILES
+from pipelines.config.thresholds import Thresholds, check_thresholds, gate
+from pipelines.core.hashing import sha256_json
+from pipelines.model.memory import BASE_STEP, StepNeed
+from pipelines.source.snapshot import CARRIED_FILES
 from pipelines.targets import MODEL_DIR, BuildContext, BuiltArtifact, ServerProgram, Target, ValidationReport
-from pipelines.thresholds import Thresholds, check_thresholds, gate
 
 FORMAT = "toy-fp16"
 WEIGHTS = "model.safetensors"
@@ -72,7 +72,7 @@ class ToyTarget(Target):
         import numpy as np
         from safetensors.numpy import save_file
 
-        from pipelines.safetensors_io import TensorSource
+        from pipelines.source.safetensors_io import TensorSource
 
         tensors = {}
         with TensorSource(ctx.snapshot.safetensors_files()) as src:
@@ -93,7 +93,7 @@ class ToyTarget(Target):
         return BuiltArtifact(root=out_dir, files=files, known_digests=known, format=FORMAT)
 
     def validate(self, ctx: BuildContext, artifact_dir: Path, files: dict[str, str]) -> ValidationReport:
-        from pipelines import parity, prompts, reference
+        from pipelines.validation import parity, prompts, reference
 
         tok = reference.load_tokenizer(ctx.snapshot.dir)
         ids = reference.encode(tok, prompts.PARITY_TEXTS)

@@ -14,7 +14,7 @@ import importlib
 import pkgutil
 import re
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .spec import Family, HParams, Rule
 
 _NOT_FAMILIES = {"shared", "spec"}  # the vocabulary and the shared declarations, not families

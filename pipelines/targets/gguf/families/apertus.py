@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import gguf
 
-from .shared import (EMBEDDINGS, LAYER, QK_NORMS, RELU2_MLP, ROTARY_BUFFERS, VOCAB_AND_ROPE_DIMS, attention,
-                     llama3_rope_freqs)
+from .shared import EMBEDDINGS, LAYER, QK_NORMS, RELU2_MLP, ROTARY_BUFFERS, VOCAB_AND_ROPE_DIMS, attention, llama3_rope_freqs
 from .spec import IDENTITY, Family, HParams, T, refuse_rope, require_activation, tensor
 
 ARCH = "apertus"

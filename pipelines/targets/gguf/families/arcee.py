@@ -8,8 +8,7 @@ up -> relu(x)^2 -> down. llama.cpp's arcee loads no attention output bias and no
 
 from __future__ import annotations
 
-from .shared import (EMBEDDINGS, NORMS, RELU2_MLP, ROTARY_BUFFERS, VOCAB_AND_ROPE_DIMS, attention,
-                     llama3_rope_freqs)
+from .shared import EMBEDDINGS, NORMS, RELU2_MLP, ROTARY_BUFFERS, VOCAB_AND_ROPE_DIMS, attention, llama3_rope_freqs
 from .spec import Family, HParams, refuse_rope, refuse_true, require_activation
 
 

@@ -17,10 +17,23 @@ from __future__ import annotations
 
 import gguf
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .shared import LAYER, ROTARY_BUFFERS, SWIGLU, attention
-from .spec import (IDENTITY, K, R, Family, HParams, T, derived, param, refuse_false, refuse_rope, refuse_true,
-                   require_activation, tensor)
+from .spec import (
+    IDENTITY,
+    Family,
+    HParams,
+    K,
+    R,
+    T,
+    derived,
+    param,
+    refuse_false,
+    refuse_rope,
+    refuse_true,
+    require_activation,
+    tensor,
+)
 
 QK_NORM_MIN_LAYERS = 64  # llama.cpp's command-r loads attn_q_norm / attn_k_norm from this many layers on
 

@@ -22,10 +22,25 @@ from __future__ import annotations
 
 import gguf
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .shared import LAYER, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention, layer_types
-from .spec import (A, IDENTITY, K, R, Family, HParams, T, derived, param, refuse_false, refuse_rope, refuse_true,
-                   require_activation, require_whole_heads, tensor)
+from .spec import (
+    IDENTITY,
+    A,
+    Family,
+    HParams,
+    K,
+    R,
+    T,
+    derived,
+    param,
+    refuse_false,
+    refuse_rope,
+    refuse_true,
+    require_activation,
+    require_whole_heads,
+    tensor,
+)
 
 PERIOD = 4  # HF's (and llama.cpp's) default: every 4th layer full attention, the others sliding
 

@@ -41,11 +41,25 @@ import re
 import gguf
 import numpy as np
 
-from ....errors import ModelFormatError
-from .shared import (EMBEDDINGS, EXPERT_GROUPS, LAYER, NORMS, ROTARY_BUFFERS, deepseek_moe, leading_dense,
-                     refuse_yarn_betas)
-from .spec import (A, K, R, Family, HParams, Rule, T, Transform, derived, name, param, refuse_rope, refuse_true,
-                   require_activation, tensor)
+from ....core.errors import ModelFormatError
+from .shared import EMBEDDINGS, EXPERT_GROUPS, LAYER, NORMS, ROTARY_BUFFERS, deepseek_moe, leading_dense, refuse_yarn_betas
+from .spec import (
+    A,
+    Family,
+    HParams,
+    K,
+    R,
+    Rule,
+    T,
+    Transform,
+    derived,
+    name,
+    param,
+    refuse_rope,
+    refuse_true,
+    require_activation,
+    tensor,
+)
 
 V3 = "DeepseekV3ForCausalLM"
 ATTN = LAYER + ".self_attn"

@@ -10,7 +10,7 @@ biases and no rope factor tensor: `use_bias` and llama3 rope scaling are refused
 from __future__ import annotations
 
 from .shared import EMBEDDINGS, NORMS, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention
-from .spec import Family, HParams, IDENTITY, refuse_rope, refuse_true, require_activation
+from .spec import IDENTITY, Family, HParams, refuse_rope, refuse_true, require_activation
 
 
 def _check(hp: HParams) -> None:

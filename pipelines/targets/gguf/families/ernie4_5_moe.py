@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .ernie4_5 import FAMILY as ERNIE
 from .shared import LAYER, SWIGLU
-from .spec import K, Family, HParams, T, derived, experts, tensor
+from .spec import Family, HParams, K, T, derived, experts, tensor
 
 ARCH = "ernie4_5-moe"
 MOE = LAYER + ".mlp"

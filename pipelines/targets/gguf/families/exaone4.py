@@ -17,10 +17,9 @@ any other needs `sliding_window: null`; the rest is refused. llama.cpp sizes the
 
 from __future__ import annotations
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .shared import EMBEDDINGS, LAYER, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention, llama3_rope_freqs
-from .spec import (A, Family, HParams, IDENTITY, T, derived, refuse_rope, require_activation, require_whole_heads,
-                  tensor)
+from .spec import IDENTITY, A, Family, HParams, T, derived, refuse_rope, require_activation, require_whole_heads, tensor
 
 SWA_LAYERS = 64  # llama.cpp's exaone4 enables sliding windows for this layer count only (the 32B)
 DEFAULT_WINDOW = 4096  # Exaone4Config's default sliding_window

@@ -12,10 +12,23 @@ those configs are refused.
 
 from __future__ import annotations
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .shared import GELU, ROTARY_BUFFERS, regroup_qkv
-from .spec import (A, K, Family, HParams, Rule, T, derived, refuse_false, refuse_true, require_activation, reshaped,
-                   tensor, weight_and_bias)
+from .spec import (
+    A,
+    Family,
+    HParams,
+    K,
+    Rule,
+    T,
+    derived,
+    refuse_false,
+    refuse_true,
+    require_activation,
+    reshaped,
+    tensor,
+    weight_and_bias,
+)
 
 LAYER = "transformer.h.{bid}"
 

@@ -37,10 +37,25 @@ import math
 import gguf
 import numpy as np
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .shared import CONV_KERNEL, ROTARY_BUFFERS, SSM_A, SSM_D, Mamba2, check_mamba2, mamba2_params
-from .spec import (A, K, Family, HParams, Rule, T, Transform, derived, elementwise, param, refuse_rope, refuse_true,
-                   require_activation, reshaped, tensor)
+from .spec import (
+    A,
+    Family,
+    HParams,
+    K,
+    Rule,
+    T,
+    Transform,
+    derived,
+    elementwise,
+    param,
+    refuse_rope,
+    refuse_true,
+    require_activation,
+    reshaped,
+    tensor,
+)
 
 LAYER = "model.layers.{bid}"
 MAMBA = LAYER + ".mamba"

@@ -14,8 +14,7 @@ The checks here are shared by Gemma 2 and 3.
 from __future__ import annotations
 
 from .shared import GELU, LAYER, ROTARY_BUFFERS, SWIGLU, attention
-from .spec import (IDENTITY, PLUS_ONE, Family, HParams, T, refuse_false, refuse_rope, refuse_true, require_activation,
-                   tensor)
+from .spec import IDENTITY, PLUS_ONE, Family, HParams, T, refuse_false, refuse_rope, refuse_true, require_activation, tensor
 
 ARCHITECTURES = ("GemmaForCausalLM",)
 

@@ -15,10 +15,10 @@ PLUS_ONE on every norm; embeddings scaled by llama.cpp; NEOX rope, nothing permu
 
 from __future__ import annotations
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .gemma import ATTENTION, EMBEDDINGS, check_gemma
 from .shared import LAYER, ROTARY_BUFFERS, SWIGLU, layer_types
-from .spec import A, K, PLUS_ONE, Family, HParams, T, derived, param, tensor
+from .spec import PLUS_ONE, A, Family, HParams, K, T, derived, param, tensor
 
 NORMS = (
     tensor(T.ATTN_NORM, LAYER + ".input_layernorm.weight", PLUS_ONE),

@@ -20,11 +20,11 @@ another prefix) is this family wrapped: `gemma3_vlm.py`.
 
 from __future__ import annotations
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .gemma import ATTENTION, EMBEDDINGS, check_gemma
 from .gemma2 import NORMS, check_attention_scale, check_window, sliding_pattern
 from .shared import LAYER, ROTARY_BUFFERS, SWIGLU
-from .spec import A, K, PLUS_ONE, R, Family, HParams, T, derived, param, refuse_scaled_sliding_rope, tensor
+from .spec import PLUS_ONE, A, Family, HParams, K, R, T, derived, param, refuse_scaled_sliding_rope, tensor
 
 PERIOD = 6  # HF's default sliding_window_pattern: five sliding layers, then a full one
 

@@ -19,9 +19,9 @@ rope scalings llama.cpp cannot reproduce here, and another activation than SiLU.
 
 from __future__ import annotations
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .shared import EMBEDDINGS, LAYER, ROTARY_BUFFERS, attention
-from .spec import IDENTITY, K, R, Family, HParams, T, derived, param, refuse_rope, require_activation, tensor
+from .spec import IDENTITY, Family, HParams, K, R, T, derived, param, refuse_rope, require_activation, tensor
 
 DEFAULT_ROTARY_FACTOR = 0.5  # Glm4Config's default partial_rotary_factor
 

@@ -26,12 +26,20 @@ from __future__ import annotations
 
 import gguf
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .glm4 import rotary_dims  # GLM-4's partial rope (default 0.5 in both configs)
-from .shared import (EMBEDDINGS, EXPERT_GROUPS, LAYER, QK_NORMS, ROTARY_BUFFERS, attention, deepseek_moe,
-                     leading_dense, refuse_yarn_betas)
-from .spec import (IDENTITY, K, R, Family, HParams, Rule, T, derived, param, refuse_rope, require_activation,
-                   tensor)
+from .shared import (
+    EMBEDDINGS,
+    EXPERT_GROUPS,
+    LAYER,
+    QK_NORMS,
+    ROTARY_BUFFERS,
+    attention,
+    deepseek_moe,
+    leading_dense,
+    refuse_yarn_betas,
+)
+from .spec import IDENTITY, Family, HParams, K, R, Rule, T, derived, param, refuse_rope, require_activation, tensor
 
 DEFAULT_DENSE = 1  # Glm4MoeConfig's default first_k_dense_replace
 

@@ -10,8 +10,20 @@ mask buffers `attn.bias` / `attn.masked_bias`, which llama.cpp's converter drops
 from __future__ import annotations
 
 from .shared import GELU, MASK_BUFFERS, ffn_length
-from .spec import (IDENTITY, K, TRANSPOSE, Family, HParams, T, derived, refuse_false, refuse_true,
-                   require_activation, tensor, weight_and_bias)
+from .spec import (
+    IDENTITY,
+    TRANSPOSE,
+    Family,
+    HParams,
+    K,
+    T,
+    derived,
+    refuse_false,
+    refuse_true,
+    require_activation,
+    tensor,
+    weight_and_bias,
+)
 
 LAYER = "transformer.h.{bid}"
 

@@ -37,10 +37,25 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .shared import EMBEDDINGS, LAYER, ROTARY_BUFFERS, attention, layer_types
-from .spec import (A, IDENTITY, K, Family, HParams, Rule, T, Transform, derived, name, param, refuse_false,
-                   refuse_rope, refuse_true, tensor)
+from .spec import (
+    IDENTITY,
+    A,
+    Family,
+    HParams,
+    K,
+    Rule,
+    T,
+    Transform,
+    derived,
+    name,
+    param,
+    refuse_false,
+    refuse_rope,
+    refuse_true,
+    tensor,
+)
 
 ARCH = "gpt-oss"
 EXPERTS = LAYER + ".mlp.experts"

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .shared import GELU, MASK_BUFFERS, ffn_length
-from .spec import (A, K, R, Family, HParams, T, derived, name, refuse_true, require_activation, reshaped, tensor,
-                   weight_and_bias)
+from .spec import A, Family, HParams, K, R, T, derived, name, refuse_true, require_activation, reshaped, tensor, weight_and_bias
 
 LAYER = "transformer.h.{bid}"
 

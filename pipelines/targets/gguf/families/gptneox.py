@@ -10,8 +10,20 @@ default) or sequential blocks are both llama.cpp graphs, chosen by the key of th
 from __future__ import annotations
 
 from .shared import GELU, regroup_qkv
-from .spec import (K, R, Family, HParams, T, derived, refuse_false, refuse_true, require_activation, reshaped, tensor,
-                   weight_and_bias)
+from .spec import (
+    Family,
+    HParams,
+    K,
+    R,
+    T,
+    derived,
+    refuse_false,
+    refuse_true,
+    require_activation,
+    reshaped,
+    tensor,
+    weight_and_bias,
+)
 
 LAYER = "gpt_neox.layers.{bid}"
 

@@ -9,9 +9,9 @@ llama's (adjacent pairs), so Q and K are permuted as for Llama; the MLP may carr
 
 from __future__ import annotations
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .shared import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention, llama3_rope_freqs
-from .spec import A, K, Family, HParams, T, derived, tensor
+from .spec import A, Family, HParams, K, T, derived, tensor
 
 MLP_BIASES = tuple(tensor(t, f"{LAYER}.mlp.{hf}.bias", suffix="bias", optional=True)
                    for t, hf in ((T.FFN_GATE, "gate_proj"), (T.FFN_UP, "up_proj"), (T.FFN_DOWN, "down_proj")))

@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ....errors import ModelFormatError
-from .granitemoe import FAMILY as GRANITEMOE
-from .granitemoe import SPARSE_MOE
+from ....core.errors import ModelFormatError
+from .granitemoe import FAMILY as GRANITEMOE, SPARSE_MOE
 from .shared import EMBEDDINGS, LAYER, NORMS, Mamba2, attention, check_mamba2, mamba2_mixer, mamba2_params
-from .spec import A, K, R, Family, HParams, Rule, T, derived, name, refuse_rope, require_activation, split_rows
+from .spec import A, Family, HParams, K, R, Rule, T, derived, name, refuse_rope, require_activation, split_rows
 
 ARCH = "granitehybrid"
 MAMBA, ATTENTION = "mamba", "attention"

@@ -19,7 +19,7 @@ rope scalings (llama3, yarn, ...) and activations other than SiLU.
 from __future__ import annotations
 
 from .shared import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention
-from .spec import IDENTITY, K, R, Family, HParams, T, derived, refuse_rope, refuse_true, require_activation, tensor
+from .spec import IDENTITY, Family, HParams, K, R, T, derived, refuse_rope, refuse_true, require_activation, tensor
 
 QK_NORMS = (
     tensor(T.ATTN_Q_NORM, LAYER + ".self_attn.query_layernorm.weight"),

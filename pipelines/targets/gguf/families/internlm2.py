@@ -1,7 +1,7 @@
 """InternLM2 / InternLM2.5 (InternLM2ForCausalLM, remote code only): llama.cpp arch `internlm2`.
 
 A Llama block under other names, with Q, K and V fused into one `wqkv` grouped by KV head; split with the
-same declaration the reference uses (`pipelines.native`), then Q and K are permuted for llama.cpp's rope
+same declaration the reference uses (`pipelines.model.native`), then Q and K are permuted for llama.cpp's rope
 pairs as Llama's are. The repositories ship their modeling code (auto_map): hive-aot never runs it, and
 converts such a repository only once the registry marks it reviewed (as every auto_map repo); its reference
 is transformers' Llama on the same weights.
@@ -9,8 +9,8 @@ is transformers' Llama on the same weights.
 
 from __future__ import annotations
 
-from ....errors import ModelFormatError
-from ....native import split_internlm2_wqkv
+from ....core.errors import ModelFormatError
+from ....model.native import split_internlm2_wqkv
 from .shared import ROTARY_BUFFERS, VOCAB_AND_ROPE_DIMS, permute_qk
 from .spec import Family, HParams, Rule, T, Transform, name, refuse_true, require_whole_heads, tensor
 

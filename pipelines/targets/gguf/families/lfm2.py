@@ -40,10 +40,24 @@ import dataclasses
 
 import gguf
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .shared import CONV_KERNEL, ROTARY_BUFFERS, VOCAB_AND_ROPE_DIMS
-from .spec import (A, K, R, Family, HParams, Rule, T, derived, experts, param, refuse_rope, refuse_true,
-                   require_whole_heads, tensor)
+from .spec import (
+    A,
+    Family,
+    HParams,
+    K,
+    R,
+    Rule,
+    T,
+    derived,
+    experts,
+    param,
+    refuse_rope,
+    refuse_true,
+    require_whole_heads,
+    tensor,
+)
 
 LAYER = "model.layers.{bid}"
 THETA = 1_000_000.0  # Lfm2Config.default_theta

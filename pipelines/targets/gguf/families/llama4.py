@@ -28,11 +28,34 @@ import dataclasses
 
 import numpy as np
 
-from ....errors import ModelFormatError
-from .shared import (EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, VISION_TENSORS, VLM_RENAMES, VOCAB_AND_ROPE_DIMS,
-                     attention, llama3_rope_freqs)
-from .spec import (IDENTITY, K, Family, HParams, Rule, T, Transform, derived, name, param, refuse_rope, refuse_true,
-                   require_activation, tensor)
+from ....core.errors import ModelFormatError
+from .shared import (
+    EMBEDDINGS,
+    LAYER,
+    NORMS,
+    ROTARY_BUFFERS,
+    VISION_TENSORS,
+    VLM_RENAMES,
+    VOCAB_AND_ROPE_DIMS,
+    attention,
+    llama3_rope_freqs,
+)
+from .spec import (
+    IDENTITY,
+    Family,
+    HParams,
+    K,
+    Rule,
+    T,
+    Transform,
+    derived,
+    name,
+    param,
+    refuse_rope,
+    refuse_true,
+    require_activation,
+    tensor,
+)
 
 ARCH = "llama4"
 FF = LAYER + ".feed_forward"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .llama import FAMILY as LLAMA
 from .shared import VISION_TENSORS, VLM_RENAMES
 from .spec import HParams

@@ -21,10 +21,24 @@ from __future__ import annotations
 
 import gguf
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .shared import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, attention
-from .spec import (IDENTITY, K, R, Family, HParams, T, derived, experts, param, refuse_rope, refuse_true,
-                   require_activation, rotary_dims, tensor)
+from .spec import (
+    IDENTITY,
+    Family,
+    HParams,
+    K,
+    R,
+    T,
+    derived,
+    experts,
+    param,
+    refuse_rope,
+    refuse_true,
+    require_activation,
+    rotary_dims,
+    tensor,
+)
 
 ARCH = "minimax-m2"
 MOE = LAYER + ".block_sparse_moe"

@@ -23,10 +23,19 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ....errors import ModelFormatError
-from .shared import (EMBEDDINGS, NORMS, ROTARY_BUFFERS, SWIGLU, VISION_TENSORS, VLM_RENAMES, VOCAB_AND_ROPE_DIMS,
-                     attention, llama3_rope_freqs)
-from .spec import A, R, Family, HParams, derived, refuse_rope, require_activation
+from ....core.errors import ModelFormatError
+from .shared import (
+    EMBEDDINGS,
+    NORMS,
+    ROTARY_BUFFERS,
+    SWIGLU,
+    VISION_TENSORS,
+    VLM_RENAMES,
+    VOCAB_AND_ROPE_DIMS,
+    attention,
+    llama3_rope_freqs,
+)
+from .spec import A, Family, HParams, R, derived, refuse_rope, require_activation
 
 ARCH = "mistral3"
 

@@ -17,8 +17,24 @@ rope scaling are refused.
 from __future__ import annotations
 
 from .shared import LAYER, RELU2_MLP, ROTARY_BUFFERS, attention
-from .spec import (A, Family, HParams, IDENTITY, K, PLUS_ONE, R, T, derived, param, refuse_rope, refuse_true,
-                  require_activation, require_whole_heads, tensor, weight_and_bias)
+from .spec import (
+    IDENTITY,
+    PLUS_ONE,
+    A,
+    Family,
+    HParams,
+    K,
+    R,
+    T,
+    derived,
+    param,
+    refuse_rope,
+    refuse_true,
+    require_activation,
+    require_whole_heads,
+    tensor,
+    weight_and_bias,
+)
 
 DEFAULT_ROTARY_FACTOR = 0.5  # NemotronConfig's default when a config does not say
 

@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .shared import PERMUTE_K, PERMUTE_Q, Mamba2, check_mamba2, mamba2_mixer, mamba2_params
-from .spec import (A, K, Family, HParams, T, derived, refuse_true, require_activation, tensor,
-                   weight_and_bias)
+from .spec import A, Family, HParams, K, T, derived, refuse_true, require_activation, tensor, weight_and_bias
 
 ARCH = "nemotron_h"
 BLOCK = "backbone.layers.{bid}"

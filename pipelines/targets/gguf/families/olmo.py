@@ -12,8 +12,7 @@ no rope factor tensor and an attention output of [hidden, hidden]: other layouts
 from __future__ import annotations
 
 from .shared import EMBEDDINGS, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention
-from .spec import (A, Family, HParams, derived, param, refuse_rope, refuse_true, require_activation,
-                  require_whole_heads)
+from .spec import A, Family, HParams, derived, param, refuse_rope, refuse_true, require_activation, require_whole_heads
 
 LAYER_NORM_EPS = 1e-5  # transformers' OlmoLayerNorm: F.layer_norm(x, eps=1e-5), not configurable
 

@@ -22,10 +22,21 @@ rope_theta is refused too.)
 
 from __future__ import annotations
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .shared import LAYER, ROTARY_BUFFERS, SWIGLU, attention
-from .spec import (A, IDENTITY, Family, HParams, T, derived, refuse_rope, refuse_scaled_sliding_rope, refuse_true,
-                   require_activation, tensor)
+from .spec import (
+    IDENTITY,
+    A,
+    Family,
+    HParams,
+    T,
+    derived,
+    refuse_rope,
+    refuse_scaled_sliding_rope,
+    refuse_true,
+    require_activation,
+    tensor,
+)
 
 # --- OLMo 3's sliding windows ----------------------------------------------------------------------
 

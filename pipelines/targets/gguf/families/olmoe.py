@@ -14,9 +14,8 @@ qkv clipping. Those configs are refused in one line.
 
 from __future__ import annotations
 
-from ....errors import ModelFormatError
-from .shared import (EMBEDDINGS, NORMS, QK_NORMS, ROTARY_BUFFERS, VOCAB_AND_ROPE_DIMS, attention, check_moe,
-                     routed_experts)
+from ....core.errors import ModelFormatError
+from .shared import EMBEDDINGS, NORMS, QK_NORMS, ROTARY_BUFFERS, VOCAB_AND_ROPE_DIMS, attention, check_moe, routed_experts
 from .spec import IDENTITY, Family, HParams, refuse_true, require_activation, require_whole_heads
 
 

@@ -11,8 +11,7 @@ and needs its own output matrix, so qk_layernorm and tied embeddings are refused
 from __future__ import annotations
 
 from .shared import GELU, LAYER, ROTARY_BUFFERS
-from .spec import (R, Family, HParams, T, derived, refuse_true, require_activation, rotary_dims, tensor,
-                   weight_and_bias)
+from .spec import Family, HParams, R, T, derived, refuse_true, require_activation, rotary_dims, tensor, weight_and_bias
 
 
 def _check(hp: HParams) -> None:

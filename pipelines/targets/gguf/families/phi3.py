@@ -15,9 +15,9 @@ import math
 
 import numpy as np
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .shared import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS
-from .spec import A, R, Family, HParams, T, derived, name, refuse_rope, rotary_dims, tensor
+from .spec import A, Family, HParams, R, T, derived, name, refuse_rope, rotary_dims, tensor
 
 LONGROPE = ("longrope", "su")
 

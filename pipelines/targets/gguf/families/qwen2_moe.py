@@ -13,7 +13,7 @@ top-k weights, so configs with dense layers or `norm_topk_prob` are refused; its
 from __future__ import annotations
 
 from .shared import EMBEDDINGS, LAYER, NORMS, ROTARY_BUFFERS, attention, check_moe, routed_experts
-from .spec import IDENTITY, K, Family, HParams, T, param, refuse_true, tensor
+from .spec import IDENTITY, Family, HParams, K, T, param, refuse_true, tensor
 
 SHARED_EXPERT = (
     tensor(T.FFN_GATE_INP_SHEXP, LAYER + ".mlp.shared_expert_gate.weight"),

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .qwen2 import FAMILY as QWEN2
 from .shared import VISION_TENSORS, VLM_RENAMES, rope_sections
-from .spec import R, HParams, derived
+from .spec import HParams, R, derived
 
 DEFAULT_SECTIONS = (16, 24, 24)  # transformers' Qwen2(.5)-VL rotary embedding without an mrope_section
 

@@ -10,7 +10,7 @@ are refused in one line rather than converted into a model that computes somethi
 from __future__ import annotations
 
 from .shared import EMBEDDINGS, NORMS, QK_NORMS, ROTARY_BUFFERS, attention, check_moe, routed_experts
-from .spec import IDENTITY, K, Family, HParams, param
+from .spec import IDENTITY, Family, HParams, K, param
 
 
 def _check(hp: HParams) -> None:

@@ -35,10 +35,25 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .shared import CONV_KERNEL, LAYER, ROTARY_BUFFERS, check_moe, routed_experts
-from .spec import (IDENTITY, PLUS_ONE, K, R, Family, HParams, Rule, T, Transform, derived, elementwise, param,
-                   refuse_true, require_activation, tensor)
+from .spec import (
+    IDENTITY,
+    PLUS_ONE,
+    Family,
+    HParams,
+    K,
+    R,
+    Rule,
+    T,
+    Transform,
+    derived,
+    elementwise,
+    param,
+    refuse_true,
+    require_activation,
+    tensor,
+)
 
 ARCH = "qwen3next"
 INTERVAL = 4  # Qwen3NextConfig's default full_attention_interval

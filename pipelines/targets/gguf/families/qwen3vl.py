@@ -27,10 +27,10 @@ import dataclasses
 
 import numpy as np
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .qwen3 import FAMILY as QWEN3
 from .shared import EMBEDDINGS, LAYER, NORMS, QK_NORMS, VISION_TENSORS, VLM_RENAMES, attention, dense_layers, rope_sections
-from .spec import IDENTITY, K, R, HParams, Rule, T, Transform, derived, name, param, refuse_rope, tensor
+from .spec import IDENTITY, HParams, K, R, Rule, T, Transform, derived, name, param, refuse_rope, tensor
 
 DEFAULT_SECTIONS = (24, 20, 20)  # transformers' Qwen3-VL text rotary embedding without an mrope_section
 

@@ -11,7 +11,7 @@ seed_oss loads no attention output bias, no MLP biases and no rope factor tensor
 from __future__ import annotations
 
 from .shared import EMBEDDINGS, LAYER, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention
-from .spec import Family, HParams, IDENTITY, T, refuse_rope, refuse_true, require_activation, tensor
+from .spec import IDENTITY, Family, HParams, T, refuse_rope, refuse_true, require_activation, tensor
 
 
 def _check(hp: HParams) -> None:

@@ -13,14 +13,14 @@ transforms, constants, the checks they imply): the vocabulary they are written i
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import gguf
 import numpy as np
 
-from ....errors import ModelFormatError
-from .spec import K, R, HParams, Rule, T, derived, experts, name, param, refuse_rope, reshaped, tensor
-from .spec import Param, Transform
+from ....core.errors import ModelFormatError
+from .spec import HParams, K, Param, R, Rule, T, Transform, derived, experts, name, param, refuse_rope, reshaped, tensor
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -10,7 +10,7 @@ rope scaling (no rope factor tensor there) is refused.
 
 from __future__ import annotations
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from .shared import EMBEDDINGS, NORMS, ROTARY_BUFFERS, SWIGLU, VOCAB_AND_ROPE_DIMS, attention
 from .spec import Family, HParams, refuse_rope, refuse_true, require_activation
 

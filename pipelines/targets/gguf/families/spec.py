@@ -9,13 +9,14 @@ transform is applied to row slices, so a 2 GB embedding never exists in float32 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import gguf
 import numpy as np
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 
 T = gguf.MODEL_TENSOR
 Shape = tuple[int, ...]
@@ -392,13 +393,13 @@ class Family:
     tensor_keys: tuple[tuple[str, str], ...] = ()
     # The family a config is written as when not this one (a Granite 4 hybrid config without Mamba layers is
     # llama.cpp's `granite`, as its converter writes it); None: this family. Never registered on its own.
-    variant: Callable[[HParams], "Family | None"] | None = None
+    variant: Callable[[HParams], Family | None] | None = None
     # Recurrent and hybrid families: f32 values of llama.cpp's recurrent state per sequence, all layers together
     # (the memory plan's cache beside the KV cache), and how many layers keep a KV cache (None: every layer).
     recurrent_state: Callable[[HParams], int] | None = None
     kv_layers: Callable[[HParams], int] | None = None
 
-    def for_config(self, hp: HParams) -> "Family":
+    def for_config(self, hp: HParams) -> Family:
         """The family this config is converted as (`variant`)."""
         return (self.variant(hp) if self.variant is not None else None) or self
 

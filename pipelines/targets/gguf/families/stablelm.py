@@ -16,8 +16,24 @@ activations are refused.
 from __future__ import annotations
 
 from .shared import LAYER, ROTARY_BUFFERS, SWIGLU, attention
-from .spec import (IDENTITY, STACK, K, R, Family, HParams, Rule, T, derived, name, refuse_rope, refuse_true,
-                   require_activation, rotary_dims, tensor, weight_and_bias)
+from .spec import (
+    IDENTITY,
+    STACK,
+    Family,
+    HParams,
+    K,
+    R,
+    Rule,
+    T,
+    derived,
+    name,
+    refuse_rope,
+    refuse_true,
+    require_activation,
+    rotary_dims,
+    tensor,
+    weight_and_bias,
+)
 
 
 def _check(hp: HParams) -> None:

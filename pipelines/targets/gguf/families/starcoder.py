@@ -10,7 +10,7 @@ transformers 5 stores GPTBigCode's linears as nn.Linear ([out, in]): nothing is 
 from __future__ import annotations
 
 from .shared import GELU, MASK_BUFFERS, ffn_length, regroup_qkv
-from .spec import A, K, Family, HParams, T, derived, refuse_false, require_activation, reshaped, tensor, weight_and_bias
+from .spec import A, Family, HParams, K, T, derived, refuse_false, require_activation, reshaped, tensor, weight_and_bias
 
 LAYER = "transformer.h.{bid}"
 

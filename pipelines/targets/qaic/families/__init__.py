@@ -9,11 +9,32 @@ that what the export supports is read in one place, not discovered.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from ....errors import NotApplicableError
-from . import (falcon, gemma, gemma2, gpt2, gpt_bigcode, gpt_oss, gptj, granite, llama, llama4, mixtral, mllama, olmo2,
-               phi3, qwen2_5_vl, qwen3, qwen3_moe, qwen3_vl, qwen3_vl_moe, starcoder2)
+from ....core.errors import NotApplicableError
+from . import (
+    falcon,
+    gemma,
+    gemma2,
+    gpt2,
+    gpt_bigcode,
+    gpt_oss,
+    gptj,
+    granite,
+    llama,
+    llama4,
+    mixtral,
+    mllama,
+    olmo2,
+    phi3,
+    qwen2_5_vl,
+    qwen3,
+    qwen3_moe,
+    qwen3_vl,
+    qwen3_vl_moe,
+    starcoder2,
+)
 from .llama import LLAMA
 from .spec import Family, Moe, Norms
 

@@ -11,8 +11,9 @@ Tensor shapes: x [batch, seq, hidden]; q/k/v per head [batch, seq, heads, head_d
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 # -- norms: (norm module, x) -> normalized x ---------------------------------------------------------------
 
@@ -50,8 +51,8 @@ Rotary = Callable[[Any, int], Any]
 @dataclass(frozen=True)
 class QkNorm:
     """No q/k norm. The engine calls `heads` on q and k per head and `rotated` on them after RoPE; a q/k split
-    calls `projections` on the whole q and k projections before cutting them into heads. `norm` is the family's norm block; the modules are the
-    attention's `q_norm` and `k_norm`."""
+    calls `projections` on the whole q and k projections before cutting them into heads. `norm` is the family's
+    norm block; the modules are the attention's `q_norm` and `k_norm`."""
 
     def projections(self, norm: Norm, attn, q, k):
         return q, k

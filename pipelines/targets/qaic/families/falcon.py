@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ....errors import NotApplicableError
-from .blocks import (GroupedQkv, PerHeadQkv, PlainMlp, SplitQkv, layer_norm, parallel_residual,
-                     sequential_residual)
+from ....core.errors import NotApplicableError
+from .blocks import GroupedQkv, PerHeadQkv, PlainMlp, SplitQkv, layer_norm, parallel_residual, sequential_residual
 from .spec import Family, Norms
 
 ARCHITECTURES = ("FalconForCausalLM",)
@@ -31,5 +30,6 @@ def FAMILY(cfg: Any) -> Family:  # noqa: N802 -- a declaration that depends on t
         norms = Norms(pre_attn="input_layernorm", pre_mlp=None if parallel else "post_attention_layernorm")
         qkv, kv = (SplitQkv(QKV), 1) if cfg.multi_query else (PerHeadQkv(QKV), cfg.num_attention_heads)
     return Family(base="transformer", embed="word_embeddings", layers="h", final_norm="ln_f", norm=layer_norm,
-                  norms=norms, residual=parallel_residual if parallel else sequential_residual, attn="self_attention", qkv=qkv, o_proj="dense", kv_heads=kv,
+                  norms=norms, residual=parallel_residual if parallel else sequential_residual, attn="self_attention",
+                  qkv=qkv, o_proj="dense", kv_heads=kv,
                   scaling="inv_norm_factor", mlp=PlainMlp("dense_h_to_4h", "dense_4h_to_h", "act"))

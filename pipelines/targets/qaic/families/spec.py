@@ -17,9 +17,30 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .blocks import (NO_QK_NORM, STACKED_EXPERTS, AttentionProbs, ExpertLayout, GatedMlp, MlpBlock, MoeScoring,
-                     MultimodalRope, Norm, QkNorm, QkvSplit, QueryScale, ResidualWiring, RopeTable, Rotary, SeparateQkv,
-                     model_rotary_table, rms_norm, rotate_half, sequential_residual, softmax_probs, softmax_topk)
+from .blocks import (
+    NO_QK_NORM,
+    STACKED_EXPERTS,
+    AttentionProbs,
+    ExpertLayout,
+    GatedMlp,
+    MlpBlock,
+    MoeScoring,
+    MultimodalRope,
+    Norm,
+    QkNorm,
+    QkvSplit,
+    QueryScale,
+    ResidualWiring,
+    RopeTable,
+    Rotary,
+    SeparateQkv,
+    model_rotary_table,
+    rms_norm,
+    rotate_half,
+    sequential_residual,
+    softmax_probs,
+    softmax_topk,
+)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ....errors import NotApplicableError
+from ....core.errors import NotApplicableError
 from . import internvl, llama4, llava, llava_next, mllama, qwen2_5_vl, qwen3_vl, qwen3_vl_moe
 from .spec import VisionFamily
 

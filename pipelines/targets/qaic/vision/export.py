@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ....errors import ModelFormatError
+from ....core.errors import ModelFormatError
 from ..layout import ONNX_DIR
 from .spec import VisionFamily
 
@@ -53,7 +53,7 @@ def load_vlm(model_dir: Path):
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from ....quiet import quiet_transformers
+    from ....core.quiet import quiet_transformers
 
     quiet_transformers()
     try:
@@ -172,7 +172,7 @@ def load_vision_weights(family: VisionFamily, model, rules, source) -> int:
     model stays placeholders, streamed later): returns how many."""
     import torch
 
-    from ....streamed_model import read_float32
+    from ....model.streamed_model import read_float32
 
     vision = vision_side_ids(family, model)
     names: dict[int, str] = {}

@@ -18,9 +18,10 @@ language graph's extra symbols and float16 IO).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..layout import DEEPSTACK, RETAINED
 
@@ -157,6 +158,7 @@ class CrossAttentionKV:
         """Prefill then greedy decode, the cross K/V given once (from the vision graph) and fed back as retained
         state like the self-attention cache; each step's mask row repeats the prompt's last (generate's rule)."""
         import numpy as np
+
         from ..ort import _extra, session
 
         sess = session(onnx_path)

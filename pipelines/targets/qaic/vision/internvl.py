@@ -28,7 +28,7 @@ def _side(config: Any) -> int:
     size = config_value(config.vision_config, "image_size")
     size = size if isinstance(size, (list, tuple)) else (size, size)
     if size[0] != size[1]:
-        from ....errors import ModelFormatError
+        from ....core.errors import ModelFormatError
 
         raise ModelFormatError(f"InternVL tiles are square; this vision config's image_size is {tuple(size)}")
     return int(size[0])

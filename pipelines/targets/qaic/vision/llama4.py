@@ -34,7 +34,7 @@ def _side(config: Any) -> int:
     size = config_value(config.vision_config, "image_size")
     if isinstance(size, (list, tuple)):
         if size[0] != size[1]:
-            from ....errors import ModelFormatError
+            from ....core.errors import ModelFormatError
 
             raise ModelFormatError(f"Llama 4 tiles are square; this vision config's image_size is {tuple(size)}")
         size = size[0]

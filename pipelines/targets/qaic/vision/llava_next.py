@@ -33,15 +33,18 @@ def _layout(config: Any) -> dict[str, int]:
     """The fixed anyres layout of IMAGE_SIZE, by transformers' own functions: tiles (rows x cols of the grid,
     num_patches with the base tile), the per-tile feature side, and the window unpad_image keeps of the packed grid."""
     import torch
-    from transformers.models.llava_next.modeling_llava_next import (get_anyres_image_grid_shape,
-                                                                    image_size_to_num_patches, unpad_image)
+    from transformers.models.llava_next.modeling_llava_next import (
+        get_anyres_image_grid_shape,
+        image_size_to_num_patches,
+        unpad_image,
+    )
 
     side = _side(config)
     pinpoints = [list(p) for p in config.image_grid_pinpoints]
     grid_h, grid_w = get_anyres_image_grid_shape(list(IMAGE_SIZE), pinpoints, side)
     num_patches = image_size_to_num_patches(list(IMAGE_SIZE), pinpoints, side)
     if num_patches != grid_h * grid_w + 1:
-        from ....errors import ModelFormatError
+        from ....core.errors import ModelFormatError
 
         raise ModelFormatError(f"image_grid_pinpoints are not multiples of the tile size {side}: the anyres grid "
                                f"{grid_h}x{grid_w} does not give {num_patches} patches")

@@ -14,7 +14,8 @@ side's job, as for LLaVA's fixed image_size).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .spec import VisionFamily, config_value, pixels
 
@@ -102,9 +103,9 @@ def qwen_vl_family(architectures: tuple[str, ...], grid: tuple[int, int, int], l
 def rope_index(model_class, config: Any, ids: np.ndarray, token_types: np.ndarray, thw: np.ndarray) -> np.ndarray:
     """transformers' `get_rope_index` of `model_class` for one prompt: [3, 1, seq] t/h/w positions. It reads only
     `self.config` and `self.get_vision_position_ids` (which reads nothing of self), so no model is built."""
-    import numpy as np
     import types
 
+    import numpy as np
     import torch
 
     owner = types.SimpleNamespace(config=config)
@@ -115,7 +116,7 @@ def rope_index(model_class, config: Any, ids: np.ndarray, token_types: np.ndarra
     return rope.numpy().astype(np.int64)
 
 
-def _QwenVision(model, thw: np.ndarray, deepstack: bool):
+def _QwenVision(model, thw: np.ndarray, deepstack: bool):  # noqa: N802 - a factory named for the class it builds
     """pixel_values [patches, patch_width] -> vision_embeds [1, merged rows, hidden] (and with `deepstack`
     deepstack_features [levels, 1, merged rows, hidden]) for the family's one grid."""
     import torch

@@ -28,8 +28,7 @@ PREFIX = "vision/"
 def compose(root: Path, vision: dict[str, Any]):
     """The single graph (an onnx ModelProto, external data by reference) of the export in `root`."""
     import onnx
-    from onnx import compose as onnx_compose
-    from onnx import helper
+    from onnx import compose as onnx_compose, helper
 
     language = onnx.load(str(Path(root) / ONNX_DIR / "model.onnx"), load_external_data=False)
     tower = onnx.load(str(Path(root) / vision["path"]), load_external_data=False)
@@ -51,7 +50,7 @@ def compose(root: Path, vision: dict[str, Any]):
                     for name in image_inputs(vision) for i in tower.graph.input if i.name == name]
     keep = [n for n in lang.node if not set(n.output) & retained]
     if len(keep) != len(lang.node) - len(retained):
-        from ....errors import ModelFormatError
+        from ....core.errors import ModelFormatError
 
         raise ModelFormatError("the language graph's image state outputs are not Identities of its inputs: "
                                "cannot compose the single QPC graph")

@@ -11,14 +11,16 @@ A vision-language model is exported as two graphs:
   image placeholder tokens (`image_token_id`), as QEfficient's language decoder does.
 A family whose language model reads the image through cross-attention layers (Mllama) declares another
 `form` (forms.py): its vision graph outputs those layers' K/V, and its language graph takes them as retained
-state with a per-token `cross_attention_mask`. The family also says how transformers runs the whole model on the same inputs (`reference_kwargs`), so parity
-compares the two graphs end to end with the model as its authors wrote it.
+state with a per-token `cross_attention_mask`. The family also says how transformers runs the whole model on
+the same inputs (`reference_kwargs`), so parity compares the two graphs end to end with the model as its
+authors wrote it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from .forms import MERGED_ROWS
 
@@ -94,7 +96,7 @@ def text_causal_lm_config(text_config: Any) -> Any:
     cfg = copy.copy(text_config)
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(cfg.model_type)
     if name is None:
-        from ....errors import NotApplicableError
+        from ....core.errors import NotApplicableError
 
         raise NotApplicableError(f"the language model of this VLM ({cfg.model_type}) has no causal LM in transformers")
     cfg.architectures = [name]

@@ -11,8 +11,9 @@ causal LM): what the VLM checks need beside the decoder's machinery.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from .export import language_module_ids, vision_side_ids
 from .spec import VisionFamily

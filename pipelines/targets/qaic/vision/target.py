@@ -18,7 +18,7 @@ def _family(config: dict[str, Any]):
 
 
 def parity_text(tok) -> list[int]:
-    from .... import prompts
+    from ....validation import prompts
 
     return list(tok(prompts.PARITY_TEXTS[0]).input_ids)[:PARITY_TEXT_TOKENS]
 
@@ -35,7 +35,7 @@ def build(model_dir: Path, out_dir: Path, options: dict[str, Any]) -> tuple[Any,
 
 def _architectures(model_dir: Path) -> list[str]:
     """config.json's architectures, a declared remote-code architecture's as its native form (what the export builds)."""
-    from ....native import native_dict, read_config
+    from ....model.native import native_dict, read_config
 
     return native_dict(read_config(Path(model_dir))).get("architectures") or []
 
@@ -46,10 +46,10 @@ def parity(snapshot, root: Path, language_onnx: Path, tok, decode_steps: int, we
     as stored), end to end on a synthetic image. The reference streams from the checkpoint (resident when it
     fits); when the whole language graph does not fit onnxruntime's budget, a graph of its first layers over the
     same data file runs against the reference of the same layers (the vision graph always whole)."""
-    from .... import parity as metrics_util
-    from ....host import memory_budget
-    from ....memory import model_facts
-    from ....streamed_model import StreamedCausalLM
+    from ....core.host import memory_budget
+    from ....model.memory import model_facts
+    from ....model.streamed_model import StreamedCausalLM
+    from ....validation import parity as metrics_util
     from ..export import slice_graph
     from ..plan import ort_check, reference_resident
     from .export import VISION_DIR, language_decoder
@@ -85,8 +85,8 @@ def parity(snapshot, root: Path, language_onnx: Path, tok, decode_steps: int, we
 
 
 def quality(snapshot, tok, *, mxfp6: bool, mxint8: bool) -> dict[str, Any]:
-    from ....host import memory_budget
-    from ....memory import model_facts
+    from ....core.host import memory_budget
+    from ....model.memory import model_facts
     from ..plan import reference_resident
     from .quality import predict_vlm
 

@@ -1,0 +1,65 @@
+"""The registry of artifact kinds: a kind's name -> the class that builds it ("module:Class").
+
+The three kinds hive-aot ships are listed here; another package adds a kind without editing hive-aot by
+declaring an entry point in the `hive_aot.targets` group (`mlx = "hive_aot_mlx:MlxTarget"` in its pyproject's
+`[project.entry-points."hive_aot.targets"]`): recipes may then name it, and the planner, the engine, the
+compatibility check, Dagster and pull treat it as they treat the built-in ones. A plug-in may not take a
+built-in kind's name.
+
+This module imports nothing of hive-aot's but its error type: the configuration validates a recipe's `kind`
+against it, and the targets themselves are imported only when a kind is used (importing a target module stays cheap; its engines
+load inside its methods).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from importlib import import_module, metadata
+from typing import Any
+
+from ..core.errors import ConfigError
+
+ENTRY_POINT_GROUP = "hive_aot.targets"
+
+BUILTIN: dict[str, str] = {
+    "gguf": "pipelines.targets.gguf:GgufTarget",
+    "vllm": "pipelines.targets.vllm:VllmTarget",
+    "qaic-export": "pipelines.targets.qaic:QaicExportTarget",
+    "qaic": "pipelines.targets.qaic:QaicTarget",
+}
+
+
+@lru_cache(maxsize=1)
+def known() -> dict[str, str]:
+    """Every kind this process can build: the built-in ones, then the installed plug-ins'."""
+    found = dict(BUILTIN)
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in BUILTIN:
+            continue  # a built-in kind is never replaced by whatever happens to be installed
+        found.setdefault(ep.name, ep.value)
+    return found
+
+
+def refresh() -> None:
+    """Read the installed plug-ins again (after sys.path changed in this process)."""
+    known.cache_clear()
+    _instances.clear()
+
+
+def target_class(kind: str) -> type:
+    try:
+        spec = known()[kind]
+    except KeyError:
+        raise ConfigError(f"unknown target kind {kind!r} (known: {', '.join(known())})") from None
+    module, _, name = spec.partition(":")
+    return getattr(import_module(module), name)
+
+
+_instances: dict[str, Any] = {}
+
+
+def target_for(kind: str) -> Any:
+    """The target object of a kind (one per process: targets keep no per-build state)."""
+    if kind not in _instances:
+        _instances[kind] = target_class(kind)()
+    return _instances[kind]
