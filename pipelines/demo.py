@@ -41,18 +41,18 @@ def main() -> int:
     print(f"demo: store {default_store_uri()}, Dagster instance {settings.DAGSTER_HOME.get() or './.dagster'}",
           file=sys.stderr)
     report = onboard(models=[DEMO_MODEL])
-    rows = report["results"]
+    rows = report.results
     print(f"\n{'recipe':14} {'size':>10} {'top-1':>7} {'KL':>9} {'engine (vLLM fp32 / AI 100 emulated)':38} "
           f"{'build id':14} {'skipped?':8} state")
     for r in rows:
-        chk = r.get("check", {})
+        chk = r.check
         top1 = f"{chk['top1_agreement']:.4f}" if "top1_agreement" in chk else "-"
         kl = f"{chk['mean_kl']:.5f}" if "mean_kl" in chk else "-"
-        size = human_bytes(r["size"]) if "size" in r else "-"  # the units every command prints
-        skipped = "yes" if r.get("skipped") or r["state"] == "skipped" else "no"
-        print(f"{r['recipe']:14} {size:>10} {top1:>7} {kl:>9} {engine_check(chk):38} {r.get('build_id', '')[:12]:14} "
-              f"{skipped:8} {r['state']}" + (f" ({r['error']})" if r.get("error") else ""))
-    if not report["success"]:
+        size = human_bytes(r.size) if r.size is not None else "-"  # the units every command prints
+        skipped = "yes" if r.skipped or r.state == "skipped" else "no"
+        print(f"{r.recipe:14} {size:>10} {top1:>7} {kl:>9} {engine_check(chk):38} {r.build_id[:12]:14} "
+              f"{skipped:8} {r.state}" + (f" ({r.error})" if r.error else ""))
+    if not report.success:
         print("demo: onboarding failed (see above)", file=sys.stderr)
         return 1
 
@@ -67,7 +67,7 @@ def main() -> int:
         return e.exit_code
     print(f"llama.cpp greedy from the pulled file: {PROMPT!r} -> {text!r}")
     print(f"serve it: {res['serve']}")
-    print(f"\nDagster UI with these runs: make ui   (DAGSTER_HOME={report['dagster_home']})")
+    print(f"\nDagster UI with these runs: make ui   (DAGSTER_HOME={report.dagster_home})")
     return 0
 
 

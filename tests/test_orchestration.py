@@ -431,9 +431,9 @@ def test_onboard_refuses_a_recipe_that_does_not_apply_before_any_run(tmp_path, t
     started = time.monotonic()
     res = onboard(registry=str(reg), store=str(tmp_path / "store"))
     took = time.monotonic() - started
-    assert not res["success"]
-    (row,) = res["results"]
-    assert row["recipe"] == "qaic-embed-mxfp6" and row["state"] == "failed" and "does not apply" in row["error"]
+    assert not res.success
+    (row,) = res.results
+    assert row.recipe == "qaic-embed-mxfp6" and row.state == "failed" and "does not apply" in row.error
     import dagster as dg
 
     assert dg.DagsterInstance.get().get_runs() == []  # refused without a Dagster run

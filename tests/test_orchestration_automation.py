@@ -310,18 +310,18 @@ def test_adding_a_model_to_the_registry_builds_only_that_model(tmp_path, tiny_ll
     reg = write_registry(tmp_path, first)
     store = str(tmp_path / "store")
     before = onboard(registry=str(reg), store=store)
-    assert before["success"] and [(r["model_id"], r["state"]) for r in before["results"]] == [("test/a", "published")]
+    assert before.success and [(r.model_id, r.state) for r in before.results] == [("test/a", "published")]
     b = copy_model(tiny_llama, tmp_path / "src-b")
     reg = write_registry(tmp_path, first + [{"id": "test/b", "source": str(b), "recipes": ["gguf-f32"]}])
     after = onboard(registry=str(reg), store=store)
-    assert after["success"]
-    assert [(r["model_id"], r["state"]) for r in after["results"]] == [("test/a", "skipped"), ("test/b", "published")]
-    assert after["results"][0]["build_id"] == before["results"][0]["build_id"]
+    assert after.success
+    assert [(r.model_id, r.state) for r in after.results] == [("test/a", "skipped"), ("test/b", "published")]
+    assert after.results[0].build_id == before.results[0].build_id
     # test/a is answered before any run (build.unchanged): one run per onboard, test/b's the second
-    assert after["results"][0]["run_id"].startswith("none: unchanged")
-    assert after["results"][0]["check"] == before["results"][0]["check"]  # its validation, from the manifest
+    assert after.results[0].run_id.startswith("none: unchanged")
+    assert after.results[0].check == before.results[0].check  # its validation, from the manifest
     instance = dg.DagsterInstance.local_temp(str(tmp_path / "dagster"))
-    assert instance.get_runs_count() == 2 and after["results"][1]["run_id"] == instance.get_runs(limit=1)[0].run_id
+    assert instance.get_runs_count() == 2 and after.results[1].run_id == instance.get_runs(limit=1)[0].run_id
 
 
 def test_a_broken_recipe_file_leaves_the_code_location_loading_and_is_reported(tmp_path, tiny_llama):

@@ -536,7 +536,7 @@ def test_dagster_wires_the_export_into_the_compile_and_shows_the_prediction(pend
     from pipelines.orchestration.onboard import _summarize
 
     (row,) = _summarize(result, Config.load(reg), MODEL, ["qaic-tiny"])
-    assert (row["state"], row["skipped"], row["build_id"]) == ("compile_pending", True, pending["doc"]["build_id"])
+    assert (row.state, row.skipped, row.build_id) == ("compile_pending", True, pending["doc"]["build_id"])
     evals = {e.asset_key.to_user_string(): e for e in result.get_asset_check_evaluations()
              if e.check_name == "numerical_parity"}
     md = evals["artifact/qaic-tiny"].metadata

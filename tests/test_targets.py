@@ -34,24 +34,86 @@ def test_every_kind_implements_the_interface():
         target_class("qpc")
 
 
+# A plug-in's module: one complete kind, one named like a built-in, one without build and validate, one that
+# implements everything but declares only its kind.
+PLUGIN = """
+from pipelines.targets import Target
+
+
+class Undeclared(Target):
+    kind = "bare"
+
+    plan_steps = option_problems = artifact_format = staticmethod(lambda *a: [])
+
+    def supports(self, *a):
+        return True
+
+    def toolchain(self):
+        return {}
+
+    def build(self, ctx, out_dir):
+        raise NotImplementedError
+
+    def validate(self, ctx, artifact_dir, files):
+        raise NotImplementedError
+
+    def serving(self, ctx, files):
+        return {}
+
+
+class ToyTarget(Undeclared):
+    kind = "toy"
+    format_version = 1
+    Thresholds = None
+    build_step = "toy"
+
+
+class Impostor(ToyTarget):
+    kind = "gguf"
+
+
+class HalfDone(Target):
+    kind = "half"
+    format_version = 1
+    Thresholds = None
+    build_step = "half"
+    plan_steps = option_problems = artifact_format = staticmethod(lambda *a: [])
+
+    def supports(self, *a):
+        return True
+
+    def toolchain(self):
+        return {}
+
+    def serving(self, ctx, files):
+        return {}
+"""
+
+
 def test_an_installed_plugin_adds_a_kind_and_cannot_replace_a_builtin_one(tmp_path, monkeypatch):
     """A distribution on sys.path declaring `hive_aot.targets` entry points (as `pip install` of a plug-in
     leaves it) adds its kind to the registry; one naming a built-in kind is ignored."""
-    (tmp_path / "toy_plugin.py").write_text(
-        "from pipelines.targets import Target\n\n\nclass ToyTarget(Target):\n    kind = 'toy'\n    format_version = 1\n"
-        "    build_step = 'toy'\n\n\nclass Impostor(Target):\n    kind = 'gguf'\n")
+    (tmp_path / "toy_plugin.py").write_text(PLUGIN)
     info = tmp_path / "toy_plugin-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-plugin\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\ntoy = toy_plugin:ToyTarget\ngguf = toy_plugin:Impostor\n")
+    (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\ntoy = toy_plugin:ToyTarget\ngguf = toy_plugin:Impostor\n"
+                                           "half = toy_plugin:HalfDone\nbare = toy_plugin:Undeclared\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     refresh()
     try:
-        assert list(known_kinds()) == [*BUILTIN, "toy"]
+        assert list(known_kinds()) == [*BUILTIN, "toy", "half", "bare"]
         assert type(target_for("toy")).__name__ == "ToyTarget" and target_for("toy").kind == "toy"
         assert target_class("gguf").__name__ == "GgufTarget"
         toy = target_for("toy")  # Target's defaults
         assert toy.input_kinds == () and toy.intermediate is False and toy.hardware_step is None
+        # a kind that leaves a method out, or a declaration, is refused as it is loaded: in one line, naming them
+        with pytest.raises(ConfigError, match=r"^target kind 'half': toy_plugin:HalfDone does not implement "
+                                              r"build, validate$"):
+            target_class("half")
+        with pytest.raises(ConfigError, match=r"^target kind 'bare': toy_plugin:Undeclared does not declare "
+                                              r"format_version, Thresholds, build_step$"):
+            target_class("bare")
     finally:
         monkeypatch.undo()
         refresh()

@@ -68,6 +68,17 @@ def test_the_toy_kind_is_registered_and_nothing_in_pipelines_names_it(toy):
     assert named == []
 
 
+def test_the_toy_kind_uses_only_the_kinds_surface():
+    """A plug-in builds with `pipelines.targets` (the interface) and `pipelines.targets.kit` (what a kind may use),
+    nothing deeper: the package's modules can move without breaking a kind."""
+    import ast
+
+    tree = ast.parse((TOY / "toy_kind" / "__init__.py").read_text())
+    reached = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("pipelines")}
+    reached |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names if a.name.startswith("pipelines")}
+    assert reached == {"pipelines.targets", "pipelines.targets.kit"}
+
+
 def test_routed_and_planned(toy, tiny_llama):
     check = hive("check", str(tiny_llama), "--hardware", "cpu", "--registry", str(toy["reg"]), "--json", env=toy["env"])
     assert check.returncode == 0, check.stderr
@@ -95,17 +106,17 @@ def test_built_validated_in_dagster_then_pulled(toy, tmp_path):
     assert {c.name for cd in checks for c in cd.check_specs} == {"numerical_parity", "integrity"}
 
     res = onboard(registry=str(toy["reg"]), store=str(toy["store"]), models=[MODEL])
-    (row,) = res["results"]
-    assert res["success"] and row["state"] == "published", row
+    (row,) = res.results
+    assert res.success and row.state == "published", row
     # fp16 weights against the fp32 reference on the same token ids: near-identical, not identical
-    assert row["check"]["top1_agreement"] >= 0.9 and 0 < row["check"]["mean_kl"] < 0.01, row["check"]
+    assert row.check["top1_agreement"] >= 0.9 and 0 < row.check["mean_kl"] < 0.01, row.check
 
     dest = tmp_path / "pulled"
     pulled = hive("pull", MODEL, "--target", "toy-cpu", "--dest", str(dest), "--store", str(toy["store"]),
                   "--registry", str(toy["reg"]), "--json", env=toy["env"])
     assert pulled.returncode == 0, pulled.stderr
     doc = json.loads(pulled.stdout)
-    assert doc["build_id"] == row["build_id"] and doc["recipe"] == "toy-fp16"
+    assert doc["build_id"] == row.build_id and doc["recipe"] == "toy-fp16"
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= {p.name for p in dest.iterdir()}
     manifest = json.loads((dest / "hive-aot.json").read_text())["manifest"]
     assert manifest["format"] == "toy-fp16" and manifest["validation"]["passed"] is True

@@ -70,12 +70,31 @@ def cmd_check(args) -> int:
     return {"compatible": ExitCode.OK, "requires_review": ExitCode.REVIEW}.get(compat.status, ExitCode.INCOMPATIBLE)
 
 
+def add_check_parser(subparsers) -> None:
+    """`check`: classify a model without its weights."""
+    sp = subparsers.add_parser("check", help="classify a model: status, runtime profile, checks, requirements")
+    sp.add_argument("source", help="hf://owner/repo[@rev], owner/repo[@rev] or a local directory")
+    sp.add_argument("--hardware", default="nvidia",
+                    help="vendor[-model][-<N>gb]: nvidia, nvidia-a100-80gb, amd-mi300x-192gb, intel-max-1550, cpu, qaic-ai100")
+    sp.add_argument("--model-id", help="model id for a local directory source")
+    _common_options(sp, store=False)
+    sp.set_defaults(func=cmd_check)
+
+
 def cmd_settings(args) -> int:
     rows = settings.describe()
     _emit(args, rows, table(("variable", "set", "value", "meaning"),
                             [(r["name"], "set" if r["set"] else "-", "-" if r["value"] is None else r["value"], r["meaning"])
                              for r in rows]))
     return ExitCode.OK
+
+
+def add_settings_parser(subparsers) -> None:
+    """`settings`: the HIVE_AOT_* environment variables."""
+    sp = subparsers.add_parser("settings", help="every HIVE_AOT_* environment variable: its effective value (secrets "
+                                                "masked) and meaning")
+    sp.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+    sp.set_defaults(func=cmd_settings)
 
 
 def cmd_registry(args) -> int:
@@ -118,6 +137,25 @@ def cmd_registry(args) -> int:
     return ExitCode.OK
 
 
+def add_registry_parser(subparsers) -> None:
+    """`registry` and its subcommands: architectures, backends, sync."""
+    sp = subparsers.add_parser("registry", help="the architecture database and runtime profiles")
+    rsub = sp.add_subparsers(dest="registry_command", required=True, metavar="SUBCOMMAND",
+                             help="`hive-aot registry SUBCOMMAND --help` for its options")
+    for name, text in (("architectures", "one record per architecture"), ("backends", "the runtime profiles")):
+        r = rsub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
+        _common_options(r, store=False)
+    text = "regenerate the architecture snapshot from vLLM's registry, transformers and llama.cpp's converter"
+    r = rsub.add_parser("sync", help=text, description=text, formatter_class=HelpFormatter)
+    r.add_argument("--vllm-version", default="0.33.0", help="the vLLM release the serving images pin")
+    r.add_argument("--wheel", help="a local vllm wheel instead of downloading one")
+    r.add_argument("--llama-cpp-version", default="0.3.36", help="the llama-cpp-python release the CPU tier pins")
+    r.add_argument("--llama-cpp-sdist", help="a local llama-cpp-python sdist instead of downloading one")
+    r.add_argument("--output", help="where to write (default: the packaged snapshot)")
+    _common_options(r, store=False)
+    sp.set_defaults(func=cmd_registry)
+
+
 def cmd_build(args) -> int:
     from ..config.kinds import target_for
     from ..config.registry import Config
@@ -143,6 +181,22 @@ def cmd_build(args) -> int:
         print(f"hive-aot: validation failed: {'; '.join(v.get('failures', []))}", file=sys.stderr)
         return ExitCode.REJECTED
     return ExitCode.OK
+
+
+def add_build_parser(subparsers) -> None:
+    """`build`: build, validate and publish."""
+    _add_recipe_build_parser(subparsers, "build", cmd_build, "build, validate and publish one recipe for one model")
+
+
+def _add_recipe_build_parser(subparsers, name: str, func, text: str) -> None:
+    """A command that takes a build's source, --recipe and --model-id (build and plan)."""
+    sp = subparsers.add_parser(name, help=text)
+    sp.add_argument("source", help="hf://owner/repo[@rev], owner/repo[@rev] or a local directory")
+    sp.add_argument("--recipe", required=True, help="the recipe id (e.g. gguf-q8_0, vllm-fp8; the packaged ones "
+                                                     "are in pipelines/config/defaults/recipes)")
+    sp.add_argument("--model-id", help="model id (org/name) for a local directory source")
+    _common_options(sp)
+    sp.set_defaults(func=func)
 
 
 def cmd_plan(args) -> int:
@@ -190,6 +244,12 @@ def _published(store, p) -> bool:
         return False
 
 
+def add_plan_parser(subparsers) -> None:
+    """`plan`: a build's memory and disk, without building."""
+    _add_recipe_build_parser(subparsers, "plan", cmd_plan,
+                             "each step's estimated memory and disk for a build, against this host")
+
+
 def cmd_compile(args) -> int:
     """Finish published artifacts with their kind's hardware step (the AI 100 compile) on this host."""
     from ..client.build_ids import resolve_build_id
@@ -225,21 +285,45 @@ def cmd_compile(args) -> int:
     return ExitCode.OK
 
 
+def add_compile_parser(subparsers) -> None:
+    """`compile` (alias qaic-compile): finish published artifacts on this host's hardware."""
+    sp = subparsers.add_parser("compile", aliases=["qaic-compile"],
+                               help="finish published artifacts on this host's hardware (AI 100 export bundles into "
+                                    "QPCs, with the Cloud AI SDK)")
+    sp.add_argument("model", metavar="MODEL_ID[@INPUT_BUILD_ID]",
+                    help="the model, and optionally the published input build (a full id or 8+ hex digits) to finish")
+    sp.add_argument("--recipe", help="one recipe (default: every recipe of the model with a published artifact waiting)")
+    _common_options(sp)
+    sp.set_defaults(func=cmd_compile)
+
+
 def cmd_onboard(args) -> int:
     from ..orchestration.onboard import onboard
 
     res = onboard(registry=args.registry, store=args.store, models=args.model or None, recipes=args.recipes)
     if args.json:
-        _emit(args, res, "")
+        _emit(args, res.to_json(), "")
     else:
         print(table(("model", "recipe", "state", "build"),
-                    [(r["model_id"], r["recipe"], r["state"], r.get("build_id", "")[:12]) for r in res["results"]]))
+                    [(r.model_id, r.recipe, r.state, r.build_id[:12]) for r in res.results]))
     # One line per failed step on stderr, with the run to open in the UI (`make ui`); the tracebacks are there.
-    for r in res["results"]:
-        if r["state"] in ("failed", "rejected"):
-            print(f"hive-aot: error: {r['model_id']} {r['recipe']}: {r['state']}: {r.get('error', '')} "
-                  f"(run {r['run_id']})", file=sys.stderr)
-    return ExitCode.OK if res["success"] else ExitCode.ERROR
+    for r in res.results:
+        if r.state in ("failed", "rejected"):
+            print(f"hive-aot: error: {r.model_id} {r.recipe}: {r.state}: {r.error or ''} (run {r.run_id})",
+                  file=sys.stderr)
+    return ExitCode.OK if res.success else ExitCode.ERROR
+
+
+def add_onboard_parser(subparsers) -> None:
+    """`onboard`: the Dagster onboarding job, headless."""
+    sp = subparsers.add_parser("onboard", help="run the Dagster onboarding job headless for registry models",
+                               description="Run the Dagster onboarding job without the UI: for each model of the "
+                                           "registry (or those named), fetch, classify, build, validate and publish "
+                                           "the recipes it lists, on the local SQLite instance ($DAGSTER_HOME) or the "
+                                           "configured one. Builds whose build id is already published are skipped.")
+    sp.add_argument("--model", action="append", help="only this model id (repeatable)")
+    _common_options(sp)
+    sp.set_defaults(func=cmd_onboard)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -248,6 +332,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action=VersionAction, help="print the package's and the engines' versions and the "
                    "CPU level llama.cpp was compiled for, then exit (`hive-aot --version --json`: as JSON)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help="`hive-aot COMMAND --help` for its options")
+    _describe_subcommands(sub)
+    add_check_parser(sub)
+    add_build_parser(sub)
+    add_plan_parser(sub)
+    add_compile_parser(sub)
+    pull_parsers(sub, _common_options)
+    modelcar_parser(sub)
+    copy_parser(sub)
+    verify_parser(sub)
+    store_parsers(sub)
+    add_settings_parser(sub)
+    add_registry_parser(sub)
+    add_onboard_parser(sub)
+    return p
+
+
+def _describe_subcommands(sub) -> None:
+    """Make `sub.add_parser` give each command a description (its help line) and the HelpFormatter by default."""
     add_parser = sub.add_parser
 
     def described(name, **kw):  # `hive-aot CMD --help` shows the command's help line, not only its usage
@@ -257,80 +359,17 @@ def parser() -> argparse.ArgumentParser:
 
     sub.add_parser = described
 
-    def common(sp, store=True):
-        sp.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-        sp.add_argument("--registry", help="a registry.yaml extending the packaged defaults "
-                                           "(default: $HIVE_AOT_REGISTRY, else ./registry.yaml if present)")
-        sp.add_argument("--recipes", help="a directory of recipe YAMLs extending the packaged ones "
-                                          "(default: $HIVE_AOT_RECIPES, else the registry's recipes_dir)")
-        if store:
-            sp.add_argument("--store", help="store URI (default: $HIVE_AOT_STORE or ./artifacts)")
-        sp.add_argument("--quiet", action="store_true", help=QUIET_HELP)
 
-    sp = sub.add_parser("check", help="classify a model: status, runtime profile, checks, requirements")
-    sp.add_argument("source", help="hf://owner/repo[@rev], owner/repo[@rev] or a local directory")
-    sp.add_argument("--hardware", default="nvidia",
-                    help="vendor[-model][-<N>gb]: nvidia, nvidia-a100-80gb, amd-mi300x-192gb, intel-max-1550, cpu, qaic-ai100")
-    sp.add_argument("--model-id", help="model id for a local directory source")
-    common(sp, store=False)
-    sp.set_defaults(func=cmd_check)
-
-    for name, func, text in (("build", cmd_build, "build, validate and publish one recipe for one model"),
-                             ("plan", cmd_plan, "each step's estimated memory and disk for a build, against this host")):
-        sp = sub.add_parser(name, help=text)
-        sp.add_argument("source", help="hf://owner/repo[@rev], owner/repo[@rev] or a local directory")
-        sp.add_argument("--recipe", required=True, help="the recipe id (e.g. gguf-q8_0, vllm-fp8; the packaged ones "
-                                                         "are in pipelines/config/defaults/recipes)")
-        sp.add_argument("--model-id", help="model id (org/name) for a local directory source")
-        common(sp)
-        sp.set_defaults(func=func)
-
-    sp = sub.add_parser("compile", aliases=["qaic-compile"],
-                        help="finish published artifacts on this host's hardware (AI 100 export bundles into QPCs, "
-                             "with the Cloud AI SDK)")
-    sp.add_argument("model", metavar="MODEL_ID[@INPUT_BUILD_ID]",
-                    help="the model, and optionally the published input build (a full id or 8+ hex digits) to finish")
-    sp.add_argument("--recipe", help="one recipe (default: every recipe of the model with a published artifact waiting)")
-    common(sp)
-    sp.set_defaults(func=cmd_compile)
-
-    pull_parsers(sub, common)
-    modelcar_parser(sub)
-    copy_parser(sub)
-    verify_parser(sub)
-
-    store_parsers(sub)
-
-    sp = sub.add_parser("settings", help="every HIVE_AOT_* environment variable: its effective value (secrets "
-                                         "masked) and meaning")
+def _common_options(sp, store=True) -> None:
+    """The options most commands share: --json, --registry, --recipes, --store (unless store=False), --quiet."""
     sp.add_argument("--json", action="store_true", help="print one JSON document on stdout")
-    sp.set_defaults(func=cmd_settings)
-
-    sp = sub.add_parser("registry", help="the architecture database and runtime profiles")
-    rsub = sp.add_subparsers(dest="registry_command", required=True, metavar="SUBCOMMAND",
-                             help="`hive-aot registry SUBCOMMAND --help` for its options")
-    for name, text in (("architectures", "one record per architecture"), ("backends", "the runtime profiles")):
-        r = rsub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
-        common(r, store=False)
-    text = "regenerate the architecture snapshot from vLLM's registry, transformers and llama.cpp's converter"
-    r = rsub.add_parser("sync", help=text, description=text, formatter_class=HelpFormatter)
-    r.add_argument("--vllm-version", default="0.33.0", help="the vLLM release the serving images pin")
-    r.add_argument("--wheel", help="a local vllm wheel instead of downloading one")
-    r.add_argument("--llama-cpp-version", default="0.3.36", help="the llama-cpp-python release the CPU tier pins")
-    r.add_argument("--llama-cpp-sdist", help="a local llama-cpp-python sdist instead of downloading one")
-    r.add_argument("--output", help="where to write (default: the packaged snapshot)")
-    common(r, store=False)
-    sp.set_defaults(func=cmd_registry)
-
-    sp = sub.add_parser("onboard", help="run the Dagster onboarding job headless for registry models",
-                        description="Run the Dagster onboarding job without the UI: for each model of the registry "
-                                    "(or those named), fetch, classify, build, validate and publish the recipes it "
-                                    "lists, on the local SQLite instance ($DAGSTER_HOME) or the configured one. "
-                                    "Builds whose build id is already published are skipped.")
-    sp.add_argument("--model", action="append", help="only this model id (repeatable)")
-    common(sp)
-    sp.set_defaults(func=cmd_onboard)
-    return p
+    sp.add_argument("--registry", help="a registry.yaml extending the packaged defaults "
+                                       "(default: $HIVE_AOT_REGISTRY, else ./registry.yaml if present)")
+    sp.add_argument("--recipes", help="a directory of recipe YAMLs extending the packaged ones "
+                                      "(default: $HIVE_AOT_RECIPES, else the registry's recipes_dir)")
+    if store:
+        sp.add_argument("--store", help="store URI (default: $HIVE_AOT_STORE or ./artifacts)")
+    sp.add_argument("--quiet", action="store_true", help=QUIET_HELP)
 
 
 def _extra_providing(module: str) -> str | None:

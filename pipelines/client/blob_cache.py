@@ -9,7 +9,7 @@ Under `$HIVE_AOT_CACHE/blobs/sha256/<2 hex>/`:
     .<digest>.verified   the digest and the blob's (device, inode, size, mtime, ctime) when it last matched
                          (blob_stamps.py)
 
-A blob is fetched in parts (ranged reads, several at once). A killed pull leaves the partial and its
+A blob is fetched in parts (ranged reads, several at once: blob_parts.py). A killed pull leaves the partial and its
 part list; the next pull of that digest fetches only the parts not listed, then verifies the whole blob
 (a resumed blob that does not verify is fetched once more from scratch before failing), so nothing
 incomplete or unverified is ever visible under the digest's name. Concurrent pulls of one digest on a host
@@ -30,7 +30,6 @@ import json
 import os
 import stat
 import threading
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -38,9 +37,10 @@ from typing import NamedTuple
 from ..core import settings
 from ..core.errors import HiveError, IntegrityError
 from ..core.hashing import sha256_stream
-from ..core.paths import cache_root, exclusive_lock, read_small_file, replace_with_json
+from ..core.paths import cache_root, exclusive_lock, read_small_file
 from ..store import Store, blob_key
 from . import blob_stamps
+from .blob_parts import PartDownload
 
 FILE_MODE = 0o644
 PART_BYTES = 64 << 20  # bytes per ranged read: a killed pull loses at most this much per worker
@@ -50,7 +50,6 @@ MAX_PART_LIST_BYTES = 64 << 20  # far above any real part list (a 10 GB blob in 
 PART_WORKERS = 8  # ranged reads in flight per blob
 STATE_VERSION = 1
 HASH_READ = 8 << 20  # bytes read back per sha256 update
-HASH_POLL_S = 0.02  # how often the sha256 catches up with the bytes written while parts are in flight
 
 
 @dataclass
@@ -304,22 +303,13 @@ def _fetch(store: Store, digest: str, size: int, dest: Path, progress, stats: Tr
 
 def _download(store: Store, digest: str, size: int, dest: Path, progress, stats: TransferStats, part_bytes: int,
               workers: int, *, resume: bool) -> os.stat_result:
+    """The blob fetched into its partial (the parts a killed pull listed kept, when `resume`), verified, and
+    renamed to the digest's name."""
     partial, state_file = _sidecar(dest, "partial"), _sidecar(dest, "parts")
     key = blob_key(digest)
-    done: set[int] = set()
     state = {"version": STATE_VERSION, "digest": digest, "size": size, "part_bytes": part_bytes}
-    found = _regular_or_absent(partial)
-    _regular_or_absent(state_file)
-    if found is not None and found.st_nlink != 1:  # a hard link to a file elsewhere is never resumed into
-        partial.unlink()
-        found = None
     parts = parts_of(size, part_bytes)
-    if resume and found is not None and found.st_size == size:
-        saved = _read_part_list(state_file)
-        if {k: saved.get(k) for k in state} == state:
-            done = _done_parts(saved, len(parts))
-    if not done:
-        state_file.unlink(missing_ok=True)
+    done = _resumable_parts(partial, state_file, state, parts, resume=resume)
     fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (0 if done else os.O_TRUNC), 0o600)
     try:
         os.ftruncate(fd, size)
@@ -328,78 +318,46 @@ def _download(store: Store, digest: str, size: int, dest: Path, progress, stats:
         if progress is not None and kept:
             progress.update(kept)
 
-        filled = [length if i in done else 0 for i, (_start, length) in enumerate(parts)]  # bytes written per part
+        def counted(fetched: int) -> None:
+            stats.add(fetched=fetched)
+            if progress is not None:
+                progress.update(fetched)
 
-        def fetch(index: int) -> int:
-            start, length = parts[index]
-            at = start
-            for chunk in store.iter_range(key, start, length):
-                os.pwrite(fd, chunk, at)
-                at += len(chunk)
-                filled[index] = at - start  # after the write: the hash may read up to here
-                stats.add(fetched=len(chunk))
-                if progress is not None:
-                    progress.update(len(chunk))
-            if at - start != length:  # the stored object is shorter than its manifest says: damaged, not flaky
-                raise IntegrityError(f"blob {digest[:12]} from {store.uri} does not match its manifest sha256 "
-                                     f"(it ends after {at} of {size} bytes)")
-            return index
-
-        # The sha256 follows the bytes written from the start (the frontier: every part before it complete, the
-        # part it is in written up to there) while later bytes are still coming (hashlib releases the GIL), so it
-        # ends a moment after the last byte. Hashing whole parts as they completed left most of a 1 GiB blob's
-        # hash for after the download (0.7 of 1.8 s; bench/s3_read_paths.py).
-        hasher, at_byte = hashlib.sha256(), [0]  # bytes [0, at_byte) are in the digest
-        buffer = bytearray(HASH_READ)  # read back into one buffer: no new bytes object per read
-        view = memoryview(buffer)
-
-        def hash_ready(budget: int | None = None) -> bool:
-            """Hash what is written contiguously past the digest, at most `budget` bytes: then back to the part
-            loop, which records finished parts. A hash that followed a faster download to its end kept the part
-            list at its first parts meanwhile, so a kill then threw away everything written since. True when it
-            stopped at the budget (more is ready to hash)."""
-            stop = size if budget is None else min(size, at_byte[0] + budget)
-            while at_byte[0] < stop:
-                index = min(at_byte[0] // part_bytes, len(parts) - 1)
-                frontier = min(parts[index][0] + filled[index], stop)
-                if frontier <= at_byte[0]:
-                    return False
-                while at_byte[0] < frontier:
-                    n = os.preadv(fd, [view[:min(HASH_READ, frontier - at_byte[0])]], at_byte[0])
-                    if n <= 0:  # the partial was cut short under us: the digest will not match
-                        return False
-                    hasher.update(view[:n])
-                    at_byte[0] += n
-            return at_byte[0] < size
-
-        todo = [i for i in range(len(parts)) if i not in done]
-        with ThreadPoolExecutor(max(1, min(workers, len(todo) or 1)), thread_name_prefix="pull-part") as pool:
-            pending = {pool.submit(fetch, i) for i in todo}
-            try:
-                backlog = False  # bytes ready to hash: then the loop only looks for finished parts, never waits
-                while pending:
-                    finished, pending = wait(pending, timeout=0 if backlog else HASH_POLL_S,
-                                             return_when=FIRST_COMPLETED)
-                    failed = [f.exception() for f in finished if f.exception() is not None]
-                    done.update(f.result() for f in finished if f.exception() is None)
-                    # the pages written are the kernel's now: a killed pull resumes after these parts
-                    if finished:
-                        replace_with_json(state_file, {**state, "done": sorted(done)})
-                    if failed:
-                        raise failed[0]
-                    backlog = hash_ready(part_bytes)
-            finally:
-                for f in pending:
-                    f.cancel()
-        hash_ready()
+        download = PartDownload(store, key, digest, size, fd, parts, part_bytes, done, counted,
+                                hasher=hashlib.sha256(), hash_read=HASH_READ)
+        download.fetch_missing(done, workers, state_file, state)
     except IntegrityError:
         _discard(partial, state_file)
         raise
     finally:
         os.close(fd)
-    if os.path.getsize(partial) != size or at_byte[0] != size or hasher.hexdigest() != digest:
+    if os.path.getsize(partial) != size or not download.hashed():
         _discard(partial, state_file)
         raise IntegrityError(f"blob {digest[:12]} from {store.uri} does not match its manifest sha256")
+    return _publish(partial, state_file, dest)
+
+
+def _resumable_parts(partial: Path, state_file: Path, state: dict, parts: list[tuple[int, int]], *,
+                     resume: bool) -> set[int]:
+    """The parts of a killed pull's partial that its part list says are complete (none unless `resume` and the
+    list describes this very download); the part list removed when nothing is kept."""
+    done: set[int] = set()
+    found = _regular_or_absent(partial)
+    _regular_or_absent(state_file)
+    if found is not None and found.st_nlink != 1:  # a hard link to a file elsewhere is never resumed into
+        partial.unlink()
+        found = None
+    if resume and found is not None and found.st_size == state["size"]:
+        saved = _read_part_list(state_file)
+        if {k: saved.get(k) for k in state} == state:
+            done = _done_parts(saved, len(parts))
+    if not done:
+        state_file.unlink(missing_ok=True)
+    return done
+
+
+def _publish(partial: Path, state_file: Path, dest: Path) -> os.stat_result:
+    """The verified partial under the digest's name, in the served mode and stamped; the stat of its inode."""
     # Cached blobs are hard-linked into serving directories, so they carry the served mode. The stamp describes
     # the inode that was hashed, as the rename left it (a rename moves the ctime).
     os.chmod(partial, FILE_MODE)

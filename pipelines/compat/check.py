@@ -27,6 +27,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..model.native import equivalent_for, native_dict
@@ -36,6 +37,7 @@ from .hardware import Hardware, parse_hardware
 from .layout import headless_embedding
 from .requirements import WeightsSummary, serving_requirements
 from .results import Check, Compatibility, Status
+from .routing import Profiles, route, validated_kin
 from .sanity import config_problems, text_cfg
 
 if TYPE_CHECKING:
@@ -59,7 +61,6 @@ EXTRA_MODEL_TYPES = {
     "Gemma3ForConditionalGeneration": ("shieldgemma2",),
     "Glm46VForConditionalGeneration": ("glmga",), "GotOcr2ForConditionalGeneration": ("pp_chart2table",),
 }
-SPECIALIST_TASKS = {"time-series", "embedding", "reranker", "seq2seq-audio"}
 
 
 def _model_type_problem(cfg: dict[str, Any], rec: Architecture, arch: str) -> str | None:
@@ -115,154 +116,26 @@ def _vocab_consistency(cfg: dict[str, Any], weights: WeightsSummary) -> str | No
     return None
 
 
-class _Profiles:
-    def __init__(self, registry: Registry | None):
-        self.active = [p for p in (registry.runtime_profiles if registry else []) if p.active]
+@dataclass(frozen=True)
+class _Model:
+    """What config.json (and the weights' layout) say the model is: what each step of `classify` reads."""
 
-    def pick(self, hw: Hardware, role: str) -> str | None:
-        return next((p.id for p in self.active if p.vendor == hw.profile_vendor and p.role == role), None)
-
-
-def _answer(status: Status, profile: str | None, level: str, detail: str) -> tuple[Status, str | None, Check]:
-    return status, profile, Check(name="architecture_known", status=level, detail=detail)
-
-
-def _validated_kin(db, name: str) -> list[str]:
-    """The AI 100 validated matrix's architectures whose class name starts as `name`'s model does (Qwen3ForCausalLM:
-    Qwen3MoeForCausalLM, Qwen3VLForConditionalGeneration, ...): what the platform validated instead of it."""
-    stem = re.sub(r"(For[A-Z]\w*|LMHeadModel|Model)$", "", name)
-    return sorted(a.name for a in db.architectures.values() if a.qaic and a.name != name and stem
-                  and a.name.startswith(stem))
+    cfg: dict[str, Any]
+    # the sizes and text settings as transformers reads them: a remote-code layout with a native equivalent
+    # (InternVL's llm_config) is read as that form's config
+    view: dict[str, Any]
+    pipeline: Any  # a diffusers pipeline's class name (model_index.json), else None
+    arch: str | None
+    rec: Architecture | None
+    task: str
+    headless: str | None  # why a causal-LM config's weights are an embedding model's (layout.headless_embedding)
+    auto_map: bool
+    quant_method: str | None
+    quant_problem: str | None
 
 
-def _route(rec: Architecture | None, arch: str | None, task: str, hw: Hardware, profiles: _Profiles,
-           auto_map: bool, reviewed: bool, gguf_applies: bool, closest: str | None,
-           unbuilt: Callable[[str], str | None], gguf_after_review: bool = False,
-           validated_kin: list[str] | None = None) -> tuple[Status, str | None, Check]:
-    """(status, runtime profile, the architecture_known check explaining it). `gguf_after_review`: a GGUF
-    recipe converts this remote-code repo with hive-aot's own mapping once a human reviews it. `unbuilt(role)`:
-    why no recipe that the role's profile loads converts the model (None: one does). `validated_kin`: the AI 100
-    matrix's nearest architectures (_validated_kin)."""
-
-    def pick(role: str) -> str | None:
-        return profiles.pick(hw, role)
-
-    def served_by(role: str, detail: str, why_not: str) -> tuple[Status, str | None, Check]:
-        prof = pick(role)
-        return _answer("compatible", prof, "pass", detail) if prof else _answer(
-            "incompatible", None, "fail", f"{detail}; no {why_not} backend on {hw.vendor}")
-
-    def compiled_ahead(detail: str) -> tuple[Status, str | None, Check]:
-        # vllm-qaic loads only the QPCs hive-aot compiles: what its recipes convert decides, before remote code,
-        # SSM or any other rule (nothing else could serve the model there).
-        why = unbuilt("qaic")
-        if why:
-            return _answer("incompatible", None, "fail", f"{detail}; {why}")
-        if rec is not None and rec.qaic:
-            return _answer("compatible", pick("qaic"), "pass", f"{detail}; in the AI 100 validated matrix")
-        if reviewed:
-            return _answer("compatible", pick("qaic"), "pass", f"{detail}; not in the AI 100 validated matrix, "
-                           "reviewed: hive-aot's export builds it")
-        # What is unvalidated and what the review means, in the one line that check and a refused build print.
-        name = rec.name if rec is not None else arch
-        kin = f"validates {', '.join(validated_kin)} but not {name}" if validated_kin else f"does not list {name}"
-        return _answer("requires_review", pick("qaic"), "warn", (
-            f"{detail}; not in the AI 100 validated matrix: Qualcomm's AOT list {kin}; hive-aot's export builds it, "
-            "checked against transformers (onnxruntime parity, predicted device quality) but never compiled or run on "
-            "an AI 100 here; `reviewed: true` on this model in registry.yaml records that a person accepts that, and "
-            "then it builds"))
-
-    def remote_code(detail: str) -> tuple[Status, str | None, Check]:
-        # The seed's universal fallback serves custom modeling_*.py with transformers, after review; a config
-        # without auto_map declares no such code, so nothing could serve it.
-        if not auto_map:
-            return _answer("incompatible", None, "fail",
-                           f"{detail.replace(' once reviewed', '')}, and this config declares none (no auto_map)")
-        prof = pick("transformers")
-        if reviewed and prof:
-            return _answer("compatible", prof, "pass", f"{detail} (reviewed: trust_remote_code allowed)")
-        return _answer("requires_review", None, "warn", detail)
-
-    if task == "diffusion":
-        return served_by("diffusers", f"diffusers pipeline {arch}", "diffusers")
-    if rec is None:
-        hint = f" (closest known: {closest})" if closest else ""
-        if hw.vendor == "qaic":
-            return compiled_ahead(f"{arch} is not in the architecture database{hint}")
-        if auto_map:
-            return remote_code(f"{arch} is not in the architecture database; it ships remote code{hint}")
-        return _answer("incompatible", None, "fail", f"{arch} is not in the architecture database{hint}")
-    detail = f"{rec.name}: family {rec.family}, task {rec.task}"
-    if rec.name != arch:
-        detail = f"{arch} is an alias of {detail}"
-    if rec.tested:
-        detail += ", tested on " + ", ".join(p + (f" ({v} tok/s)" if v else "") for p, v in rec.tested.items())
-    if hw.vendor == "qaic":
-        return compiled_ahead(detail)
-    if not rec.active:
-        why = f"vLLM dropped {rec.name} after {rec.vllm_last_version}" if rec.vllm_last_version else f"{rec.name} is inactive"
-        if auto_map:
-            return remote_code(f"{why}; only its remote code could serve it")
-        return _answer("incompatible", None, "fail", f"{why} and transformers has no class for it")
-    if rec.trust_remote_code and not rec.vllm_support and not rec.transformers_known:
-        return remote_code(f"{detail}; served by the transformers fallback with the repo's own modeling code once reviewed")
-    if task == "ssm-hybrid":
-        return _answer("requires_review", pick("ssm"), "warn",
-                       f"{detail}; SSM/hybrid: fine-tuning templates only, untested, no public inference endpoint")
-    if task == "text-to-audio":
-        return served_by("generative", detail, "generative")
-    if task in SPECIALIST_TASKS:
-        return served_by("specialists", detail, "specialists")
-    if task == "speculative-draft":
-        prof = pick("vllm")
-        if prof in rec.tested:  # e.g. the GLM-4 MoE MTP heads validated on vllm-xpu
-            return _answer("compatible", prof, "pass", detail)
-        return _answer("requires_review", prof, "warn", f"{detail}; a draft/MTP head, served with its target model")
-    if hw.vendor == "cpu":
-        if gguf_applies:
-            return _answer("compatible", pick("gguf"), "pass", detail)
-        if rec.llama_cpp_arch and not gguf_after_review:  # llama.cpp runs it; hive-aot cannot build its GGUF yet
-            detail += (f"; llama.cpp's converter makes it a {rec.llama_cpp_arch} GGUF, but no GGUF recipe here "
-                       f"converts it ({unbuilt('gguf')})")
-        if rec.transformers_known:
-            return _answer("compatible", pick("transformers"), "pass", detail)
-        if gguf_after_review:
-            return _answer("requires_review", None, "warn",
-                           f"{detail}; hive-aot's own GGUF mapping converts it for {pick('gguf')} once reviewed "
-                           "(its remote code is never run)")
-        if auto_map:  # the CPU tier's transformers fallback runs the repo's own code, once reviewed
-            return remote_code(f"{detail}; the transformers fallback with the repo's own modeling code once reviewed")
-        return _answer("incompatible", None, "fail", f"{detail}; no GGUF recipe and no transformers class for the CPU tier")
-    if rec.vllm_support:
-        return _answer("compatible", pick("vllm"), "pass", detail)
-    if rec.transformers_known:
-        return _answer("compatible", pick("transformers"), "pass", f"{detail}; transformers fallback (slower than vLLM-native)")
-    return _answer("incompatible", None, "fail", f"{detail}; no backend serves it")
-
-
-def classify(
-    cfg: dict[str, Any] | None,
-    *,
-    weights: WeightsSummary | None = None,
-    files: Iterable[str] = (),
-    hardware: str = "nvidia",
-    recipes: Iterable[Recipe] = (),
-    registry: Registry | None = None,
-    reviewed: bool = False,
-    config_error: str | None = None,
-) -> Compatibility:
-    from ..config.kinds import target_for
-
-    hw = parse_hardware(hardware)
-    files = set(files)
-    recipes = list(recipes)  # read more than once below
-    checks: list[Check] = []
-    if cfg is None:
-        checks.append(Check(name="config", status="fail", detail=config_error or "config.json is missing"))
-        return Compatibility(status="incompatible", runtime_profile_id=None, architecture=None, hardware=hw.spec, checks=checks)
-    db = architecture_database(registry)
-    profiles = _Profiles(registry)
-
+def _read_model(cfg: dict[str, Any], weights: WeightsSummary | None, db, checks: list[Check]) -> _Model:
+    """Which architecture, record and task config.json names; checks conflicting architectures and headless weights."""
     pipeline = cfg.get("_diffusers_pipeline") or (cfg.get("_class_name") if "_diffusers_version" in cfg else None)
     archs = cfg.get("architectures")
     if pipeline:
@@ -283,31 +156,70 @@ def classify(
             "vLLM's pooling runner nor a generation recipe is offered)")))
     auto_map = "auto_map" in cfg or "auto_map" in text_cfg(cfg)
     quant_method, quant_problem = _quantization(cfg)
-    # the sizes and text settings as transformers reads them: a remote-code layout with a native equivalent
-    # (InternVL's llm_config) is read as that form's config
-    view = native_dict(cfg) if not pipeline else cfg
+    return _Model(cfg=cfg, view=native_dict(cfg) if not pipeline else cfg, pipeline=pipeline, arch=arch, rec=rec,
+                  task=task, headless=headless, auto_map=auto_map, quant_method=quant_method,
+                  quant_problem=quant_problem)
 
-    def recipe_applies(r: Recipe) -> bool:
+
+@dataclass(frozen=True)
+class _Converters:
+    """The recipes given to `classify`, asked which of them convert the model."""
+
+    model: _Model
+    recipes: list[Recipe]
+    profiles: Profiles
+    hw: Hardware
+    target_for: Callable[[str], Any]  # config.kinds.target_for, imported when classify runs
+
+    def reads_quantization(self, r: Recipe) -> bool:
+        """The recipe's target reads the model's pre-quantized weights."""
+        m = self.model
+        return self.target_for(r.kind).reads_quantization(m.rec, m.arch, m.cfg)
+
+    def applies(self, r: Recipe) -> bool:
         """The recipe's target converts this model (whatever hardware it is served on)."""
-        return (not headless and target_for(r.kind).supports(rec, arch, cfg, r.options)
-                and (quant_method is None or target_for(r.kind).reads_quantization(rec, arch, cfg)))
+        m = self.model
+        return (not m.headless and self.target_for(r.kind).supports(m.rec, m.arch, m.cfg, r.options)
+                and (m.quant_method is None or self.reads_quantization(r)))
 
-    def unbuilt(role: str) -> str | None:
+    def convertible_by(self, profile: str) -> bool:
+        """A recipe that `profile` loads converts this model."""
+        return any(profile in r.runtime_profiles and self.applies(r) for r in self.recipes)
+
+    def applicable(self, profile: str) -> list[str]:
+        """The ids of the recipes that `profile` loads and that convert this model."""
+        return [r.id for r in self.recipes if profile in r.runtime_profiles and self.applies(r)]
+
+    def unbuilt(self, role: str) -> str | None:
         """Why no recipe that the vendor's `role` profile loads converts this model (None: one does)."""
-        prof = profiles.pick(hw, role)
-        loaded = [r for r in recipes if prof is not None and prof in r.runtime_profiles]
-        if any(recipe_applies(r) for r in loaded):
+        m = self.model
+        prof = self.profiles.pick(self.hw, role)
+        loaded = [r for r in self.recipes if prof is not None and prof in r.runtime_profiles]
+        if any(self.applies(r) for r in loaded):
             return None
         if not loaded:
             return f"no recipe here builds for {prof or f'a {role} profile'}"
-        if headless:
-            return headless
-        if quant_method is not None and not any(target_for(r.kind).reads_quantization(rec, arch, cfg) for r in loaded):
-            return f"pre-quantized ({quant_method}): the recipes {prof} loads convert unquantized float weights only"
-        why = dict.fromkeys(target_for(r.kind).refusal(rec, arch, cfg, r.options) for r in loaded)
-        return "; ".join(w for w in why if w) or f"no recipe {prof} loads converts {arch}"
+        if m.headless:
+            return m.headless
+        if m.quant_method is not None and not any(self.reads_quantization(r) for r in loaded):
+            return f"pre-quantized ({m.quant_method}): the recipes {prof} loads convert unquantized float weights only"
+        why = dict.fromkeys(self.target_for(r.kind).refusal(m.rec, m.arch, m.cfg, r.options) for r in loaded)
+        return "; ".join(w for w in why if w) or f"no recipe {prof} loads converts {m.arch}"
 
+
+def _closest(db, model: _Model) -> str | None:
+    """The known architecture nearest an unknown class's name, as the routing check's hint (None: no hint)."""
+    if model.rec is not None or model.task == "diffusion":
+        return None
+    close = difflib.get_close_matches(model.arch, list(db.architectures), n=1, cutoff=0.6)
+    return f"{close[0]} ({db.architectures[close[0]].family} family)" if close else None
+
+
+def _routed(model: _Model, converters: _Converters, db, hw: Hardware, profiles: Profiles, reviewed: bool,
+            checks: list[Check]) -> tuple[Status, str | None]:
+    """Route the model (routing.route) and check its model_type; any failed check so far makes it incompatible."""
     status: Status
+    arch, rec = model.arch, model.rec
     if arch is None:
         checks.append(Check(name="architecture_known", status="fail", detail="config.json has no architectures field"))
         status, profile = "incompatible", None
@@ -315,35 +227,36 @@ def classify(
         # The CPU tier serves the model when a recipe that the vendor's gguf-role profile loads applies to it.
         cpu_tier = profiles.pick(hw, "gguf")
         # Remote code (auto_map) is converted by our own family mapping only once a human reviewed the repo.
-        gguf_convertible = cpu_tier is not None and any(cpu_tier in r.runtime_profiles and recipe_applies(r) for r in recipes)
-        gguf_applies = gguf_convertible and (not auto_map or reviewed)
-        closest = None
-        if rec is None and task != "diffusion":
-            close = difflib.get_close_matches(arch, list(db.architectures), n=1, cutoff=0.6)
-            closest = f"{close[0]} ({db.architectures[close[0]].family} family)" if close else None
-        status, profile, arch_check = _route(rec, arch, task, hw, profiles, auto_map, reviewed, gguf_applies, closest,
-                                             unbuilt, gguf_after_review=gguf_convertible and not gguf_applies,
-                                             validated_kin=_validated_kin(db, rec.name if rec else arch))
+        gguf_convertible = cpu_tier is not None and converters.convertible_by(cpu_tier)
+        gguf_applies = gguf_convertible and (not model.auto_map or reviewed)
+        status, profile, arch_check = route(rec, arch, model.task, hw, profiles, model.auto_map, reviewed, gguf_applies,
+                                            _closest(db, model), converters.unbuilt,
+                                            gguf_after_review=gguf_convertible and not gguf_applies,
+                                            validated_kin=validated_kin(db, rec.name if rec else arch))
         checks.append(arch_check)
-        mismatch = _model_type_problem(cfg, rec, arch) if rec is not None and not auto_map else None
+        mismatch = _model_type_problem(model.cfg, rec, arch) if rec is not None and not model.auto_map else None
         if mismatch:  # remote code brings its own model_type; review covers it
             checks.append(Check(name="model_type_consistent", status="fail", detail=mismatch))
     if any(c.status == "fail" for c in checks):
         status = "incompatible"
+    return status, profile
 
+
+def _remote_code_checks(model: _Model, hw: Hardware, reviewed: bool, status: Status, checks: list[Check]) -> Status:
+    """Whether the repo's custom code (auto_map) is needed, trusted or awaiting review; unreviewed code holds it back."""
     # On AI 100 a remote-code architecture whose recipes build its native equivalent (native.py) is compiled from
     # transformers' own model of it and served as that form: its remote code is needed nowhere, so not reviewed.
-    native = (equivalent_for(cfg) if hw.vendor == "qaic" and status != "incompatible" and arch is not None
-              and not pipeline else None)
-    if auto_map and native is not None:
+    native = (equivalent_for(model.cfg) if hw.vendor == "qaic" and status != "incompatible" and model.arch is not None
+              and not model.pipeline else None)
+    if model.auto_map and native is not None:
         checks.append(Check(name="remote_code", status="pass", detail=(
             f"config.json has auto_map (custom modeling code), never run and not trusted: the AI 100 recipes build "
             f"transformers' {native.native_architecture} from hive-aot's declaration of {native.architecture}, and "
             "the QPCs are served as that form")))
-    elif auto_map and reviewed:
+    elif model.auto_map and reviewed:
         checks.append(Check(name="remote_code", status="pass", detail="config.json has auto_map (custom modeling code), "
                             "reviewed (registry allow-list): the server may run it; hive-aot never executes it"))
-    elif auto_map:
+    elif model.auto_map:
         checks.append(Check(name="remote_code", status="warn",
                             detail="config.json has auto_map (custom modeling code): requires review; "
                                    "hive-aot never executes it"))
@@ -351,64 +264,121 @@ def classify(
             status = "requires_review"
     else:
         checks.append(Check(name="remote_code", status="pass", detail="no custom code"))
-    if rec is not None and rec.trust_remote_code and native is None:
+    if model.rec is not None and model.rec.trust_remote_code and native is None:
         checks.append(Check(name="trust_remote_code", status="warn",
                             detail="the serving engine needs trust_remote_code=True for this family"))
+    return status
 
-    problems = config_problems(text_cfg(view)) if not pipeline else []
+
+def _config_sane_check(model: _Model, status: Status, checks: list[Check]) -> tuple[Status, list[str]]:
+    """config_sane: the text config's sizes are plausible (not asked of a diffusers pipeline); also its problems."""
+    problems = config_problems(text_cfg(model.view)) if not model.pipeline else []
     if problems:
         checks.append(Check(name="config_sane", status="fail", detail="; ".join(problems)))
         status = "incompatible"
-    elif not pipeline:
+    elif not model.pipeline:
         checks.append(Check(name="config_sane", status="pass", detail="sizes plausible"))
+    return status, problems
 
-    tc = text_cfg(view)
+
+def _sliding_window_check(model: _Model, checks: list[Check]) -> None:
+    """sliding_window: a note where the model attends through a window."""
+    tc = text_cfg(model.view)
     if tc.get("sliding_window") and tc.get("use_sliding_window", True) is not False:
         # The seed's Gemma note is for AI 100's vLLM, whose export computes full attention; GPU vLLM serves the
         # window (its disable_sliding_window would cap max_model_len at the window)
         note = (" (AI 100's vLLM: pass disable_sliding_window; GPU vLLM serves the window as configured)"
-                if rec is not None and rec.family == "gemma" else "")
+                if model.rec is not None and model.rec.family == "gemma" else "")
         checks.append(Check(name="sliding_window", status="warn" if note else "pass",
                             detail=f"sliding_window={tc['sliding_window']}{note}"))
-    if quant_problem:
-        checks.append(Check(name="quantization_config", status="fail", detail=quant_problem))
+
+
+def _quantization_check(model: _Model, converters: _Converters, status: Status, checks: list[Check]) -> Status:
+    """quantization_config: a method no engine loads fails; a known one says which recipes it rules out."""
+    if model.quant_problem:
+        checks.append(Check(name="quantization_config", status="fail", detail=model.quant_problem))
         status = "incompatible"
-    elif quant_method:
-        skipped = sorted({r.kind for r in recipes if not target_for(r.kind).reads_quantization(rec, arch, cfg)})
+    elif model.quant_method:
+        skipped = sorted({r.kind for r in converters.recipes if not converters.reads_quantization(r)})
         why = f"; {', '.join(skipped)} recipes do not apply (they convert unquantized float weights only)" if skipped else ""
         checks.append(Check(name="quantization_config", status="pass",
-                            detail=f"pre-quantized ({quant_method}); weights served as stored{why}"))
+                            detail=f"pre-quantized ({model.quant_method}); weights served as stored{why}"))
+    return status
 
+
+def _weights_checks(model: _Model, weights: WeightsSummary | None, problems: list[str], hw: Hardware, status: Status,
+                    checks: list[Check]) -> tuple[Status, dict[str, Any]]:
+    """The safetensors headers' checks: vocab rows, then the serving requirements and whether the device fits them."""
     reqs: dict[str, Any] = {}
     if weights is not None:
         checks.append(Check(name="weights_safetensors", status="pass",
                             detail=f"{weights.files} safetensors file(s), {weights.tensors} tensors"))
-        mismatch = _vocab_consistency(view, weights)
+        mismatch = _vocab_consistency(model.view, weights)
         if mismatch:
             checks.append(Check(name="vocab_consistent", status="fail", detail=mismatch))
             status = "incompatible"
-        elif not pipeline:
+        elif not model.pipeline:
             checks.append(Check(name="vocab_consistent", status="pass", detail="embedding rows match vocab_size"))
-        if not problems and not pipeline:
-            reqs, fit = serving_requirements(view, weights, task, hw)
+        if not problems and not model.pipeline:
+            reqs, fit = serving_requirements(model.view, weights, model.task, hw)
             if fit is not None:
                 checks.append(fit)
                 if fit.status == "fail" and status == "compatible":
                     status = "incompatible"
+    return status, reqs
+
+
+def _tokenizer_check(model: _Model, files: set[str], checks: list[Check]) -> None:
+    """tokenizer_present (not asked of a diffusers pipeline)."""
     has_tok = (bool(files & {"tokenizer.json", "tokenizer.model", "vocab.json"})
                or any(f.endswith("/tokenizer.json") for f in files))
-    if not pipeline:
+    if not model.pipeline:
         checks.append(Check(name="tokenizer_present", status="pass" if has_tok else "warn",
                             detail="tokenizer files present" if has_tok else "no tokenizer.json or tokenizer.model"))
 
+
+def classify(
+    cfg: dict[str, Any] | None,
+    *,
+    weights: WeightsSummary | None = None,
+    files: Iterable[str] = (),
+    hardware: str = "nvidia",
+    recipes: Iterable[Recipe] = (),
+    registry: Registry | None = None,
+    reviewed: bool = False,
+    config_error: str | None = None,
+) -> Compatibility:
+    """The compatibility check of a model's config.json, with its safetensors headers and file names where given."""
+    from ..config.kinds import target_for
+
+    hw = parse_hardware(hardware)
+    files = set(files)
+    recipes = list(recipes)  # read more than once below
+    checks: list[Check] = []
+    if cfg is None:
+        checks.append(Check(name="config", status="fail", detail=config_error or "config.json is missing"))
+        return Compatibility(status="incompatible", runtime_profile_id=None, architecture=None, hardware=hw.spec, checks=checks)
+    db = architecture_database(registry)
+    profiles = Profiles(registry)
+    model = _read_model(cfg, weights, db, checks)
+    converters = _Converters(model, recipes, profiles, hw, target_for)
+    status, profile = _routed(model, converters, db, hw, profiles, reviewed, checks)
+    status = _remote_code_checks(model, hw, reviewed, status, checks)
+    status, problems = _config_sane_check(model, status, checks)
+    _sliding_window_check(model, checks)
+    status = _quantization_check(model, converters, status, checks)
+    status, reqs = _weights_checks(model, weights, problems, hw, status, checks)
+    _tokenizer_check(model, files, checks)
+
     # The recipes listed are those the routed profile loads: what this hardware would be served from.
+    arch, rec, pipeline = model.arch, model.rec, model.pipeline
     applicable = []
     if status != "incompatible" and arch is not None and not pipeline and profile is not None:
-        applicable = [r.id for r in recipes if profile in r.runtime_profiles and recipe_applies(r)]
+        applicable = converters.applicable(profile)
     return Compatibility(status=status, runtime_profile_id=profile if status != "incompatible" else None,
                          architecture=arch, family=(rec.family if rec else ("diffusion" if pipeline else None)),
-                         task=task if arch else None, hardware=hw.spec, checks=checks, estimated_requirements=reqs,
-                         recipes=applicable)
+                         task=model.task if arch else None, hardware=hw.spec, checks=checks,
+                         estimated_requirements=reqs, recipes=applicable)
 
 
 def classify_snapshot(snap: Snapshot, recipes: Iterable[Recipe] = (), hardware: str = "nvidia",

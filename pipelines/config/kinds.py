@@ -46,13 +46,30 @@ def refresh() -> None:
     _instances.clear()
 
 
+# What a kind's class declares besides its methods (targets.Target's class attributes without a default).
+DECLARED = ("kind", "format_version", "Thresholds", "build_step")
+
+
 def target_class(kind: str) -> type:
+    """The class of a kind, checked as it is loaded: a plug-in that leaves a Target method unimplemented or a
+    declaration out is refused here, in one line, when the configuration first names its kind, not mid-build."""
     try:
         spec = known()[kind]
     except KeyError:
         raise ConfigError(f"unknown target kind {kind!r} (known: {', '.join(known())})") from None
     module, _, name = spec.partition(":")
-    return getattr(import_module(module), name)
+    cls = getattr(import_module(module), name, None)
+    if not isinstance(cls, type):
+        raise ConfigError(f"target kind {kind!r}: {spec} is not a class")
+    unimplemented = sorted(getattr(cls, "__abstractmethods__", ()))
+    undeclared = [attr for attr in DECLARED if not hasattr(cls, attr)]
+    if unimplemented or undeclared:
+        lacks = [f"does not implement {', '.join(unimplemented)}"] if unimplemented else []
+        lacks += [f"does not declare {', '.join(undeclared)}"] if undeclared else []
+        raise ConfigError(f"target kind {kind!r}: {spec} {' and '.join(lacks)}")
+    if cls.kind != kind:
+        raise ConfigError(f"target kind {kind!r}: {spec} declares kind {cls.kind!r}")
+    return cls
 
 
 _instances: dict[str, Any] = {}

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import sys
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,40 @@ from .summary import failure_line
 
 if TYPE_CHECKING:
     from ..engine.planning import Plan
+
+
+@dataclass
+class OnboardedRecipe:
+    """One recipe of an onboarded model: what its run (or the check before it) left. `state`: published, skipped
+    (unchanged since its published build), compile_pending (an AI 100 bundle waiting for the SDK), rejected (its
+    parity check failed) or failed (`error` says why); `run_id`: the Dagster run to open, or why there was none."""
+
+    model_id: str
+    recipe: str
+    state: str = "failed"
+    build_id: str = ""
+    run_id: str = ""
+    manifest: str | None = None
+    size: int | None = None
+    skipped: bool = False
+    bundle_build_id: str | None = None  # the export bundle a compiled QPC was made from
+    error: str | None = None
+    check: dict[str, Any] = field(default_factory=dict)  # the parity check's metrics
+
+    def to_json(self) -> dict[str, Any]:
+        """As `onboard --json` writes it: what was not recorded is left out."""
+        return {k: v for k, v in asdict(self).items() if v is not None and v != {}}
+
+
+@dataclass
+class OnboardReport:
+    success: bool  # every recipe published, skipped or waiting for its hardware step
+    dagster_home: str
+    results: list[OnboardedRecipe]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"success": self.success, "dagster_home": self.dagster_home,
+                "results": [r.to_json() for r in self.results]}
 
 
 INSTANCE_SETTINGS = Path(__file__).with_name("dagster.yaml")
@@ -92,7 +127,7 @@ def _summarize(result: dg.ExecuteInProcessResult, config: Config, model_id: str,
                 for e in result.all_events if e.event_type_value == "STEP_FAILURE"}
     rows = []
     for rid in recipes:
-        row: dict[str, Any] = {"model_id": model_id, "recipe": rid}
+        row = OnboardedRecipe(model_id, rid)
         pub = mats.get(published_key(rid))
         art = mats.get(artifact_key(rid))
         chk = checks.get(artifact_key(rid))
@@ -100,23 +135,23 @@ def _summarize(result: dg.ExecuteInProcessResult, config: Config, model_id: str,
         compiled = mats.get(finished_key) if finished_key is not None else None
         if pub is not None:
             md = (compiled or pub).metadata
-            row.update(state=md["state"].value, build_id=md["build_id"].value, manifest=md["manifest"].value,
-                       size=md["size_bytes"].value,
-                       # a bundle reused by build id is skipped although its state stays compile_pending
-                       skipped=bool(md["skipped"].value) if "skipped" in md else md["state"].value == "skipped")
+            row = replace(row, state=md["state"].value, build_id=md["build_id"].value, manifest=md["manifest"].value,
+                          size=md["size_bytes"].value,
+                          # a bundle reused by build id is skipped although its state stays compile_pending
+                          skipped=bool(md["skipped"].value) if "skipped" in md else md["state"].value == "skipped")
             if compiled is not None:
-                row["bundle_build_id"] = pub.metadata["build_id"].value
+                row.bundle_build_id = pub.metadata["build_id"].value
         elif (chk is not None and not chk.passed) or artifact_key(rid) in broken:
             failed = chk if chk is not None and not chk.passed else broken[artifact_key(rid)]
-            row.update(state="rejected", build_id=full_build_id(art.metadata) if art else "",
-                       error=failed.description)
+            row = replace(row, state="rejected", build_id=full_build_id(art.metadata) if art else "",
+                          error=failed.description)
         else:
             # its own step's error, else the first failure upstream of it (snapshot, compatibility, its input)
             own = [m for k, m in failures.items() if k.split("__", 1)[-1] == step_name(rid)]
             err = (own or list(failures.values()) or ["not built"])[0]
-            row.update(state="failed", error=err)
+            row = replace(row, state="failed", error=err)
         if chk is not None:
-            row["check"] = {k: v.value for k, v in chk.metadata.items() if k in CHECK_METRICS}
+            row.check = {k: v.value for k, v in chk.metadata.items() if k in CHECK_METRICS}
         rows.append(row)
     return rows
 
@@ -131,7 +166,7 @@ def _plans(config: Config, entry) -> tuple[dict[str, Plan], dict[str, str]]:
     return plan_each(config.model_source(entry), entry.recipes, config, entry.id, refused=refused), refused
 
 
-def _inapplicable(config: Config, entry, refused: dict[str, str]) -> list[dict[str, Any]]:
+def _inapplicable(config: Config, entry, refused: dict[str, str]) -> list[OnboardedRecipe]:
     """Recipes a model with a local source cannot take, found before any Dagster run by the planning `_plans`
     did (`refused`: recipe -> its refusal's line): one failed row each, with that line. Hub sources are left to
     the run, whose step reports the refusal, as they were when answering here meant asking the Hub again."""
@@ -139,11 +174,11 @@ def _inapplicable(config: Config, entry, refused: dict[str, str]) -> list[dict[s
 
     if parse_source(config.model_source(entry)).kind == "hf":
         return []
-    return [{"model_id": entry.id, "recipe": rid, "state": "failed", "error": refused[rid],
-             "run_id": "none: refused before the run"} for rid in entry.recipes if rid in refused]
+    return [OnboardedRecipe(entry.id, rid, error=refused[rid], run_id="none: refused before the run")
+            for rid in entry.recipes if rid in refused]
 
 
-def _unchanged(entry, plans: dict[str, Plan], store) -> list[dict[str, Any]]:
+def _unchanged(entry, plans: dict[str, Plan], store) -> list[OnboardedRecipe]:
     """Recipes of a model whose build would be a no-op (build.unchanged: the build id of its inputs as they are
     now published, intact, finished): one skipped row each, and no Dagster run for them. A run spends about a
     second per model storing its step events; deciding this costs the plan (`_plans`) and a few store reads."""
@@ -155,15 +190,14 @@ def _unchanged(entry, plans: dict[str, Plan], store) -> list[dict[str, Any]]:
         if res is None:
             continue
         metrics = (res.validation or {}).get("metrics") or {}
-        rows.append({"model_id": entry.id, "recipe": rid, "state": "skipped", "build_id": res.build_id,
-                     "manifest": res.manifest, "size": sum(f["size"] for f in res.files), "skipped": True,
-                     **({"check": {k: v for k, v in metrics.items() if k in CHECK_METRICS}} if metrics else {}),
-                     "run_id": "none: unchanged since its published build"})
+        rows.append(OnboardedRecipe(entry.id, rid, "skipped", res.build_id, "none: unchanged since its published build",
+                                    res.manifest, sum(f["size"] for f in res.files), skipped=True,
+                                    check={k: v for k, v in metrics.items() if k in CHECK_METRICS}))
     return rows
 
 
 def onboard(registry: str | None = None, store: str | None = None, models: list[str] | None = None,
-            recipes: str | None = None) -> dict[str, Any]:
+            recipes: str | None = None) -> OnboardReport:
     config = Config.load(registry, recipes)
     entries = [m for m in config.registry.models if not models or m.id in models]
     missing = set(models or []) - {m.id for m in entries}
@@ -186,7 +220,7 @@ def onboard(registry: str | None = None, store: str | None = None, models: list[
         refused = _inapplicable(config, entry, refusals) if len(done) < len(entry.recipes) else []
         results += refused
         success &= not refused
-        settled = {x["recipe"] for x in done + refused}
+        settled = {x.recipe for x in done + refused}
         entry = entry.model_copy(update={"recipes": [r for r in entry.recipes if r not in settled]})
         if not entry.recipes:
             continue
@@ -203,6 +237,6 @@ def onboard(registry: str | None = None, store: str | None = None, models: list[
                                    asset_selection=[SUMMARY_KEY], tags={"hive-aot/trigger": "cli-onboard-summary",
                                                                         **process_tags()}, run_config=QUIET)
         # compile_pending: the AI 100 export bundle is published and waits for a host with the SDK.
-        success &= res.success and all(r["state"] in ("published", "skipped", "compile_pending") for r in rows)
-        results += [{**r, "run_id": res.run_id} for r in rows]
-    return {"success": success, "dagster_home": DAGSTER_HOME.get(), "results": results}
+        success &= res.success and all(r.state in ("published", "skipped", "compile_pending") for r in rows)
+        results += [replace(r, run_id=res.run_id) for r in rows]
+    return OnboardReport(success, DAGSTER_HOME.get() or "", results)

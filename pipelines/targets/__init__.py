@@ -29,6 +29,7 @@ hardware (the compile, given the SDK), else the result is reported pending with 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -36,13 +37,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..config.thresholds import Thresholds, metric_text
+from .build_result import BuildResult
 
 if TYPE_CHECKING:
     from ..compat import Compatibility
     from ..compat.database import Architecture
-    from ..config.registry import Recipe, Registry, RuntimeProfile
+    from ..config.registry import Config, Recipe, Registry, RuntimeProfile
     from ..model.memory import PlanEnv, StepNeed
     from ..source.fetch import Snapshot
+    from ..store import Store
     from ..store.manifest import Manifest
 
 
@@ -112,10 +115,11 @@ class BuildContext:
         return [active[pid] for pid in self.recipe.runtime_profiles if pid in active]
 
 
-class Target:
-    """What every kind decides, in one place: subclass it, set the class attributes, implement the methods
-    without a default (each kind's folder under targets/ is the only place its decisions live). The engine,
-    the configuration, the planner, Dagster and the CLI read a kind only through these members."""
+class Target(ABC):
+    """What every kind decides, in one place: subclass it, set the class attributes, implement the abstract
+    methods (each kind's folder under targets/ is the only place its decisions live). The engine, the
+    configuration, the planner, Dagster and the CLI read a kind only through these members. A kind that leaves an
+    abstract method out is refused when the registry of kinds loads it (config/kinds.py), before any build."""
 
     kind: ClassVar[str]
     format_version: ClassVar[int]
@@ -132,13 +136,14 @@ class Target:
     reads_prequantized: ClassVar[bool] = False
 
     @staticmethod
+    @abstractmethod
     def plan_steps(env: PlanEnv) -> list[StepNeed]:
         """Each step's estimated peak memory and disk (memory.py), from the model's facts and the recipe."""
-        raise NotImplementedError
 
     @staticmethod
+    @abstractmethod
     def option_problems(options: dict[str, Any]) -> list[str]:
-        raise NotImplementedError
+        """What is wrong with a recipe's `options` for this kind, at config load (empty: none)."""
 
     @staticmethod
     def input_problems(options: dict[str, Any], input_options: dict[str, Any]) -> list[str]:
@@ -146,8 +151,9 @@ class Target:
         return []
 
     @staticmethod
+    @abstractmethod
     def artifact_format(options: dict[str, Any]) -> str:
-        raise NotImplementedError
+        """The format its artifact is (matched against the `loads:` of the runtime profiles its recipes name)."""
 
     @staticmethod
     def describe_weights(options: dict[str, Any], config: dict[str, Any]) -> dict[str, str]:
@@ -164,9 +170,10 @@ class Target:
         its format version. Default: nothing said."""
         return {"precision": "", "quantization": ""}
 
+    @abstractmethod
     def supports(self, arch: Architecture | None, architecture: str, config: dict[str, Any],
                  options: dict[str, Any]) -> bool:
-        raise NotImplementedError
+        """Whether it converts this architecture with these options."""
 
     def reads_quantization(self, arch: Architecture | None, architecture: str, config: dict[str, Any]) -> bool:
         """Whether its build reads this pre-quantized checkpoint (config.json's quantization_config) as stored:
@@ -182,24 +189,27 @@ class Target:
         """Why this build cannot run, said before any work (empty: none)."""
         return []
 
+    @abstractmethod
     def toolchain(self) -> dict[str, str]:
-        raise NotImplementedError
+        """The engines (and their versions) its build and validation use: part of the build id."""
 
+    @abstractmethod
     def build(self, ctx: BuildContext, out_dir: Path) -> BuiltArtifact:
-        raise NotImplementedError
+        """The artifact's files, written under `out_dir`."""
 
+    @abstractmethod
     def validate(self, ctx: BuildContext, artifact_dir: Path, files: dict[str, str]) -> ValidationReport:
         """`files`: path -> sha256 of the staged files under artifact_dir (verified when they were placed there)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def serving(self, ctx: BuildContext, files: list[str]) -> dict[str, dict[str, Any]]:
-        raise NotImplementedError
+        """Each runtime profile's serving description (image, engine arguments, command, environment)."""
 
     # the step that finishes this kind's artifact on hardware some hosts lack (the AI 100 compile); None: the
     # engine's build is the whole artifact
     hardware_step: ClassVar[HardwareStep | None] = None
 
-    def complete(self, result: Any, store: Any, config: Any) -> Any:
+    def complete(self, result: BuildResult, store: Store, config: Config) -> BuildResult:
         """Finish an artifact published short of the target's format: its hardware step runs it where this
         host can (else reports it pending); the build's result as it stands without one."""
         return self.hardware_step.finish(result, store, config) if self.hardware_step else result
@@ -213,7 +223,7 @@ class Target:
         return f" top-1 {metric_text(met.get('top1_agreement'), '.4f')}, KL {metric_text(met.get('mean_kl'), '.5f')}"
 
 
-class HardwareStep:
+class HardwareStep(ABC):
     """A step only some hosts can run (a vendor compiler, a GPU), which turns an artifact the engine published
     short of its recipe's format (an export bundle) into the final one. Where this host lacks what it needs,
     the artifact is published as pending with the reason; a host that has it finishes it from the store alone
@@ -223,9 +233,9 @@ class HardwareStep:
     pool: ClassVar[str]  # the Dagster pool (and Celery queue) of the hosts that have the hardware
     needs: ClassVar[str]  # what such a host has, in words ("the Cloud AI SDK")
 
+    @abstractmethod
     def missing(self) -> str | None:
         """Why this host cannot run the step (None: it can)."""
-        raise NotImplementedError
 
     def planned(self) -> tuple[dict[str, Any], str]:
         """What `plan` says of this step after the engine's steps: as JSON and as one line."""
@@ -236,15 +246,15 @@ class HardwareStep:
                  f"`hive-aot compile` on a host that has it finishes it from the store")
         return doc, f"  then {self.name}: needs {self.needs}; {where}"
 
-    def finish(self, result: Any, store: Any, config: Any) -> Any:
+    @abstractmethod
+    def finish(self, result: BuildResult, store: Store, config: Config) -> BuildResult:
         """Right after the engine published `result`: run the step here, or mark the result pending."""
-        raise NotImplementedError
 
-    def finish_published(self, model_id: str, config: Any, store: Any, recipe: str | None = None,
-                         input_build_id: str | None = None) -> list[Any]:
+    @abstractmethod
+    def finish_published(self, model_id: str, config: Config, store: Store, recipe: str | None = None,
+                         input_build_id: str | None = None) -> list[BuildResult]:
         """The step on artifacts already published in the store (one recipe, or each of the model's that waits
         for it), published under their own build ids; refused with a one-line error where `missing()`."""
-        raise NotImplementedError
 
 
 MODEL_DIR = "{model_dir}"  # placeholder in serving commands; pull substitutes the pulled directory

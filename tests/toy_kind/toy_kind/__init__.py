@@ -16,11 +16,8 @@ from typing import Any
 
 from pydantic import Field
 
-from pipelines.config.thresholds import Thresholds, check_thresholds, gate
-from pipelines.core.hashing import sha256_json
-from pipelines.model.memory import BASE_STEP, StepNeed
-from pipelines.source.snapshot import CARRIED_FILES
 from pipelines.targets import MODEL_DIR, BuildContext, BuiltArtifact, ServerProgram, Target, ValidationReport
+from pipelines.targets.kit import BASE_STEP, CARRIED_FILES, StepNeed, Thresholds, check_thresholds, gate, sha256_json
 
 FORMAT = "toy-fp16"
 WEIGHTS = "model.safetensors"
@@ -72,7 +69,7 @@ class ToyTarget(Target):
         import numpy as np
         from safetensors.numpy import save_file
 
-        from pipelines.source.safetensors_io import TensorSource
+        from pipelines.targets.kit import TensorSource
 
         tensors = {}
         with TensorSource(ctx.snapshot.safetensors_files()) as src:
@@ -93,7 +90,7 @@ class ToyTarget(Target):
         return BuiltArtifact(root=out_dir, files=files, known_digests=known, format=FORMAT)
 
     def validate(self, ctx: BuildContext, artifact_dir: Path, files: dict[str, str]) -> ValidationReport:
-        from pipelines.validation import parity, prompts, reference
+        from pipelines.targets.kit import parity, prompts, reference
 
         tok = reference.load_tokenizer(ctx.snapshot.dir)
         ids = reference.encode(tok, prompts.PARITY_TEXTS)
