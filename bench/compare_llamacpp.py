@@ -94,7 +94,7 @@ def cache_root() -> Path:
 
 
 def ensure_llamacpp_tree(cache: Path) -> Path:
-    """The converter tree the GGUF family tests use too (tests/llamacpp_converter.py: the pinned sdist's
+    """The converter tree the GGUF family tests use too (tests/support/llamacpp_converter.py: the pinned sdist's
     converter, conversion/ and gguf-py, extracted once into the cache)."""
     return llamacpp_converter.ensure_tree(cache, log)
 

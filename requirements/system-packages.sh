@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Debian packages the tests drive for real: redis-server (the Celery broker of tests/test_celery.py), docker-registry
-# and skopeo (the OCI store tests: a real registry and an independent client, tests/oci_registry.py) and
-# chromium + chromium-driver (tests/test_ui.py's headless browser). Installed when a command is missing;
+# Debian packages the tests drive for real: redis-server (the Celery broker of tests/orchestration/test_celery.py), docker-registry
+# and skopeo (the OCI store tests: a real registry and an independent client, tests/support/oci_registry.py) and
+# chromium + chromium-driver (tests/orchestration/test_ui.py's headless browser). Installed when a command is missing;
 # nothing is done when all are present. Without apt (or root) it says so in one line and goes on: the Celery
 # test then fails naming redis-server, the browser test skips with its reason.
 set -u

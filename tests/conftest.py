@@ -9,12 +9,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from processes import free_port
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/factories.py and friends
+sys.path.insert(0, str(Path(__file__).parent / "support"))  # tests/support/factories.py and friends
 
 from durations import known_durations
 from factories import make_llama
+from processes import free_port
 
 from pipelines.process import warm
 

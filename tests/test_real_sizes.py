@@ -150,7 +150,7 @@ def test_a_70b_vision_language_model_streams_every_ai100_step_within_20_gib(reci
             assert steps["export"]["memory"] < 6 * GIB  # the graph, a few chunks and the vision side (x 2.2)
 
 
-# --- the 2025-26 frontier MoE models (tests/real_size_moe.py), headers only ------------------------------------
+# --- the 2025-26 frontier MoE models (tests/support/real_size_moe.py), headers only ------------------------------------
 
 @pytest.fixture(scope="module")
 def frontier_moe(tmp_path_factory, smollm2_dir) -> dict[str, Path]:

@@ -1,6 +1,6 @@
 """Every `HIVE_AOT_*` environment variable hive-aot reads, declared once: its name, default, audience and meaning.
 
-No other module reads one from the environment (tests/test_settings.py holds the package to that), so this
+No other module reads one from the environment (tests/core/test_settings.py holds the package to that), so this
 file, `hive-aot settings` and docs/settings.md's table are the whole list. Values are read when asked for, never
 cached at import: a parent that sets one before starting a step, or a test that sets one, is seen. An empty
 value counts as unset everywhere (`HIVE_AOT_STORE= hive-aot ls` falls back to the default, as shells expect).

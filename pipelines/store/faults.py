@@ -1,4 +1,4 @@
-"""Named points in a store write, where the fault-loop tests kill a build (tests/test_store_faults.py).
+"""Named points in a store write, where the fault-loop tests kill a build (tests/store/test_store_faults.py).
 
 Every backend reports, for each object it writes or deletes, `temp:<area>` while the new bytes are not visible
 yet (a local temporary, complete, before its rename; an S3 request about to go out: S3 makes each object

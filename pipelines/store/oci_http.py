@@ -47,7 +47,7 @@ BODY_LIMITS = {"manifest": 4 * MIB, "page": 8 * MIB, "token": 64 << 10, "answer"
 # Answers worth a second try (urllib3 retries them for reads; the client for manifest writes). Distribution's
 # filesystem driver writes a tag's link in place, not by rename: a read racing a concurrent write of the same tag
 # (six publishers of one build) gets 500, and a PUT racing one of the same manifest can get DIGEST_INVALID for
-# bytes that are right (both seen in tests/test_store_faults.py).
+# bytes that are right (both seen in tests/store/test_store_faults.py).
 TRANSIENT = (500, 502, 503, 504)
 POLL_S = 0.25  # the watchdog looks again at least this often (a restarted clock does not wake it)
 LOOPBACK = {"127.0.0.1", "::1", "[::1]", "localhost"}  # plain HTTP is allowed to these only, as docker does

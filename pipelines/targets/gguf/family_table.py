@@ -2,7 +2,7 @@
 pipelines.targets.gguf.family_table` prints it; `--write docs/gguf.md` replaces the table between its markers).
 
 One row per family: the llama.cpp architecture it writes, the HF architectures it converts and the first line
-of its module's docstring (what it is). tests/test_gguf_families_table.py holds docs/gguf.md to it.
+of its module's docstring (what it is). tests/targets/gguf/test_gguf_families_table.py holds docs/gguf.md to it.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ quantized. Both are taken from llama.cpp itself, never re-implemented:
 
 The converter feeds the quantizer what libllama would have read from the intermediate: values rounded to
 the lossless type first (a transform computed in fp32 is rounded to bf16 there). The result is the same file,
-byte for byte, as the intermediate quantized by libllama (tests/test_gguf_tensor_quant.py), written with
+byte for byte, as the intermediate quantized by libllama (tests/targets/gguf/test_gguf_tensor_quant.py), written with
 one tensor's row slices in memory and only the quantized file on disk.
 
 Not taken this way (the intermediate path stays): an importance matrix (libllama maps its entries to

@@ -57,7 +57,7 @@ def export_archs() -> frozenset[str]:
 
 
 # Remote-code architectures the export builds as the transformers model their declaration in native.py names (never
-# their own code), each checked end to end against that model (tests/test_qaic_vision_internvl_chat.py). InternLM2's
+# their own code), each checked end to end against that model (tests/targets/qaic/test_qaic_vision_internvl_chat.py). InternLM2's
 # declaration serves the GGUF conversion and the reference; its AI 100 export is not checked, so not offered.
 NATIVE_FORMS = frozenset({"InternVLChatModel"})
 

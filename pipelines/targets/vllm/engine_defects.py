@@ -10,7 +10,7 @@ exactly), the architectures and config values that trigger it, and what the chec
   gates (transformers against the source) still are.
 
 An engine build that is not listed matches nothing: after a vLLM upgrade every defect is checked again
-(tests/test_vllm_engine_mismatches.py builds each family) and the new build added, or the record removed.
+(tests/targets/vllm/test_vllm_engine_mismatches.py builds each family) and the new build added, or the record removed.
 The numbers in each reason were measured on the tiny checkpoints of that test (hidden 128, head_dim 64).
 """
 
