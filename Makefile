@@ -93,8 +93,12 @@ $(PROJECT_STAMP): | $(MAIN_VENV)/.complete
 
 # The cached venv serves every clone on this host, and its editable install names the last clone that installed
 # itself there: re-point it at this checkout when it names another (checked from /, as a user's shell would be).
-# Its console scripts are checked too: they name modules, and a checkout that moved one needs them rewritten.
+# Its entry points (the console script, the target kinds) are checked too: they name modules, and a checkout that
+# moved or added one needs them rewritten.
 project-link: $(PROJECT_STAMP)
+	@# setuptools may leave build metadata in the checkout; on sys.path first (the working directory), a stale
+	@# copy would hide the installed entry points (the target kinds among them)
+	@rm -rf $(CURDIR)/hive_aot.egg-info
 	@cd / && $(CURDIR)/.venv/bin/python -c "$$PROJECT_LINKED" '$(CURDIR)' 2>/dev/null || \
 	  { echo "== re-pointing the shared venv's editable install at $(CURDIR)"; \
 	    $(CURDIR)/.venv/bin/pip install --no-deps --no-build-isolation -q -e $(CURDIR); }
@@ -102,9 +106,12 @@ project-link: $(PROJECT_STAMP)
 define PROJECT_LINKED
 import sys, tomllib, importlib.metadata as meta, pipelines
 root = sys.argv[1]
-wanted = tomllib.load(open(root + "/pyproject.toml", "rb"))["project"]["scripts"]
-installed = {e.name: e.value for e in meta.entry_points(group="console_scripts") if e.name in wanted}
-sys.exit(pipelines.__file__ != root + "/pipelines/__init__.py" or installed != wanted)
+project = tomllib.load(open(root + "/pyproject.toml", "rb"))["project"]
+groups = {"console_scripts": project["scripts"], **project["entry-points"]}
+def installed(group, wanted):
+    return {e.name: e.value for e in meta.entry_points(group=group) if e.name in wanted and e.value.startswith("pipelines.")}
+stale = [group for group, wanted in groups.items() if installed(group, wanted) != wanted]
+sys.exit(pipelines.__file__ != root + "/pipelines/__init__.py" or bool(stale))
 endef
 export PROJECT_LINKED
 

@@ -58,15 +58,15 @@ def main() -> int:
 
     dest = Path("pulled") / DEMO_MODEL.split("/")[1]
     res = pull(DEMO_MODEL, "llm-llamacpp-cpu", dest, recipe=DEMO_RECIPE)
-    print(f"\npulled {res['recipe']} build {res['build_id'][:12]} into {res['dest']}")
+    print(f"\npulled {res.recipe} build {res.build_id[:12]} into {res.dest}")
     try:
         text = run_isolated(greedy_completion, engine="llama.cpp", step="the demo's generation",
-                            model_path=res["files"][0], prompt=PROMPT, max_tokens=16)
+                            model_path=res.files[0], prompt=PROMPT, max_tokens=16)
     except HiveError as e:
         print(f"demo: {e}", file=sys.stderr)
         return e.exit_code
     print(f"llama.cpp greedy from the pulled file: {PROMPT!r} -> {text!r}")
-    print(f"serve it: {res['serve']}")
+    print(f"serve it: {res.serve}")
     print(f"\nDagster UI with these runs: make ui   (DAGSTER_HOME={report.dagster_home})")
     return 0
 

@@ -18,6 +18,13 @@ from processes import free_port
 
 from pipelines.process import warm
 
+# A few test modules import another's fixtures builders (test_qaic_qpc's bundle, test_cli's runner). pytest puts
+# a test file's own directory on sys.path only as it collects that file, so an import across directories worked
+# only in a run that collected both: every test directory goes on the path here (test module names are unique).
+for _directory in sorted({p.parent for p in Path(__file__).parent.rglob("test_*.py")}):
+    if str(_directory) not in sys.path:
+        sys.path.append(str(_directory))
+
 pytest_plugins = ["hf_mirror", "s3_server", "oci_registry"]  # olah HF mirror, SeaweedFS S3, docker-registry (tests/*.py)
 
 REPO_ROOT = Path.cwd()

@@ -77,6 +77,32 @@ def test_the_docs_layout_names_every_module():
     assert sorted(str(p.relative_to(ROOT)) for p in modules if p.stem not in named) == []
 
 
+
+def module_names_in_strings(path: Path) -> list[str]:
+    """`line: text` of each string literal in a module that names a module of the package (`pipelines.x`), its
+    docstrings aside (prose, which no import follows)."""
+    import re
+
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [f"{node.lineno}: {node.value[:80]}" for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+            and re.search(r"\bpipelines(\.[A-Za-z_]\w*)+", node.value)]
+
+
+def test_no_string_names_a_module_of_the_package(tmp_path):
+    """A module named in a string is an import the import graph (and a move) cannot see: the code passes functions
+    and modules themselves, reads its own name from __spec__, and names its kinds and console script only in
+    pyproject's entry points. The check itself finds such a string."""
+    found = {str(p.relative_to(ROOT)): module_names_in_strings(p)
+             for root in ("pipelines", "assets") for p in sorted((ROOT / root).rglob("*.py"))}
+    assert {path: lines for path, lines in found.items() if lines} == {}
+    planted = tmp_path / "planted.py"
+    planted.write_text('"""Names pipelines.core.paths in prose."""\n\nRUN = ("-m", "pipelines.process.isolation")\n')
+    assert module_names_in_strings(planted) == ["3: pipelines.process.isolation"]
+
 # A variant may import the family it varies (its parent lineage); no family imports an unrelated one.
 GGUF_FAMILY_LINEAGE = {"gemma2": {"gemma"}, "gemma3": {"gemma", "gemma2"}, "granitemoe": {"granite"},
                        "ernie4_5_moe": {"ernie4_5"}, "glm4_moe": {"glm4"}, "granitehybrid": {"granitemoe"},

@@ -22,30 +22,30 @@ def cmd_pull(args) -> int:
                          "profile id, or 'auto'); only an oci://HOST/REPOSITORY:TAG reference is pulled without it")
     res = pull(args.model, args.target, _dest(args.dest), recipe=args.recipe, tag=args.tag, store_uri=args.store,
                registry=args.registry, strict=args.strict, trusted=args.trusted_keys, allow_stand_in=args.allow_stand_in)
-    for w in res.get("warnings", []):
+    for w in res.warnings:
         print(f"hive-aot: warning: {w}", file=sys.stderr)
-    human = (f"{'already present' if res['already_present'] else 'pulled'} {res['model_id']} {res['recipe']} "
-             f"(build {res['build_id'][:12]}, {size(res['size'])}) into {res['dest']}")
-    if res.get("auto_target"):
-        a = res["auto_target"]
-        human += f"\n  target auto: found {a['found']}; chose {a['profile']}: {a['why']}"
-    moved = res.get("transfer")
-    if moved and (moved["resumed_bytes"] or moved["cached_blobs"]):
-        parts = [f"fetched {size(moved['fetched_bytes'])}"]
-        if moved["resumed_bytes"]:
-            parts.append(f"resumed {size(moved['resumed_bytes'])} a killed pull had written")
-        if moved["cached_blobs"]:
-            parts.append(f"{moved['cached_blobs']} blob(s) already in the cache")
+    human = (f"{'already present' if res.already_present else 'pulled'} {res.model_id} {res.recipe} "
+             f"(build {res.build_id[:12]}, {size(res.size)}) into {res.dest}")
+    if res.auto_target:
+        a = res.auto_target
+        human += f"\n  target auto: found {a.found}; chose {a.profile}: {a.why}"
+    moved = res.transfer
+    if moved and (moved.resumed_bytes or moved.cached_blobs):
+        parts = [f"fetched {size(moved.fetched_bytes)}"]
+        if moved.resumed_bytes:
+            parts.append(f"resumed {size(moved.resumed_bytes)} a killed pull had written")
+        if moved.cached_blobs:
+            parts.append(f"{moved.cached_blobs} blob(s) already in the cache")
         human += "\n  " + "; ".join(parts)
-    if res.get("image"):
-        human += f"\n  image: {res['image']}"
-    if res.get("env"):
-        human += "\n  env: " + " ".join(f"{k}={v}" for k, v in sorted(res["env"].items()))
-    if res.get("serve"):
-        human += f"\n  serve: {res['serve']}"
-    if res.get("serve_refused"):
-        human += f"\n  hive-aot serve would refuse it: {res['serve_refused']}"
-    emit(args, res, human)
+    if res.image:
+        human += f"\n  image: {res.image}"
+    if res.env:
+        human += "\n  env: " + " ".join(f"{k}={v}" for k, v in sorted(res.env.items()))
+    if res.serve:
+        human += f"\n  serve: {res.serve}"
+    if res.serve_refused:
+        human += f"\n  hive-aot serve would refuse it: {res.serve_refused}"
+    emit(args, res.to_json(), human)
     return ExitCode.OK
 
 

@@ -26,6 +26,7 @@ from .blob_cache import TransferStats, check_cache_dirs, missing_bytes
 from .blob_leftovers import reclaim_partials
 from .build_ids import check_build_ref, resolve_build_id
 from .engine_versions import engine_check
+from .pull_result import AutoTarget, PullResult, Transfer
 from .pulled_dir import FILE_MODE, MARKER, assemble, present
 from .serve_policy import serving_summary
 
@@ -173,7 +174,7 @@ def _refuse_bundle_only(store: Store, model_id: str, profile: dict[str, Any], re
 
 def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag: str = "latest",
          store_uri: str | None = None, registry: str | None = None, strict: bool = False,
-         trusted: str | None = None, fetch: bool = True, allow_stand_in: bool = False) -> dict[str, Any]:
+         trusted: str | None = None, fetch: bool = True, allow_stand_in: bool = False) -> PullResult:
     """`trusted`: public key files (comma-separated; default $HIVE_AOT_TRUSTED_KEYS) whose signature the
     manifest must carry (signing.py); none: no signature is required. An artifact a stand-in made (manifest
     `build.stand_in`: a test compiler's placeholder) is refused unless `allow_stand_in`. `fetch=False` (serve --dry-run): the
@@ -191,8 +192,8 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
         served = {pid for c in cands if recipe is None or c.recipe == recipe for pid in c.manifest.runtime_profiles}
         # with nothing published for the model, the vendor's own first profile names what is missing below
         profile_id, why = choose_profile(detected, profiles, served if cands else set(profiles))
-        auto = {"detected": detected.vendor, "devices": detected.devices, "evidence": list(detected.evidence),
-                "found": detected.describe(), "profile": profile_id, "why": why}
+        auto = AutoTarget(detected=detected.vendor, devices=detected.devices, evidence=list(detected.evidence),
+                          found=detected.describe(), profile=profile_id, why=why)
     else:
         profile_id = target
     if profiles and profile_id not in profiles:
@@ -237,15 +238,16 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
     marker_doc = {"model_id": model_id, "build_id": m.build_id, "recipe": chosen.recipe, "runtime_profile": profile,
                   "serving": {**profile.get("serving", {}), **m.serving_for(profile_id)},
                   "manifest": m.model_dump(mode="json")}
+    def result(**outcome: Any) -> PullResult:
+        return PullResult(**serving_summary(marker_doc, dest, m, signed=signed_by is not None), auto_target=auto,
+                          engines=engines, warnings=warnings, signed_by=signed_by, **outcome)
+
     if not fetch:
-        return {**serving_summary(marker_doc, dest, m, signed=signed_by is not None), "fetched": False,
-                "already_present": present(dest, m, beside), "auto_target": auto, "engines": engines, "warnings": warnings,
-                "signed_by": signed_by}
+        return result(fetched=False, already_present=present(dest, m, beside))
     # Held from the "already present" check to the swap: a second pull of DIR waits, then finds it complete.
     with dest_lock(dest):
         if present(dest, m, beside):
-            return {**serving_summary(marker_doc, dest, m, signed=signed_by is not None), "already_present": True,
-                    "auto_target": auto, "engines": engines, "warnings": warnings, "signed_by": signed_by}
+            return result(already_present=True)
         check_cache_dirs({f.sha256 for f in m.files})
         # what dead pulls left in the cache, except the partials this pull resumes
         reclaim_partials(keep={f.sha256 for f in m.files})
@@ -257,10 +259,8 @@ def pull(model: str, target: str, dest: Path, *, recipe: str | None = None, tag:
             assemble(dest, m, blobs, marker_doc, beside)
         except OSError as e:
             raise _cannot_write(dest, e) from None
-    return {**serving_summary(marker_doc, dest, m, signed=signed_by is not None), "already_present": False, "auto_target": auto,
-            "engines": engines, "warnings": warnings, "signed_by": signed_by,
-            "transfer": {"fetched_bytes": stats.fetched, "resumed_bytes": stats.resumed,
-                         "cached_blobs": stats.cached_blobs}}
+    return result(already_present=False, transfer=Transfer(fetched_bytes=stats.fetched, resumed_bytes=stats.resumed,
+                                                           cached_blobs=stats.cached_blobs))
 
 
 def _beside(store: Store, mkey: str, raw: bytes, m: Manifest, signature: bytes | None) -> dict[str, bytes]:

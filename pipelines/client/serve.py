@@ -33,37 +33,37 @@ def serve(model: str, target: str, dest: Path, *, extra_args: Sequence[str] = ()
     from .serve_policy import ServeRefused, check
 
     res = pull(model, target, dest, fetch=not dry_run, **pull_options)  # a dry run downloads nothing
-    if not res.get("serve_argv") and not res.get("serve_refused"):
-        raise HiveError(f"{res['model_id']} {res['recipe']}: its manifest has no serve command for "
-                        f"{res['runtime_profile']}")
+    if not res.serve_argv and not res.serve_refused:
+        raise HiveError(f"{res.model_id} {res.recipe}: its manifest has no serve command for "
+                        f"{res.runtime_profile}")
     try:
-        if res.get("serve_refused") and not (allow_remote_code and res.get("serve_refused_remote_code")):
-            raise ServeRefused(res["serve_refused"])  # also what the summary could not show (a malformed env)
-        program, argv, env_add = check(res.get("serve_argv"), res.get("env"), res["dest"],
-                                       remote_code_allowed=allow_remote_code or res.get("signed_by") is not None)
+        if res.serve_refused and not (allow_remote_code and res.serve_refused_remote_code):
+            raise ServeRefused(res.serve_refused)  # also what the summary could not show (a malformed env)
+        program, argv, env_add = check(res.serve_argv, res.env, res.dest,
+                                       remote_code_allowed=allow_remote_code or res.signed_by is not None)
     except ServeRefused as e:
-        where = "" if dry_run else f"; the model is pulled into {res['dest']}"
-        raise ServeRefused(f"{res['model_id']} {res['recipe']} (build {res['build_id'][:12]}): {e}{where}") from None
+        where = "" if dry_run else f"; the model is pulled into {res.dest}"
+        raise ServeRefused(f"{res.model_id} {res.recipe} (build {res.build_id[:12]}): {e}{where}") from None
     argv = [*argv, *extra_args]
     env = {**os.environ, **env_add}
-    plan = {**res, "exec": argv, "exec_program": program, "exec_env": env_add, "uid": os.geteuid()}
+    plan = {**res.to_json(), "exec": argv, "exec_program": program, "exec_env": env_add, "uid": os.geteuid()}
     if dry_run:
         return plan
-    for w in res.get("warnings", []):
+    for w in res.warnings:
         print(f"hive-aot: warning: {w}", file=sys.stderr)
     if os.geteuid() == 0:
         print("hive-aot: warning: serving as root; the images in deploy/serving run as an unprivileged user",
               file=sys.stderr)
-    print(f"hive-aot serve: {res['model_id']} {res['recipe']} (build {res['build_id'][:12]}) on "
-          f"{res['runtime_profile']}: exec {shlex.join(argv)}", file=sys.stderr, flush=True)
+    print(f"hive-aot serve: {res.model_id} {res.recipe} (build {res.build_id[:12]}) on "
+          f"{res.runtime_profile}: exec {shlex.join(argv)}", file=sys.stderr, flush=True)
     _default_signals()
     try:
         if os.sep in program:  # pinned by the operator: that file, not a PATH lookup
             os.execve(program, argv, env)
         os.execvpe(program, argv, env)
     except FileNotFoundError:
-        raise HiveError(f"cannot start {argv[0]}: not found on PATH (is this the {res['runtime_profile']} serving "
-                        f"image?); the model is pulled into {res['dest']}") from None
+        raise HiveError(f"cannot start {argv[0]}: not found on PATH (is this the {res.runtime_profile} serving "
+                        f"image?); the model is pulled into {res.dest}") from None
     except PermissionError:
         raise HiveError(f"cannot start {argv[0]}: permission denied") from None
     raise AssertionError("unreachable: exec returned")

@@ -209,4 +209,4 @@ def write_snapshot(doc: dict[str, Any], path: Path) -> None:
 def snapshot_path() -> Path:
     from importlib import resources
 
-    return Path(str(resources.files("pipelines.compat").joinpath("data/architectures.json")))
+    return Path(str(resources.files(__package__).joinpath("data/architectures.json")))

@@ -1,14 +1,14 @@
-"""The registry of artifact kinds: a kind's name -> the class that builds it ("module:Class").
+"""The registry of artifact kinds: a kind's name -> the class that builds it.
 
-The three kinds hive-aot ships are listed here; another package adds a kind without editing hive-aot by
-declaring an entry point in the `hive_aot.targets` group (`mlx = "hive_aot_mlx:MlxTarget"` in its pyproject's
-`[project.entry-points."hive_aot.targets"]`): recipes may then name it, and the planner, the engine, the
-compatibility check, Dagster and pull treat it as they treat the built-in ones. A plug-in may not take a
-built-in kind's name.
+Every kind is an entry point of the `hive_aot.targets` group, the three hive-aot ships as much as a plug-in's:
+hive-aot's own are declared in its pyproject (`[project.entry-points."hive_aot.targets"]`), so the code names
+no module in a string and a target is imported only when its kind is used. Another package adds a kind without
+editing hive-aot by declaring one in the same group (`mlx = "hive_aot_mlx:MlxTarget"`): recipes may then name it,
+and the planner, the engine, the compatibility check, Dagster and pull treat it as they treat the built-in ones.
+A built-in kind's name belongs to hive-aot: an entry point of that name from another package is ignored.
 
 This module imports nothing of hive-aot's but its error type: the configuration validates a recipe's `kind`
-against it, and the targets themselves are imported only when a kind is used (importing a target module stays cheap; its engines
-load inside its methods).
+against it, and importing a target module stays cheap (its engines load inside its methods).
 """
 
 from __future__ import annotations
@@ -21,23 +21,28 @@ from ..core.errors import ConfigError
 
 ENTRY_POINT_GROUP = "hive_aot.targets"
 
-BUILTIN: dict[str, str] = {
-    "gguf": "pipelines.targets.gguf:GgufTarget",
-    "vllm": "pipelines.targets.vllm:VllmTarget",
-    "qaic-export": "pipelines.targets.qaic:QaicExportTarget",
-    "qaic": "pipelines.targets.qaic:QaicTarget",
-}
+# hive-aot's own kinds, in the order they are listed (their classes: pyproject's entry points).
+BUILTIN = ("gguf", "vllm", "qaic-export", "qaic")
+# The top-level package an entry point's module must be in to be hive-aot's own.
+OWN_PACKAGE = __name__.partition(".")[0]
 
 
 @lru_cache(maxsize=1)
 def known() -> dict[str, str]:
-    """Every kind this process can build: the built-in ones, then the installed plug-ins'."""
-    found = dict(BUILTIN)
+    """Every kind this process can build ("module:Class"): the built-in ones, then the installed plug-ins'."""
+    own: dict[str, str] = {}
+    plugins: dict[str, str] = {}
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
         if ep.name in BUILTIN:
+            if ep.module.partition(".")[0] == OWN_PACKAGE:
+                own[ep.name] = ep.value
             continue  # a built-in kind is never replaced by whatever happens to be installed
-        found.setdefault(ep.name, ep.value)
-    return found
+        plugins.setdefault(ep.name, ep.value)
+    missing = [kind for kind in BUILTIN if kind not in own]
+    if missing:
+        raise ConfigError(f"hive-aot's own target kinds {', '.join(missing)} are not in the installed package's "
+                          f"{ENTRY_POINT_GROUP} entry points: install hive-aot (pip install -e . in a checkout)")
+    return {**{kind: own[kind] for kind in BUILTIN}, **plugins}
 
 
 def refresh() -> None:

@@ -212,7 +212,7 @@ def _format_validation_error(path: Path, err: ValidationError) -> str:
 
 def packaged_defaults_dir() -> Path:
     """The registry.yaml and recipes/ built into the package (a real directory in every install)."""
-    return Path(str(resources.files("pipelines.config.defaults")))
+    return Path(str(resources.files(__package__).joinpath("defaults")))
 
 
 def registry_path(explicit: str | os.PathLike | None = None) -> Path | None:

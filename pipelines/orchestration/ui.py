@@ -56,7 +56,7 @@ def choose_port(host: str, wanted: int | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipelines.orchestration.ui")
+    ap = argparse.ArgumentParser(prog=f"python -m {__spec__.name}")
     ap.add_argument("--port", type=int)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--workspace", default="workspace.yaml")

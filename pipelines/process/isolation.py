@@ -3,10 +3,11 @@
 A native engine that crashes (SIGILL from an instruction the CPU lacks, SIGSEGV, abort()) takes
 its whole process with it. Run in a child, the crash becomes one error line in the parent that names
 the engine, the signal and the step, and the build publishes nothing. The child is a fresh Python
-interpreter (`python -m pipelines.process.isolation`), not a fork of this process: forking a process that already
+interpreter (`python -m` of this module), not a fork of this process: forking a process that already
 holds threads (Dagster, torch, tqdm) is unsafe, and a fresh interpreter also hands its memory back. With
 HIVE_AOT_WARM_DIR set, the child is instead forked by a warm server (pipelines/process/warm.py), a process that has
-only imported the engines' libraries (`PRELOAD`, `PRELOAD_TORCH`): the same isolation, without the imports.
+only imported the engines' libraries (`PRELOAD`, `PRELOAD_TORCH`) and the modules of the functions its jobs ran
+(`prepare`): the same isolation, without the imports.
 
 Arguments and results cross as JSON files, never pickles. Exceptions raised in the child come back
 as the same `HiveError` class with the same one-line message; anything else becomes an
@@ -99,18 +100,18 @@ def run_isolated(function: Callable[..., Any], *, engine: str, step: str, usage:
 
 def _run_child(request_path: Path, needs_torch: bool) -> int:
     """The child's exit status: forked by a warm server where one is available, else a fresh interpreter."""
-    argv = ["-m", "pipelines.process.isolation", str(request_path)]
-    done = warm.run(sys.executable, "pipelines.process.isolation", argv, cwd=Path.cwd(), env=dict(os.environ), timeout=None,
+    argv = ["-m", __spec__.name, str(request_path)]  # its own name, also when it runs as `python -m`
+    done = warm.run(sys.executable, __spec__.name, argv, cwd=Path.cwd(), env=dict(os.environ), timeout=None,
                     preload="preload_torch" if needs_torch else "preload")
     if done is None:
         return subprocess.run([sys.executable, *argv], stdin=subprocess.DEVNULL).returncode
     return done[0]
 
 
-# What a warm server imports before forking (pipelines/process/warm.py): names, not dependencies of this module.
-PRELOAD = ("numpy", "llama_cpp", "pipelines.targets.gguf.validate", "pipelines.targets.gguf.quantize")
-PRELOAD_TORCH = (*PRELOAD, "torch", "transformers", "transformers.activations",  # hub kernels, dynamo
-                 "pipelines.validation.reference", "pipelines.model.streamed_model")
+# What a warm server imports when it starts (pipelines/process/warm.py): the engines' libraries, by name, since
+# they are not dependencies of this module. hive-aot's own modules it learns from its jobs (`prepare`).
+PRELOAD = ("numpy", "llama_cpp")
+PRELOAD_TORCH = (*PRELOAD, "torch", "transformers", "transformers.activations")  # hub kernels, dynamo
 
 
 def _import_all(names: tuple[str, ...]) -> None:
@@ -131,8 +132,16 @@ def preload_torch() -> None:
     _import_all(PRELOAD_TORCH)
 
 
+def prepare(argv: list[str]) -> None:
+    """In a warm server, before it forks a job: import the module of the job's function, so that this job and
+    every later one of that function start with it (and what it imports) done, which a list of names kept here
+    would do only for the modules someone remembered to list."""
+    function = json.loads(Path(argv[-1]).read_text())["function"]
+    import_module(function.partition(":")[0])  # raising, it leaves the child to import it and say what went wrong
+
+
 def main(argv: list[str]) -> int:
-    """A warm child's entry: argv as a fresh one gets it (`-m pipelines.process.isolation REQUEST`)."""
+    """A warm child's entry: argv as a fresh one gets it (`-m <this module> REQUEST`)."""
     return _child(argv[-1])
 
 

@@ -3,10 +3,12 @@
 Starting vLLM on two cores spends about 11 s importing it (torch, transformers, its model registry) before it
 reads a byte of the model, and a host that checks several artifacts pays that on every check. A warm server
 imports once (a preload function of the entry: `preload()` unless the job names another), then forks one
-child per job. The child is a fork of a process that has only imported (no model loaded, no thread pool
-started); it takes the job's own environment and working directory, writes to the client's own stdout and
-stderr (passed over the socket), runs in its own session, and calls the entry's `main(argv)`. An entry is a script
-file (`*.py`, run by path: the vLLM runner) or a module name (imported: `pipelines.process.isolation`). Its exit status
+child per job. An entry's `prepare(argv)`, when it has one, runs in the server before each fork, so a server
+learns the imports its jobs need (the isolation entry imports the job's function module there). The child is a
+fork of a process that has only imported (no model loaded, no thread pool started); it takes the job's own
+environment and working directory, writes to the client's own stdout and stderr (passed over the socket), runs
+in its own session, and calls the entry's `main(argv)`. An entry is a script file (`*.py`, run by path: the vLLM
+runner) or a module name (imported: the isolation module). Its exit status
 (negative for a signal) and its peak resident set come back as a fresh process's would, from wait4.
 
 Opt-in: `HIVE_AOT_WARM_DIR` names a directory for the servers' sockets, logs and pid files; unset, every job is
@@ -53,7 +55,7 @@ def warm_dir() -> Path | None:
 
 
 def _settings():
-    """pipelines.core.settings, imported by the client only: the server runs this file as a script, outside the package."""
+    """hive-aot's settings, imported by the client only: the server runs this file as a script, outside the package."""
     from ..core import settings
 
     return settings
@@ -253,7 +255,7 @@ def serve(path: str, entry: str, preload: str, idle: float, ready_fd: int) -> in
         sys.path.insert(0, os.getcwd())  # as `python -m` has it
         names = vars(importlib.import_module(entry))
     names[preload]()
-    main = names["main"]
+    main, prepare = names["main"], names.get("prepare")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     os.umask(0o077)  # the socket file: this user only
     listener.bind(path)
@@ -279,7 +281,7 @@ def serve(path: str, entry: str, preload: str, idle: float, ready_fd: int) -> in
             for key, _ in events:
                 if key.data == "accept":
                     conn, _addr = listener.accept()
-                    _start_job(conn, main, sel, jobs, [listener.fileno(), wake_r, wake_w])
+                    _start_job(conn, main, prepare, sel, jobs, [listener.fileno(), wake_r, wake_w])
                 elif key.data == "reap":
                     try:
                         while os.read(wake_r, 512):
@@ -299,8 +301,8 @@ def serve(path: str, entry: str, preload: str, idle: float, ready_fd: int) -> in
             pass
 
 
-def _start_job(conn: socket.socket, main: Callable[[list[str]], int], sel: selectors.EpollSelector,
-               jobs: dict[int, socket.socket], server_fds: list[int]) -> None:
+def _start_job(conn: socket.socket, main: Callable[[list[str]], int], prepare: Callable[[list[str]], None] | None,
+               sel: selectors.EpollSelector, jobs: dict[int, socket.socket], server_fds: list[int]) -> None:
     conn.settimeout(30)
     fds: list[int] = []
     _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
@@ -318,6 +320,11 @@ def _start_job(conn: socket.socket, main: Callable[[list[str]], int], sel: selec
             os.close(fd)
         conn.close()
         return
+    if prepare is not None:
+        try:
+            prepare(list(job["argv"]))  # imports in the server itself: this job's fork and every later one have them
+        except Exception:  # noqa: BLE001 - the job still runs: whatever failed here, it meets and reports itself
+            pass
     closing = server_fds + [conn.fileno()] + [c.fileno() for c in jobs.values()] + [sel.fileno()]
     pid = os.fork()
     if pid == 0:

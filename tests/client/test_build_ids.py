@@ -117,7 +117,7 @@ def test_pull_and_tag_take_the_printed_12_hex_id(published, capsys, tmp_path):
     assert out.strip() == f"{MODEL} gguf-f16 stable -> build {build[:12]}"
     ref = json.loads((published["store"] / f"refs/{SLUG}/gguf-f16/stable").read_text())
     assert ref["build_id"] == build  # the ref names the full id, never the prefix
-    assert pull(MODEL, CPU, tmp_path / "s", tag="stable", store_uri=store)["build_id"] == build
+    assert pull(MODEL, CPU, tmp_path / "s", tag="stable", store_uri=store).build_id == build
     # profiles, verify and serve (a dry run) take the shortest prefix too
     for args in (["profiles", f"{MODEL}@{build[:8]}"], ["verify", f"{MODEL}@{build[:8]}"],
                  ["serve", f"{MODEL}@{build[:8]}", "--target", CPU, "--dest", str(tmp_path / "v"), "--dry-run"]):
@@ -172,7 +172,7 @@ def test_an_ambiguous_prefix_is_one_line_and_recipe_settles_it(published, capsys
     assert not (tmp_path / "d").exists() and not (store / f"refs/{SLUG}/gguf-f16/canary").exists()
     # the recipe settles it, and one more digit does
     res = pull(f"{MODEL}@{build[:12]}", CPU, tmp_path / "r", recipe="gguf-f16", store_uri=str(store))
-    assert res["build_id"] == build
+    assert res.build_id == build
     rc, out, err = _cli(capsys, "tag", f"{MODEL}@{build[:12]}", "canary", "--recipe", "gguf-f16", "--store", str(store))
     assert rc == 0 and json.loads((store / f"refs/{SLUG}/gguf-f16/canary").read_text())["build_id"] == build, err
     rc, out, err = _cli(capsys, "verify", f"{MODEL}@{build[:13]}", "--store", str(store), "--json")
@@ -185,10 +185,10 @@ def test_prefixes_on_the_real_oci_registry(oci_uri, published, capsys, tmp_path,
     assert build.state == "published" and build.build_id == published["build"]  # a build id is content, not place
     full = build.build_id
     res = pull(f"{MODEL}@{full[:12]}", CPU, tmp_path / "m", store_uri=oci_uri)
-    assert res["build_id"] == full and res["recipe"] == "gguf-f16"
+    assert res.build_id == full and res.recipe == "gguf-f16"
     rc, out, err = _cli(capsys, "tag", f"{MODEL}@{full[:12]}", "stable", "--store", oci_uri)
     assert rc == 0 and out.strip().endswith(f"stable -> build {full[:12]}"), err
-    assert pull(MODEL, CPU, tmp_path / "s", tag="stable", store_uri=oci_uri)["build_id"] == full
+    assert pull(MODEL, CPU, tmp_path / "s", tag="stable", store_uri=oci_uri).build_id == full
     rc, out, err = _cli(capsys, "modelcar", MODEL, "--build", full[:12], "--store", oci_uri, "--json")
     assert rc == 0, err
     assert json.loads(out)["tag"] == f"gguf-f16.{full}-modelcar"  # the image is named by the full id

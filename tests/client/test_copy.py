@@ -115,7 +115,7 @@ def test_local_s3_oci_layout_local_gives_the_same_build(published, s3_uri, oci_u
     first = pull(MODEL, CPU, tmp_path / "first", recipe=RECIPE, store_uri=chain[0], trusted=str(published["pub"]))
     for i, uri in enumerate(chain[1:]):
         got = pull(MODEL, CPU, tmp_path / f"p{i}", recipe=RECIPE, store_uri=uri, trusted=str(published["pub"]))
-        assert got["build_id"] == first["build_id"] == published["build_id"] and got["signed_by"], uri
+        assert got.build_id == first.build_id == published["build_id"] and got.signed_by, uri
         assert _files(tmp_path / f"p{i}") == _files(tmp_path / "first"), uri
 
 
@@ -151,7 +151,7 @@ def test_a_layout_copy_is_what_skopeo_reads_and_pushes(published, oci_registry, 
                f"docker://{mirror}/{repo}:sha256-{digest}")
     got = pull(MODEL, CPU, tmp_path / "mirrored", recipe=RECIPE, store_uri=f"oci://{mirror}",
                trusted=str(published["pub"]))
-    assert got["build_id"] == published["build_id"] and got["signed_by"]
+    assert got.build_id == published["build_id"] and got.signed_by
 
 
 def _killed_copy(model: str, src: str, dst: str, kill_at: str) -> None:
@@ -186,7 +186,7 @@ def test_a_copy_killed_after_its_manifest_writes_no_ref(published, tmp_path, cap
     assert open_store(dst).list("refs/") == [] and open_store(dst).list("manifests/")
     code, rep = _copy(capsys, MODEL, "--from", str(published["store"]), "--to", dst)
     assert code == 0 and rep["blobs_copied"] == 0 and rep["blobs_skipped"] == 1, rep
-    assert pull(MODEL, CPU, tmp_path / "p", recipe=RECIPE, store_uri=dst, trusted=str(published["pub"]))["signed_by"]
+    assert pull(MODEL, CPU, tmp_path / "p", recipe=RECIPE, store_uri=dst, trusted=str(published["pub"])).signed_by
 
 
 def test_a_tampered_source_blob_is_one_line_and_nothing_is_referenced(published, tmp_path, capsys):

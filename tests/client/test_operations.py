@@ -38,17 +38,17 @@ def store(tiny_llama, tmp_path_factory):
 
 def test_tag_promotes_and_rolls_back(store, tmp_path):
     s, first, second = str(store["store"]), store["first"], store["second"]
-    assert pull(MODEL, CPU, tmp_path / "a", store_uri=s)["build_id"] == second.build_id
+    assert pull(MODEL, CPU, tmp_path / "a", store_uri=s).build_id == second.build_id
     with pytest.raises(HiveError, match="nothing published with tag 'stable'"):
         pull(MODEL, CPU, tmp_path / "b", tag="stable", store_uri=s)
     res = tag(f"{MODEL}@{first.build_id}", "stable", store_uri=s)
     assert (res["recipe"], res["previous_build_id"]) == ("gguf-f16", None)
-    assert pull(MODEL, CPU, tmp_path / "b", tag="stable", store_uri=s)["build_id"] == first.build_id
+    assert pull(MODEL, CPU, tmp_path / "b", tag="stable", store_uri=s).build_id == first.build_id
     # roll latest back to the first build, and forward again
     assert tag(f"{MODEL}@{first.build_id}", "latest", store_uri=s)["previous_build_id"] == second.build_id
-    assert pull(MODEL, CPU, tmp_path / "c", store_uri=s)["build_id"] == first.build_id
+    assert pull(MODEL, CPU, tmp_path / "c", store_uri=s).build_id == first.build_id
     tag(f"{MODEL}@{second.build_id}", "latest", store_uri=s)
-    assert pull(MODEL, CPU, tmp_path / "d", store_uri=s)["build_id"] == second.build_id
+    assert pull(MODEL, CPU, tmp_path / "d", store_uri=s).build_id == second.build_id
 
 
 @pytest.mark.parametrize("args,message", [
@@ -96,7 +96,7 @@ def test_retire_takes_the_model_off_the_store_and_gc_takes_its_blobs(store, tmp_
     res = gc(s, min_age_s=0)
     assert {k.rsplit("/", 1)[-1] for k in res["blobs"]} == blobs and res["bytes"] > 0
     monkeypatch.undo()
-    assert pull(OTHER, CPU, tmp_path / "other", store_uri=s)["build_id"] == store["other"].build_id
+    assert pull(OTHER, CPU, tmp_path / "other", store_uri=s).build_id == store["other"].build_id
     assert all((Path(s) / "blobs" / "sha256" / d[:2] / d).is_file() for d in other_blobs)
     with pytest.raises(HiveError, match=f"{MODEL}: nothing published in"):
         retire(MODEL, store_uri=s)

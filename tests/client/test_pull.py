@@ -48,27 +48,27 @@ def test_profile_preference_picks_q4_k_m(env, tmp_path):
     dest = tmp_path / "model"
     res = pull(MODEL, CPU, dest, store_uri=str(env["store"]), registry=str(env["registry"]))
     q4 = env["builds"]["gguf-q4_k_m"]
-    assert res["recipe"] == "gguf-q4_k_m" and res["build_id"] == q4.build_id
-    assert res["already_present"] is False and res["runtime_profile"] == CPU
-    assert res["files"] == [str(dest / "tiny-llama-Q4_K_M.gguf")]
-    assert res["serve"].startswith(f"llama-server -m {dest / 'tiny-llama-Q4_K_M.gguf'} -c ")
+    assert res.recipe == "gguf-q4_k_m" and res.build_id == q4.build_id
+    assert res.already_present is False and res.runtime_profile == CPU
+    assert res.files == [str(dest / "tiny-llama-Q4_K_M.gguf")]
+    assert res.serve.startswith(f"llama-server -m {dest / 'tiny-llama-Q4_K_M.gguf'} -c ")
 
 
 def test_recipe_flag_and_build_id(env, tmp_path):
     f16 = env["builds"]["gguf-f16"]
     res = pull(MODEL, CPU, tmp_path / "a", recipe="gguf-f16", store_uri=str(env["store"]))
-    assert res["recipe"] == "gguf-f16" and res["build_id"] == f16.build_id
+    assert res.recipe == "gguf-f16" and res.build_id == f16.build_id
     res = pull(f"{MODEL}@{f16.build_id}", CPU, tmp_path / "b", store_uri=str(env["store"]))
-    assert res["recipe"] == "gguf-f16" and res["build_id"] == f16.build_id
+    assert res.recipe == "gguf-f16" and res.build_id == f16.build_id
     q4 = env["builds"]["gguf-q4_k_m"]
     res = pull(f"{MODEL}@{q4.build_id}", CPU, tmp_path / "c", store_uri=str(env["store"]))
-    assert res["recipe"] == "gguf-q4_k_m"
+    assert res.recipe == "gguf-q4_k_m"
     with pytest.raises(HiveError, match=f"{MODEL}: nothing published with build {'0' * 64}"):
         pull(f"{MODEL}@{'0' * 64}", CPU, tmp_path / "d", store_uri=str(env["store"]))
     # the revision tag works too
     rev = json.loads((env["store"] / f"manifests/{SLUG}/gguf-f16/{f16.build_id}.json").read_text())["model"]["revision"]
     res = pull(MODEL, CPU, tmp_path / "e", tag=rev, recipe="gguf-f16", store_uri=str(env["store"]))
-    assert res["build_id"] == f16.build_id
+    assert res.build_id == f16.build_id
     assert not (tmp_path / "d").exists()
 
 
@@ -95,21 +95,21 @@ def test_dest_holds_manifest_files_and_marker(env, tmp_path):
 def test_repull_is_a_noop_and_switching_recipe_replaces(env, tmp_path):
     dest = tmp_path / "model"
     first = pull(MODEL, CPU, dest, store_uri=str(env["store"]))
-    gguf = Path(first["files"][0])
+    gguf = Path(first.files[0])
     stamp = (gguf.stat().st_ino, gguf.stat().st_mtime_ns, (dest / MARKER).stat().st_mtime_ns)
     again = pull(MODEL, CPU, dest, store_uri=str(env["store"]))
-    assert again["already_present"] is True and again["build_id"] == first["build_id"]
+    assert again.already_present is True and again.build_id == first.build_id
     assert (gguf.stat().st_ino, gguf.stat().st_mtime_ns, (dest / MARKER).stat().st_mtime_ns) == stamp
 
     other = pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))
-    assert other["already_present"] is False and other["recipe"] == "gguf-f16"
+    assert other.already_present is False and other.recipe == "gguf-f16"
     assert sorted(p.name for p in dest.iterdir()) == sorted(["tiny-llama-F16.gguf", MARKER, KEPT])
     assert _siblings(dest) == ["model"]
 
     # a DIR whose files were damaged is not "already present": it is pulled again
     (dest / "tiny-llama-F16.gguf").unlink()
     fixed = pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))
-    assert fixed["already_present"] is False and (dest / "tiny-llama-F16.gguf").is_file()
+    assert fixed.already_present is False and (dest / "tiny-llama-F16.gguf").is_file()
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
@@ -158,7 +158,7 @@ def test_refuses_to_overwrite_a_foreign_directory(env, tmp_path):
     # an empty directory is fine
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert pull(MODEL, CPU, empty, store_uri=str(env["store"]))["recipe"] == "gguf-q4_k_m"
+    assert pull(MODEL, CPU, empty, store_uri=str(env["store"])).recipe == "gguf-q4_k_m"
 
 
 def test_bad_requests(env, tmp_path):
@@ -191,7 +191,7 @@ def test_pulled_gguf_loads_and_generates(env, tmp_path):
     res = pull(MODEL, CPU, tmp_path / "model", recipe="gguf-f16", store_uri=str(env["store"]))
     marker = json.loads((tmp_path / "model" / MARKER).read_text())
     expected = marker["manifest"]["validation"]["generation"]["artifact"]
-    llm = Llama(model_path=res["files"][0], n_ctx=64, n_batch=64, verbose=False, seed=0, n_threads=os.cpu_count() or 1)
+    llm = Llama(model_path=res.files[0], n_ctx=64, n_batch=64, verbose=False, seed=0, n_threads=os.cpu_count() or 1)
     try:
         ids = llm.tokenize(prompts.GENERATION_PROMPT.encode(), add_bos=True, special=True)
         llm.eval(ids)
@@ -224,7 +224,7 @@ def test_pull_without_registry_uses_the_stores_profiles(env, tmp_path):
         "from pathlib import Path\n"
         "from pipelines.client.pull import pull\n"
         f"res = pull({MODEL!r}, {CPU!r}, Path('dest'), store_uri={str(env['store'])!r})\n"
-        "print(json.dumps(res))\n"
+        "print(json.dumps(res.to_json()))\n"
     )
     assert not (tmp_path / "registry.yaml").exists()
     proc = _run_python(code, tmp_path, {"HIVE_AOT_CACHE": str(tmp_path / "cache")})
@@ -243,7 +243,7 @@ def test_pull_path_imports_neither_dagster_nor_torch(env, tmp_path):
         "from pipelines.client.pull import pull\n"
         "from pipelines.cli.main import main\n"
         f"res = pull({MODEL!r}, {CPU!r}, Path('dest'), store_uri={str(env['store'])!r})\n"
-        "assert res['recipe'] == 'gguf-q4_k_m', res\n"
+        "assert res.recipe == 'gguf-q4_k_m', res\n"
         f"assert main(['pull', {MODEL!r}, '--target', {CPU!r}, '--dest', 'dest2', '--recipe', 'gguf-f16',"
         f" '--store', {str(env['store'])!r}]) == 0\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('dagster', 'torch', 'transformers'))\n"
@@ -275,11 +275,11 @@ def test_pulled_files_are_readable_by_other_users(env, tmp_path, monkeypatch):
         os.umask(old_umask)
     mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
     assert mode(dest) == 0o755
-    assert {p.name: mode(p) for p in dest.iterdir()} == {Path(res["files"][0]).name: 0o644, MARKER: 0o644, KEPT: 0o644}
+    assert {p.name: mode(p) for p in dest.iterdir()} == {Path(res.files[0]).name: 0o644, MARKER: 0o644, KEPT: 0o644}
     # the cache's blob is shared by both pulls (one inode) and keeps the served mode
-    f = Path(res["files"][0])
+    f = Path(res.files[0])
     blob = next((cache / "blobs").rglob(env["builds"]["gguf-f16"].files[0]["sha256"]))
-    assert f.stat().st_ino == blob.stat().st_ino == Path(second["files"][0]).stat().st_ino
+    assert f.stat().st_ino == blob.stat().st_ino == Path(second.files[0]).stat().st_ino
     assert mode(blob) == 0o644
     if os.geteuid() == 0 and shutil.which("runuser"):
         # the real thing: another user reads the pulled file
@@ -297,10 +297,10 @@ def test_blob_cached_with_an_old_mode_is_fixed_or_copied(env, tmp_path, monkeypa
     first = pull(MODEL, CPU, tmp_path / "a", recipe="gguf-f16", store_uri=str(env["store"]))
     blob = next((cache / "blobs").rglob(env["builds"]["gguf-f16"].files[0]["sha256"]))
     os.chmod(blob, 0o600)
-    assert stat.S_IMODE(Path(first["files"][0]).stat().st_mode) == 0o600  # same inode: the old state
+    assert stat.S_IMODE(Path(first.files[0]).stat().st_mode) == 0o600  # same inode: the old state
     again = pull(MODEL, CPU, tmp_path / "a", recipe="gguf-f16", store_uri=str(env["store"]))
-    assert again["already_present"] is False  # an unreadable directory is not "complete"
-    assert stat.S_IMODE(Path(again["files"][0]).stat().st_mode) == 0o644
+    assert again.already_present is False  # an unreadable directory is not "complete"
+    assert stat.S_IMODE(Path(again.files[0]).stat().st_mode) == 0o644
 
 
 def test_manifest_records_quantization_fallbacks(env):
@@ -394,7 +394,7 @@ def test_file_corrupted_at_the_same_size_is_pulled_again(env, tmp_path, monkeypa
     dest = tmp_path / "srv" / "model"
     res = pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))
     f = env["builds"]["gguf-f16"].files[0]
-    gguf = Path(res["files"][0])
+    gguf = Path(res.files[0])
     before = gguf.stat()
     time.sleep(0.05)  # past the file system's timestamp granularity: the write below must move the mtime
     with open(gguf, "r+b") as fh:
@@ -404,7 +404,7 @@ def test_file_corrupted_at_the_same_size_is_pulled_again(env, tmp_path, monkeypa
         fh.write(bytes([byte[0] ^ 0xFF]))
     assert gguf.stat().st_size == before.st_size and gguf.stat().st_mtime_ns != before.st_mtime_ns
     again = pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))
-    assert again["already_present"] is False
+    assert again.already_present is False
     assert hashlib.sha256(gguf.read_bytes()).hexdigest() == f["sha256"]
     assert _siblings(dest) == ["model"]
 
@@ -416,24 +416,24 @@ def test_present_check_trusts_its_stamp_and_rehashes_anything_else(env, tmp_path
 
     dest = tmp_path / "model"
     res = pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))
-    name = Path(res["files"][0]).name
+    name = Path(res.files[0]).name
     st = (dest / name).stat()
     assert json.loads((dest / MARKER).read_text())["stamps"] == {name: identity(st)}
 
     copy = tmp_path / "copy"
     shutil.copytree(dest, copy)  # new inodes, same bytes
     hashed = _count_hashes(monkeypatch, pulled_dir)
-    assert pull(MODEL, CPU, copy, recipe="gguf-f16", store_uri=str(env["store"]))["already_present"] is True
+    assert pull(MODEL, CPU, copy, recipe="gguf-f16", store_uri=str(env["store"])).already_present is True
     assert len(hashed) == 1
     st = (copy / name).stat()
     assert json.loads((copy / MARKER).read_text())["stamps"] == {name: identity(st)}
 
     hashed.clear()
     for d in (dest, copy):
-        assert pull(MODEL, CPU, d, recipe="gguf-f16", store_uri=str(env["store"]))["already_present"] is True
+        assert pull(MODEL, CPU, d, recipe="gguf-f16", store_uri=str(env["store"])).already_present is True
     assert hashed == []  # the stamps matched: nothing was read
     monkeypatch.setenv("HIVE_AOT_CACHE_VERIFY", "rehash")  # a cache nobody vouches for: every file, every pull
-    assert pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))["already_present"] is True
+    assert pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"])).already_present is True
     assert len(hashed) == 1
 
 
@@ -452,7 +452,7 @@ def test_timestamps_restored_after_an_edit_prove_nothing(env, tmp_path, monkeypa
     monkeypatch.setenv("HIVE_AOT_CACHE", str(tmp_path / "cache"))
     f = env["builds"]["gguf-f16"].files[0]
     dest = tmp_path / "srv" / "model"
-    gguf = Path(pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))["files"][0])
+    gguf = Path(pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"])).files[0])
     forged = tmp_path / "forged.gguf"
     data = bytearray(gguf.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -465,10 +465,10 @@ def test_timestamps_restored_after_an_edit_prove_nothing(env, tmp_path, monkeypa
     assert hashlib.sha256(gguf.read_bytes()).hexdigest() != f["sha256"]  # the blob itself is poisoned now
 
     other = pull(MODEL, CPU, tmp_path / "srv" / "other", recipe="gguf-f16", store_uri=str(env["store"]))
-    assert other["transfer"]["fetched_bytes"] == f["size"]  # re-hashed, found wrong, fetched again
-    assert hashlib.sha256(Path(other["files"][0]).read_bytes()).hexdigest() == f["sha256"]
+    assert other.transfer.fetched_bytes == f["size"]  # re-hashed, found wrong, fetched again
+    assert hashlib.sha256(Path(other.files[0]).read_bytes()).hexdigest() == f["sha256"]
     again = pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))
-    assert again["already_present"] is False
+    assert again.already_present is False
     assert hashlib.sha256(gguf.read_bytes()).hexdigest() == f["sha256"]
 
 
@@ -485,15 +485,15 @@ def test_replacing_an_earlier_pull_never_deletes_user_files(env, tmp_path):
     assert "\n" not in str(ei.value)
     assert sorted(p.name for p in dest.iterdir()) == sorted(["extra", "notes.txt", MARKER, KEPT, "tiny-llama-Q4_K_M.gguf"])
     assert (dest / "notes.txt").read_text() == "mine" and (dest / "extra" / "lora.bin").read_bytes() == b"mine too"
-    assert json.loads((dest / MARKER).read_text())["build_id"] == q4["build_id"]
+    assert json.loads((dest / MARKER).read_text())["build_id"] == q4.build_id
     assert _siblings(dest) == ["model"]
     # the same build is still "present" (nothing to replace, nothing deleted)
-    assert pull(MODEL, CPU, dest, store_uri=str(env["store"]))["already_present"] is True
+    assert pull(MODEL, CPU, dest, store_uri=str(env["store"])).already_present is True
     assert (dest / "notes.txt").is_file()
     # once the user's files are gone the switch goes through
     (dest / "notes.txt").unlink()
     shutil.rmtree(dest / "extra")
-    assert pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"]))["recipe"] == "gguf-f16"
+    assert pull(MODEL, CPU, dest, recipe="gguf-f16", store_uri=str(env["store"])).recipe == "gguf-f16"
     assert sorted(p.name for p in dest.iterdir()) == sorted(["tiny-llama-F16.gguf", MARKER, KEPT])
 
 
@@ -511,7 +511,7 @@ def test_concurrent_pulls_into_one_dest(env, tmp_path, recipes):
             f"while not os.path.exists({str(go)!r}):\n"
             "    time.sleep(0.002)\n"
             f"res = pull({MODEL!r}, {CPU!r}, Path({str(dest)!r}), recipe={recipe!r}, store_uri={str(env['store'])!r})\n"
-            "print(json.dumps(res))\n"
+            "print(json.dumps(res.to_json()))\n"
         )
         env_vars = {k: v for k, v in os.environ.items() if k != "HIVE_AOT_REGISTRY"}
         env_vars.update(PYTHONPATH=str(REPO), HIVE_AOT_CACHE=str(tmp_path / "cache"))  # one cache, shared too
@@ -592,8 +592,8 @@ def test_a_pull_of_another_build_waits_for_the_one_in_progress(env, tmp_path, mo
     release.set()
     first.join(60)
     second.join(60)
-    assert results["gguf-f16"]["build_id"] == env["builds"]["gguf-f16"].build_id, results
-    assert results["gguf-q4_k_m"]["build_id"] == env["builds"]["gguf-q4_k_m"].build_id, results
+    assert results["gguf-f16"].build_id == env["builds"]["gguf-f16"].build_id, results
+    assert results["gguf-q4_k_m"].build_id == env["builds"]["gguf-q4_k_m"].build_id, results
     assert json.loads((dest / MARKER).read_text())["recipe"] == "gguf-q4_k_m"
     assert sorted(p.name for p in dest.iterdir()) == sorted(["tiny-llama-Q4_K_M.gguf", MARKER, KEPT])
     assert _siblings(dest) == ["model"]
@@ -631,9 +631,9 @@ def test_target_auto_names_what_it_found_and_why_it_chose(env, tmp_path, capsys)
     from pipelines.cli.main import main
 
     res = pull(MODEL, "auto", tmp_path / "m", store_uri=str(env["store"]), registry=str(env["registry"]))
-    assert res["runtime_profile"] == CPU and res["recipe"] == "gguf-q4_k_m"
-    assert res["auto_target"]["detected"] == "cpu" and res["auto_target"]["profile"] == CPU
-    assert "CPU's gguf profile" in res["auto_target"]["why"]
+    assert res.runtime_profile == CPU and res.recipe == "gguf-q4_k_m"
+    assert res.auto_target.detected == "cpu" and res.auto_target.profile == CPU
+    assert "CPU's gguf profile" in res.auto_target.why
     capsys.readouterr()
     assert main(["pull", MODEL, "--target", "auto", "--dest", str(tmp_path / "m2"), "--store", str(env["store"]),
                  "--registry", str(env["registry"])]) == 0
@@ -665,8 +665,8 @@ def test_engine_versions_validated_with_are_compared(env, tmp_path, monkeypatch,
 
     here = metadata.version("llama_cpp_python")
     res = pull(MODEL, CPU, tmp_path / "same", store_uri=str(env["store"]))
-    assert res["engines"] == [{"engine": "llama_cpp_python", "validated_with": here, "here": here, "status": "same"}]
-    assert res["warnings"] == []
+    assert res.engines == [{"engine": "llama_cpp_python", "validated_with": here, "here": here, "status": "same"}]
+    assert res.warnings == []
     monkeypatch.setenv("HIVE_AOT_ENGINE_VERSIONS", "llama_cpp_python=0.2.90")
     capsys.readouterr()
     assert main(["pull", MODEL, "--target", CPU, "--dest", str(tmp_path / "older"), "--store", str(env["store"])]) == 0

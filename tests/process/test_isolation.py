@@ -43,6 +43,19 @@ def test_result_and_errors_cross_as_json(monkeypatch):
                      kind="ValueError", message="bad\nvalue")
 
 
+def test_a_warm_server_learns_the_module_of_a_jobs_function(monkeypatch, child_start):
+    """The server imports the module of a job's function before it forks (isolation.prepare): the first job of
+    that function forks with it imported, and so does every later one; a fresh child imports it itself."""
+    monkeypatch.setenv("PYTHONPATH", str(SUPPORT))
+    first = run_isolated(child_helpers.who_imported, engine="e", step="s")
+    second = run_isolated(child_helpers.who_imported, engine="e", step="s")
+    if child_start == "fresh":
+        assert first["imported_by"] == first["pid"] and second["imported_by"] == second["pid"]
+    else:
+        assert first["imported_by"] == first["parent"] == second["imported_by"] == second["parent"]
+        assert first["pid"] != second["pid"]
+
+
 @pytest.mark.usefixtures("child_start")
 def test_a_full_disk_in_the_child_is_the_disk_full_line(monkeypatch, tmp_path):
     from pipelines.core.errors import DiskFull

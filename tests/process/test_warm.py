@@ -29,11 +29,19 @@ ENTRY = textwrap.dedent('''
     def other_preload():
         PRELOADED.append(-os.getpid())
 
+    PREPARED = []
+
+    def prepare(argv):
+        if argv[1] == "nonsense":
+            raise ValueError("prepare cannot either")
+        PREPARED.append([os.getpid(), argv[2]])
+
     def main(argv):
         mode = argv[1]
         if mode == "report":
             print(json.dumps({"argv": argv, "cwd": os.getcwd(), "value": os.environ.get("WARM_TEST_VALUE"),
-                              "preloaded_by": PRELOADED, "server": os.getppid(), "session": os.getsid(0) == os.getpid()}))
+                              "preloaded_by": PRELOADED, "prepared": PREPARED, "server": os.getppid(),
+                              "session": os.getsid(0) == os.getpid()}))
             return int(argv[2])
         if mode == "signal":
             os.kill(os.getpid(), 9)
@@ -105,6 +113,8 @@ def test_a_job_gets_its_own_argv_env_cwd_and_output_and_the_server_is_reused(ent
     assert rc == 0 and second["value"] == "two"
     # one server, preloaded once, forked both
     assert first["server"] == second["server"] == first["preloaded_by"][0] and len(second["preloaded_by"]) == 1
+    # the entry's prepare ran in the server before each fork, with the job's argv
+    assert second["prepared"] == [[first["server"], "3"], [first["server"], "0"]]
     assert [p.name[:len("entry-preload-")] for p in warm_dir.glob("*.sock")] == ["entry-preload-"]
     # another preload, or another value of an import-time variable, is another server
     (_, _), out = _run(entry, tmp_path, "report", "0", preload="other_preload")
@@ -119,6 +129,9 @@ def test_a_signal_and_an_exception_read_as_a_fresh_process_would(entry, tmp_path
     assert rc == -signal.SIGKILL
     (rc, _), out = _run(entry, tmp_path, "nonsense")
     assert rc == 1 and "ValueError: no mode nonsense" in out.read_text()
+    # a prepare that raised ("nonsense" above) left the server serving, and the job ran
+    (rc, _), out = _run(entry, tmp_path, "report", "0")
+    assert rc == 0 and len(list(warm_dir.glob("*.sock"))) == 1
 
 
 def test_the_peak_is_the_childs_own(entry, tmp_path, warm_dir):

@@ -92,7 +92,7 @@ def test_ref_names_follow_the_image_spec_grammar():
 def test_a_build_published_into_a_layout_pulls_and_skopeo_reads_it(published, oci_registry, tmp_path, capsys):
     res, layout = published["res"], published["dir"] / SLUG_REPO
     got = pull(MODEL, CPU, tmp_path / "m", recipe=RECIPE, store_uri=published["uri"])
-    assert got["build_id"] == res.build_id
+    assert got.build_id == res.build_id
     manifest = json.loads(open_store(published["uri"]).read_bytes(manifest_key(MODEL, RECIPE, res.build_id)))
     for f in manifest["files"]:
         assert hashlib.sha256((tmp_path / "m" / f["path"]).read_bytes()).hexdigest() == f["sha256"]

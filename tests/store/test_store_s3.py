@@ -244,7 +244,7 @@ def test_a_blob_replaced_with_its_metadata_copied_is_repaired_by_the_next_build(
     monkeypatch.setenv("HIVE_AOT_CACHE", str(tmp_path / "fresh-cache"))
     out = pull("test-org/tiny-s3-repair", "llm-llamacpp-cpu", tmp_path / "serve", store_uri=s3_uri,
                registry=str(REPO / "registry.yaml"))
-    assert [sha256_file(Path(p)) for p in out["files"]] == [f["sha256"] for f in res.files]
+    assert [sha256_file(Path(p)) for p in out.files] == [f["sha256"] for f in res.files]
 
 
 def test_a_multipart_blob_replaced_with_its_metadata_copied_is_uploaded_again(s3_uri, tmp_path, monkeypatch):

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import builtins
+import os
 
 from pipelines.core import errors
+
+IMPORTED_BY = os.getpid()  # which process imported this module: a warm server learns it from the first job
 
 
 def raise_exception(kind: str, message: str) -> None:
@@ -30,3 +33,8 @@ def load_gguf_verbosely(path: str, repack: bool) -> bool:
         _without_repacking()
     Llama(model_path=path, n_ctx=64, verbose=True).close()
     return True
+
+
+def who_imported() -> dict[str, int]:
+    """The pid that imported this module, this process's and its parent's."""
+    return {"imported_by": IMPORTED_BY, "pid": os.getpid(), "parent": os.getppid()}

@@ -27,17 +27,17 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
-# What a build, a pull, ls and gc import before their first step (a run imports anything else itself).
-PRELOAD = ("pipelines.cli.main", "pipelines.engine.build", "pipelines.config.registry", "pipelines.config.kinds",
-           "pipelines.client.pull", "pipelines.store.local", "pipelines.store.s3", "pipelines.store.oci",
-           "pipelines.targets.gguf")
-
-
 def preload() -> None:
-    from importlib import import_module
-
-    for name in PRELOAD:
-        import_module(name)
+    """What a build, a pull, ls and gc import before their first step (a run imports anything else itself)."""
+    import pipelines.cli.main
+    import pipelines.client.pull
+    import pipelines.config.kinds
+    import pipelines.config.registry
+    import pipelines.engine.build
+    import pipelines.store.local
+    import pipelines.store.oci
+    import pipelines.store.s3
+    import pipelines.targets.gguf  # noqa: F401 - imported for the forked runs, not used here
     for stream in (sys.stdout, sys.stderr):
         stream.flush()  # nothing of the server's own output is copied into a forked run
 

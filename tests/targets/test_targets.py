@@ -120,6 +120,25 @@ def test_an_installed_plugin_adds_a_kind_and_cannot_replace_a_builtin_one(tmp_pa
     assert "toy" not in known_kinds()
 
 
+
+def test_the_built_in_kinds_come_from_the_installed_entry_points(monkeypatch):
+    """hive-aot's own kinds are entry points of its pyproject: an install whose metadata lacks them (a checkout
+    never installed, a stale egg-info) is one line saying how to mend it, not a KeyError mid-build."""
+    from importlib import metadata
+
+    assert known_kinds()["gguf"] == "pipelines.targets.gguf:GgufTarget"
+    listed = metadata.entry_points(group=ENTRY_POINT_GROUP)
+    monkeypatch.setattr(metadata, "entry_points", lambda group: [ep for ep in listed if ep.name not in ("vllm", "qaic")])
+    refresh()
+    try:
+        with pytest.raises(ConfigError, match=r"^hive-aot's own target kinds vllm, qaic are not in the installed "
+                                              r"package's hive_aot.targets entry points: install hive-aot"):
+            known_kinds()
+    finally:
+        monkeypatch.undo()
+        refresh()
+    assert list(known_kinds()) == list(BUILTIN)
+
 def test_gates_by_prefix_and_unmeasured_metrics_fail():
     gates = target_class("vllm").Thresholds(min_top1_agreement=0.9, max_mean_kl=0.01, require_token_parity=True,
                                             require_engine_load=True, min_vllm_greedy_agreement=1.0)
