@@ -178,8 +178,10 @@ test-fast: setup
 ui: setup
 	$(DEMO_ENV) .venv/bin/python -m pipelines.orchestration.ui $(if $(UI_PORT),--port $(UI_PORT))
 
+# Each step of a cold gguf-q4_k_m build of the ~1B synthetic Llama beside its floor on this host (cp of the bytes,
+# forward passes at the measured fp32 GEMM rate), and the f16 conversion against cp (bench/floors.py).
 bench: setup
-	.venv/bin/python bench/convert_f16.py
+	.venv/bin/python bench/floors.py --json-out bench/results/floors-llama3-1b.json
 
 lock: $(PROJECT_STAMP)
 	( echo "# Pinned versions of every package in .venv (pip constraints). Regenerate: make lock"; \

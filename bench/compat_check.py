@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))  # the test factories and the olah mirror helper
+sys.path.insert(0, str(REPO / "tests" / "support"))  # the test factories and the olah mirror helper
 
 
 def classify_all() -> dict:

@@ -65,7 +65,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))  # factories.write_test_config
+sys.path.insert(0, str(REPO / "tests" / "support"))  # factories.write_test_config
 
 from cli_trace import child_step  # noqa: E402 - bench/ is this script's directory
 

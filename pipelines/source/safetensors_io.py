@@ -161,10 +161,14 @@ class SafetensorsFile:
     def rows(self, name: str, lo: int, hi: int) -> np.ndarray:
         """Rows [lo, hi) of a tensor (along its first axis) in float32: only those bytes are read and widened."""
         t = self.header.tensors[name]
+        return to_float32(self.raw_rows(name, lo, hi), t.dtype).reshape((hi - lo, *t.shape[1:]))
+
+    def raw_rows(self, name: str, lo: int, hi: int) -> np.ndarray:
+        """Rows [lo, hi) of a tensor as stored (a zero-copy uint8 view of the map)."""
+        t = self.header.tensors[name]
         row = t.nbytes // t.shape[0] if t.shape and t.shape[0] else 0
-        raw = np.frombuffer(self._map, dtype=np.uint8, count=(hi - lo) * row,
-                            offset=self.header.data_offset + t.start + lo * row)
-        return to_float32(raw, t.dtype).reshape((hi - lo, *t.shape[1:]))
+        return np.frombuffer(self._map, dtype=np.uint8, count=(hi - lo) * row,
+                             offset=self.header.data_offset + t.start + lo * row)
 
     def release(self, name: str, lo: int = 0, hi: int | None = None) -> None:
         """Drop a finished tensor's pages (or those of its bytes [lo, hi)) from this process's resident set
@@ -223,6 +227,9 @@ class TensorSource:
 
     def rows(self, name: str, lo: int, hi: int) -> np.ndarray:
         return self.where[name].rows(name, lo, hi)
+
+    def raw_rows(self, name: str, lo: int, hi: int) -> np.ndarray:
+        return self.where[name].raw_rows(name, lo, hi)
 
     def release(self, name: str, lo: int = 0, hi: int | None = None) -> None:
         self.where[name].release(name, lo, hi)

@@ -5,14 +5,14 @@ engine expands them per block and per expert, computes every output shape from t
 (so the GGUF header is written before any tensor data is read), then runs the rules one at a time.
 Peak memory is one rule's tensors in float32 for whole-tensor transforms (a fused qkv, a Q permutation)
 and a 16 MiB row slice for the rest: embeddings, MLP matrices and stacked experts are read, widened,
-encoded and written slice by slice through the mmap. A tensor with NaN/Inf values is refused as it
-streams by, and a refused conversion leaves no partial file behind.
+encoded and written slice by slice through the mmap (a tensor copied as stored skips the widening:
+direct.py). A tensor with NaN/Inf values is refused as it streams by, and a refused conversion leaves no
+partial file behind.
 """
 
 from __future__ import annotations
 
 import re
-import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,9 +25,11 @@ import numpy as np
 from ...core.errors import ModelFormatError
 from ...core.progress import bar
 from ...source.safetensors_io import TensorSource
+from .direct import encoder as direct_encoder
 from .families import Family, HParams, Rule, family_for, is_ignored
 from .families.spec import IDENTITY as _IDENTITY
 from .ftypes import FTYPES
+from .kv_writer import GGUFWriter, add_key_value, general_metadata
 from .sliced import file_type, reads_quantization, write_sliced
 from .tensor_quant import NUMPY_TYPES, apply as assign_quantized_types, quantize_rows, round_to
 from .tensor_writer import Layout, TensorWriter, encode_threads, in_order, llama_cpp_order
@@ -268,14 +270,20 @@ def _checked(data: np.ndarray, out: Output, what: str, model: str) -> np.ndarray
 def _stream_rows(tensors: TensorSource, hf: str, transform, hp: HParams, sink: TensorWriter, out: Output,
                  model: str, pb) -> None:
     """A rowwise transform (or one expert of a stack) through 16 MiB row slices of the mapped source, read,
-    widened and encoded on worker threads, written here in order."""
+    widened and encoded on worker threads, written here in order. A tensor copied as stored is cast straight
+    from its bytes (direct.py); a slice that cast refuses takes this general path, which says why."""
     info = tensors.info(hf)
     rows = info.shape[0] if info.shape else 1
     row_bytes = info.nbytes // rows if rows else 0
     row_floats = int(np.prod(info.shape[1:])) if len(info.shape) > 1 else 1
+    copied = transform is _IDENTITY and out.lossless in (None, out.qtype) and info.shape
+    direct = direct_encoder(info.dtype, out.qtype) if copied else None
 
     def job(lo: int, hi: int):
         def run():
+            encoded = direct(tensors.raw_rows(hf, lo, hi)) if direct is not None else None
+            if encoded is not None:
+                return encoded, lo, hi
             data = tensors.rows(hf, lo, hi) if info.shape else tensors.float32(hf).reshape(1)
             encoded = _checked(transform.apply([data], hp)[0], out, hf, model)
             del data  # may be a view of the mmap: gone before its pages are dropped
@@ -329,40 +337,6 @@ def _write_step(step: Step, tensors: TensorSource, hp: HParams, writer: gguf.GGU
     pb.update(step.source_bytes)
 
 
-def _add(writer: gguf.GGUFWriter, key: str, value: Any, kind: type) -> None:
-    if kind is bool:
-        writer.add_bool(key, bool(value))
-    elif kind is int:
-        writer.add_uint32(key, int(value))
-    elif kind is float:
-        writer.add_float32(key, float(value))
-    elif kind is list:
-        writer.add_array(key, list(value))  # per-layer values (a sliding-window pattern of bools)
-    else:
-        writer.add_string(key, str(value))
-
-
-def _general_metadata(writer: gguf.GGUFWriter, model_dir: Path, model_id: str) -> dict[str, Any]:
-    """The general.* keys llama.cpp's converter writes, with its own rules (gguf-py's Metadata: the model card's
-    front matter, config.json's `_name_or_path`, then heuristics on the directory name): name, basename,
-    finetune, size_label, license, base_model.*, repo_url, ... A snapshot's directory is named by its commit,
-    so the heuristics are shown a directory named after the repository (links to the files they read), as
-    llama.cpp sees one when it converts a `--local-dir <repo>` download."""
-    total, shared, expert, experts = writer.get_total_parameter_count()
-    with tempfile.TemporaryDirectory(prefix="gguf-metadata-") as tmp:
-        view = Path(tmp) / model_id.rsplit("/", 1)[-1]
-        view.mkdir()
-        for f in ("README.md", "config.json", "generation_config.json"):
-            if (model_dir / f).is_file():
-                (view / f).symlink_to((model_dir / f).resolve())
-        meta = gguf.Metadata.load(None, view, None, total)
-    if meta.size_label is None and total > 0:
-        meta.size_label = gguf.size_label(total, shared, expert, experts)
-    writer.add_type(gguf.GGUFType.MODEL)
-    meta.set_gguf_meta_model(writer)
-    return {k: v for k, v in vars(meta).items() if v not in (None, [], {})}
-
-
 def convert(model_dir: Path, cfg: dict[str, Any], safetensors: list[Path], out_path: Path, outtype: str,
             *, name: str, options: dict[str, Any] | None = None,
             provenance: dict[str, str] | None = None, split_max_bytes: int = 0, ftype: str | None = None) -> ConvertReport:
@@ -393,7 +367,7 @@ def convert(model_dir: Path, cfg: dict[str, Any], safetensors: list[Path], out_p
         outputs = [o for step in plan for o in step.outputs]
         quantization = assign_quantized_types(outputs, family.gguf_arch, key_values, ftype,
                                               FTYPES[ftype.upper()], name) if ftype else None
-        writer = gguf.GGUFWriter(str(out_path), family.gguf_arch, split_max_size=split_max_bytes)
+        writer = GGUFWriter(str(out_path), family.gguf_arch, split_max_size=split_max_bytes)
         started = False
         try:
             # A k-quant is laid out as libllama's quantizer lays it out; its tensors are still written in the
@@ -404,9 +378,9 @@ def convert(model_dir: Path, cfg: dict[str, Any], safetensors: list[Path], out_p
                 nbytes = int(np.prod(byte_shape)) * {Q.F32: 4, Q.F16: 2}.get(o.qtype, 1)
                 np_dtype = {Q.F32: np.float32, Q.F16: np.float16}.get(o.qtype, np.uint8)
                 writer.add_tensor_info(o.name, byte_shape, np.dtype(np_dtype), nbytes, raw_dtype=o.qtype if raw else None)
-            general = _general_metadata(writer, model_dir, name)
+            general = general_metadata(writer, model_dir, name)
             for key, (value, kind) in key_values.items():
-                _add(writer, key, value, kind)
+                add_key_value(writer, key, value, kind)
             if not ftype:
                 writer.add_file_type(int(file_type(outtype, OUTTYPES[outtype][1], outputs)))
                 writer.add_quantization_version(gguf.GGML_QUANT_VERSION)

@@ -28,8 +28,9 @@ import numpy as np
 from ...core.errors import ModelFormatError
 from ...core.progress import bar
 from ...source.safetensors_io import TensorSource
-from .convert import Output, Step, _add, _general_metadata, _write_step, text_config
+from .convert import Output, Step, _write_step, text_config
 from .families.spec import HParams, Param, Rule, accept, derived, located, param
+from .kv_writer import add_key_value, general_metadata
 
 Q = gguf.GGMLQuantizationType
 C, V = gguf.Keys.Clip, gguf.Keys.ClipVision
@@ -211,12 +212,12 @@ def convert_mmproj(projector: Projector, model_dir: Path, cfg: dict[str, Any], s
                 itemsize = 4 if o.qtype == Q.F32 else 2
                 writer.add_tensor_info(o.name, o.shape, np.dtype(np.float32 if itemsize == 4 else np.float16),
                                        int(np.prod(o.shape)) * itemsize)
-            general = _general_metadata(writer, model_dir, name)
+            general = general_metadata(writer, model_dir, name)
             # the model's general.* keys as for the language model, but the file is a projector
             writer.kv_data[0][gguf.Keys.General.TYPE] = gguf.GGUFValue(gguf.GGUFType.MMPROJ, gguf.GGUFValueType.STRING)
             writer.add_file_type(int(gguf.LlamaFileType.MOSTLY_F16))
             for key, (value, kind) in key_values.items():
-                _add(writer, key, value, kind)
+                add_key_value(writer, key, value, kind)
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
             for key, value in sorted((provenance or {}).items()):
                 writer.add_string(f"hive_aot.{key}", value)

@@ -177,20 +177,14 @@ def _spm_vocab(model_dir: Path, vocab_size: int) -> Vocab:
     n = sp.vocab_size()
     if n > vocab_size:
         raise ModelFormatError(f"tokenizer.model has {n} pieces but config vocab_size is {vocab_size}")
-    tokens, scores, types = [], [], []
-    for i in range(n):
-        tokens.append(sp.id_to_piece(i))
-        scores.append(float(sp.get_score(i)))
-        if sp.is_unknown(i):
-            types.append(gguf.TokenType.UNKNOWN)
-        elif sp.is_control(i):
-            types.append(gguf.TokenType.CONTROL)
-        elif sp.is_unused(i):
-            types.append(gguf.TokenType.UNUSED)
-        elif sp.is_byte(i):
-            types.append(gguf.TokenType.BYTE)
-        else:
-            types.append(gguf.TokenType.NORMAL)
+    ids = list(range(n))  # each query over every id in one call: a call per id costs more than the answers
+    tokens = list(sp.id_to_piece(ids))
+    scores = [float(score) for score in sp.get_score(ids)]
+    kind = gguf.TokenType
+    types = [kind.UNKNOWN if unknown else kind.CONTROL if control else kind.UNUSED if unused else kind.BYTE if byte
+             else kind.NORMAL
+             for unknown, control, unused, byte in zip(sp.is_unknown(ids), sp.is_control(ids), sp.is_unused(ids),
+                                                       sp.is_byte(ids))]
     added_file = model_dir / "added_tokens.json"
     added: dict[str, int] = json.loads(added_file.read_text()) if added_file.is_file() else {}
     tj = model_dir / "tokenizer.json"
