@@ -349,10 +349,9 @@ def generate(out: Path, shape: LlamaShape, *, dtype: str = "bf16", seed: int = 0
                     f.write(struct.pack("<Q", len(shard.header)) + shard.header)
                     f.truncate(shard.size)
         elif progress:
-            from tqdm import tqdm
+            from ..core.progress import bar as progress_bar  # drawn on a terminal only, as every bar of hive-aot
 
-            bar = tqdm(total=sum(s.data_bytes for s in shards), desc=f"weights {dtype}", unit="B", unit_scale=True,
-                       unit_divisor=1024, file=sys.stderr, dynamic_ncols=True)
+            bar = progress_bar(sum(s.data_bytes for s in shards), f"weights {dtype}")
         try:
             if not sparse:
                 write_weights(tmp, shards, seed, dtype, threads or max(1, min(4, os.cpu_count() or 1)), bar)
