@@ -26,28 +26,45 @@ _NUMERIC = {V.UINT8: "<u1", V.INT8: "<i1", V.UINT16: "<u2", V.INT16: "<i2", V.UI
 _LENGTH = struct.Struct("<Q")
 
 
+def _all(kinds: set[type], test) -> bool:
+    return all(test(k) for k in kinds)
+
+
+def _text(k: type) -> bool:
+    return issubclass(k, (str, bytes, bytearray))
+
+
+def _integer(k: type) -> bool:
+    return issubclass(k, int) and not issubclass(k, bool)
+
+
+def _flag(k: type) -> bool:
+    return issubclass(k, bool)
+
+
 def _item_type(kinds: set[type]) -> V | None:
     """The one GGUF type gguf-py would give every item of these Python types (its get_type), else None."""
-    if all(issubclass(k, (str, bytes, bytearray)) for k in kinds):
+    if _all(kinds, _text):
         return V.STRING
     if kinds == {float}:
         return V.FLOAT32
-    if all(issubclass(k, bool) for k in kinds):
+    if _all(kinds, _flag):
         return V.BOOL
-    if all(issubclass(k, int) and not issubclass(k, bool) for k in kinds):
+    if _all(kinds, _integer):
         return V.INT32
     return None
 
 
 def _pack_items(items: list[Any], item_type: V, kinds: set[type]) -> bytes | None:
-    """The items as gguf-py packs them one by one, or None where this cannot promise the same bytes."""
+    """The items as gguf-py packs them one by one, or None where this cannot promise the same bytes (the
+    item type may be the caller's, so the items are checked against it)."""
     if item_type == V.STRING:
-        if not all(issubclass(k, (str, bytes, bytearray)) for k in kinds):
+        if not _all(kinds, _text):
             return None
         encoded = [s.encode("utf-8") if isinstance(s, str) else bytes(s) for s in items]
         return b"".join(chain.from_iterable(zip(map(_LENGTH.pack, map(len, encoded)), encoded)))
     if item_type == V.BOOL:
-        return bytes(bool(b) for b in items) if all(issubclass(k, bool) for k in kinds) else None
+        return bytes(bool(b) for b in items) if _all(kinds, _flag) else None
     fmt = _NUMERIC.get(item_type)
     if fmt is None:
         return None
@@ -56,13 +73,12 @@ def _pack_items(items: list[Any], item_type: V, kinds: set[type]) -> bytes | Non
             return None
         with np.errstate(over="ignore", invalid="ignore"):
             packed = np.asarray(items, dtype=np.float64).astype(fmt)
-            exact_range = np.isfinite(packed).all()
-        return packed.tobytes() if exact_range else None  # struct refuses what overflows: let it say so
-    if not all(issubclass(k, int) and not issubclass(k, bool) for k in kinds):
+        return packed.tobytes() if np.isfinite(packed).all() else None  # struct refuses what overflows: it says so
+    if not _all(kinds, _integer):
         return None
-    values = np.asarray([int(i) for i in items], dtype=object)
+    values = [int(i) for i in items]
     info = np.iinfo(fmt)
-    if values.min() < info.min or values.max() > info.max:
+    if min(values) < info.min or max(values) > info.max:
         return None  # struct raises for it: let gguf-py say so
     return np.asarray(values, dtype=fmt).tobytes()
 
