@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -89,11 +91,58 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+class DiskWatch:
+    """The free space of the file systems the suite writes to (the temp dir, the cache), sampled while it runs.
+
+    A CI run failed when SeaweedFS, which stops taking writes once its disk is about 99 % full, answered every
+    S3 write with InternalError ("No writable volumes and no free volumes left") late in the suite: the
+    summary now says how close to full each disk came, and when."""
+
+    def __init__(self, paths: list[Path], every_s: float = 2.0):
+        self.every_s = every_s
+        self.roots: dict[int, Path] = {}
+        for path in paths:
+            path.mkdir(parents=True, exist_ok=True)
+            self.roots.setdefault(path.stat().st_dev, path)  # one sample per file system
+        self.start = {dev: shutil.disk_usage(p).free for dev, p in self.roots.items()}
+        self.lowest = {dev: (free, 0.0) for dev, free in self.start.items()}
+        self._stop = threading.Event()
+        self._t0 = time.time()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every_s):
+            for dev, path in self.roots.items():
+                free = shutil.disk_usage(path).free
+                if free < self.lowest[dev][0]:
+                    self.lowest[dev] = (free, time.time() - self._t0)
+
+    def __enter__(self) -> DiskWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def lines(self) -> list[str]:
+        gib = 1 << 30
+        out = []
+        for dev, path in self.roots.items():
+            usage = shutil.disk_usage(path)
+            low, at = self.lowest[dev]
+            out.append(f"{path}: {self.start[dev] / gib:.1f} GiB free at start, lowest {low / gib:.1f} GiB "
+                       f"({low / usage.total:.1%} of {usage.total / gib:.0f} GiB) at {at:.0f} s, "
+                       f"{usage.free / gib:.1f} GiB at the end")
+        return out
+
+
 def main() -> int:
     report = Path(tempfile.mkdtemp(prefix="hive-aot-test-")) / "report.xml"
     t0 = time.time()
-    rc = subprocess.call([sys.executable, "-m", "pytest", "-q", f"--junitxml={report}", *pytest_args(sys.argv[1:])],
-                         env=worker_env())
+    with DiskWatch([Path(tempfile.gettempdir()), Path.home() / ".cache"]) as disk:
+        rc = subprocess.call([sys.executable, "-m", "pytest", "-q", f"--junitxml={report}",
+                              *pytest_args(sys.argv[1:])], env=worker_env())
     wall = time.time() - t0
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     try:
@@ -115,6 +164,9 @@ def main() -> int:
                 print(f"  {line}")
         if per_file:
             record_durations(per_file)
+    print("== disk ==")
+    for line in disk.lines():
+        print(f"  {line}")
     print(f"  {wall:8.1f}s  total wall time (pytest incl. session fixtures)")
     print(json.dumps({"pytest_exit": rc, "wall_s": round(wall, 1), **counts}))
     if rc == 5 or counts["tests"] == 0:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -109,7 +110,10 @@ def pytest_runtest_makereport(item, call):
             said = f.read().decode(errors="replace").splitlines()
         errors = [line for line in said if GLOG_ERROR.match(line)]
         if errors:
-            report.sections.append(("SeaweedFS errors during this test (weed.log)", "\n".join(errors[-30:])))
+            # weed refuses new writes ("no free volumes left") once its disk is ~99 % full: say how full it is
+            disk = shutil.disk_usage(_logs[-1].parent)
+            errors.append(f"(weed's disk: {disk.free / (1 << 30):.2f} GiB free of {disk.total / (1 << 30):.0f} GiB)")
+            report.sections.append(("SeaweedFS errors during this test (weed.log)", "\n".join(errors[-31:])))
 
 
 @pytest.fixture(scope="session")
