@@ -204,6 +204,20 @@ def floor_of(step: str, cp: float, forward: float, quantize: float | None) -> tu
     return None, ""
 
 
+def achieved_rates(rates: dict, gemm_rate: float, copy_rate: float) -> list[str]:
+    """The build's own record of its rates (meter.rates), each as a share of the host's: FLOP/s of the GEMM,
+    bytes/s of a copy of the source."""
+    lines = []
+    for step, done in rates.items():
+        if done.get("flop_per_s"):
+            lines.append(f"{step}: {done['flop_per_s'] / 1e9:.1f} GFLOP/s = {done['flop_per_s'] / gemm_rate:.2f} of "
+                         "the GEMM rate")
+        if done.get("bytes_per_s"):
+            lines.append(f"{step}: {done['bytes_per_s'] / 1e9:.2f} GB/s = {done['bytes_per_s'] / copy_rate:.2f} of "
+                         "a copy's")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model_dir", nargs="?")
@@ -250,10 +264,16 @@ def main() -> int:
         rows.append({"step": step, "seconds": seconds, "floor": floor, "floor_is": what})
         ratio = f"{seconds / floor:.2f}x" if floor else ""
         print(f"| {step} | {seconds:.1f} | {floor:.2f} | {ratio} | {what} |" if floor else f"| {step} | {seconds:.1f} | | | |")
+    achieved = achieved_rates(doc.get("step_rates") or {}, gemm["rate"], size / cp)
+    if achieved:
+        print("\nrates the build recorded (step_rates), beside the host's:")
+        for line in achieved:
+            print(f"  {line}")
     result = {"model": model.name, "bytes": size, "cores": os.cpu_count(), "cp_seconds": cp,
               "convert_f16_seconds": convert_f16, "convert_over_cp": convert_f16 / cp, "gemm": gemm,
               "positions": positions, "build_seconds": wall, "bound_seconds": bound, "build_over_bound": wall / bound,
-              "quantize_floor_seconds": quantize, "quantize": quantize_detail, "steps": rows}
+              "quantize_floor_seconds": quantize, "quantize": quantize_detail, "steps": rows,
+              "step_rates": doc.get("step_rates")}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1) + "\n")
     return 0

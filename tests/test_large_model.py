@@ -73,11 +73,12 @@ def build_large(large_model, tmp_path_factory):
     shutil.rmtree(root, ignore_errors=True)  # the store and its artifacts: several GB
 
 
-def check_measured_against_plan(res: dict) -> dict[str, tuple[float, float]]:
+def check_measured_against_plan(res: dict, did_less: frozenset[str] = frozenset()) -> dict[str, tuple[float, float]]:
     """Every step measured under the budget and within 1.5x of its estimate; returns {step: (plan, measured) GiB}.
     The measurement is the processes' peak resident set, mapped file pages included: it is held against the
     plan's memory plus what the plan reports as mapped (llama.cpp's mmap'd GGUF), and the memory alone must
-    fit the budget."""
+    fit the budget. `did_less`: steps that did only part of what the plan counts (found the rest cached), held
+    below their estimate only."""
     steps = {s["step"]: s for s in res["memory_plan"]["steps"]}
     plan = {k: s["memory"] + s.get("mapped", 0) for k, s in steps.items()}
     measured = res["memory_measured"]
@@ -88,7 +89,7 @@ def check_measured_against_plan(res: dict) -> dict[str, tuple[float, float]]:
         assert used <= BUDGET_BYTES, (step, table)
         assert steps[step]["memory"] <= BUDGET_BYTES, (step, table)  # the plan let the build run
         if max(used, plan[step]) >= SMALL_STEP:
-            assert used / 1.5 <= plan[step] <= 1.5 * used, (step, table)
+            assert used / 1.5 <= plan[step] and (step in did_less or plan[step] <= 1.5 * used), (step, table)
     return table
 
 
@@ -148,12 +149,18 @@ def test_gguf_f16_convert_and_reference_stream_below_40_percent_of_fp32(build_la
     artifact = sum(f["size"] for f in res["files"])
     assert abs(plan["convert"]["disk"] / artifact - 1) < 0.02, (plan["convert"]["disk"], artifact)
     assert res["memory_measured"]["convert"] < 0.40 * fp32  # streamed: never the model, let alone in fp32
-    check_measured_against_plan(res)
-    # The reference (computed by whichever build came first, cached for the others) streamed in its own child.
-    done = [json.loads(p.read_text()) for p in (cache_root() / "reference").glob("*/done.json")]
+    # The reference's logits (computed by whichever build came first, cached for the others) streamed in their own
+    # child; the greedy continuation only GGUF compares is an entry of its own.
+    entries = [json.loads(p.read_text()) for p in (cache_root() / "reference").glob("*/done.json")]
+    done = [d for d in entries if "router_gaps" in d]
+    (continuation,) = [d for d in entries if "generation_ids" in d]
+    # computed apart from the logits (an earlier build of this module computed those): this build's reference step
+    # ran the continuation alone, a pass per token without the batch of parity texts its plan counts
+    alone = continuation["usage"] not in [d["usage"] for d in done]
+    check_measured_against_plan(res, frozenset({"reference"}) if alone else frozenset())
     usage = [d["usage"] for d in done if not d["usage"].get("resident", True)]
     assert len(usage) == 1, done
     print(f"reference peak RSS {usage[0]['peak_rss'] / 2**20:.0f} MiB = {usage[0]['peak_rss'] / fp32:.1%} of fp32")
     # beyond its interpreter with torch (most of the process at this size), under 40% of the fp32 model
     assert usage[0]["peak_rss"] - BASE_TORCH < 0.40 * fp32
-    assert usage[0]["unit_loads"] >= (LAYERS + 3) * 2  # every pass re-read every unit: it streamed
+    assert usage[0]["unit_loads"] >= LAYERS + 3  # every unit read in its own turn

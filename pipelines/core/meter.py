@@ -16,9 +16,14 @@ The build records `{step: bytes}` next to its plan (`BuildResult.memory_measured
 its plan and a test can hold the plan to within a factor of what was measured. Where /proc cannot be
 read or reset (not Linux), nothing is recorded.
 
+A step may also be credited with the work it did (`work`: floating-point operations of a forward pass, bytes
+read or written); with its own wall time that gives the rate it achieved (`rates`), which the build records
+beside its times and the bench compares with the host's floor (the GEMM rate, a copy).
+
 Each step is also reported as it starts and ends (progress.py: a line on stderr and in the run log), with its
-own elapsed time and peak, nested steps included. A step may be shown under another `label` than the plan step
-it is measured as: the blob upload is part of the plan's `publish` step, and shown as `upload`.
+own elapsed time and peak (and rate, when credited with work), nested steps included. A step may be shown
+under another `label` than the plan step it is measured as: the blob upload is part of the plan's `publish`
+step, and shown as `upload`.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import progress
 
@@ -39,6 +44,7 @@ class _Entered:
     label: str
     started: float
     peak: int = 0
+    work: dict[str, float] = field(default_factory=dict)  # unit ("flop", "bytes") -> amount done inside this step
 
 
 _lock = threading.Lock()
@@ -46,6 +52,7 @@ _stack: list[_Entered] = []
 _own: dict[str, int] = {}  # step -> this process's peak over its segments
 _children: dict[str, int] = {}  # step -> the largest (child's peak + this process's resident set meanwhile)
 _seconds: dict[str, float] = {}  # step -> wall time of its own segments
+_work: dict[str, dict[str, float]] = {}  # step -> unit -> amount of work credited to it (`work`)
 _segment_start = [time.monotonic()]
 
 
@@ -99,7 +106,8 @@ def step(name: str, label: str | None = None) -> Iterator[None]:
         with _lock:
             _close_segment()
             _stack.pop()
-        progress.step_ended(entered.label, time.monotonic() - entered.started, entered.peak or None, failed)
+        progress.step_ended(entered.label, time.monotonic() - entered.started, entered.peak or None, failed,
+                            entered.work)
 
 
 def child(peak_bytes: int | None) -> None:
@@ -114,12 +122,24 @@ def child(peak_bytes: int | None) -> None:
             _raise_reported_peaks(int(peak_bytes) + waiting)
 
 
+def work(flop: float = 0, nbytes: float = 0) -> None:
+    """Credit the step running now with work it did: floating-point operations, bytes moved."""
+    with _lock:
+        if not _stack:
+            return
+        for unit, amount in (("flop", flop), ("bytes", nbytes)):
+            if amount > 0:
+                for credited in (_work.setdefault(_stack[-1].name, {}), _stack[-1].work):
+                    credited[unit] = credited.get(unit, 0.0) + float(amount)
+
+
 def reset() -> None:
     """Forget what was measured (a build starts a new record)."""
     with _lock:
         _own.clear()
         _children.clear()
         _seconds.clear()
+        _work.clear()
 
 
 def measured() -> dict[str, int]:
@@ -134,3 +154,16 @@ def seconds() -> dict[str, float]:
     with _lock:
         _close_segment()
         return {s: round(v, 1) for s, v in sorted(_seconds.items())}
+
+
+def rates() -> dict[str, dict[str, float]]:
+    """{step: {unit: amount, unit_per_s: amount over the step's own wall time}} for the steps credited with work
+    since the last reset (flop_per_s of a reference pass, bytes_per_s of a conversion)."""
+    with _lock:
+        _close_segment()
+        out: dict[str, dict[str, float]] = {}
+        for step, done in sorted(_work.items()):
+            secs = _seconds.get(step, 0.0)
+            out[step] = {k: v for unit, amount in sorted(done.items())
+                         for k, v in ((unit, amount), (f"{unit}_per_s", round(amount / secs) if secs > 0 else 0))}
+        return out

@@ -89,10 +89,23 @@ def step_started(label: str) -> None:
     _say(f"{_name(label)} start")
 
 
-def step_ended(label: str, seconds: float, peak_bytes: int | None, failed: bool) -> None:
+def step_ended(label: str, seconds: float, peak_bytes: int | None, failed: bool,
+               work: dict[str, float] | None = None) -> None:
     how = "failed after" if failed else "done in"
     peak = f", peak {human_bytes(peak_bytes)}" if peak_bytes else ""
-    _say(f"{_name(label)} {how} {seconds:.1f} s{peak}")
+    _say(f"{_name(label)} {how} {seconds:.1f} s{peak}{_rates(work or {}, seconds)}")
+
+
+def _rates(work: dict[str, float], seconds: float) -> str:
+    """", 212 GFLOP/s", ", 1.2 GiB/s": the work a step was credited with (meter.work) over its elapsed time."""
+    if seconds <= 0:
+        return ""
+    shown = []
+    if work.get("flop"):
+        shown.append(f"{work['flop'] / seconds / 1e9:.1f} GFLOP/s")
+    if work.get("bytes"):
+        shown.append(f"{human_bytes(int(work['bytes'] / seconds))}/s")
+    return "".join(f", {x}" for x in shown)
 
 
 @contextmanager

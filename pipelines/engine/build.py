@@ -167,6 +167,8 @@ def stage(p: Plan, store: Store) -> BuildResult:
             step = p.target.build_step
             with meter.step(step):
                 art = p.target.build(p.context, work)
+                if p.parent is None:  # read from the source: its rate is comparable with a copy of the source
+                    meter.work(nbytes=sum(f.size for f in p.context.snapshot.files if f.path.endswith(".safetensors")))
             step = "publish"
             entries = []
             total = sum((art.root / rel).stat().st_size for rel in art.files)
@@ -179,6 +181,7 @@ def stage(p: Plan, store: Store) -> BuildResult:
                     digest = store.put_blob(path, art.known_digests.get(rel), handover=True)
                     entries.append(FileEntry(path=rel, sha256=digest, size=path.stat().st_size))
                     uploaded.update(entries[-1].size)
+                meter.work(nbytes=total)
         except OSError as e:  # DiskFull (a HiveError) from the store or a child process, or the OS's ENOSPC
             cause = disk_full_cause(e, work)
             if cause is None:
@@ -384,7 +387,7 @@ def _build_one(p: Plan, store: Store, config: Config) -> BuildResult:
         return BuildResult(build_id=p.build_id, model_id=p.model_id, recipe=p.recipe.id, manifest="", skipped=False,
                            state="rejected", validation=validation_record(p, report), files=staged.files,
                            memory_plan=staged.memory_plan, memory_measured=meter.measured(),
-                           step_seconds=meter.seconds())
+                           step_seconds=meter.seconds(), step_rates=meter.rates())
     try:
         res = publish_staged(p, store, config)  # a step of its own (measured and reported)
     except StoreError as e:
@@ -392,6 +395,7 @@ def _build_one(p: Plan, store: Store, config: Config) -> BuildResult:
     res.memory_plan = staged.memory_plan
     res.memory_measured = meter.measured()
     res.step_seconds = meter.seconds()
+    res.step_rates = meter.rates()
     return res
 
 

@@ -37,6 +37,7 @@ import numpy as np
 from ..core.errors import HiveError, ModelFormatError
 from ..source.safetensors_io import TensorSource
 from . import expert_stream
+from .unit_memory import BufferPool, return_freed_memory
 from .weight_rules import weight_rules
 
 if TYPE_CHECKING:
@@ -93,39 +94,10 @@ def _units(model) -> list[tuple[str, object, bool]]:
     return out
 
 
-def return_freed_memory() -> None:
-    """Make glibc give freed blocks of 1 MiB and more straight back to the kernel. By default its mmap
-    threshold rises to 32 MiB after the first large free, so a layer's 4-32 MiB weight matrices land on
-    the heap, and the heap does not shrink between layers: streamed, the process would still grow to
-    the size of the model."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (a fixed value also stops the dynamic adjustment)
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        pass
-
-
-def trim_heap() -> None:
-    """Hand the heap's free pages back to the kernel (after an in-process reference: the build goes on
-    to run an engine child, and the fp32 weights it no longer holds should not stay counted)."""
-    import ctypes
-    import ctypes.util
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
-def read_float32(source: TensorSource, name: str):
+def read_float32(source: TensorSource, name: str, out: torch.Tensor | None = None):
     """One checkpoint tensor as a float32 torch tensor, widened a slice at a time with each slice's mmap pages
     dropped from the resident set as soon as it is converted (so an embedding matrix never has its file pages
-    and its fp32 copy resident in full at once)."""
+    and its fp32 copy resident in full at once). `out`: a float32 tensor of the tensor's shape to write into."""
     import torch
 
     info = source.info(name)
@@ -135,7 +107,8 @@ def read_float32(source: TensorSource, name: str):
         raise ModelFormatError(f"tensor {name!r} has dtype {info.dtype}: the reference needs float weights")
     view, torch_view = kinds[info.dtype]
     raw = source.where[name].raw(name)
-    out = torch.empty(info.shape, dtype=torch.float32)
+    out = out if out is not None and tuple(out.shape) == tuple(info.shape) else torch.empty(info.shape,
+                                                                                          dtype=torch.float32)
     flat = out.view(-1)
     width = np.dtype(view).itemsize
     step = READ_SLICE_BYTES // width
@@ -254,6 +227,9 @@ class StreamedCausalLM:
         self.resident = resident
         self.transform = transform
         self.reader = reader
+        self.pool = BufferPool()  # streamed: a dropped unit's fp32 buffers serve the next unit's reads
+        self._taken: set[int] = set()  # where the reads of the parameter being loaded were written
+        self._pooled: set[str] = set()  # parameters whose tensor is the buffer their read was given
         try:
             self._load_buffers()
         except BaseException:
@@ -317,7 +293,9 @@ class StreamedCausalLM:
                 return read
         if self.source.info(name).dtype == "U8":  # packed MXFP4 blocks / E8M0 scales: their rule decodes the bytes
             return read_packed(self.source, name)
-        return read_float32(self.source, name)
+        out = read_float32(self.source, name, self.pool.take(self.source.info(name).shape))
+        self._taken.add(out.data_ptr())
+        return out
 
     def _loader(self, prefix: str, module, recurse: bool):
         import torch
@@ -325,7 +303,9 @@ class StreamedCausalLM:
         def hook(_module=None, _args=None):
             if prefix in self._loaded:
                 return
-            for full, owner, attr in self._params(prefix, module, recurse):
+            params = list(self._params(prefix, module, recurse))
+            self.pool.keep_only([tuple(owner._parameters[attr].shape) for _full, owner, attr in params])
+            for full, owner, attr in params:
                 expected = tuple(owner._parameters[attr].shape)
                 if self.transform is None and expert_stream.streams(attr, expected):
                     one = expert_stream.expert_loader(self.rules[full], self.source, self._read, expected[0])
@@ -338,6 +318,7 @@ class StreamedCausalLM:
                         elif eager is not type(owner).forward:
                             owner.forward = types.MethodType(eager, owner)
                         continue
+                self._taken.clear()
                 value = self.rules[full].load(self._read)
                 if value.dim() == 3 and tuple(value.shape) == (expected[0], expected[2], expected[1]) != expected:
                     # fused experts stored inputs first (Qwen3-VL-MoE as released): transposed as transformers'
@@ -348,6 +329,8 @@ class StreamedCausalLM:
                                            f"the config implies {list(expected)}")
                 if self.transform is not None:
                     value = self.transform(full, owner, attr, value)
+                elif value.data_ptr() in self._taken and value.is_contiguous() and value.dtype == torch.float32:
+                    self._pooled.add(full)  # the read's own buffer: given back to the pool when the unit drops
                 owner._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
             self._loaded.add(prefix)
             self.loads += 1
@@ -359,9 +342,12 @@ class StreamedCausalLM:
         def hook(_module=None, _args=None, _output=None):
             if _module is not None and prefix in self._held:  # a forward inside `loaded()`: kept until it ends
                 return
-            for _full, owner, attr in self._params(prefix, module, recurse):
+            for full, owner, attr in self._params(prefix, module, recurse):
                 p = owner._parameters[attr]
                 owner._parameters[attr] = torch.nn.Parameter(p.to("meta"), requires_grad=False)
+                if full in self._pooled:
+                    self._pooled.discard(full)
+                    self.pool.give(p.data)
                 owner.__dict__.pop("forward", None)  # an expert-by-expert forward lives as long as its slices
             self._loaded.discard(prefix)
         return hook
@@ -438,6 +424,7 @@ class StreamedCausalLM:
         for _name, module, _recurse in self.units:
             if id(module) in self._by_module:
                 self._by_module[id(module)][1]()
+        self.pool.clear()
         self.source.close()
 
     def __enter__(self) -> StreamedCausalLM:

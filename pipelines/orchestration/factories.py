@@ -15,6 +15,7 @@ import dagster as dg
 from ..compat import classify_snapshot
 from ..config.kinds import target_for
 from ..config.registry import Config, ModelEntry, Recipe
+from ..core import meter
 from ..core.errors import HiveError, ResourceError
 from ..core.units import human_bytes
 from ..engine import build as engine
@@ -102,6 +103,13 @@ def _memory_metadata(plan: dict[str, Any] | None) -> dict[str, Any]:
                                                  f"{plan['budget_human']}: {plan['budget_source']})")}
 
 
+def _rate_metadata() -> dict[str, Any]:
+    """The work this step's build steps did and the rate they reached (meter.rates): a reference's FLOP/s beside
+    the host's GEMM rate, a conversion's bytes/s beside a copy's. Empty when no step was credited with work."""
+    rates = meter.rates()
+    return {"step_rates": dg.MetadataValue.json(rates)} if rates else {}
+
+
 def source_assets() -> list[dg.AssetsDefinition]:
     @dg.observable_source_asset(key=UPSTREAM_KEY, partitions_def=models_partitions, group_name="sources",
                                 description="Each registered model's upstream commit as its data version (one Hub "
@@ -182,6 +190,7 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
         if rid not in hive.config().requested_recipes(hive.model(model_id)):
             context.log.info(f"{model_id} does not request {rid} (nor a recipe built from it); nothing to build")
             return
+        meter.reset()  # this step's own measurements (an in-process executor runs several in one process)
         try:
             plan = engine.plan(snapshot["source"], rid, hive.config(), model_id)
             res = engine.stage(plan, hive.open_store())
@@ -193,7 +202,7 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
             data_version=dg.DataVersion(res.build_id[:16]),
             metadata={**build_entries(res.build_id, candidate=res.manifest), "state": res.state, "skipped": res.skipped,
                       "store_uri": hive.store_uri(), **_sizes(res.files), "files": files_table(res.files),
-                      **_memory_metadata(res.memory_plan)},
+                      **_memory_metadata(res.memory_plan), **_rate_metadata()},
         )
 
     # Every validation holds a reference and an engine with the model: the large-memory pool (limit 1, see
@@ -203,6 +212,7 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
                     description=f"Parity with the transformers fp32 reference on fixed token ids, measured in the "
                                 f"{recipe.kind} target's engine, must meet {rid}'s thresholds.")
     def parity_check(context: dg.AssetCheckExecutionContext, hive: HiveResource, artifact: dict) -> dg.AssetCheckResult:
+        meter.reset()
         try:
             plan = engine.plan(artifact["source"], rid, hive.config(), artifact["model_id"])
             if artifact["state"] in ("skipped", "repaired"):  # published before: its recorded validation
@@ -221,7 +231,7 @@ def recipe_assets(recipe: Recipe) -> tuple[list[dg.AssetsDefinition], list[dg.As
             akey, context.partition_key, validation, plan.recipe.validation,
             "passed: " + description if passed else "rejected: " + description))
         return dg.AssetCheckResult(passed=passed, description=description,
-                                   metadata=check_metadata(validation, plan.recipe.validation))
+                                   metadata={**check_metadata(validation, plan.recipe.validation), **_rate_metadata()})
 
     # Cheap (sizes and recorded digests, no model in memory): no pool, so it never waits behind a validation.
     @dg.asset_check(asset=akey, name=INTEGRITY_CHECK, blocking=True, partitions_def=models_partitions,

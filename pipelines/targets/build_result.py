@@ -27,13 +27,14 @@ class BuildResult:
     memory_plan: dict[str, Any] | None = None  # each step's estimated memory and disk (memory.MemoryPlan)
     memory_measured: dict[str, int] | None = None  # each step's measured peak, all its processes (meter.py)
     step_seconds: dict[str, float] | None = None  # each step's wall time (meter.py)
+    step_rates: dict[str, dict[str, float]] | None = None  # work done per step and its rate (meter.rates)
 
     def to_json(self) -> dict[str, Any]:
         doc = {
             "build_id": self.build_id, "model_id": self.model_id, "recipe": self.recipe, "manifest": self.manifest,
             "skipped": self.skipped, "state": self.state, "format": self.format, "validation": self.validation,
             "files": self.files, "memory_plan": self.memory_plan, "memory_measured": self.memory_measured,
-            "step_seconds": self.step_seconds,
+            "step_seconds": self.step_seconds, "step_rates": self.step_rates,
         }
         if self.reason:
             doc["reason"] = self.reason
@@ -42,5 +43,6 @@ class BuildResult:
             if sub is not None:
                 doc[name] = {"recipe": sub.recipe, "build_id": sub.build_id, "state": sub.state, "format": sub.format,
                              "manifest": sub.manifest, "memory_plan": sub.memory_plan,
-                             "memory_measured": sub.memory_measured, "step_seconds": sub.step_seconds}
+                             "memory_measured": sub.memory_measured, "step_seconds": sub.step_seconds,
+                             "step_rates": sub.step_rates}
         return doc

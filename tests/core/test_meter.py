@@ -43,3 +43,27 @@ def test_a_child_that_outlives_its_timeout_is_killed_and_said_so():
     with pytest.raises(subprocess.TimeoutExpired):
         run_measured([sys.executable, "-c", "import time; time.sleep(60)"], timeout=1, start_new_session=True)
     assert time.monotonic() - t0 < 30
+
+
+def test_work_credited_to_a_step_gives_its_rate_over_its_own_time():
+    """A step's rate is its work over its own wall time: a nested step's time and work stay the nested step's."""
+    meter.reset()
+    meter.work(flop=1e9)  # outside any step: nowhere to credit it
+    with meter.step("reference"):
+        time.sleep(0.1)
+        meter.work(flop=3e9)
+        meter.work(flop=1e9)  # work adds up
+        with meter.step("validate"):
+            time.sleep(0.05)
+            meter.work(nbytes=5e6)
+    with meter.step("publish"):
+        time.sleep(0.01)
+    rates, seconds = meter.rates(), meter.seconds()
+    assert set(rates) == {"reference", "validate"}  # publish did no counted work
+    assert rates["reference"]["flop"] == 4e9 and "bytes" not in rates["reference"]
+    assert rates["validate"] == {"bytes": 5e6, "bytes_per_s": rates["validate"]["bytes_per_s"]}
+    # over the step's own time: the reference's 0.1 s, not the 0.15 s it spanned with the validation in it
+    assert 4e9 / 0.1 * 0.8 < rates["reference"]["flop_per_s"] <= 4e9 / 0.1 and seconds["reference"] < 0.15
+    assert rates["validate"]["bytes_per_s"] <= 5e6 / 0.05
+    meter.reset()
+    assert meter.rates() == {}

@@ -5,6 +5,7 @@ the same lines in a Dagster run's log."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import select
@@ -22,7 +23,8 @@ from pipelines.cli.main import main
 
 REPO = Path.cwd()
 LINE = re.compile(r"^hive-aot: \[(?P<step>[^\]]+)\] (?:(?P<start>start)|(?P<end>done in|failed after) "
-                  r"(?P<seconds>\d+\.\d) s(?:, peak (?P<peak>\d+\.\d [KMG]iB))?)$")
+                  r"(?P<seconds>\d+\.\d) s(?:, peak (?P<peak>\d+\.\d [KMG]iB))?"
+                  r"(?:, (?P<flops>\d+\.\d) GFLOP/s)?(?:, (?P<rate>\d+(?:\.\d)? (?:B|[KMG]iB))/s)?)$")
 # a tqdm bar with its counter and its ETA: "reference:  35%|████▉      | 33/95 [00:01<00:02, 21.95unit/s]" (the
 # ETA is "?" until a rate is known)
 BAR = re.compile(r"(?P<desc>[\w.][\w. ]*): +\d+%\|[^|\r\n]*\| *[\d.]+[KMG]?/[\d.]+[KMG]? "
@@ -72,7 +74,8 @@ def steps_of(lines: list[str]) -> dict[str, dict]:
         else:
             assert open_steps and open_steps[-1] == name, f"{name} ended out of order: {lines}"
             open_steps.pop()
-            steps[name] = {"how": m["end"], "seconds": float(m["seconds"]), "line": line}
+            steps[name] = {"how": m["end"], "seconds": float(m["seconds"]), "line": line, "flops": m["flops"],
+                           "rate": m["rate"]}
     assert not open_steps, f"never ended: {open_steps}"
     return steps
 
@@ -118,7 +121,8 @@ def test_a_build_into_a_file_says_when_each_step_starts_and_ends(setup, tiny_lla
     monkeypatch.delenv("HIVE_AOT_PROGRESS", raising=False)
     rc = main(["build", str(tiny_llama), "--recipe", "gguf-f16", "--model-id", "test/progress", "--store",
                str(setup["store"]), "--registry", setup["registry"], "--json"])
-    text = capfd.readouterr().err
+    said = capfd.readouterr()
+    text = said.err
     assert rc == 0, text
     assert "\r" not in text and "%|" not in text  # no bar into a file
     steps = steps_of(text.splitlines())
@@ -128,6 +132,16 @@ def test_a_build_into_a_file_says_when_each_step_starts_and_ends(setup, tiny_lla
     # a step's time includes the steps nested in it (each figure is rounded to a tenth)
     validate = steps["gguf-f16: validate"]["seconds"]
     assert validate >= steps["gguf-f16: reference"]["seconds"] + steps["gguf-f16: llama.cpp check"]["seconds"] - 0.2
+    # the steps that did countable work say their rate: bytes read or uploaded, a forward pass's FLOPs
+    assert {name for name, s in steps.items() if s["rate"]} == {"gguf-f16: convert", "gguf-f16: upload"}
+    assert {name for name, s in steps.items() if s["flops"]} == {"gguf-f16: reference", "gguf-f16: llama.cpp check"}
+    # and the build records them per plan step: the source's bytes for the conversion, the artifact's for publish
+    rates = json.loads(said.out)["step_rates"]
+    assert set(rates) == {"convert", "publish", "reference", "validate"}
+    source = sum(f.stat().st_size for f in tiny_llama.glob("*.safetensors"))
+    assert rates["convert"]["bytes"] == source and rates["convert"]["bytes_per_s"] > 0
+    assert rates["publish"]["bytes"] == sum(f["size"] for f in json.loads(said.out)["files"])
+    assert rates["reference"]["flop"] > 0 and rates["validate"]["flop"] > 0
 
 
 def test_on_a_terminal_the_long_steps_draw_bars_with_an_eta(setup, tiny_llama):

@@ -183,3 +183,48 @@ def test_loaded_gives_a_unit_to_code_that_reads_its_weights_and_takes_it_back(fa
             pass
         assert layer.self_attn.q_proj.weight.device.type == "cpu"  # resident: kept until the model is closed
     assert layer.self_attn.q_proj.weight.device.type == "meta"  # closed: its memory went back
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mixtral"])  # tied; biases; experts stacked from their tensors
+def test_a_pass_reads_into_the_dropped_units_buffers_and_gets_the_same_numbers(families, name, monkeypatch):
+    """Streamed, every pass reads every unit again: the second pass writes its weights into the buffers the
+    first one dropped (no page faults for fresh memory), and the logits are those of reads into fresh memory,
+    bit for bit."""
+    from pipelines.model import unit_memory
+
+    d = families[name]
+    files = sorted(d.glob("*.safetensors"))
+    with StreamedCausalLM(d, files) as lm:
+        first = lm.logits(IDS)
+        after_one_pass = (lm.pool.allocated, lm.pool.reused)
+        second = lm.logits(IDS)
+        greedy = lm.greedy(GEN_PROMPT, 3)
+        allocated, reused = lm.pool.allocated, lm.pool.reused
+    assert after_one_pass[0] > 0
+    assert reused - after_one_pass[1] >= after_one_pass[0] // 2, (after_one_pass, allocated, reused)
+    assert np.array_equal(first, second)
+    fresh = unit_memory.BufferPool.take
+
+    def never_reused(pool, shape):
+        pool.clear()
+        return fresh(pool, shape)
+
+    monkeypatch.setattr(unit_memory.BufferPool, "take", never_reused)
+    with StreamedCausalLM(d, files) as lm:
+        assert np.array_equal(lm.logits(IDS), first) and lm.greedy(GEN_PROMPT, 3) == greedy
+        assert lm.pool.reused == 0
+
+
+def test_only_a_parameter_that_is_its_reads_buffer_goes_back_to_the_pool(families):
+    """A stack of experts is a new tensor made of its reads, and what a transform returns is its own: neither is
+    ever handed to another read."""
+    d = families["mixtral"]
+    files = sorted(d.glob("*.safetensors"))
+    with StreamedCausalLM(d, files, resident=True) as lm:
+        lm.logits(IDS)
+        pooled = set(lm._pooled)
+    stacked = {name for name, rule in lm.rules.items() if rule.combine is not None}
+    assert stacked and not pooled & stacked and "lm_head.weight" in pooled
+    with StreamedCausalLM(d, files, resident=True, transform=lambda _n, _o, _a, value: value) as lm:
+        lm.logits(IDS)
+        assert not lm._pooled

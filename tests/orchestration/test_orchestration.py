@@ -224,7 +224,8 @@ def _warnings(instance: dg.DagsterInstance, result, caplog) -> list[str]:
             + [r.getMessage() for r in caplog.records if r.levelno >= 30 and r.name.startswith("dagster")])
 
 
-def test_materialize_whole_slice_publishes_and_checks(tmp_path, tiny_llama, caplog):
+def test_materialize_whole_slice_publishes_and_checks(tmp_path, tiny_llama, caplog, monkeypatch):
+    monkeypatch.setenv("HIVE_AOT_CACHE", str(tmp_path / "cache"))  # the reference computed here (its rate below)
     reg = _registry(tmp_path, [{"id": "test/tiny", "source": str(tiny_llama), "recipes": ["gguf-f16", "gguf-f32"]}])
     store = tmp_path / "store"
     instance = dg.DagsterInstance.ephemeral()
@@ -260,6 +261,15 @@ def test_materialize_whole_slice_publishes_and_checks(tmp_path, tiny_llama, capl
     assert gates["top-1 agreement"] == {"metric": "top-1 agreement", "value": f"{f16['top1_agreement'].value:.4f}",
                                         "threshold": "≥ 0.99", "pass": True}
     assert observed["mean_kl"].value == f16["mean_kl"].value
+    # the rates each step reached: the artifact step's conversion (source bytes) and upload, the check's engine run
+    # and, for the first of the two recipes only, the reference (the second reads it from the cache)
+    for e in result.get_asset_materialization_events():
+        if e.asset_key in (artifact_key("gguf-f16"), artifact_key("gguf-f32")):
+            rates = e.materialization.metadata["step_rates"].value
+            assert set(rates) == {"convert", "publish"} and rates["convert"]["bytes_per_s"] > 0, rates
+    check_rates = [e.metadata["step_rates"].value for e in evals.values()]
+    assert all(r["validate"]["flop_per_s"] > 0 for r in check_rates)
+    assert sorted("reference" in r for r in check_rates) == [False, True], check_rates
     mats = {e.asset_key.to_user_string(): e.materialization.metadata for e in result.get_asset_materialization_events()}
     # the model's summary: one row per recipe it lists, in its order, and size against quality
     rows = [r.data for r in mats["summary"]["recipes"].value.records]

@@ -75,7 +75,7 @@ def test_streamed_in_a_child_and_resident_here_are_transformers_own_numbers(tiny
     assert resident.usage["resident"] is True
     assert_is_truth(streamed, truth)
     assert_is_truth(resident, truth)
-    assert len(list((cache / "reference").iterdir())) == 2  # one entry per content digest
+    assert len(list((cache / "reference").iterdir())) == 4  # per content digest: its logits, its continuation
 
 
 def test_logits_are_read_from_the_cache_one_prompt_at_a_time(tiny_llama, truth, cache):
@@ -93,27 +93,45 @@ def test_logits_are_read_from_the_cache_one_prompt_at_a_time(tiny_llama, truth, 
 def test_the_cache_is_keyed_by_content_and_inputs_never_by_path(tiny_llama, truth, cache, tmp_path):
     first = reference.compute(tiny_llama, "digest", IDS, GEN_PROMPT, N_GEN)
     entries = lambda: sorted(p.name for p in (cache / "reference").iterdir())  # noqa: E731
-    assert len(entries()) == 1 and (cache / "reference" / entries()[0] / "done.json").is_file()
+    # two entries, each complete: the logits, the continuation
+    assert len(entries()) == 2 and all((cache / "reference" / e / "done.json").is_file() for e in entries())
     # the same content elsewhere (another snapshot directory, here an empty one: nothing could be computed from
     # it) is answered from the cache
     elsewhere = tmp_path / "moved"
     elsewhere.mkdir()
     again = reference.compute(elsewhere, "digest", IDS, GEN_PROMPT, N_GEN, files=[])
     assert_is_truth(again, truth)
-    assert again.generation_ids == first.generation_ids and len(entries()) == 1
-    # each input that changes the numbers has its own entry
-    for args in (("other-digest", IDS, GEN_PROMPT, N_GEN), ("digest", IDS[:1], GEN_PROMPT, N_GEN),
-                 ("digest", IDS, GEN_PROMPT[:-1], N_GEN), ("digest", IDS, GEN_PROMPT, N_GEN - 2)):
+    assert again.generation_ids == first.generation_ids and len(entries()) == 2
+    # each input that changes the numbers has its own entry, and only the part it changes is computed again:
+    # other content both, other parity ids the logits, another generation prompt or length the continuation
+    for args, new in ((("other-digest", IDS, GEN_PROMPT, N_GEN), 2), (("digest", IDS[:1], GEN_PROMPT, N_GEN), 1),
+                      (("digest", IDS, GEN_PROMPT[:-1], N_GEN), 1), (("digest", IDS, GEN_PROMPT, N_GEN - 2), 1)):
         before = len(entries())
         ref = reference.compute(tiny_llama, *args)
-        assert len(entries()) == before + 1 and len(ref.logits) == len(args[1])
+        assert len(entries()) == before + new and len(ref.logits) == len(args[1])
     assert len(ref.generation_ids) <= N_GEN - 2
+
+
+def test_a_kind_that_compares_no_continuation_never_computes_one(tiny_llama, truth, cache, monkeypatch):
+    """vLLM and AI 100 compare logits only: a greedy token is a pass over the weights, so their reference is one
+    pass. A later kind that asks for the continuation computes only that, and reads the same logits."""
+    files = sorted(tiny_llama.glob("*.safetensors"))
+    monkeypatch.setenv("HIVE_AOT_MEMORY_BUDGET", "1M")  # streamed in a child: unit_loads counts the passes
+    logits_only = reference.compute(tiny_llama, "digest", IDS, files=files)
+    units = logits_only.usage["unit_loads"]
+    assert logits_only.generation_ids is None and len(list((cache / "reference").iterdir())) == 1
+    both = reference.compute(tiny_llama, "digest", IDS, GEN_PROMPT, N_GEN, files=files)
+    assert_is_truth(both, truth)
+    (continuation,) = [json.loads(p.read_text()) for p in (cache / "reference").glob("*/done.json")
+                       if "generation_ids" in p.read_text()]
+    assert continuation["usage"]["unit_loads"] == len(both.generation_ids) * units  # a pass a token, no logits pass
+    assert both.usage == logits_only.usage  # the logits entry is the one computed first, not computed again
 
 
 def test_an_entry_without_done_json_is_computed_again(tiny_llama, truth, cache):
     """done.json is written last: an entry without it (a damaged cache) is never read as a reference."""
     reference.compute(tiny_llama, "digest", IDS, GEN_PROMPT, N_GEN)
-    (entry,) = (cache / "reference").iterdir()
+    (entry,) = [e for e in (cache / "reference").iterdir() if (e / "l0.npy").is_file()]
     (entry / "done.json").unlink()
     (entry / "l0.npy").write_bytes(b"\x93NUMPY truncated")
     assert_is_truth(reference.compute(tiny_llama, "digest", IDS, GEN_PROMPT, N_GEN), truth)

@@ -160,6 +160,8 @@ def validate_gguf(snapshot: Snapshot, gguf_path: Path, step: str | None = None) 
         ties = [None if ref.router_gaps is None else ref.router_gaps[i] < router_gaps.TIE_BOUND for i in range(len(ids))]
         per_prompt = [parity.compare(np.asarray(ref.logits[i]), np.load(tmp / f"l{i}.npy"), ties[i])
                       for i in range(len(ids))]
+        # the positions llama.cpp ran, at the reference's work per position: the check's rate beside the GEMM's
+        meter.work(flop=ref.flop_per_position * (sum(map(len, ids)) + len(gen_prompt) + len(out["generated"])))
     total = parity.merge(per_prompt)
 
     reference_ids, reference_name = _reference_tokenizer(snapshot, tok)

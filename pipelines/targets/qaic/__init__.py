@@ -398,9 +398,8 @@ class QaicTarget(Target):
         # The same ids and the same cached fp32 reference as every other artifact kind of this snapshot.
         snap = ctx.snapshot
         ids = reference.encode(tok, prompts.PARITY_TEXTS)
-        ref = reference.compute(snap.dir, snap.content_digest, ids, reference.encode(tok, [prompts.GENERATION_PROMPT])[0],
-                                prompts.GENERATION_TOKENS, files=snap.safetensors_files(),
-                                step=f"the transformers reference of {snap.model_id}")
+        ref = reference.compute(snap.dir, snap.content_digest, ids, files=snap.safetensors_files(),
+                                step=f"the transformers reference of {snap.model_id}")  # logits only
         resident = reference.reference_resident(snap.safetensors_files())
         q = predict(snap.dir, ids, mxfp6=opts.mxfp6, mxint8=opts.mxint8, reference_logits=ref.logits, resident=resident)
         metrics = {"predicted_top1": q["top1"], "predicted_kl": q["kl"], "predicted_ppl_delta": q["ppl_delta"],

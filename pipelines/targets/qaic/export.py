@@ -85,7 +85,8 @@ def placeholder_model(model_dir: Path, layers: int | None = None):
     checkpoint). Placeholders are calloc'd numpy zeros: never written, so never resident."""
     import torch
 
-    from ...model.streamed_model import meta_model, return_freed_memory
+    from ...model.streamed_model import meta_model
+    from ...model.unit_memory import return_freed_memory
     from ...source.checks import refuse_unused_tensors
     from ...source.safetensors_io import TensorSource
 

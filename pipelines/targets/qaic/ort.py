@@ -189,7 +189,7 @@ def ort_parity(model_dir: Path, onnx_path: Path, prompts: list[list[int]], decod
     target LM export, which also runs k+1 speculative steps of k+1 tokens (`run_ort_speculative`, the drafts from
     the greedy run) whose every logit is compared with transformers on the same ids; the top-1 and |delta| are
     those of both runs, `speculative` the steps' own."""
-    from ...model.streamed_model import trim_heap
+    from ...model.unit_memory import trim_heap
 
     sess = session(onnx_path)
     greedy_steps = max(decode_steps, speculative_draft_steps(speculative)) if speculative else decode_steps

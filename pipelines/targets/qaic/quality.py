@@ -75,7 +75,8 @@ def predict(model_dir: Path, sequences: list[list[int]], *, mxfp6: bool = True, 
     when the caller has them (reference.compute caches them for every artifact kind of a snapshot).
     `resident`: keep every unit after its first load (the model fits with margin); else the decoder runs unit
     by unit, every sequence through a layer before the next one is read (one pass over the weights)."""
-    from ...model.streamed_model import StreamedCausalLM, trim_heap
+    from ...model.streamed_model import StreamedCausalLM
+    from ...model.unit_memory import trim_heap
     from ...validation import parity
     from .decoder import build_decoder
     from .mx import fake_mxfp6, fake_mxint8

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ...core.progress import unit_runs
+from ...model import flops
 from ...model.streamed_model import StreamedCausalLM
 from ...source.safetensors_io import TensorSource
 from .fp8 import EXPERT_PROJECTIONS
@@ -157,7 +158,8 @@ def evaluate_into(model_dir: str, files: list[str], source_files: list[str] | No
     batch = len(sequences) if resident else min(len(sequences), 1)  # the passes of one logits_batch
     passes = batch * (2 if weight_only else 1) + len(greedy_prompts) * greedy_tokens
     try:
-        with unit_runs([module for _name, module, _r in lm.units], passes, "artifact in transformers"):
+        with unit_runs([module for _name, module, _r in lm.units], passes, "artifact in transformers"), \
+                flops.counted(lm.model) as work:
             for i, logits in enumerate(lm.logits_batch(sequences)):
                 np.save(out / f"l{i}.npy", logits)
             if weight_only:
@@ -170,7 +172,7 @@ def evaluate_into(model_dir: str, files: list[str], source_files: list[str] | No
                 scored = lm.greedy_scored(prompt, greedy_tokens)
                 greedy.append({"ids": [t for t, _, _ in scored], "logprobs": [lp for _, lp, _ in scored],
                                "gaps": [g for _, _, g in scored]})
-        result = {"greedy": greedy, "weight_errors": reader.errors, "unit_loads": lm.loads}
+        result = {"greedy": greedy, "weight_errors": reader.errors, "unit_loads": lm.loads, "flop": work.flop}
     finally:
         lm.close()
         reader.close()

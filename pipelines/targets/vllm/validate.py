@@ -62,7 +62,7 @@ def evaluate(model_dir: Path, files: list[Path], source_files: list[Path] | None
     fits with margin); anything else in a child, whose memory goes back when it ends, so the parent stays at
     its tokenizers and logits while the engine runs beside it. `keep`: a directory the logits stay in, read
     back memory-mapped (the parent holds no copy while the engine runs); else they are loaded."""
-    from ...model.streamed_model import trim_heap
+    from ...model.unit_memory import trim_heap
     from ...process.isolation import run_isolated
     from .artifact_model import evaluate_into
 
@@ -78,6 +78,7 @@ def evaluate(model_dir: Path, files: list[Path], source_files: list[Path] | None
         else:
             run_isolated(evaluate_into, engine="transformers", needs_torch=True, step=step, **args)
         done = json.loads((work / "done.json").read_text())
+        meter.work(flop=done.get("flop", 0))
         mode = "r" if keep is not None else None
         done["logits"] = [np.load(work / f"l{i}.npy", mmap_mode=mode) for i in range(len(sequences))]
         if weight_only:
@@ -196,7 +197,7 @@ def validate_prepared(ctx: BuildContext, artifact_dir: Path, digests: list[tuple
 
     if not v.whole:  # the engine checks a slice: the whole artifact's logits are done with; free them first
         art.pop("logits"), art.pop("w8a16_logits", None)
-        from ...model.streamed_model import trim_heap
+        from ...model.unit_memory import trim_heap
 
         trim_heap()
     with work_dir("vllm-engine-") as work:
@@ -214,10 +215,10 @@ def _source_reference(ctx: BuildContext, src_tok: CachedTokenizer) -> tuple[list
     """The source tokenizer's ids of the parity texts and greedy prompts, and the transformers fp32 reference."""
     snapshot = ctx.snapshot
     ids = reference.encode(src_tok, prompts.PARITY_TEXTS)
-    gen_prompt = reference.encode(src_tok, [prompts.GENERATION_PROMPT])[0]
     greedy_prompts = reference.encode(src_tok, prompts.GREEDY_PROMPTS)
-    ref = reference.compute(snapshot.dir, snapshot.content_digest, ids, gen_prompt, prompts.GENERATION_TOKENS,
-                            files=snapshot.safetensors_files(), step=f"the transformers reference of {snapshot.model_id}")
+    # the logits only: vLLM's greedy runs are compared with the artifact's own scored continuations
+    ref = reference.compute(snapshot.dir, snapshot.content_digest, ids, files=snapshot.safetensors_files(),
+                            step=f"the transformers reference of {snapshot.model_id}")
     return ids, greedy_prompts, ref
 
 
@@ -353,6 +354,10 @@ def _engine_check(v: _Validation, inputs: _EngineInputs, work: Path, engine_requ
             raise UncheckableHere("; ".join(d.reason for d in defects if not d.runs))
         with meter.step("validate", label="vllm check"):
             result = run_engine(job, inputs.digests, step)
+            if check.layers is None:  # the whole model (a slice's share of the work is not known here)
+                # the positions vLLM ran, at the reference's work per position: the check's rate beside the GEMM's
+                positions = sum(map(len, v.ids)) + sum(len(p) + prompts.GREEDY_TOKENS for p in v.greedy_prompts)
+                meter.work(flop=v.ref.flop_per_position * positions)
     except NoEngine:
         raise
     except UncheckableHere as e:  # named in the record, its gates not applied (engine_defects.py)

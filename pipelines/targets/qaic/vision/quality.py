@@ -24,7 +24,8 @@ def predict_vlm(family: VisionFamily, model_dir: Path, files: list[Path], text_i
     import numpy as np
     import torch
 
-    from ....model.streamed_model import StreamedCausalLM, trim_heap
+    from ....model.streamed_model import StreamedCausalLM
+    from ....model.unit_memory import trim_heap
     from ....validation import parity
     from ..mx import fake_mxfp6, fake_mxint8
     from ..quality import fake_fp16, mx_transform, perplexity_change

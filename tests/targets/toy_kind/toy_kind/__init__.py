@@ -94,11 +94,9 @@ class ToyTarget(Target):
 
         tok = reference.load_tokenizer(ctx.snapshot.dir)
         ids = reference.encode(tok, prompts.PARITY_TEXTS)
-        gen = reference.encode(tok, [prompts.GENERATION_PROMPT])[0]
-        ref = reference.compute(ctx.snapshot.dir, ctx.snapshot.content_digest, ids, gen, prompts.GENERATION_TOKENS)
+        ref = reference.compute(ctx.snapshot.dir, ctx.snapshot.content_digest, ids)  # the logits: no continuation
         # the artifact through the same streamed model, cached under the artifact's own content
-        art = reference.compute(artifact_dir, sha256_json(files), ids, gen, prompts.GENERATION_TOKENS,
-                                files=[artifact_dir / WEIGHTS])
+        art = reference.compute(artifact_dir, sha256_json(files), ids, files=[artifact_dir / WEIGHTS])
         per_prompt = [parity.compare(r, a) for r, a in zip(ref.logits, art.logits)]
         total = parity.merge(per_prompt)
         metrics = {"top1_agreement": parity.round6(total.top1_agreement), "mean_kl": parity.round6(total.mean_kl),
