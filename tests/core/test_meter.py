@@ -54,7 +54,7 @@ def test_work_credited_to_a_step_gives_its_rate_over_its_own_time():
         meter.work(flop=3e9)
         meter.work(flop=1e9)  # work adds up
         with meter.step("validate"):
-            time.sleep(0.05)
+            time.sleep(0.5)
             meter.work(nbytes=5e6)
     with meter.step("publish"):
         time.sleep(0.01)
@@ -62,8 +62,9 @@ def test_work_credited_to_a_step_gives_its_rate_over_its_own_time():
     assert set(rates) == {"reference", "validate"}  # publish did no counted work
     assert rates["reference"]["flop"] == 4e9 and "bytes" not in rates["reference"]
     assert rates["validate"] == {"bytes": 5e6, "bytes_per_s": rates["validate"]["bytes_per_s"]}
-    # over the step's own time: the reference's 0.1 s, not the 0.15 s it spanned with the validation in it
-    assert 4e9 / 0.1 * 0.8 < rates["reference"]["flop_per_s"] <= 4e9 / 0.1 and seconds["reference"] < 0.15
-    assert rates["validate"]["bytes_per_s"] <= 5e6 / 0.05
+    # over the step's own time: the reference's 0.1 s, not the 0.6 s it spanned with the validation in it (a loaded
+    # host may add some to either)
+    assert 4e9 / 0.4 < rates["reference"]["flop_per_s"] <= 4e9 / 0.1 and seconds["reference"] < seconds["validate"]
+    assert rates["validate"]["bytes_per_s"] <= 5e6 / 0.5
     meter.reset()
     assert meter.rates() == {}

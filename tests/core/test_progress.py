@@ -24,7 +24,7 @@ from pipelines.cli.main import main
 REPO = Path.cwd()
 LINE = re.compile(r"^hive-aot: \[(?P<step>[^\]]+)\] (?:(?P<start>start)|(?P<end>done in|failed after) "
                   r"(?P<seconds>\d+\.\d) s(?:, peak (?P<peak>\d+\.\d [KMG]iB))?"
-                  r"(?:, (?P<flops>\d+\.\d) GFLOP/s)?(?:, (?P<rate>\d+(?:\.\d)? (?:B|[KMG]iB))/s)?)$")
+                  r"(?:, (?P<flops>\d+\.\d) GFLOP/s)?(?:, (?P<rate>\d+(?:\.\d)? (?:B|[KMGTPE]iB))/s)?)$")
 # a tqdm bar with its counter and its ETA: "reference:  35%|████▉      | 33/95 [00:01<00:02, 21.95unit/s]" (the
 # ETA is "?" until a rate is known)
 BAR = re.compile(r"(?P<desc>[\w.][\w. ]*): +\d+%\|[^|\r\n]*\| *[\d.]+[KMG]?/[\d.]+[KMG]? "
