@@ -168,7 +168,7 @@ def stage(p: Plan, store: Store) -> BuildResult:
             with meter.step(step):
                 art = p.target.build(p.context, work)
                 if p.parent is None:  # read from the source: its rate is comparable with a copy of the source
-                    meter.work(nbytes=sum(f.size for f in p.context.snapshot.files if f.path.endswith(".safetensors")))
+                    meter.work(nbytes=p.context.snapshot.weight_bytes)
             step = "publish"
             entries = []
             total = sum((art.root / rel).stat().st_size for rel in art.files)

@@ -135,6 +135,11 @@ class Snapshot:
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
+    @property
+    def weight_bytes(self) -> int:
+        """The safetensors files' bytes: what a build step reads from the source."""
+        return sum(f.size for f in self.files if f.path.endswith(".safetensors"))
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

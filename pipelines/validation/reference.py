@@ -138,7 +138,7 @@ def _compute_missing(model_dir: Path, files: list[Path] | None, ids: list[list[i
         from ..process.isolation import run_isolated
 
         files = files if files is not None else sorted(model_dir.glob("*.safetensors"))
-        next(iter(entries.values())).parent.mkdir(parents=True, exist_ok=True)
+        (cache_root() / "reference").mkdir(parents=True, exist_ok=True)
         resident = reference_resident(files)
         # Computed in a locked work dir (a killed build's is reclaimed like any other), then each entry renamed
         # whole into the cache: readers never see a partial reference.
